@@ -1,0 +1,24 @@
+"""protrain_fx: a torch.compile backend that plans and analyses the memory of a training step.
+
+Use it with ``torch.compile(model, backend="protrain", options={...})`` (no import needed once the
+package is installed). This module exposes inspection: the captured graphs, their block tables and
+memory timelines.
+"""
+
+from protrain_fx.capture import CapturedGraph, captured_graphs, graph_break_reasons, reset
+from protrain_fx.config import ProtrainConfig, parse_bytes, parse_options
+from protrain_fx.timeline import BufferEvent, Timeline, TimelineEntry
+
+__all__ = [
+    "CapturedGraph",
+    "ProtrainConfig",
+    "BufferEvent",
+    "Timeline",
+    "TimelineEntry",
+    "captured_graphs",
+    "graph_break_reasons",
+    "parse_bytes",
+    "parse_options",
+    "reset",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,158 @@
+"""The ``protrain`` torch.compile backend: capture the train step through AOTAutograd and analyse it.
+
+``torch.compile(model, backend="protrain", options={...})`` resolves to :func:`protrain` through the
+``torch_dynamo_backends`` entry point (pyproject.toml), so no import of ours is needed. For each Dynamo
+graph the backend runs AOTAutograd with a partitioner of ours (PyTorch's min-cut partitioner, wrapped):
+it is the one place that sees the joint forward+backward graph and both partitioned graphs, so the
+pass pipeline runs there. Code generation is Inductor (with our partitioner installed through
+``custom_partitioner_fn``, keeping our node order) or plain FX code (``codegen="eager"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from protrain_fx.capture import CapturedGraph, new_record
+from protrain_fx.config import ProtrainConfig, parse_options
+from protrain_fx.passes.memory import StepGraphs
+from protrain_fx.pipeline import run_step_passes
+
+log = logging.getLogger("protrain_fx")
+
+_SOURCE_HASH = hashlib.sha256(
+    b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.rglob("*.py")))
+).hexdigest()
+
+
+def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None, **kwargs: Any) -> Callable:
+    """Dynamo backend entry point (``backend="protrain"``); ``options`` is parsed by ``parse_options``."""
+    if kwargs.get("mode") is not None:
+        raise ValueError(f"backend 'protrain' takes no mode= (got {kwargs['mode']!r}); use options=")
+    config = parse_options(options)
+    record = new_record(config, gm, example_inputs)
+    if record.graph_breaks_before:
+        log.warning(
+            "protrain_fx: graph %d follows %d graph break(s): %s",
+            record.index,
+            len(record.graph_breaks_before),
+            "; ".join(record.graph_breaks_before),
+        )
+    if config.verbose:
+        log.setLevel(logging.INFO)
+    if config.codegen == "eager":
+        return _compile_eager(gm, example_inputs, record)
+    return _compile_inductor(gm, example_inputs, record)
+
+
+class _Partitioner(CustomPartitionerFn):
+    """Min-cut partition, then record the graphs and run our passes on them."""
+
+    def __init__(self, record: CapturedGraph) -> None:
+        self.record = record
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        kwargs.setdefault("compiler", "inductor")
+        static = kwargs.get("static_lifetime_input_indices") or []
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        record = self.record
+        record.joint, record.forward, record.backward = joint, forward, backward
+        record.step = _step_graphs(forward, backward, num_fwd_outputs, set(static))
+        run_step_passes(record)
+        return forward, backward
+
+    def uuid(self) -> Any:
+        return _SOURCE_HASH
+
+
+def _step_graphs(forward: fx.GraphModule, backward: fx.GraphModule | None, num_user_outputs: int,
+                 static_indices: set[int]) -> StepGraphs:
+    """Which forward placeholders are model state (AOT's static-lifetime inputs) and which get grads."""
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    state = {placeholders[i].name for i in static_indices if i < len(placeholders)}
+    trainable: set[str] = set()
+    if backward is not None:
+        out = next(n for n in reversed(backward.graph.nodes) if n.op == "output")
+        grads = list(out.args[0])
+        for node, grad in zip(placeholders, grads):
+            if grad is not None and node.name in state:
+                trainable.add(node.name)
+    return StepGraphs(
+        forward=forward,
+        backward=backward,
+        num_user_outputs=num_user_outputs,
+        state_inputs=frozenset(state),
+        trainable_inputs=frozenset(trainable),
+    )
+
+
+def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record: CapturedGraph) -> Callable:
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(record)}
+    if record.config.keep_node_order:
+        patches["reorder_for_peak_memory"] = False
+    def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+        if kwargs.get("is_inference"):  # no backward: our partitioner never ran
+            _record_inference(record, graph, inputs)
+        return compile_fx_inner(graph, inputs, **kwargs)
+
+    # A warm AOTAutograd cache would skip partitioning, and with it our passes.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequence[Any]) -> None:
+    """Analyse a graph that needs no backward (inference, a compiled optimizer step); it runs as is."""
+    record.inference = graph
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    state = {n.name for n, t in zip(placeholders, inputs) if isinstance(t, torch.nn.Parameter)}
+    record.step = StepGraphs(graph, None, _num_outputs(graph), frozenset(state), frozenset())
+    run_step_passes(record)
+
+
+def _boxed(gm: fx.GraphModule) -> Callable:
+    """Run ``gm`` as FX code taking a list it empties, so inputs die at their last use (as in Inductor)."""
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list) -> Any:
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], record: CapturedGraph) -> Callable:
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw_compiler(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Callable:
+        return _boxed(graph)
+
+    def inference_compiler(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+        _record_inference(record, graph, inputs)
+        return _boxed(graph)
+
+    compiler = aot_autograd(
+        fw_compiler=fw_compiler,
+        bw_compiler=fw_compiler,
+        inference_compiler=inference_compiler,
+        partition_fn=_Partitioner(record),
+        keep_inference_input_mutations=True,
+    )
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compiler(gm, example_inputs)
+
+
+def _num_outputs(gm: fx.GraphModule) -> int:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    args = out.args[0]
+    return len(args) if isinstance(args, (tuple, list)) else 1

@@ -1,0 +1,118 @@
+"""What the backend captured: one record per Dynamo graph, kept for inspection.
+
+Each Dynamo graph handed to the backend becomes a :class:`CapturedGraph`, filled in as compilation
+proceeds: the joint forward+backward graph and both partitioned graphs (or the inference graph when
+no backward is needed), the blocks found, the memory analysis, and how long each pass took.
+``captured_graphs()`` lists them in capture order; several graphs mean graph breaks, whose reasons are
+kept too.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from protrain_fx.config import ProtrainConfig
+
+if TYPE_CHECKING:
+    from protrain_fx.passes.blocks import BlockInfo
+    from protrain_fx.passes.memory import MemoryAnalysis, StepGraphs
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One pass run: its name, which graph(s) it ran on, seconds, and a one-line summary."""
+
+    name: str
+    seconds: float
+    summary: str
+
+
+@dataclass
+class CapturedGraph:
+    """Everything known about one Dynamo graph that went through the backend."""
+
+    index: int
+    config: ProtrainConfig
+    dynamo_graph: fx.GraphModule
+    graph_breaks_before: tuple[str, ...] = ()
+    #: The Dynamo graph's example inputs (parameters first-class with inlined modules), tensors held
+    #: weakly; AOTAutograd's flat inputs (``primals_*``) follow this order.
+    example_inputs: tuple[Any, ...] = ()
+    joint: fx.GraphModule | None = None
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    inference: fx.GraphModule | None = None
+    step: "StepGraphs | None" = None
+    blocks: "BlockInfo | None" = None
+    memory: "MemoryAnalysis | None" = None
+    passes: list[PassRecord] = field(default_factory=list)
+
+    @property
+    def has_backward(self) -> bool:
+        return self.backward is not None
+
+    def real_inputs(self) -> list[Any]:
+        """The example inputs, or ``None`` for tensors no longer alive."""
+        return [x() if isinstance(x, weakref.ref) else x for x in self.example_inputs]
+
+    def describe(self) -> str:
+        kind = "train (forward+backward)" if self.has_backward else "inference / no backward"
+        if self.forward is None and self.inference is None:
+            kind = "not compiled yet"
+        return f"graph {self.index}: {kind}, {len(self.dynamo_graph.graph.nodes)} Dynamo nodes"
+
+
+_lock = threading.Lock()
+_records: list[CapturedGraph] = []
+_breaks_seen: Counter[str] = Counter()
+
+
+def new_record(
+    config: ProtrainConfig, dynamo_graph: fx.GraphModule, example_inputs: Sequence[Any] = ()
+) -> CapturedGraph:
+    """Register a graph handed to the backend, with the graph breaks Dynamo logged since the last one."""
+    from torch._dynamo.utils import counters
+
+    with _lock:
+        now = Counter(counters["graph_break"])
+        new_breaks = tuple(reason for reason in now if now[reason] > _breaks_seen[reason])
+        _breaks_seen.clear()
+        _breaks_seen.update(now)
+        record = CapturedGraph(
+            index=len(_records),
+            config=config,
+            dynamo_graph=dynamo_graph,
+            graph_breaks_before=new_breaks,
+            example_inputs=tuple(weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs),
+        )
+        _records.append(record)
+        return record
+
+
+def captured_graphs() -> list[CapturedGraph]:
+    """Records of all graphs the backend captured since the last :func:`reset`, in capture order."""
+    with _lock:
+        return list(_records)
+
+
+def graph_break_reasons() -> list[str]:
+    """Distinct graph-break reasons Dynamo logged while our graphs were captured."""
+    with _lock:
+        return [r for rec in _records for r in rec.graph_breaks_before]
+
+
+def reset() -> None:
+    """Forget captured graphs (``torch._dynamo.reset()`` is still needed to force recompilation)."""
+    from torch._dynamo.utils import counters
+
+    with _lock:
+        _records.clear()
+        _breaks_seen.clear()
+        _breaks_seen.update(counters["graph_break"])

@@ -1,0 +1,146 @@
+"""User configuration: the ``options=`` dict of ``torch.compile`` parsed into frozen objects.
+
+Every option is validated here and nowhere else; a bad name or value raises ``ValueError`` naming
+the option and what it accepts. Nothing in this module reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+Codegen = Literal["inductor", "eager"]
+OptimizerKind = Literal["adamw", "adam", "sgd", "sgd_momentum", "none"]
+
+#: Optimizer state tensors kept per parameter, each shaped and typed like the parameter
+#: (what ``torch.optim`` allocates: ``exp_avg``/``exp_avg_sq`` for Adam(W), ``momentum_buffer`` for SGD).
+OPTIMIZER_STATES_PER_PARAM: dict[str, int] = {
+    "adamw": 2,
+    "adam": 2,
+    "sgd": 0,
+    "sgd_momentum": 1,
+    "none": 0,
+}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, *, option: str = "memory_budget") -> int:
+    """Turn ``1024``, ``"500MB"``, ``"24GiB"`` or ``"1.5 GiB"`` into a positive number of bytes.
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024.
+    """
+    accepted = "a positive number of bytes (int) or a string such as '24GiB', '500MB', '1.5 GiB'"
+    if isinstance(value, bool):
+        raise ValueError(f"option {option!r}: got {value!r}; accepted: {accepted}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = _BYTES_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ValueError(
+                f"option {option!r}: cannot read {value!r} as a size; accepted: {accepted} "
+                f"(units: {', '.join(u for u in ('B', 'kB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'))})"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"option {option!r}: got {value!r} ({type(value).__name__}); accepted: {accepted}")
+    if n <= 0:
+        raise ValueError(f"option {option!r}: got {value!r}; the size must be positive")
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProtrainConfig:
+    """Everything the backend can be told through ``torch.compile(..., options={...})``.
+
+    Attributes:
+        memory_budget_bytes: GPU bytes the training step may use (``None``: no budget). Until plans
+            exist (later releases) it is checked against the predicted peak and a warning names the gap.
+        codegen: ``"inductor"`` (default) compiles the captured graphs with Inductor keeping our node
+            order; ``"eager"`` runs them as plain FX code (bit-exact with eager PyTorch; for debugging
+            and fast tests).
+        optimizer: which optimizer's state the memory analysis counts (states per parameter, each
+            shaped and typed like the parameter): adamw/adam 2, sgd_momentum 1, sgd/none 0.
+        keep_node_order: with Inductor, turn off its ``reorder_for_peak_memory`` so the kernels run in
+            the order our analysis (and later our rewrites) assumed.
+        verbose: log one line per captured graph and per pass.
+    """
+
+    memory_budget_bytes: int | None = None
+    codegen: Codegen = "inductor"
+    optimizer: OptimizerKind = "adamw"
+    keep_node_order: bool = True
+    verbose: bool = False
+
+    def validate(self) -> "ProtrainConfig":
+        if self.memory_budget_bytes is not None:
+            parse_bytes(self.memory_budget_bytes)
+        _check_choice("codegen", self.codegen, ("inductor", "eager"))
+        _check_choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATES_PER_PARAM))
+        for name in ("keep_node_order", "verbose"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"option {name!r}: got {getattr(self, name)!r}; accepted: True or False")
+        return self
+
+    @property
+    def optimizer_states_per_param(self) -> int:
+        return OPTIMIZER_STATES_PER_PARAM[self.optimizer]
+
+
+def _check_choice(name: str, value: Any, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"option {name!r}: got {value!r}; accepted: {', '.join(map(repr, accepted))}")
+
+
+#: Option names as users write them in ``options=`` → config field.
+_OPTION_FIELDS = {
+    "memory_budget": "memory_budget_bytes",
+    "codegen": "codegen",
+    "optimizer": "optimizer",
+    "keep_node_order": "keep_node_order",
+    "verbose": "verbose",
+}
+
+
+def parse_options(options: Mapping[str, Any] | None) -> ProtrainConfig:
+    """Parse the ``options=`` mapping of ``torch.compile`` into a validated :class:`ProtrainConfig`."""
+    if options is None:
+        return ProtrainConfig()
+    if isinstance(options, ProtrainConfig):
+        return options.validate()
+    if not isinstance(options, Mapping):
+        raise ValueError(f"options must be a dict, got {type(options).__name__}")
+    kwargs: dict[str, Any] = {}
+    for key, value in options.items():
+        if key not in _OPTION_FIELDS:
+            raise ValueError(
+                f"unknown protrain option {key!r}; accepted options: {', '.join(sorted(_OPTION_FIELDS))}"
+            )
+        if key == "memory_budget" and value is not None:
+            value = parse_bytes(value, option="memory_budget")
+        kwargs[_OPTION_FIELDS[key]] = value
+    return ProtrainConfig(**kwargs).validate()
+
+
+def config_as_options(config: ProtrainConfig) -> dict[str, Any]:
+    """The inverse of :func:`parse_options` (for reports and for re-compiling with the same settings)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {opt: fields[field] for opt, field in _OPTION_FIELDS.items()}

@@ -1,0 +1,159 @@
+"""Block attribution: which repeated layer (transformer block) every forward and backward node belongs to.
+
+Blocks are the children of the repeated container found in the nodes' module metadata: a ``ModuleList``
+or ``Sequential`` whose integer-indexed children share one class (``blocks.0 .. blocks.N``,
+``transformer.h.0 ..``, ``model.layers.0 ..``). Forward nodes carry ``nn_module_stack``; backward nodes
+carry ``fwd_nn_module_stack`` or share a ``seq_nr`` with their forward op; nodes with neither (views,
+``getitem``, parameters) take the block of the node they read from, else of their users. Everything else
+is :data:`~protrain_fx.meta.OUTSIDE` (embeddings, head, loss).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch.fx as fx
+
+from protrain_fx import meta
+
+_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_MODULES_ITEM = re.compile(r"\._modules\['([^']*)'\]")
+_GETATTR = re.compile(r"getattr\(([^,]+), '([^']*)'\)")
+_INDEXED = re.compile(r"^(.*)\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """The repeated layers found in a graph, in forward execution order.
+
+    ``container`` is the module path of the repeated container (``""`` when none was found),
+    ``layer_class`` the class name of its children, ``labels`` the block labels in order.
+    """
+
+    container: str
+    layer_class: str
+    labels: tuple[str, ...]
+
+    def order(self, label: str) -> int:
+        """Position of a block in forward order; :data:`meta.OUTSIDE` sorts last."""
+        return self.labels.index(label) if label in self.labels else len(self.labels)
+
+
+def normalize_module_path(path: str) -> str:
+    """``"L['self'].blocks.0.attn"`` / ``"L['self']._modules['blocks']._modules['0']"`` → ``"blocks.0.attn"``."""
+    for _ in range(8):  # getattr(getattr(x, 'a'), 'b') nests
+        new = _GETATTR.sub(lambda m: f"{m.group(1)}.{m.group(2)}", path)
+        if new == path:
+            break
+        path = new
+    path = _MODULES_ITEM.sub(lambda m: f".{m.group(1)}", path)
+    path = _ROOT.sub("", path)
+    return path.strip(".")
+
+
+def _stack(node: fx.Node) -> list[tuple[str, str]]:
+    """(normalized path, class name) of the modules around a node, outermost first."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    out = []
+    for value in stack.values():
+        path, cls = value[0], value[1]
+        name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+        out.append((normalize_module_path(str(path)), name.rsplit(".", 1)[-1]))
+    return out
+
+
+def find_blocks(graphs: Sequence[fx.GraphModule]) -> BlockInfo:
+    """Find the repeated container covering the most nodes (outermost on ties)."""
+    children: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+    covered: Counter[str] = Counter()
+    first_seen: dict[str, int] = {}
+    position = 0
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            position += 1
+            seen_here = set()
+            for path, cls in _stack(node):
+                m = _INDEXED.match(path)
+                if not m:
+                    continue
+                container, idx = m.group(1), int(m.group(2))
+                children[container][idx].add(cls)
+                if container not in seen_here:
+                    covered[container] += 1
+                    seen_here.add(container)
+                first_seen.setdefault(path, position)
+    candidates = []
+    for container, kids in children.items():
+        classes = set().union(*kids.values())
+        if len(kids) >= 2 and len(classes) == 1:
+            candidates.append((-covered[container], container.count("."), container, classes.pop()))
+    if not candidates:
+        return BlockInfo(container="", layer_class="", labels=())
+    _, _, container, cls = min(candidates)
+    labels = sorted(
+        (f"{container}.{i}" if container else str(i) for i in children[container]),
+        key=lambda lab: (first_seen.get(lab, 1 << 60), lab),
+    )
+    return BlockInfo(container=container, layer_class=cls, labels=tuple(labels))
+
+
+def _own_block(node: fx.Node, info: BlockInfo) -> str | None:
+    labels = set(info.labels)
+    for path, _ in _stack(node):
+        for label in labels:
+            if path == label or path.startswith(label + "."):
+                return label
+    if node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack"):
+        return meta.OUTSIDE  # inside some module, but not in a block
+    return None
+
+
+def attribute_blocks(
+    forward: fx.GraphModule | None,
+    backward: fx.GraphModule | None = None,
+    *,
+    info: BlockInfo | None = None,
+) -> BlockInfo:
+    """Write ``meta.BLOCK`` and ``meta.PHASE`` on every node of the forward and backward graphs.
+
+    Returns the :class:`BlockInfo` used (found from both graphs unless given).
+    """
+    graphs = [g for g in (forward, backward) if g is not None]
+    if info is None:
+        info = find_blocks(graphs)
+    by_seq: dict[int, str] = {}
+    for phase, gm in (("forward", forward), ("backward", backward)):
+        if gm is None:
+            continue
+        nodes = list(gm.graph.nodes)
+        for node in nodes:
+            node.meta[meta.PHASE] = phase
+            block = _own_block(node, info)
+            if block is None and phase == "backward" and node.meta.get("seq_nr") in by_seq:
+                block = by_seq[node.meta["seq_nr"]]
+            if block is not None:
+                node.meta[meta.BLOCK] = block
+                if phase == "forward" and "seq_nr" in node.meta:
+                    by_seq.setdefault(node.meta["seq_nr"], block)
+        _fill_from_neighbours(nodes)
+    return info
+
+
+def _fill_from_neighbours(nodes: Iterable[fx.Node]) -> None:
+    """Nodes with no module information take their producer's block, else their users' common block."""
+    nodes = list(nodes)
+    for node in nodes:  # producers first (topological order)
+        if meta.BLOCK in node.meta or node.op in ("placeholder", "output"):
+            continue
+        producers = [a for a in node.all_input_nodes if meta.BLOCK in a.meta and a.op != "placeholder"]
+        if producers:
+            node.meta[meta.BLOCK] = producers[-1].meta[meta.BLOCK]
+    for node in reversed(nodes):  # then users (placeholders: parameters, saved values, tangents)
+        if meta.BLOCK in node.meta or node.op == "output":
+            continue
+        user_blocks = {u.meta.get(meta.BLOCK) for u in node.users if u.op != "output"}
+        user_blocks.discard(None)
+        node.meta[meta.BLOCK] = user_blocks.pop() if len(user_blocks) == 1 else meta.OUTSIDE

@@ -1,0 +1,99 @@
+"""The passes run on a captured training step, in order, and the runner that runs them.
+
+Order (one line per pass; a comment where order matters):
+
+1. ``attribute_blocks`` — block and phase of every forward/backward node (analysis; every later pass
+   reads ``meta.BLOCK``).
+2. ``analyze_memory`` — liveness, timeline and peak of the whole step (analysis; needs blocks for its
+   per-block table).
+
+Rewrites (checkpoint, swap, chunks) join this list in later releases. The runner times each pass,
+logs one line per pass, wraps errors with the pass name and, when ``PROTRAIN_DUMP_DIR`` is set, writes
+the graphs after each pass into numbered files: ``<dir>/graph<N>/<NN>_<pass>_<forward|backward>.txt``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from protrain_fx.capture import CapturedGraph, PassRecord
+from protrain_fx.passes.blocks import attribute_blocks
+from protrain_fx.passes.memory import analyze_memory
+from protrain_fx.readable import format_graph
+
+log = logging.getLogger("protrain_fx")
+
+#: Environment variable naming a folder where graphs are dumped after every pass.
+DUMP_DIR_ENV = "PROTRAIN_DUMP_DIR"
+
+
+class PassRunner:
+    """Runs passes on one captured graph: timing, logging, error context, dumps."""
+
+    def __init__(self, record: CapturedGraph, dump_dir: str | None = None) -> None:
+        self.record = record
+        self.dump_dir = Path(dump_dir) / f"graph{record.index}" if dump_dir else None
+        self.count = 0
+        self.previous = "capture"
+
+    def run(self, name: str, fn: Callable[[], Any], summary: Callable[[Any], str]) -> Any:
+        start = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as e:
+            raise RuntimeError(
+                f"protrain_fx: pass {name!r} failed on graph {self.record.index} (after {self.previous!r}): {e}"
+            ) from e
+        seconds = time.perf_counter() - start
+        line = summary(result)
+        self.record.passes.append(PassRecord(name, seconds, line))
+        log.info("graph %d: %s (%.3f s): %s", self.record.index, name, seconds, line)
+        self.previous = name
+        self.dump(name)
+        return result
+
+    def dump(self, name: str) -> None:
+        self.count += 1
+        if self.dump_dir is None:
+            return
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        graphs: list[tuple[str, fx.GraphModule | None]] = [
+            ("forward", self.record.forward),
+            ("backward", self.record.backward),
+            ("inference", self.record.inference),
+        ]
+        if name == "capture":
+            graphs = [("dynamo", self.record.dynamo_graph), ("joint", self.record.joint)] + graphs
+        for kind, gm in graphs:
+            if gm is not None:
+                path = self.dump_dir / f"{self.count:02d}_{name}_{kind}.txt"
+                path.write_text(format_graph(gm, title=f"graph {self.record.index} {kind} after {name}"))
+
+
+def run_step_passes(record: CapturedGraph) -> None:
+    """Run the pass list on a captured step (train graphs or an inference graph)."""
+    runner = PassRunner(record, os.environ.get(DUMP_DIR_ENV) or None)
+    runner.dump("capture")
+    forward = record.forward if record.forward is not None else record.inference
+    record.blocks = runner.run(
+        "attribute_blocks",
+        lambda: attribute_blocks(forward, record.backward),
+        lambda info: f"{len(info.labels)} blocks of {info.layer_class or '-'} under {info.container or '-'}",
+    )
+    if record.step is not None:
+        record.memory = runner.run(
+            "analyze_memory",
+            lambda: analyze_memory(
+                record.step,
+                optimizer_states_per_param=record.config.optimizer_states_per_param,
+                label=f"graph {record.index}",
+            ),
+            lambda m: f"predicted peak {m.peak_bytes / 2**20:.1f} MiB on {m.device}"
+            f" (params {m.parameter_bytes / 2**20:.1f}, saved {m.saved_activation_bytes / 2**20:.1f} MiB)",
+        )
