@@ -33,6 +33,7 @@ __all__ = [
     "gpt_config",
     "num_params",
     "random_batch",
+    "example",
 ]
 
 HEAD_DIM = 128
@@ -228,6 +229,19 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def example(
+    size: str = "tiny", batch_size: int = 2, seq_len: int | None = None, device: str | None = None, seed: int = 0
+) -> tuple["GPT", tuple[torch.Tensor, torch.Tensor]]:
+    """A model and one batch, for ``protrain-fx inspect examples.gpt:example --kw size=...``."""
+    config = gpt_config(size)
+    torch.manual_seed(seed)
+    with torch.device(device or "cpu"):
+        model = GPT(config)
+    batch = random_batch(config, batch_size, seq_len or config.block_size, device=device,
+                         generator=torch.Generator().manual_seed(seed))
+    return model, batch
 
 
 def _format_count(count: int) -> str:

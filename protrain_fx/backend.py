@@ -23,7 +23,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import ProtrainConfig, parse_options
 from protrain_fx.passes.memory import StepGraphs
-from protrain_fx.pipeline import run_step_passes
+from protrain_fx.passes.inductor_memory import read_inductor_plan
+from protrain_fx.pipeline import refine_memory_for_inductor, run_step_passes
 
 log = logging.getLogger("protrain_fx")
 
@@ -72,6 +73,10 @@ class _Partitioner(CustomPartitionerFn):
     def uuid(self) -> Any:
         return _SOURCE_HASH
 
+    def __reduce__(self):
+        # Inductor pickles its config into cache keys; the uuid stands for this partitioner.
+        return (str, (self.uuid(),))
+
 
 def _step_graphs(forward: fx.GraphModule, backward: fx.GraphModule | None, num_user_outputs: int,
                  static_indices: set[int]) -> StepGraphs:
@@ -97,17 +102,52 @@ def _step_graphs(forward: fx.GraphModule, backward: fx.GraphModule | None, num_u
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record: CapturedGraph) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    patches: dict[str, Any] = {"custom_partitioner_fn": _Partitioner(record)}
+    lowered: dict[str, Any] = {}
+
+    def remember_graph(nodes: list[Any]) -> list[Any]:
+        from torch._inductor.virtualized import V
+
+        lowered["graph"] = V.graph
+        return nodes
+
+    patches: dict[str, Any] = {
+        "custom_partitioner_fn": _Partitioner(record),
+        # Keeps a handle on the graph being lowered, to read its allocation plan once compiled.
+        "_post_fusion_custom_pass": _Picklable(remember_graph),
+        # A cached kernel skips the scheduler, and with it the hook above.
+        "fx_graph_cache": False,
+    }
     if record.config.keep_node_order:
         patches["reorder_for_peak_memory"] = False
+
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-        if kwargs.get("is_inference"):  # no backward: our partitioner never ran
+        phase = "inference" if kwargs.get("is_inference") else "backward" if kwargs.get("is_backward") else "forward"
+        if phase == "inference":  # no backward: our partitioner never ran
             _record_inference(record, graph, inputs)
-        return compile_fx_inner(graph, inputs, **kwargs)
+        compiled = compile_fx_inner(graph, inputs, **kwargs)
+        lowering = lowered.pop("graph", None)
+        if lowering is not None and record.step is not None:
+            record.inductor_plans[phase] = read_inductor_plan(lowering, phase)
+            if phase != "forward" or record.backward is None:
+                refine_memory_for_inductor(record)
+        return compiled
 
     # A warm AOTAutograd cache would skip partitioning, and with it our passes.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+class _Picklable:
+    """Wraps an Inductor config hook so that its cache-key pickling sees a stable token."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __reduce__(self):
+        return (str, (f"protrain_fx:{_SOURCE_HASH}",))
 
 
 def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequence[Any]) -> None:

@@ -22,6 +22,7 @@ from protrain_fx.config import ProtrainConfig
 
 if TYPE_CHECKING:
     from protrain_fx.passes.blocks import BlockInfo
+    from protrain_fx.passes.inductor_memory import GraphPlan
     from protrain_fx.passes.memory import MemoryAnalysis, StepGraphs
 
 
@@ -53,6 +54,15 @@ class CapturedGraph:
     blocks: "BlockInfo | None" = None
     memory: "MemoryAnalysis | None" = None
     passes: list[PassRecord] = field(default_factory=list)
+    #: Readable forward/backward graphs as they were after our passes (Inductor later rewrites the
+    #: graph objects in place during its own lowering).
+    readable: dict[str, str] = field(default_factory=dict)
+    #: Inductor codegen: per phase, the allocation plan of its generated code.
+    inductor_plans: dict[str, "GraphPlan"] = field(default_factory=dict)
+    #: The analysis counting every graph value, as eager codegen allocates them. With Inductor,
+    #: ``memory`` is replaced by the analysis of Inductor's plans once both graphs are compiled
+    #: (the backward graph at the first ``backward()``), and this keeps the graph-level one.
+    memory_unfused: "MemoryAnalysis | None" = None
 
     @property
     def has_backward(self) -> bool:

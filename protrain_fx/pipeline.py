@@ -24,8 +24,9 @@ import torch.fx as fx
 
 from protrain_fx.capture import CapturedGraph, PassRecord
 from protrain_fx.passes.blocks import attribute_blocks
+from protrain_fx.passes.inductor_memory import analyze_inductor_memory
 from protrain_fx.passes.memory import analyze_memory
-from protrain_fx.readable import format_graph
+from protrain_fx.readable import format_graph, readable_graphs
 
 log = logging.getLogger("protrain_fx")
 
@@ -97,3 +98,29 @@ def run_step_passes(record: CapturedGraph) -> None:
             lambda m: f"predicted peak {m.peak_bytes / 2**20:.1f} MiB on {m.device}"
             f" (params {m.parameter_bytes / 2**20:.1f}, saved {m.saved_activation_bytes / 2**20:.1f} MiB)",
         )
+    record.readable = readable_graphs(record)
+
+
+def refine_memory_for_inductor(record: CapturedGraph) -> None:
+    """Replace the graph-level prediction by one read from Inductor's allocation plans.
+
+    Called once Inductor has compiled the step's last graph (the backward graph is compiled at the
+    first ``backward()``); the graph-level analysis stays in ``record.memory_unfused``.
+    """
+    if record.step is None or record.memory is None:
+        return
+    runner = PassRunner(record, os.environ.get(DUMP_DIR_ENV) or None)
+    runner.count = len(record.passes) + 1
+    if record.memory_unfused is None:
+        record.memory_unfused = record.memory
+    record.memory = runner.run(
+        "analyze_inductor_memory",
+        lambda: analyze_inductor_memory(
+            record.step,
+            record.inductor_plans,
+            optimizer_states_per_param=record.config.optimizer_states_per_param,
+            label=f"graph {record.index} (Inductor)",
+        ),
+        lambda m: f"predicted peak {m.peak_bytes / 2**20:.1f} MiB from Inductor's allocation plan "
+        f"(graph-level: {record.memory_unfused.peak_bytes / 2**20:.1f} MiB)",
+    )

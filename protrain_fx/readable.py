@@ -57,3 +57,42 @@ def format_graph(gm: fx.GraphModule, *, title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+
+
+def readable_graphs(record) -> dict[str, str]:
+    """A captured record's forward (or inference) and backward graphs as text."""
+    out = {}
+    for kind, gm in (("forward", record.forward or record.inference), ("backward", record.backward)):
+        if gm is not None:
+            out[kind] = format_graph(gm, title=f"graph {record.index} {kind}")
+    return out
+
+
+def text_plot(timeline, *, width: int = 72, height: int = 10) -> str:
+    """The timeline as a terminal bar chart: bytes live (peak per column) over the step, phases marked."""
+    entries = timeline.entries
+    if not entries:
+        return "(empty timeline)"
+    columns = min(width, len(entries))
+    per = len(entries) / columns
+    peaks = [
+        max(e.peak_bytes for e in entries[int(c * per): max(int((c + 1) * per), int(c * per) + 1)])
+        for c in range(columns)
+    ]
+    top = max(peaks) or 1
+    rows = []
+    for level in range(height, 0, -1):
+        threshold = top * (level - 0.5) / height
+        label = human_bytes(int(top * level / height)).rjust(10) if level in (height, 1) or level == height // 2 else " " * 10
+        rows.append(f"{label} |" + "".join("#" if p >= threshold else " " for p in peaks))
+    axis = [" "] * columns
+    for phase, (lo, _hi) in timeline.phase_bounds.items():
+        col = min(int(lo / per), columns - 1)
+        for i, ch in enumerate(phase[: max(1, columns - col)]):
+            if col + i < columns:
+                axis[col + i] = ch
+    rows.append(" " * 10 + " +" + "-" * columns)
+    rows.append(" " * 12 + "".join(axis))
+    peak = max(entries, key=lambda e: e.peak_bytes)
+    rows.append(f"peak {human_bytes(peak.peak_bytes)} at {peak.phase} node {peak.name} [{peak.block}] {peak.source}".rstrip())
+    return "\n".join(rows)

@@ -80,7 +80,7 @@ class MemoryAnalysis:
 
 @dataclass
 class _Buffer:
-    key: int
+    key: object
     nbytes: int
     category: str
     name: str
@@ -131,86 +131,34 @@ def analyze_memory(
     granule: int | None = None,
     label: str = "",
 ) -> MemoryAnalysis:
-    """Predict the memory timeline and peak of one training step on ``device``.
+    """Predict the memory timeline and peak of one training step on ``device``, counting every
+    value of the graphs (what eager codegen allocates; ``inductor_memory`` reads Inductor's own plan).
 
     ``granule`` rounds every buffer up (defaults to the CUDA allocator's 512 bytes on CUDA, 1 elsewhere).
     """
     device = device or analysis_device(step)
-    if granule is None:
-        granule = CUDA_ALLOCATION_GRANULE if device.type == "cuda" else 1
+    granule = granule if granule is not None else default_granule(device)
     fw_nodes = _compute_nodes(step.forward)
     bw_nodes = _compute_nodes(step.backward)
-    n_fw, n_bw = len(fw_nodes), len(bw_nodes)
-    has_optimizer = step.backward is not None and bool(step.trainable_inputs)
-    end = n_fw + n_bw + (1 if has_optimizer else 0)  # index of the step's last entry + 1
-
-    buffers: dict[int, _Buffer] = {}
+    n_fw = len(fw_nodes)
+    rows = step_rows(step, fw_nodes, bw_nodes)
+    end = len(rows)
 
     def keys_of(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
-        return [
-            (meta.storage_key(t), t)
-            for t in meta.tensor_values(node)
-            if t.device == device
-        ]
+        return [(meta.storage_key(t), t) for t in meta.tensor_values(node) if t.device == device]
 
-    def new_buffer(key: int, t: torch.Tensor, category: str, node: fx.Node | None, at: int, **kw) -> _Buffer:
-        buf = _Buffer(
-            key=key,
-            nbytes=_round(meta.storage_nbytes(t), granule),
-            category=category,
-            name=node.name if node is not None else category,
-            source=meta.source_line(node) if node is not None else "",
-            alloc=at,
-            last_use=at,
-            block=node.meta.get(meta.BLOCK, meta.OUTSIDE) if node is not None else meta.OUTSIDE,
-            **kw,
-        )
-        buffers[key] = buf
-        return buf
+    state = model_state(step, device, granule, end, optimizer_states_per_param)
+    buffers: dict[int, _Buffer] = {key: buf for key, buf in state.by_storage.items()}
 
-    # Model state and inputs: live before the first node, through the whole step.
-    state_bufs: list[_Buffer] = []
-    for node in step.forward.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        category = "parameter" if node.name in step.state_inputs else "input"
-        for key, t in keys_of(node):
-            if key not in buffers:
-                buf = new_buffer(key, t, category, node, 0, persistent=True)
-                buf.last_use = end
-                if category == "parameter":
-                    state_bufs.append(buf)
-    optimizer_bufs: list[_Buffer] = []
-    if has_optimizer and optimizer_states_per_param:
-        trainable_keys = {
-            key
-            for node in step.forward.graph.nodes
-            if node.op == "placeholder" and node.name in step.trainable_inputs
-            for key, _ in keys_of(node)
-        }
-        for buf in state_bufs:
-            if buf.key in trainable_keys:
-                for i in range(optimizer_states_per_param):
-                    optimizer_bufs.append(
-                        _Buffer(
-                            key=-(len(optimizer_bufs) + 1),
-                            nbytes=buf.nbytes,
-                            category="optimizer_state",
-                            name=f"{buf.name}.state{i}",
-                            source="",
-                            alloc=0,
-                            last_use=end,
-                            persistent=True,
-                            block=buf.block,
-                        )
-                    )
+    def new_buffer(key: int, t: torch.Tensor, node: fx.Node, at: int) -> None:
+        buffers[key] = _node_buffer(key, _round(meta.storage_nbytes(t), granule), "transient", node, at)
 
     def walk(nodes: list[fx.Node], offset: int) -> None:
         for i, node in enumerate(nodes):
             at = offset + i
             for key, t in keys_of(node):
                 if key not in buffers:
-                    new_buffer(key, t, "transient", node, at)
+                    new_buffer(key, t, node, at)
             for producer in (node, *node.all_input_nodes):
                 for key, _ in keys_of(producer):
                     buf = buffers.get(key)
@@ -218,30 +166,19 @@ def analyze_memory(
                         buf.last_use = max(buf.last_use, at)
 
     walk(fw_nodes, 0)
-
     # Forward outputs: the user's outputs live to the end of the step; saved values are activations.
-    fw_outputs = _output_args(step.forward)
-    for j, arg in enumerate(fw_outputs):
-        if not isinstance(arg, fx.Node):
-            continue
-        for key, _ in keys_of(arg):
-            buf = buffers.get(key)
-            if buf is None or buf.persistent:
-                continue
-            if j < step.num_user_outputs:
-                buf.category, buf.last_use = "output", end
-            else:
-                if buf.category == "transient":
-                    buf.category = "activation"
-                buf.last_use = max(buf.last_use, n_fw)  # held until the backward graph takes it
-
+    for j, arg in enumerate(_output_args(step.forward)):
+        if isinstance(arg, fx.Node):
+            for key, _ in keys_of(arg):
+                if key in buffers:
+                    _mark_forward_output(buffers[key], j < step.num_user_outputs, n_fw, end)
     if step.backward is not None:
         # Tangents (the loss's grad) arrive with the backward call.
         for node in step.backward.graph.nodes:
             if node.op == "placeholder":
                 for key, t in keys_of(node):
                     if key not in buffers:
-                        new_buffer(key, t, "transient", node, n_fw)
+                        new_buffer(key, t, node, n_fw)
         walk(bw_nodes, n_fw)
         for arg in _output_args(step.backward):
             if isinstance(arg, fx.Node):
@@ -249,23 +186,128 @@ def analyze_memory(
                     buf = buffers.get(key)
                     if buf is not None and not buf.persistent and buf.alloc >= n_fw:
                         buf.category, buf.last_use = "gradient", end - 1
-
-    timeline_entries, events = _replay(
-        list(buffers.values()) + optimizer_bufs, fw_nodes, bw_nodes, has_optimizer, step
+    return finish_analysis(
+        step, device, list(buffers.values()) + state.optimizer, rows, fw_nodes, bw_nodes, label
     )
+
+
+@dataclass
+class ModelState:
+    """Buffers live through the whole step: parameters and inputs (by storage key and by placeholder
+    name) and the optimizer state of trainable parameters."""
+
+    by_storage: dict[int, "_Buffer"]
+    by_placeholder: dict[str, list["_Buffer"]]
+    optimizer: list["_Buffer"]
+
+
+def default_granule(device: torch.device) -> int:
+    return CUDA_ALLOCATION_GRANULE if device.type == "cuda" else 1
+
+
+def step_rows(step: StepGraphs, fw_rows: list, bw_rows: list) -> list[tuple[str, int, object]]:
+    """(phase, graph, item) per timeline entry: forward items, backward items, then the optimizer."""
+    rows: list[tuple[str, int, object]] = [("forward", 0, n) for n in fw_rows]
+    rows += [("backward", 1, n) for n in bw_rows]
+    if step.backward is not None and step.trainable_inputs:
+        rows.append(("optimizer", 2, None))
+    return rows
+
+
+def model_state(
+    step: StepGraphs, device: torch.device, granule: int, end: int, optimizer_states_per_param: int
+) -> ModelState:
+    """Parameters, inputs and optimizer state: live before the first node, through the whole step."""
+    state = ModelState({}, {}, [])
+    params: list[_Buffer] = []
+    trainable: set[int] = set()
+    for node in step.forward.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        category = "parameter" if node.name in step.state_inputs else "input"
+        state.by_placeholder[node.name] = []
+        for t in meta.tensor_values(node):
+            if t.device != device:
+                continue
+            key = meta.storage_key(t)
+            if key not in state.by_storage:
+                buf = _node_buffer(key, _round(meta.storage_nbytes(t), granule), category, node, 0)
+                buf.persistent, buf.last_use = True, end
+                state.by_storage[key] = buf
+                if category == "parameter":
+                    params.append(buf)
+            state.by_placeholder[node.name].append(state.by_storage[key])
+            if node.name in step.trainable_inputs:
+                trainable.add(key)
+    if step.backward is None or not step.trainable_inputs:
+        return state
+    for buf in params:
+        if buf.key in trainable:
+            for i in range(optimizer_states_per_param):
+                state.optimizer.append(
+                    _Buffer(
+                        key=-(len(state.optimizer) + 1),
+                        nbytes=buf.nbytes,
+                        category="optimizer_state",
+                        name=f"{buf.name}.state{i}",
+                        source="",
+                        alloc=0,
+                        last_use=end,
+                        persistent=True,
+                        block=buf.block,
+                    )
+                )
+    return state
+
+
+def _node_buffer(key: object, nbytes: int, category: str, node: fx.Node | None, at: int) -> "_Buffer":
+    return _Buffer(
+        key=key,
+        nbytes=nbytes,
+        category=category,
+        name=node.name if node is not None else category,
+        source=meta.source_line(node) if node is not None else "",
+        alloc=at,
+        last_use=at,
+        block=node.meta.get(meta.BLOCK, meta.OUTSIDE) if node is not None else meta.OUTSIDE,
+    )
+
+
+def _mark_forward_output(buf: "_Buffer", user_output: bool, n_fw: int, end: int) -> None:
+    """A forward output lives to the end of the step (user's) or until the backward frees it (saved)."""
+    if buf.persistent:
+        return
+    if user_output:
+        buf.category, buf.last_use = "output", end
+    else:
+        if buf.category == "transient":
+            buf.category = "activation"
+        buf.last_use = max(buf.last_use, n_fw)  # held until the backward graph takes it
+
+
+def finish_analysis(
+    step: StepGraphs,
+    device: torch.device,
+    buffers: list["_Buffer"],
+    rows: list[tuple[str, int, object]],
+    fw_nodes: list[fx.Node],
+    bw_nodes: list[fx.Node],
+    label: str,
+) -> MemoryAnalysis:
+    """Replay buffer lifetimes over the rows into a timeline, and sum them up."""
+    timeline_entries, events = _replay(buffers, rows)
     by_category: dict[str, int] = defaultdict(int)
-    for buf in list(buffers.values()) + optimizer_bufs:
+    for buf in buffers:
         by_category[buf.category] += buf.nbytes
     peak_entry = max(timeline_entries, key=lambda e: e.peak_bytes, default=None)
     baseline = {
-        c: sum(b.nbytes for b in list(buffers.values()) + optimizer_bufs if b.persistent and b.category == c)
+        c: sum(b.nbytes for b in buffers if b.persistent and b.category == c)
         for c in ("parameter", "optimizer_state", "input")
     }
-    phase_bounds = {"forward": (0, n_fw)}
-    if step.backward is not None:
-        phase_bounds["backward"] = (n_fw, n_fw + n_bw)
-    if has_optimizer:
-        phase_bounds["optimizer"] = (n_fw + n_bw, end)
+    phase_bounds: dict[str, tuple[int, int]] = {}
+    for i, (phase, _, _) in enumerate(rows):
+        lo, _hi = phase_bounds.get(phase, (i, i))
+        phase_bounds[phase] = (lo, i + 1)
     timeline = Timeline(
         kind="predicted",
         device=str(device),
@@ -286,34 +328,31 @@ def analyze_memory(
         optimizer_state_bytes=by_category["optimizer_state"],
         input_bytes=by_category["input"],
         saved_activation_bytes=by_category["activation"],
-        blocks=_block_table(list(buffers.values()), timeline_entries, fw_nodes, bw_nodes, step),
+        blocks=_block_table(buffers, timeline_entries, fw_nodes, bw_nodes),
     )
 
 
 def _replay(
-    buffers: list[_Buffer],
-    fw_nodes: list[fx.Node],
-    bw_nodes: list[fx.Node],
-    has_optimizer: bool,
-    step: StepGraphs,
+    buffers: list[_Buffer], rows: list[tuple[str, int, object]]
 ) -> tuple[list[TimelineEntry], list[BufferEvent]]:
-    """Turn buffer lifetimes into per-node entries and alloc/free events."""
+    """Turn buffer lifetimes into per-row entries and alloc/free events.
+
+    A row's item is an FX node, a ``(name, fx.Node | None)`` pair (a kernel of generated code and the
+    node it came from), or ``None`` (the optimizer step).
+    """
     allocs: dict[int, list[_Buffer]] = defaultdict(list)
     frees: dict[int, list[_Buffer]] = defaultdict(list)
     events: list[BufferEvent] = []
-    for i, buf in enumerate(buffers):
+    for buf in buffers:
         allocs[buf.alloc].append(buf)
-        if not buf.persistent:
+        if not buf.persistent and buf.last_use < len(rows):
             frees[buf.last_use].append(buf)
     ids = {id(b): i for i, b in enumerate(buffers)}
-    rows: list[tuple[str, int, fx.Node | None]] = [("forward", 0, n) for n in fw_nodes]
-    rows += [("backward", 1, n) for n in bw_nodes]
-    if has_optimizer:
-        rows.append(("optimizer", 2, None))
     # Persistent buffers (model state, inputs) are live before the first node.
     live = sum(b.nbytes for b in buffers if b.persistent)
     entries: list[TimelineEntry] = []
-    for index, (phase, graph, node) in enumerate(rows):
+    for index, (phase, graph, item) in enumerate(rows):
+        name, node = item if isinstance(item, tuple) else (getattr(item, "name", "optimizer.step"), item)
         alloc = sum(b.nbytes for b in allocs[index] if not b.persistent)
         freed = sum(b.nbytes for b in frees[index])
         for b in allocs[index]:
@@ -327,8 +366,8 @@ def _replay(
                 index=index,
                 phase=phase,  # type: ignore[arg-type]
                 graph=graph,
-                name=node.name if node is not None else "optimizer.step",
-                op=meta.op_name(node) if node is not None else "optimizer.step",
+                name=name,
+                op=meta.op_name(node) if node is not None else name,
                 block=node.meta.get(meta.BLOCK, meta.OUTSIDE) if node is not None else meta.OUTSIDE,
                 source=meta.source_line(node) if node is not None else "",
                 peak_bytes=peak,
@@ -345,7 +384,6 @@ def _block_table(
     entries: list[TimelineEntry],
     fw_nodes: list[fx.Node],
     bw_nodes: list[fx.Node],
-    step: StepGraphs,
 ) -> tuple[BlockMemory, ...]:
     params: dict[str, int] = defaultdict(int)
     saved: dict[str, int] = defaultdict(int)

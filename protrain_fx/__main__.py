@@ -1,0 +1,5 @@
+"""``python -m protrain_fx``: the command line (see :mod:`protrain_fx.cli`)."""
+
+from protrain_fx.cli import main
+
+raise SystemExit(main())
