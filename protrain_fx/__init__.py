@@ -9,7 +9,18 @@ from protrain_fx.capture import CapturedGraph, captured_graphs, graph_break_reas
 from protrain_fx.config import ProtrainConfig, parse_bytes, parse_options
 from protrain_fx.timeline import BufferEvent, Timeline, TimelineEntry
 
+
+
+def step_report():
+    """A :class:`~protrain_fx.report.StepReport` of every graph captured so far (print it for the
+    per-block tables, predicted peaks and graph breaks)."""
+    from protrain_fx.report import StepReport
+
+    return StepReport(graphs=captured_graphs())
+
+
 __all__ = [
+    "step_report",
     "CapturedGraph",
     "ProtrainConfig",
     "BufferEvent",

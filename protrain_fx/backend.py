@@ -39,12 +39,12 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = N
         raise ValueError(f"backend 'protrain' takes no mode= (got {kwargs['mode']!r}); use options=")
     config = parse_options(options)
     record = new_record(config, gm, example_inputs)
-    if record.graph_breaks_before:
+    if record.graph_breaks_after:
+        # Dynamo counts a break before compiling the graph that the break ends.
         log.warning(
-            "protrain_fx: graph %d follows %d graph break(s): %s",
+            "protrain_fx: graph %d ends at a graph break: %s",
             record.index,
-            len(record.graph_breaks_before),
-            "; ".join(record.graph_breaks_before),
+            "; ".join(record.graph_breaks_after),
         )
     if config.verbose:
         log.setLevel(logging.INFO)
@@ -154,7 +154,10 @@ def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequ
     """Analyse a graph that needs no backward (inference, a compiled optimizer step); it runs as is."""
     record.inference = graph
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-    state = {n.name for n, t in zip(placeholders, inputs) if isinstance(t, torch.nn.Parameter)}
+    # AOTAutograd hands fake inputs to the compiler; the Dynamo graph's real inputs, in the same
+    # order, say which are parameters.
+    real = record.real_inputs()
+    state = {n.name for n, t in zip(placeholders, real) if isinstance(t, torch.nn.Parameter)}
     record.step = StepGraphs(graph, None, _num_outputs(graph), frozenset(state), frozenset())
     run_step_passes(record)
 

@@ -42,7 +42,9 @@ class CapturedGraph:
     index: int
     config: ProtrainConfig
     dynamo_graph: fx.GraphModule
-    graph_breaks_before: tuple[str, ...] = ()
+    #: Reasons of the graph break that ended this graph (Dynamo counts a break before it compiles
+    #: the graph the break ends); empty for a graph that ran to the end of the frame.
+    graph_breaks_after: tuple[str, ...] = ()
     #: The Dynamo graph's example inputs (parameters first-class with inlined modules), tensors held
     #: weakly; AOTAutograd's flat inputs (``primals_*``) follow this order.
     example_inputs: tuple[Any, ...] = ()
@@ -87,7 +89,8 @@ _breaks_seen: Counter[str] = Counter()
 def new_record(
     config: ProtrainConfig, dynamo_graph: fx.GraphModule, example_inputs: Sequence[Any] = ()
 ) -> CapturedGraph:
-    """Register a graph handed to the backend, with the graph breaks Dynamo logged since the last one."""
+    """Register a graph handed to the backend, with the graph break(s) Dynamo logged since the last
+    one: the break that ends this graph."""
     from torch._dynamo.utils import counters
 
     with _lock:
@@ -99,7 +102,7 @@ def new_record(
             index=len(_records),
             config=config,
             dynamo_graph=dynamo_graph,
-            graph_breaks_before=new_breaks,
+            graph_breaks_after=new_breaks,
             example_inputs=tuple(weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs),
         )
         _records.append(record)
@@ -115,7 +118,7 @@ def captured_graphs() -> list[CapturedGraph]:
 def graph_break_reasons() -> list[str]:
     """Distinct graph-break reasons Dynamo logged while our graphs were captured."""
     with _lock:
-        return [r for rec in _records for r in rec.graph_breaks_before]
+        return [r for rec in _records for r in rec.graph_breaks_after]
 
 
 def reset() -> None:

@@ -90,9 +90,11 @@ class ProtrainConfig:
     keep_node_order: bool = True
     verbose: bool = False
 
+    def __post_init__(self) -> None:
+        if self.memory_budget_bytes is not None:  # "24GiB" given to the class directly
+            object.__setattr__(self, "memory_budget_bytes", parse_bytes(self.memory_budget_bytes))
+
     def validate(self) -> "ProtrainConfig":
-        if self.memory_budget_bytes is not None:
-            parse_bytes(self.memory_budget_bytes)
         _check_choice("codegen", self.codegen, ("inductor", "eager"))
         _check_choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATES_PER_PARAM))
         for name in ("keep_node_order", "verbose"):

@@ -34,7 +34,7 @@ class StepReport:
 
     @property
     def graph_breaks(self) -> list[str]:
-        return [r for g in self.graphs for r in g.graph_breaks_before]
+        return [r for g in self.graphs for r in g.graph_breaks_after]
 
     @property
     def predicted_peak_bytes(self) -> int:

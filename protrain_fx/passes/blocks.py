@@ -10,16 +10,19 @@ is :data:`~protrain_fx.meta.OUTSIDE` (embeddings, head, loss).
 
 from __future__ import annotations
 
+import operator
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+import torch
 import torch.fx as fx
 
 from protrain_fx import meta
 
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+# The root: L['self'], or L['args'][0] when the forward is wrapped by a (*args, **kwargs) decorator.
+_ROOT = re.compile(r"^L\['[^']*'\](\[\d+\])*\.?")
 _MODULES_ITEM = re.compile(r"\._modules\['([^']*)'\]")
 _GETATTR = re.compile(r"getattr\(([^,]+), '([^']*)'\)")
 _INDEXED = re.compile(r"^(.*)\.(\d+)$")
@@ -119,7 +122,11 @@ def attribute_blocks(
 ) -> BlockInfo:
     """Write ``meta.BLOCK`` and ``meta.PHASE`` on every node of the forward and backward graphs.
 
-    Returns the :class:`BlockInfo` used (found from both graphs unless given).
+    Forward: a node's module stack decides; ``getitem`` follows its producer; other ops outside any
+    module are the model's own top-level code (outside blocks). Backward: the forward module stack
+    (``fwd_nn_module_stack``) decides; a gradient accumulation (``add`` of two gradients of one block)
+    stays in that block; otherwise the forward op with the same ``seq_nr``. Placeholders (parameters,
+    saved values, tangents) take their users' block when they all agree. Returns the :class:`BlockInfo`.
     """
     graphs = [g for g in (forward, backward) if g is not None]
     if info is None:
@@ -131,28 +138,39 @@ def attribute_blocks(
         nodes = list(gm.graph.nodes)
         for node in nodes:
             node.meta[meta.PHASE] = phase
-            block = _own_block(node, info)
-            if block is None and phase == "backward" and node.meta.get("seq_nr") in by_seq:
-                block = by_seq[node.meta["seq_nr"]]
+            if node.op in ("placeholder", "output"):
+                block = _own_block(node, info)  # saved values keep their forward module stack
+            else:
+                block = _own_block(node, info) or _inferred_block(node, phase, by_seq)
             if block is not None:
                 node.meta[meta.BLOCK] = block
-                if phase == "forward" and "seq_nr" in node.meta:
+                if phase == "forward" and node.op != "placeholder" and "seq_nr" in node.meta:
                     by_seq.setdefault(node.meta["seq_nr"], block)
-        _fill_from_neighbours(nodes)
+        _fill_placeholders(nodes)
     return info
 
 
-def _fill_from_neighbours(nodes: Iterable[fx.Node]) -> None:
-    """Nodes with no module information take their producer's block, else their users' common block."""
-    nodes = list(nodes)
-    for node in nodes:  # producers first (topological order)
-        if meta.BLOCK in node.meta or node.op in ("placeholder", "output"):
-            continue
-        producers = [a for a in node.all_input_nodes if meta.BLOCK in a.meta and a.op != "placeholder"]
-        if producers:
-            node.meta[meta.BLOCK] = producers[-1].meta[meta.BLOCK]
-    for node in reversed(nodes):  # then users (placeholders: parameters, saved values, tangents)
-        if meta.BLOCK in node.meta or node.op == "output":
+def _inferred_block(node: fx.Node, phase: str, by_seq: dict[int, str]) -> str:
+    """Block of a compute node that carries no module stack."""
+    producers = [a for a in node.all_input_nodes if a.op != "placeholder" and meta.BLOCK in a.meta]
+    if node.target is operator.getitem and producers:
+        return producers[0].meta[meta.BLOCK]
+    if phase == "forward":
+        return meta.OUTSIDE  # the model's own forward, outside every submodule
+    if node.target is torch.ops.aten.add.Tensor and len(producers) == 2:
+        blocks = {p.meta[meta.BLOCK] for p in producers}
+        if len(blocks) == 1 and meta.OUTSIDE not in blocks:
+            return blocks.pop()  # gradient accumulation inside one block
+    if node.meta.get("seq_nr") in by_seq:
+        return by_seq[node.meta["seq_nr"]]
+    blocks = {p.meta[meta.BLOCK] for p in producers}
+    return blocks.pop() if len(blocks) == 1 else meta.OUTSIDE
+
+
+def _fill_placeholders(nodes: Iterable[fx.Node]) -> None:
+    """Placeholders without module information take their users' common block, else outside."""
+    for node in nodes:
+        if node.op != "placeholder" or meta.BLOCK in node.meta:
             continue
         user_blocks = {u.meta.get(meta.BLOCK) for u in node.users if u.op != "output"}
         user_blocks.discard(None)

@@ -1,0 +1,111 @@
+"""Train a small GPT through ``torch.compile(backend="protrain")`` and show where its memory goes.
+
+    python examples/train_gpt.py                 # GPU if present (125M GPT), else CPU (small GPT)
+    python examples/train_gpt.py --size 350M --steps 20 --out out/train
+
+Prints the per-block table (parameters, saved activations, transient peak, node counts), the
+predicted memory timeline of one step as text, loss and throughput per step, and, on a GPU, the
+measured peak next to the predicted one. Writes the predicted (and, on a GPU, measured) timeline as
+a memory snapshot pickle (open at https://pytorch.org/memory_viz), a Chrome trace JSON and an SVG
+plot with both overlaid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import protrain_fx  # noqa: E402  (only for inspection; the backend itself needs no import)
+from examples.gpt import GPT, gpt_config, random_batch  # noqa: E402
+from protrain_fx.export import write_all  # noqa: E402
+from protrain_fx.readable import human_bytes, text_plot  # noqa: E402
+from protrain_fx.report import StepReport  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="125M" if cuda else "small", help="GPT preset (examples/gpt.py SIZES)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=8 if cuda else 4)
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
+    parser.add_argument("--codegen", choices=("inductor", "eager"), default="inductor")
+    parser.add_argument("--budget", default=None, help="memory budget, e.g. 24GiB (checked against the prediction)")
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("out/train_gpt"))
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    config = gpt_config(args.size)
+    seq_len = args.seq_len or config.block_size
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    options = {"codegen": args.codegen}
+    if args.budget:
+        options["memory_budget"] = args.budget
+    compiled = torch.compile(model, backend="protrain", options=options)
+    batch = random_batch(config, args.batch_size, seq_len, device=device, generator=torch.Generator().manual_seed(0))
+    print(f"GPT {args.size}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+          f"batch {args.batch_size} x {seq_len}, {device}, codegen {args.codegen}")
+
+    def step(mark=None) -> torch.Tensor:
+        mark = mark or (lambda _phase: None)
+        mark("forward")
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = compiled(*batch)
+        mark("backward")
+        loss.backward()
+        mark("optimizer")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mark("end")
+        return loss
+
+    start = time.perf_counter()
+    loss = step()
+    print(f"step 1 (compiles): loss {loss.item():.4f}, {time.perf_counter() - start:.1f} s")
+    report = StepReport(graphs=protrain_fx.captured_graphs())
+    print()
+    print(report.summary())
+    predicted = report.timeline()
+    print()
+    print(text_plot(predicted))
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    tokens = args.batch_size * seq_len
+    for i in range(2, args.steps + 1):
+        start = time.perf_counter()
+        loss = step()
+        loss_value = loss.item()  # synchronises
+        seconds = time.perf_counter() - start
+        print(f"step {i}: loss {loss_value:.4f}, {1000 * seconds:.1f} ms, {tokens / seconds:,.0f} tokens/s")
+
+    measured = None
+    if device.type == "cuda":
+        from protrain_fx.measure import mark_phase, record_memory
+
+        measured_peak = torch.cuda.max_memory_allocated()
+        with record_memory() as recording:
+            step(mark_phase)
+            torch.cuda.synchronize()
+        measured = recording.timeline()
+        error = (predicted.peak_bytes - measured_peak) / measured_peak
+        print(f"\npeak: predicted {human_bytes(predicted.peak_bytes)}, measured "
+              f"{human_bytes(measured_peak)} (torch.cuda.max_memory_allocated), error {100 * error:+.1f}%")
+    paths = write_all(predicted, args.out, measured=measured, stem=f"gpt_{args.size}",
+                      title=f"GPT {args.size}, batch {args.batch_size} x {seq_len}, {args.codegen}")
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

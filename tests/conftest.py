@@ -1,0 +1,25 @@
+"""Shared test set-up: the repository root on ``sys.path`` (for ``examples``) and a fresh compile state per test."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # ``python -m pytest`` adds the cwd, plain ``pytest`` does not
+    sys.path.insert(0, str(ROOT))
+
+import protrain_fx  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_state():
+    """Every test starts (and leaves) with no Dynamo cache and no captured records."""
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    yield
+    torch._dynamo.reset()
+    protrain_fx.reset()
