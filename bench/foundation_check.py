@@ -34,9 +34,11 @@ def worker(size: str, system: str, steps: int, out: Path, batch: int, seq: int, 
     sys.path.insert(0, str(ROOT))
     import protrain_fx
     from examples.gpt import GPT, gpt_config, random_batch
+    from protrain_fx.backend import register
     from protrain_fx.export import write_all
     from protrain_fx.measure import mark_phase, record_cpu_memory, record_memory
 
+    register()
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
@@ -118,6 +120,62 @@ def worker(size: str, system: str, steps: int, out: Path, batch: int, seq: int, 
     return result
 
 
+def speed(size: str, rounds: int, steps: int, batch: int, seq: int) -> dict:
+    """Step time of the backend with no rewrites against plain ``torch.compile``, in one process,
+    timed in alternating rounds so that drift of the machine falls on both alike."""
+    import copy
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from examples.gpt import GPT, gpt_config, random_batch
+    from protrain_fx.backend import register
+
+    register()
+    torch.manual_seed(0)
+    cfg = gpt_config(size)
+    base = GPT(cfg).cuda()
+    systems = {}
+    for name, backend in (("torch.compile", "inductor"), ("protrain-inductor", "protrain")):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        systems[name] = (torch.compile(model, backend=backend), opt)
+    idx, targets = random_batch(cfg, batch, seq, device="cuda", generator=torch.Generator().manual_seed(0))
+
+    def step(name: str) -> None:
+        compiled, opt = systems[name]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for name in systems:
+        for _ in range(3):
+            step(name)
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    order = list(systems)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            for _ in range(steps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step(name)
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end) / 1000)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "size": size,
+        "mode": "speed",
+        "median_step_s": med,
+        "tokens_per_s": {name: batch * seq / m for name, m in med.items()},
+        "ratio_protrain_over_compile": med["protrain-inductor"] / med["torch.compile"],
+        "steps_per_system": rounds * steps,
+        "step_times_s": times,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["125M", "350M"])
@@ -127,29 +185,36 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the script")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    parser.add_argument("--speed", nargs="*", default=[], metavar="SIZE",
+                        help="also time protrain vs torch.compile in one process, alternating, for these sizes")
+    parser.add_argument("--speed-worker", metavar="SIZE", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("SIZE", "SYSTEM"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.speed_worker:
+        result = speed(args.speed_worker, rounds=6, steps=args.steps, batch=args.batch, seq=args.seq)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     if args.worker:
         result = worker(*args.worker, steps=args.steps, out=args.out, batch=args.batch, seq=args.seq,
                         device=args.device)
         print("RESULT " + json.dumps(result), flush=True)
         return
     results = []
-    for size in args.sizes:
-        for system in args.systems:
-            cmd = [sys.executable, __file__, "--worker", size, system, "--steps", str(args.steps),
-                   "--batch", str(args.batch), "--seq", str(args.seq), "--out", str(args.out),
-                   "--device", args.device]
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                tail = (proc.stderr or proc.stdout)[-3000:]
-                results.append({"size": size, "system": system, "error": tail})
-                print(f"{size} {system}: FAILED\n{tail}", flush=True)
-                continue
-            results.append(json.loads(lines[-1][len("RESULT "):]))
-            print(f"{size} {system}: done", flush=True)
+    jobs = [(size, system, ["--worker", size, system]) for size in args.sizes for system in args.systems]
+    jobs += [(size, "speed", ["--speed-worker", size]) for size in args.speed]
+    for size, system, job in jobs:
+        cmd = [sys.executable, __file__, *job, "--steps", str(args.steps), "--batch", str(args.batch),
+               "--seq", str(args.seq), "--out", str(args.out), "--device", args.device]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stderr or proc.stdout)[-3000:]
+            results.append({"size": size, "system": system, "error": tail})
+            print(f"{size} {system}: FAILED\n{tail}", flush=True)
+            continue
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+        print(f"{size} {system}: done", flush=True)
     (args.out / "foundation.json").write_text(json.dumps(results, indent=1))
     timelines = args.out / "timelines"
     if timelines.is_dir():  # one archive: the device tool brings back few files
@@ -163,12 +228,19 @@ def main() -> None:
 
 
 def print_table(results: list[dict]) -> None:
+    for r in results:
+        if r.get("mode") == "speed":
+            t = r["tokens_per_s"]
+            print(f"{r['size']}: alternating rounds, {r['steps_per_system']} steps each: torch.compile "
+                  f"{t['torch.compile']:.0f} tok/s, protrain {t['protrain-inductor']:.0f} tok/s, "
+                  f"protrain/compile step time {r['ratio_protrain_over_compile']:.4f}")
+    results = [r for r in results if r.get("mode") != "speed" and r.get("system") != "speed"]
     base = {r["size"]: r["step_s"] for r in results if r.get("system") == "torch.compile" and "step_s" in r}
     print(f"\n{'size':>5} {'system':>18} {'tok/s':>9} {'step ms':>8} {'vs compile':>10} "
           f"{'measured GiB':>12} {'predicted GiB':>13} {'error':>7}")
     for r in results:
         if "error" in r:
-            print(f"{r['size']:>5} {r['system']:>18}  FAILED")
+            print(f"{r['size']:>5} {r['system']:>18}  FAILED: {r['error'].strip().splitlines()[-1][:80]}")
             continue
         rel = f"{r['step_s'] / base[r['size']]:.3f}x" if r["size"] in base else "-"
         pred = f"{r['predicted_peak_bytes'] / 2**30:.3f}" if "predicted_peak_bytes" in r else "-"

@@ -4,10 +4,10 @@
     python examples/train_gpt.py --size 350M --steps 20 --out out/train
 
 Prints the per-block table (parameters, saved activations, transient peak, node counts), the
-predicted memory timeline of one step as text, loss and throughput per step, and, on a GPU, the
-measured peak next to the predicted one. Writes the predicted (and, on a GPU, measured) timeline as
-a memory snapshot pickle (open at https://pytorch.org/memory_viz), a Chrome trace JSON and an SVG
-plot with both overlaid.
+predicted memory timeline of one step as text, loss and throughput per step, and the measured peak
+next to the predicted one (GPU: the CUDA allocator; CPU: the profiler's allocation events). Writes
+the predicted and measured timelines as memory snapshot pickles (open at
+https://pytorch.org/memory_viz), a Chrome trace JSON and an SVG plot with both overlaid.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import protrain_fx  # noqa: E402  (only for inspection; the backend itself needs no import)
 from examples.gpt import GPT, gpt_config, random_batch  # noqa: E402
+from protrain_fx.backend import register  # noqa: E402
 from protrain_fx.export import write_all  # noqa: E402
 from protrain_fx.readable import human_bytes, text_plot  # noqa: E402
 from protrain_fx.report import StepReport  # noqa: E402
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/train_gpt"))
     args = parser.parse_args(argv)
 
+    register()  # a no-op once the package is installed (pip install -e .)
     device = torch.device(args.device)
     config = gpt_config(args.size)
     seq_len = args.seq_len or config.block_size
@@ -88,18 +90,25 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - start
         print(f"step {i}: loss {loss_value:.4f}, {1000 * seconds:.1f} ms, {tokens / seconds:,.0f} tokens/s")
 
-    measured = None
-    if device.type == "cuda":
-        from protrain_fx.measure import mark_phase, record_memory
+    from protrain_fx.measure import mark_phase, record_cpu_memory, record_memory
 
+    if device.type == "cuda":
         measured_peak = torch.cuda.max_memory_allocated()
-        with record_memory() as recording:
-            step(mark_phase)
+        how = "torch.cuda.max_memory_allocated over the steps above"
+        recorder = record_memory()
+    else:
+        recorder = record_cpu_memory()
+        how = "CPU allocations of one step (profiler) over the tensors alive before it"
+    with recorder:  # one more step, with the allocator's history recorded and its phases marked
+        step(mark_phase)
+        if device.type == "cuda":
             torch.cuda.synchronize()
-        measured = recording.timeline()
-        error = (predicted.peak_bytes - measured_peak) / measured_peak
-        print(f"\npeak: predicted {human_bytes(predicted.peak_bytes)}, measured "
-              f"{human_bytes(measured_peak)} (torch.cuda.max_memory_allocated), error {100 * error:+.1f}%")
+    measured = recorder.timeline()
+    if device.type != "cuda":
+        measured_peak = measured.peak_bytes
+    error = (predicted.peak_bytes - measured_peak) / measured_peak
+    print(f"\npeak: predicted {human_bytes(predicted.peak_bytes)}, measured {human_bytes(measured_peak)} "
+          f"({how}), error {100 * error:+.1f}%")
     paths = write_all(predicted, args.out, measured=measured, stem=f"gpt_{args.size}",
                       title=f"GPT {args.size}, batch {args.batch_size} x {seq_len}, {args.codegen}")
     for kind, path in paths.items():

@@ -199,3 +199,13 @@ def _num_outputs(gm: fx.GraphModule) -> int:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     args = out.args[0]
     return len(args) if isinstance(args, (tuple, list)) else 1
+
+
+def register() -> None:
+    """Make ``backend="protrain"`` resolvable when the package is used from a source tree without
+    being installed (an installed package registers it through its entry point)."""
+    from torch._dynamo.backends import registry
+
+    registry.list_backends()  # loads the installed entry points first
+    if "protrain" not in registry._BACKENDS and "protrain" not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=protrain, name="protrain")

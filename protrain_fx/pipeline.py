@@ -99,6 +99,22 @@ def run_step_passes(record: CapturedGraph) -> None:
             f" (params {m.parameter_bytes / 2**20:.1f}, saved {m.saved_activation_bytes / 2**20:.1f} MiB)",
         )
     record.readable = readable_graphs(record)
+    if record.config.codegen == "eager" or record.step is None or record.step.backward is None:
+        check_budget(record)  # with Inductor: once its plan is known
+
+
+def check_budget(record: CapturedGraph) -> None:
+    """Warn when the predicted peak exceeds the memory budget (no plan can change that yet)."""
+    budget, memory = record.config.memory_budget_bytes, record.memory
+    if budget is None or memory is None or memory.peak_bytes <= budget:
+        return
+    log.warning(
+        "protrain_fx: graph %d is predicted to need %.2f GiB, over its memory budget of %.2f GiB "
+        "(this release predicts and reports; plans that make a step fit its budget come later)",
+        record.index,
+        memory.peak_bytes / 2**30,
+        budget / 2**30,
+    )
 
 
 def refine_memory_for_inductor(record: CapturedGraph) -> None:
@@ -124,3 +140,4 @@ def refine_memory_for_inductor(record: CapturedGraph) -> None:
         lambda m: f"predicted peak {m.peak_bytes / 2**20:.1f} MiB from Inductor's allocation plan "
         f"(graph-level: {record.memory_unfused.peak_bytes / 2**20:.1f} MiB)",
     )
+    check_budget(record)

@@ -64,7 +64,8 @@ class Timeline:
     ``kind`` says where the numbers come from. ``phase_bounds`` maps each phase to the half-open range
     ``[start, end)`` of indices it covers, which lets a measured timeline be laid over a predicted one.
     ``baseline_bytes`` holds, per category, bytes live before the step's first node (model states and
-    inputs for predicted timelines).
+    inputs for predicted timelines); they have no events. Bytes live at any point are the baseline
+    plus :meth:`curve`; ``peak_bytes`` includes the baseline.
     """
 
     kind: Literal["predicted", "measured"]
@@ -77,7 +78,7 @@ class Timeline:
     label: str = ""
 
     def curve(self) -> list[tuple[int, int]]:
-        """``(index, bytes live)`` after each event, in index order (the shape every plot draws)."""
+        """``(index, bytes live above the baseline)`` after each event, in index order."""
         live = 0
         points: list[tuple[int, int]] = []
         for ev in sorted(self.events, key=lambda e: (e.index, e.action == "free")):

@@ -356,7 +356,8 @@ def _replay(
         alloc = sum(b.nbytes for b in allocs[index] if not b.persistent)
         freed = sum(b.nbytes for b in frees[index])
         for b in allocs[index]:
-            events.append(BufferEvent(index, "alloc", ids[id(b)], b.nbytes, b.category, b.name, b.source))
+            if not b.persistent:  # live before the step: counted in the timeline's baseline_bytes
+                events.append(BufferEvent(index, "alloc", ids[id(b)], b.nbytes, b.category, b.name, b.source))
         for b in frees[index]:
             events.append(BufferEvent(index, "free", ids[id(b)], b.nbytes, b.category, b.name, b.source))
         peak = live + alloc

@@ -1,0 +1,85 @@
+"""Inspection: the block table, readable graphs, the CLI, graph dumps and the budget check."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import protrain_fx
+from examples.gpt import example
+from protrain_fx import cli
+from protrain_fx.report import inspect_model
+
+
+def test_inspect_model_table_graphs_and_timing():
+    model, batch = example("tiny", batch_size=2, seq_len=32)
+    grads_before = [p.grad for p in model.parameters()]
+    report = inspect_model(model, *batch, options={"codegen": "eager"}, measure_time=True)
+    assert [p.grad for p in model.parameters()] == grads_before  # inspection leaves no gradients behind
+    table = report.block_table()
+    lines = table.splitlines()
+    header = next(ln for ln in lines if ln.startswith("block"))
+    assert header.split() == ["block", "params", "saved", "act", "transient", "peak", "fw", "nodes", "bw", "nodes", "time"]
+    rows = {ln.split()[0]: ln for ln in lines if ln.split() and ln.split()[0] in ("blocks.0", "blocks.1", "outside", "total")}
+    assert set(rows) == {"blocks.0", "blocks.1", "outside", "total"}
+    shares = [float(rows[b].split()[-1].rstrip("%")) for b in ("blocks.0", "blocks.1", "outside")]
+    assert abs(sum(shares) - 100) < 0.5 and all(s > 0 for s in shares)
+    memory = report.graphs[0].memory
+    assert f"predicted peak {protrain_fx.readable.human_bytes(memory.peak_bytes)}" in table
+    fw, bw = report.forward_graph(), report.backward_graph()
+    assert "aten.addmm.default" in fw and "# blocks.1" in fw and "gpt.py:" in fw
+    assert "aten.mm.default" in bw and "tangents_1 = placeholder" in bw
+    assert str(report).startswith("protrain_fx: 1 graph(s) captured, 0 graph break(s)")
+
+
+def test_inspect_model_needs_a_scalar():
+    model, (idx, _targets) = example("tiny", batch_size=2, seq_len=16)
+    try:
+        inspect_model(model, idx, options={"codegen": "eager"})
+    except ValueError as e:
+        assert "scalar" in str(e) and "loss_fn" in str(e)
+    else:
+        raise AssertionError("logits are not a loss: inspect_model must refuse them")
+    report = inspect_model(model, idx, options={"codegen": "eager"}, loss_fn=lambda logits: logits.float().mean())
+    assert report.train_graphs
+
+
+def test_cli_inspect_prints_table_graphs_and_writes_timeline(tmp_path, capsys):
+    code = cli.main(
+        ["inspect", "examples.gpt:example", "--kw", "size=tiny", "--kw", "seq_len=16", "--option", "codegen=eager",
+         "--graphs", "--timeline", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "blocks.0" in out and "outside" in out and "predicted peak" in out
+    assert "aten.addmm.default" in out  # --graphs
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["timeline.json", "timeline.svg", "timeline_predicted.pickle"]
+
+
+def test_dump_dir_gets_numbered_graphs_after_each_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROTRAIN_DUMP_DIR", str(tmp_path))
+    model, batch = example("tiny", batch_size=2, seq_len=16)
+    torch.compile(model, backend="protrain", options={"codegen": "eager"})(*batch).backward()
+    files = sorted(p.name for p in (tmp_path / "graph0").iterdir())
+    assert files[:4] == [
+        "01_capture_backward.txt",
+        "01_capture_dynamo.txt",
+        "01_capture_forward.txt",
+        "01_capture_joint.txt",
+    ]
+    assert "02_attribute_blocks_forward.txt" in files and "03_analyze_memory_backward.txt" in files
+    text = (tmp_path / "graph0" / "02_attribute_blocks_forward.txt").read_text()
+    assert "# blocks.0" in text  # the pass's annotations are visible in its dump
+
+
+def test_budget_below_prediction_warns(caplog):
+    model, batch = example("tiny", batch_size=2, seq_len=16)
+    with caplog.at_level(logging.WARNING, logger="protrain_fx"):
+        torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": "1MiB"})(
+            *batch
+        ).backward()
+    assert any("over its memory budget of" in r.getMessage() for r in caplog.records)
+    table = protrain_fx.step_report().block_table()
+    assert "budget 1.00 MiB: DOES NOT FIT" in table
