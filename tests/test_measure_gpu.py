@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ def _step(weights: list[torch.Tensor], x: torch.Tensor, opt: torch.optim.Optimiz
 
 
 def test_measured_peak_matches_allocator() -> None:
+    gc.collect()  # garbage of earlier tests must not be freed while recording
     device = torch.device("cuda")
     weights = [torch.randn(N, N, device=device, requires_grad=True) for _ in range(4)]
     x = torch.randn(N, N, device=device)
