@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import weakref
 
-import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -19,14 +18,6 @@ from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx.passes.memory import StepGraphs, analyze_memory
 
 MiB = 2**20
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    protrain_fx.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _analyze_fn(fn, *inputs, user_outputs=1, granule=None):

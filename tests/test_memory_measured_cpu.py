@@ -17,14 +17,6 @@ from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx.measure import mark_phase, record_cpu_memory
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    protrain_fx.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _step(compiled, optimizer, batch, mark=lambda _phase: None):
     mark("forward")
     loss = compiled(*batch)
