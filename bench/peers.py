@@ -104,6 +104,12 @@ def _build_fsdp2(cfg):
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
+    # Materialise on the CPU, where CPUOffloadPolicy keeps parameters; to_empty unties the tied
+    # embedding / LM head, so tie again before initialising (else the model is not the one the
+    # other systems train: seen on 2026-11-30 as a higher loss).
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.reset_parameters()
     _checkpoint_blocks(model)
     policy = dict(
         offload_policy=CPUOffloadPolicy(pin_memory=True),
@@ -112,8 +118,6 @@ def _build_fsdp2(cfg):
     for block in model.blocks:
         fully_shard(block, **policy)
     fully_shard(model, **policy)
-    model.to_empty(device="cpu")
-    model.reset_parameters()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
     def step(idx, targets):

@@ -201,6 +201,11 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight
         self.reset_parameters()
 
+    def tie_weights(self) -> None:
+        """Share the token embedding with the LM head again (``to_empty`` after a ``meta`` build
+        gives each module its own new tensor, untying them)."""
+        self.lm_head.weight = self.wte.weight
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2L)."""

@@ -21,7 +21,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from protrain_fx.capture import CapturedGraph, new_record
-from protrain_fx.config import ProtrainConfig, parse_options
+from protrain_fx.config import parse_options
 from protrain_fx.passes.memory import StepGraphs
 from protrain_fx.passes.inductor_memory import read_inductor_plan
 from protrain_fx.pipeline import refine_memory_for_inductor, run_step_passes

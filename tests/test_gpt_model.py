@@ -124,3 +124,14 @@ def test_random_batch() -> None:
     torch.testing.assert_close(idx, again)
     with pytest.raises(ValueError):
         random_batch(config, 1, config.block_size + 1)
+
+
+def test_tie_weights_after_meta_build():
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    model.to_empty(device="cpu")
+    assert model.lm_head.weight is not model.wte.weight  # what to_empty does
+    model.tie_weights()
+    model.reset_parameters()
+    assert model.lm_head.weight is model.wte.weight
+    assert sum(p.numel() for p in model.parameters()) == num_params(gpt_config("tiny"))
