@@ -47,10 +47,21 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = N
             "; ".join(record.graph_breaks_after),
         )
     if config.verbose:
-        log.setLevel(logging.INFO)
+        _log_to_stderr()
     if config.codegen == "eager":
         return _compile_eager(gm, example_inputs, record)
     return _compile_inductor(gm, example_inputs, record)
+
+
+def _log_to_stderr() -> None:
+    """``verbose=True``: one line per pass on stderr (once per process; logging config is the user's
+    otherwise)."""
+    if not any(getattr(h, "_protrain", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        handler._protrain = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 class _Partitioner(CustomPartitionerFn):

@@ -83,3 +83,10 @@ def test_budget_below_prediction_warns(caplog):
     assert any("over its memory budget of" in r.getMessage() for r in caplog.records)
     table = protrain_fx.step_report().block_table()
     assert "budget 1.00 MiB: DOES NOT FIT" in table
+
+
+def test_verbose_prints_one_line_per_pass(capfd):
+    model, batch = example("tiny", batch_size=2, seq_len=16)
+    torch.compile(model, backend="protrain", options={"codegen": "eager", "verbose": True})(*batch).backward()
+    err = capfd.readouterr().err
+    assert "attribute_blocks" in err and "analyze_memory" in err and "predicted peak" in err
