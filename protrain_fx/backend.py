@@ -24,7 +24,7 @@ from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.passes.memory import StepGraphs
 from protrain_fx.passes.inductor_memory import read_inductor_plan
-from protrain_fx.pipeline import refine_memory_for_inductor, run_step_passes
+from protrain_fx.pipeline import refine_memory_for_inductor, run_joint_passes, run_step_passes
 
 log = logging.getLogger("protrain_fx")
 
@@ -74,9 +74,11 @@ class _Partitioner(CustomPartitionerFn):
         kwargs.setdefault("compiler", "inductor")
         static = kwargs.get("static_lifetime_input_indices") or []
         num_fwd_outputs = kwargs["num_fwd_outputs"]
-        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         record = self.record
-        record.joint, record.forward, record.backward = joint, forward, backward
+        record.joint = joint
+        run_joint_passes(record)  # the plan's tags, which the partitioner acts on
+        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        record.forward, record.backward = forward, backward
         record.step = _step_graphs(forward, backward, num_fwd_outputs, set(static))
         run_step_passes(record)
         return forward, backward

@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
+
+if TYPE_CHECKING:
+    from protrain_fx.plan import Plan
 
 Codegen = Literal["inductor", "eager"]
 OptimizerKind = Literal["adamw", "adam", "sgd", "sgd_momentum", "none"]
@@ -82,6 +85,8 @@ class ProtrainConfig:
         keep_node_order: with Inductor, turn off its ``reorder_for_peak_memory`` so the kernels run in
             the order our analysis (and later our rewrites) assumed.
         verbose: log one line per captured graph and per pass.
+        plan: an activation plan given by hand (per block: none / checkpoint), applied to every
+            captured graph; see ``protrain_fx.plan``.
     """
 
     memory_budget_bytes: int | None = None
@@ -89,6 +94,7 @@ class ProtrainConfig:
     optimizer: OptimizerKind = "adamw"
     keep_node_order: bool = True
     verbose: bool = False
+    plan: "Plan | None" = None
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes is not None:  # "24GiB" given to the class directly
@@ -119,6 +125,7 @@ _OPTION_FIELDS = {
     "optimizer": "optimizer",
     "keep_node_order": "keep_node_order",
     "verbose": "verbose",
+    "plan": "plan",
 }
 
 
@@ -138,6 +145,10 @@ def parse_options(options: Mapping[str, Any] | None) -> ProtrainConfig:
             )
         if key == "memory_budget" and value is not None:
             value = parse_bytes(value, option="memory_budget")
+        if key == "plan" and value is not None:
+            from protrain_fx.plan import parse_plan
+
+            value = parse_plan(value)
         kwargs[_OPTION_FIELDS[key]] = value
     return ProtrainConfig(**kwargs).validate()
 

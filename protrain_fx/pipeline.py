@@ -2,6 +2,13 @@
 
 Order (one line per pass; a comment where order matters):
 
+On the joint graph, before partitioning:
+
+0. ``annotate_plan`` — tag the forward nodes of checkpointed blocks (only with a plan; must run
+   before the partitioner, which acts on the tags).
+
+On the partitioned graphs:
+
 1. ``attribute_blocks`` — block and phase of every forward/backward node (analysis; every later pass
    reads ``meta.BLOCK``).
 2. ``analyze_memory`` — liveness, timeline and peak of the whole step (analysis; needs blocks for its
@@ -23,7 +30,8 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from protrain_fx.capture import CapturedGraph, PassRecord
-from protrain_fx.passes.blocks import attribute_blocks
+from protrain_fx.passes.annotate import annotate_plan
+from protrain_fx.passes.blocks import attribute_blocks, find_blocks
 from protrain_fx.passes.inductor_memory import analyze_inductor_memory
 from protrain_fx.passes.memory import analyze_memory
 from protrain_fx.readable import format_graph, readable_graphs
@@ -47,6 +55,8 @@ class PassRunner:
         start = time.perf_counter()
         try:
             result = fn()
+        except ValueError as e:  # the user's settings (a plan naming an unknown block, ...): keep the type
+            raise ValueError(f"protrain_fx: {e} (in pass {name!r} on graph {self.record.index})") from e
         except Exception as e:
             raise RuntimeError(
                 f"protrain_fx: pass {name!r} failed on graph {self.record.index} (after {self.previous!r}): {e}"
@@ -71,10 +81,27 @@ class PassRunner:
         ]
         if name == "capture":
             graphs = [("dynamo", self.record.dynamo_graph), ("joint", self.record.joint)] + graphs
+        elif self.record.forward is None:  # a pass on the joint graph, before partitioning
+            graphs = [("joint", self.record.joint)]
         for kind, gm in graphs:
             if gm is not None:
                 path = self.dump_dir / f"{self.count:02d}_{name}_{kind}.txt"
                 path.write_text(format_graph(gm, title=f"graph {self.record.index} {kind} after {name}"))
+
+
+def run_joint_passes(record: CapturedGraph) -> None:
+    """Passes on the joint graph, before the partitioner: today, writing the plan onto it."""
+    plan = record.config.plan
+    if plan is None or record.joint is None:
+        return
+    runner = PassRunner(record, os.environ.get(DUMP_DIR_ENV) or None)
+    info = find_blocks([record.joint])
+    runner.run(
+        "annotate_plan",
+        lambda: annotate_plan(record.joint, plan, info),
+        lambda n: f"{n} forward nodes tagged for recompute in {len(plan.blocks_with('checkpoint'))} "
+        f"checkpointed block(s)",
+    )
 
 
 def run_step_passes(record: CapturedGraph) -> None:

@@ -103,7 +103,7 @@ def find_blocks(graphs: Sequence[fx.GraphModule]) -> BlockInfo:
     return BlockInfo(container=container, layer_class=cls, labels=tuple(labels))
 
 
-def _own_block(node: fx.Node, info: BlockInfo) -> str | None:
+def own_block(node: fx.Node, info: BlockInfo) -> str | None:
     labels = set(info.labels)
     for path, _ in _stack(node):
         for label in labels:
@@ -139,9 +139,9 @@ def attribute_blocks(
         for node in nodes:
             node.meta[meta.PHASE] = phase
             if node.op in ("placeholder", "output"):
-                block = _own_block(node, info)  # saved values keep their forward module stack
+                block = own_block(node, info)  # saved values keep their forward module stack
             else:
-                block = _own_block(node, info) or _inferred_block(node, phase, by_seq)
+                block = own_block(node, info) or _inferred_block(node, phase, by_seq, info)
             if block is not None:
                 node.meta[meta.BLOCK] = block
                 if phase == "forward" and node.op != "placeholder" and "seq_nr" in node.meta:
@@ -150,13 +150,14 @@ def attribute_blocks(
     return info
 
 
-def _inferred_block(node: fx.Node, phase: str, by_seq: dict[int, str]) -> str:
+def _inferred_block(node: fx.Node, phase: str, by_seq: dict[int, str], info: BlockInfo) -> str:
     """Block of a compute node that carries no module stack."""
     producers = [a for a in node.all_input_nodes if a.op != "placeholder" and meta.BLOCK in a.meta]
     if node.target is operator.getitem and producers:
         return producers[0].meta[meta.BLOCK]
     if phase == "forward":
-        return meta.OUTSIDE  # the model's own forward, outside every submodule
+        wrapped = _rng_wrapper_block(node, info)
+        return wrapped or meta.OUTSIDE  # else: the model's own forward, outside every submodule
     if node.target is torch.ops.aten.add.Tensor and len(producers) == 2:
         blocks = {p.meta[meta.BLOCK] for p in producers}
         if len(blocks) == 1 and meta.OUTSIDE not in blocks:
@@ -165,6 +166,19 @@ def _inferred_block(node: fx.Node, phase: str, by_seq: dict[int, str]) -> str:
         return by_seq[node.meta["seq_nr"]]
     blocks = {p.meta[meta.BLOCK] for p in producers}
     return blocks.pop() if len(blocks) == 1 else meta.OUTSIDE
+
+
+_RNG_WRAPPERS = ("run_and_save_rng_state", "run_with_rng_state")
+
+
+def _rng_wrapper_block(node: fx.Node, info: BlockInfo) -> str | None:
+    """The partitioner wraps a recomputed random op (e.g. attention) in ``run_and_save_rng_state``
+    without module metadata: the wrapper belongs where the consumers of its results are."""
+    if getattr(node.target, "__name__", "") not in _RNG_WRAPPERS:
+        return None
+    blocks = {own_block(user, info) for item in node.users for user in item.users}
+    blocks.discard(None)
+    return blocks.pop() if len(blocks) == 1 else None
 
 
 def _fill_placeholders(nodes: Iterable[fx.Node]) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from protrain_fx import meta
 from protrain_fx.passes.memory import (
     MemoryAnalysis,
     StepGraphs,
@@ -206,7 +207,7 @@ def analyze_inductor_memory(
                 node = bw_nodes_by_name.get(name)
                 val = node.meta.get("val") if node is not None else None
                 if isinstance(val, torch.Tensor) and val.device == device:
-                    nbytes = _round(val.untyped_storage().nbytes(), granule)
+                    nbytes = _round(meta.storage_nbytes(val), granule)
                     buf = _node_buffer(("tangent", name), nbytes, "transient", node, n_fw)
                     buffers.append(buf)
                     walker.bind(name, buf)
