@@ -10,6 +10,11 @@ its reason.
     python bench/peers.py --sizes 350M 760M --out OUT            # every system at each size
     python bench/peers.py --ladder --sizes 350M 760M 1.3B --out OUT  # per system, up to its first failure
 
+DeepSpeed is benchmark-only and not on the GPU machine: build its wheel and its pure-Python needs
+into the git-ignored ``.whl/`` as ``../shared/anchors.md`` says, carry ``.whl`` with the device call,
+and start the command with ``python3 -m pip install -q --no-index --no-deps --target /tmp/site
+.whl/*.whl && export PYTHONPATH=/tmp/site``; without it the ``deepspeed`` run records the import error.
+
 Systems: protrain (``torch.compile(backend="protrain")``, today with no rewrites), eager, eager_ac
 (every block checkpointed), compile, compile_amb0 / compile_amb05 (``activation_memory_budget`` 0 and
 0.5), fsdp2 (FSDP2 ``CPUOffloadPolicy`` + AC, world size 1), deepspeed (ZeRO-3, parameters and
