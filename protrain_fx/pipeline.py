@@ -11,7 +11,9 @@ On the partitioned graphs:
 
 1. ``attribute_blocks`` — block and phase of every forward/backward node (analysis; every later pass
    reads ``meta.BLOCK``).
-2. ``analyze_memory`` — liveness, timeline and peak of the whole step (analysis; needs blocks for its
+2. ``swap_activations`` — saved values of swapped blocks go to host memory and come back (only with a
+   plan that swaps; rewrites both graphs, so it runs before the memory analysis).
+3. ``analyze_memory`` — liveness, timeline and peak of the whole step (analysis; needs blocks for its
    per-block table).
 
 Rewrites (checkpoint, swap, chunks) join this list in later releases. The runner times each pass,
@@ -34,6 +36,7 @@ from protrain_fx.passes.annotate import annotate_plan
 from protrain_fx.passes.blocks import attribute_blocks, find_blocks
 from protrain_fx.passes.inductor_memory import analyze_inductor_memory
 from protrain_fx.passes.memory import analyze_memory
+from protrain_fx.passes.swap import swap_pass
 from protrain_fx.readable import format_graph, readable_graphs
 
 log = logging.getLogger("protrain_fx")
@@ -114,6 +117,13 @@ def run_step_passes(record: CapturedGraph) -> None:
         lambda: attribute_blocks(forward, record.backward),
         lambda info: f"{len(info.labels)} blocks of {info.layer_class or '-'} under {info.container or '-'}",
     )
+    plan = record.config.plan
+    if plan is not None and plan.blocks_with("swap") and record.backward is not None:
+        runner.run(
+            "swap_activations",
+            lambda: swap_pass(record.forward, record.backward, plan, record.step.num_user_outputs),
+            lambda n: f"{n} saved values offloaded to host memory and reloaded for backward",
+        )
     if record.step is not None:
         record.memory = runner.run(
             "analyze_memory",

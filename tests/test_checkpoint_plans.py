@@ -43,10 +43,10 @@ def _train(plan: Plan | None, codegen: str = "eager", steps: int = 2):
     return record, (loss, grads), (ref_loss, ref_grads)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_checkpoint_plans_are_bit_exact(seed):
+@pytest.mark.parametrize("seed", range(8))
+def test_random_plans_are_bit_exact(seed):
     rng = random.Random(seed)
-    plan = Plan(blocks={label: rng.choice(["none", "checkpoint"]) for label in LABELS})
+    plan = Plan(blocks={label: rng.choice(["none", "checkpoint", "swap"]) for label in LABELS})
     _, (loss, grads), (ref_loss, ref_grads) = _train(plan)
     assert torch.equal(loss, ref_loss)
     for g, r in zip(grads, ref_grads):
@@ -89,7 +89,7 @@ def test_checkpointed_blocks_save_less_and_recompute():
 
 
 def test_interleaved_plan_with_inductor_matches_eager():
-    plan = interleaved(LABELS, n_swap=0, n_checkpoint=2)
+    plan = interleaved(LABELS, n_swap=1, n_checkpoint=2)
     _, (loss, grads), (ref_loss, ref_grads) = _train(plan, codegen="inductor", steps=1)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     for g, r in zip(grads, ref_grads):
@@ -100,7 +100,6 @@ def test_interleaved_plan_with_inductor_matches_eager():
     ("blocks", "message"),
     [
         ({"blocks.9": "checkpoint"}, "blocks.9"),
-        ({"blocks.0": "swap"}, "swap"),
     ],
 )
 def test_bad_plans_raise_value_error_naming_the_problem(blocks, message):
@@ -110,3 +109,26 @@ def test_bad_plans_raise_value_error_naming_the_problem(blocks, message):
     with pytest.raises(Exception) as info:
         compiled(*batch)
     assert message in str(info.value)
+
+
+def test_swapped_blocks_reload_every_saved_value_before_use():
+    plan = Plan(blocks={"blocks.1": "swap", "blocks.3": "swap"})
+    record, (loss, grads), (ref_loss, ref_grads) = _train(plan, steps=1)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    offloads = [n for n in record.forward.graph.nodes if n.target is torch.ops.protrain.offload.default]
+    reloads = [n for n in record.backward.graph.nodes if n.target is torch.ops.protrain.reload.default]
+    assert offloads and len(offloads) == len(reloads)
+    assert {n.meta[meta.BLOCK] for n in offloads} == {"blocks.1", "blocks.3"}
+    fw_out = next(n for n in reversed(record.forward.graph.nodes) if n.op == "output").args[0]
+    fw_order = {n: i for i, n in enumerate(record.forward.graph.nodes)}
+    for host in offloads:
+        assert host in fw_out  # the host copy, not the device value, crosses to backward
+        (value,) = host.args
+        assert value not in fw_out
+        # offloaded right after the value's last forward use
+        assert all(fw_order[u] < fw_order[host] for u in value.users if u is not host)
+    order = {n: i for i, n in enumerate(record.backward.graph.nodes)}
+    for reload in reloads:
+        (host_input,) = reload.args[:1]
+        assert host_input.op == "placeholder" and list(host_input.users) == [reload]  # nothing reads the host copy
+        assert all(order[u] > order[reload] for u in reload.users)  # reloaded before its first use

@@ -18,16 +18,10 @@ from protrain_fx.plan import Plan
 def annotate_plan(joint: fx.GraphModule, plan: Plan, info: BlockInfo) -> int:
     """Tag the forward nodes of checkpointed blocks; returns how many nodes were tagged.
 
-    Raises ``ValueError`` for a plan naming a block the graph does not have, or asking for a
-    policy this release cannot execute yet (swap).
+    Raises ``ValueError`` for a plan naming a block the graph does not have, or per-tensor overrides
+    (not executed yet). Swapped blocks are left to ``swap_pass`` after partitioning.
     """
     plan.validate(info.labels)
-    swapped = plan.blocks_with("swap")
-    if swapped or any(p == "swap" for p in plan.tensors.values()):
-        raise ValueError(
-            f"plan swaps activations ({', '.join(swapped) or 'per-tensor overrides'}), which this release "
-            "cannot execute yet; use 'checkpoint' or 'none' for those blocks"
-        )
     if plan.tensors:
         raise ValueError("per-tensor plan overrides are not supported yet; give per-block policies only")
     graph_id = {label: i + 1 for i, label in enumerate(info.labels)}

@@ -45,7 +45,8 @@ class PlanRow:
     ``(buffer name, bytes)``, names it releases, and reuses ``(old name, new name)`` in order."""
 
     context: str
-    actions: list[tuple[str, str, Any]] = field(default_factory=list)  # ("alloc"|"free"|"alias", a, b)
+    # ("alloc", name, (bytes, device type)) | ("free", name, None) | ("alias", old name, new name)
+    actions: list[tuple[str, str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -64,9 +65,10 @@ def read_inductor_plan(graph: Any, phase: str) -> GraphPlan:
     from torch._inductor.ir import MultiOutputLayout
     from torch._inductor.utils import LineContext
 
-    def nbytes(node: Any) -> int:
+    def nbytes(node: Any) -> tuple[int, str]:
         size = graph.sizevars.size_hint(graph.get_allocation_storage_size(node), fallback=0)
-        return int(size) * node.get_dtype().itemsize
+        device = node.get_device()
+        return int(size) * node.get_dtype().itemsize, device.type if device is not None else "cpu"
 
     rows = [PlanRow("<start>")]
     for line in graph.wrapper_code.lines:
@@ -126,7 +128,8 @@ class _PlanWalker:
         if self.refs[id(buf)] == 0 and not buf.persistent:
             buf.last_use = max(buf.last_use, at)
 
-    def walk(self, plan: GraphPlan, offset: int, nodes: dict[str, fx.Node], granule: int, keep: set[str]) -> int:
+    def walk(self, plan: GraphPlan, offset: int, nodes: dict[str, fx.Node], granule: int, keep: set[str],
+             device_type: str) -> int:
         """Apply ``plan``'s rows from entry ``offset``; returns the number of rows. Names in ``keep``
         (the graph's outputs) survive the graph; every other name dies when the graph returns."""
         for i, row in enumerate(plan.rows):
@@ -134,7 +137,9 @@ class _PlanWalker:
             node = nodes.get(row.context)
             for action, a, b in row.actions:
                 if action == "alloc":
-                    buf = _node_buffer(("plan", plan.phase, a), _round(b, granule), "transient", node, at)
+                    if b[1] != device_type:  # e.g. a host copy made by an offload op
+                        continue
+                    buf = _node_buffer(("plan", plan.phase, a), _round(b[0], granule), "transient", node, at)
                     self.buffers.append(buf)
                     self.bind(a, buf)
                 elif action == "alias" and a in self.storage_of:
@@ -183,7 +188,8 @@ def analyze_inductor_memory(
     for name in fw_plan.inputs:
         for buf in state.by_placeholder.get(name, [])[:1]:
             walker.bind(name, buf)
-    walker.walk(fw_plan, 0, fw_nodes_by_name, granule, keep=set(fw_plan.outputs) | set(fw_plan.inputs))
+    walker.walk(fw_plan, 0, fw_nodes_by_name, granule, keep=set(fw_plan.outputs) | set(fw_plan.inputs),
+                device_type=device.type)
     fw_out_nodes = _output_args(step.forward)
     if len(fw_out_nodes) != len(fw_plan.outputs):
         raise ValueError(
@@ -211,7 +217,7 @@ def analyze_inductor_memory(
                     buf = _node_buffer(("tangent", name), nbytes, "transient", node, n_fw)
                     buffers.append(buf)
                     walker.bind(name, buf)
-        walker.walk(bw_plan, n_fw, bw_nodes_by_name, granule, keep=set(bw_plan.outputs))
+        walker.walk(bw_plan, n_fw, bw_nodes_by_name, granule, keep=set(bw_plan.outputs), device_type=device.type)
         for out_name in bw_plan.outputs:
             buf = walker.storage_of.get(out_name) if out_name is not None else None
             if buf is not None and not buf.persistent and buf.alloc >= n_fw:
