@@ -76,7 +76,10 @@ class _Partitioner(CustomPartitionerFn):
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         record = self.record
         record.joint = joint
-        run_joint_passes(record)  # the plan's tags, which the partitioner acts on
+        primals = [n.name for n in joint.graph.nodes if n.op == "placeholder"]
+        parameters = {primals[i] for i in static if i < len(primals)}
+        # The plan's tags, which the partitioner acts on.
+        run_joint_passes(record, parameter_names=parameters, num_fwd_outputs=num_fwd_outputs)
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         record.forward, record.backward = forward, backward
         record.step = _step_graphs(forward, backward, num_fwd_outputs, set(static))

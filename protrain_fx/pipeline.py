@@ -92,7 +92,7 @@ class PassRunner:
                 path.write_text(format_graph(gm, title=f"graph {self.record.index} {kind} after {name}"))
 
 
-def run_joint_passes(record: CapturedGraph) -> None:
+def run_joint_passes(record: CapturedGraph, *, parameter_names: set[str], num_fwd_outputs: int) -> None:
     """Passes on the joint graph, before the partitioner: today, writing the plan onto it."""
     plan = record.config.plan
     if plan is None or record.joint is None:
@@ -101,9 +101,15 @@ def run_joint_passes(record: CapturedGraph) -> None:
     info = find_blocks([record.joint])
     runner.run(
         "annotate_plan",
-        lambda: annotate_plan(record.joint, plan, info),
-        lambda n: f"{n} forward nodes tagged for recompute in {len(plan.blocks_with('checkpoint'))} "
-        f"checkpointed block(s)",
+        lambda: annotate_plan(
+            record.joint,
+            plan,
+            info,
+            parameter_names=frozenset(parameter_names),
+            num_fwd_outputs=num_fwd_outputs,
+        ),
+        lambda n: f"{n} forward nodes tagged ({len(plan.blocks_with('checkpoint'))} checkpointed block(s), "
+        f"{len(plan.tensors)} per-tensor override(s))",
     )
 
 
@@ -118,7 +124,8 @@ def run_step_passes(record: CapturedGraph) -> None:
         lambda info: f"{len(info.labels)} blocks of {info.layer_class or '-'} under {info.container or '-'}",
     )
     plan = record.config.plan
-    if plan is not None and plan.blocks_with("swap") and record.backward is not None:
+    swaps = plan is not None and (plan.blocks_with("swap") or "swap" in plan.tensors.values())
+    if swaps and record.backward is not None:
         runner.run(
             "swap_activations",
             lambda: swap_pass(record.forward, record.backward, plan, record.step.num_user_outputs),

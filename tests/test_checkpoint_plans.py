@@ -132,3 +132,58 @@ def test_swapped_blocks_reload_every_saved_value_before_use():
         (host_input,) = reload.args[:1]
         assert host_input.op == "placeholder" and list(host_input.users) == [reload]  # nothing reads the host copy
         assert all(order[u] > order[reload] for u in reload.users)  # reloaded before its first use
+
+
+def _saved_values(record, block):
+    """Names of contiguous tensors the forward graph saves for backward, made in ``block``."""
+    out = next(n for n in reversed(record.forward.graph.nodes) if n.op == "output")
+    return [
+        a.name for a in list(out.args[0])[record.step.num_user_outputs:]
+        if isinstance(a, torch.fx.Node) and a.op == "call_function" and a.meta.get(meta.BLOCK) == block
+        and a.meta["val"].is_contiguous()
+    ]
+
+
+def test_per_tensor_overrides_swap_and_recompute_single_values():
+    baseline, _, _ = _train(None, steps=1)
+    saved = _saved_values(baseline, "blocks.0")
+    # A plain activation, and a layer norm statistic (a getitem: its op is recomputed whole).
+    swap_name = next(name for name in saved if name.startswith("add"))
+    recompute_name = next(name for name in saved if name.startswith("getitem"))
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    plan = Plan(blocks={}, tensors={swap_name: "swap", recompute_name: "recompute"})
+    record, (loss, grads), (ref_loss, ref_grads) = _train(plan, steps=1)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    offloads = [n for n in record.forward.graph.nodes if n.target is torch.ops.protrain.offload.default]
+    assert [n.args[0].name for n in offloads] == [swap_name]
+    assert recompute_name not in _saved_values(record, "blocks.0")
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ({"primals_2": "swap"}, "primals_2"),  # a parameter
+        ({"no_such_value": "swap"}, "no_such_value"),
+    ],
+)
+def test_bad_tensor_overrides_name_the_tensor(tensors, message):
+    model = GPT(CONFIG)
+    batch = random_batch(CONFIG, 2, 16)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "plan": Plan(blocks={}, tensors=tensors)})
+    with pytest.raises(Exception) as info:
+        compiled(*batch)
+    assert message in str(info.value)
+
+
+def test_swapping_a_value_returned_to_the_user_is_refused():
+    baseline, _, _ = _train(None, steps=1)
+    out = next(n for n in reversed(baseline.forward.graph.nodes) if n.op == "output")
+    loss_name = out.args[0][0].name
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(GPT(CONFIG), backend="protrain",
+                             options={"codegen": "eager", "plan": Plan(blocks={}, tensors={loss_name: "swap"})})
+    with pytest.raises(Exception) as info:
+        compiled(*random_batch(CONFIG, 2, 16))
+    assert loss_name in str(info.value) and "returns it to the user" in str(info.value)

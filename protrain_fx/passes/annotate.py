@@ -8,6 +8,8 @@ output), with its tested recompute machinery (RNG functionalisation, backward re
 
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -15,23 +17,57 @@ from protrain_fx.passes.blocks import BlockInfo, own_block
 from protrain_fx.plan import Plan
 
 
-def annotate_plan(joint: fx.GraphModule, plan: Plan, info: BlockInfo) -> int:
-    """Tag the forward nodes of checkpointed blocks; returns how many nodes were tagged.
+def annotate_plan(
+    joint: fx.GraphModule,
+    plan: Plan,
+    info: BlockInfo,
+    *,
+    parameter_names: frozenset[str] = frozenset(),
+    num_fwd_outputs: int = 0,
+) -> int:
+    """Tag the joint graph for the partitioner; returns how many nodes were tagged.
 
-    Raises ``ValueError`` for a plan naming a block the graph does not have, or per-tensor overrides
-    (not executed yet). Swapped blocks are left to ``swap_pass`` after partitioning.
+    Forward nodes of checkpointed blocks: ``MUST_RECOMPUTE`` with the block's ``ac_graph_id``.
+    Per-tensor overrides name forward values: ``recompute`` tags it ``MUST_RECOMPUTE``, ``keep`` and
+    ``swap`` tag it ``MUST_SAVE`` (a swapped value must be saved to be swapped; ``swap_pass`` moves
+    it after partitioning) and win over the block's policy. Raises ``ValueError`` naming an unknown
+    block or tensor, a parameter, or a value the forward returns to the user (which is not saved).
     """
-    plan.validate(info.labels)
-    if plan.tensors:
-        raise ValueError("per-tensor plan overrides are not supported yet; give per-block policies only")
+    forward_nodes = {
+        n.name: n
+        for n in joint.graph.nodes
+        if n.op != "output" and n.meta.get("partitioner_tag") != "is_backward"
+    }
+    plan.validate(info.labels, tensor_names=forward_nodes if plan.tensors else None)
+    out = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    user_outputs = {a.name for a in list(out.args[0])[:num_fwd_outputs] if isinstance(a, fx.Node)}
+    for name, policy in plan.tensors.items():
+        node = forward_nodes[name]
+        if name in parameter_names or node.op == "placeholder":
+            raise ValueError(f"plan: cannot {policy} {name!r}: it is a model input (parameter or input), not an activation")
+        if name in user_outputs and policy != "keep":
+            raise ValueError(f"plan: cannot {policy} {name!r}: the forward returns it to the user")
+    overrides = dict(plan.tensors)
+    for name, policy in plan.tensors.items():
+        node = forward_nodes[name]
+        if policy == "recompute" and node.target is operator.getitem:
+            # A multi-output op is recomputed whole: its results come back together.
+            producer = node.args[0]
+            overrides[producer.name] = policy
+            overrides.update({user.name: policy for user in producer.users if user.target is operator.getitem})
     graph_id = {label: i + 1 for i, label in enumerate(info.labels)}
     tagged = 0
-    for node in joint.graph.nodes:
-        if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
+    for name, node in forward_nodes.items():
+        if node.op != "call_function":
             continue
         block = own_block(node, info)
-        if block is not None and plan.policy(block) == "checkpoint":
+        override = overrides.get(name)
+        if override in ("keep", "swap"):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        elif override == "recompute" or (override is None and block is not None and plan.policy(block) == "checkpoint"):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = graph_id[block]
-            tagged += 1
+            node.meta["ac_graph_id"] = graph_id.get(block, len(graph_id) + 1)
+        else:
+            continue
+        tagged += 1
     return tagged

@@ -22,7 +22,7 @@ MADE_BY = "protrain_made_by"
 
 def swap_pass(forward: fx.GraphModule, backward: fx.GraphModule, plan: Plan, num_user_outputs: int) -> int:
     swapped_blocks = set(plan.blocks_with("swap"))
-    if not swapped_blocks:
+    if not swapped_blocks and "swap" not in plan.tensors.values():
         return 0
     out_node = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
     outputs = list(out_node.args[0])
@@ -30,13 +30,16 @@ def swap_pass(forward: fx.GraphModule, backward: fx.GraphModule, plan: Plan, num
     fw_order = {n: i for i, n in enumerate(forward.graph.nodes)}
     bw_order = {n: i for i, n in enumerate(backward.graph.nodes)}
     count = 0
+    swapped: set[str] = set()
     for j, value in enumerate(outputs):
         if j < num_user_outputs or not isinstance(value, fx.Node) or value.op == "placeholder":
             continue
         block = value.meta.get(meta.BLOCK)
         val = value.meta.get("val")
         target = bw_inputs.get(value.name)
-        if block not in swapped_blocks or target is None or not isinstance(val, torch.Tensor):
+        override = plan.tensors.get(value.name)
+        wanted = override == "swap" or (override is None and block in swapped_blocks)
+        if not wanted or target is None or not isinstance(val, torch.Tensor):
             continue
         if not val.is_contiguous() or not target.users:
             continue
@@ -60,7 +63,14 @@ def swap_pass(forward: fx.GraphModule, backward: fx.GraphModule, plan: Plan, num
             device_copy.meta["val"] = torch.ops.protrain.reload.default(host.meta["val"], val.device)
         _tag(device_copy, value, "backward")
         target.replace_all_uses_with(device_copy, delete_user_cb=lambda user: user is not device_copy)
+        swapped.add(value.name)
         count += 1
+    asked = {name for name, policy in plan.tensors.items() if policy == "swap"}
+    if asked - swapped:
+        raise ValueError(
+            f"plan: cannot swap {sorted(asked - swapped)}: not saved for backward as a contiguous "
+            "tensor (only values the forward graph saves, not views, can be swapped)"
+        )
     out_node.args = (tuple(outputs),)
     for gm in (forward, backward):
         gm.graph.lint()
