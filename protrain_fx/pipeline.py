@@ -4,8 +4,8 @@ Order (one line per pass; a comment where order matters):
 
 On the joint graph, before partitioning:
 
-0. ``annotate_plan`` — tag the forward nodes of checkpointed blocks (only with a plan; must run
-   before the partitioner, which acts on the tags).
+0. ``annotate_plan`` — recompute / save tags from the plan (only with a plan; must run before the
+   partitioner, which acts on the tags).
 
 On the partitioned graphs:
 
@@ -16,7 +16,11 @@ On the partitioned graphs:
 3. ``analyze_memory`` — liveness, timeline and peak of the whole step (analysis; needs blocks for its
    per-block table).
 
-Rewrites (checkpoint, swap, chunks) join this list in later releases. The runner times each pass,
+With Inductor, once it has compiled the graphs:
+
+4. ``analyze_inductor_memory`` — the same analysis from Inductor's own allocation plan.
+
+Parameter chunk rewrites join this list in later releases. The runner times each pass,
 logs one line per pass, wraps errors with the pass name and, when ``PROTRAIN_DUMP_DIR`` is set, writes
 the graphs after each pass into numbered files: ``<dir>/graph<N>/<NN>_<pass>_<forward|backward>.txt``.
 """
@@ -116,6 +120,7 @@ def run_joint_passes(record: CapturedGraph, *, parameter_names: set[str], num_fw
 def run_step_passes(record: CapturedGraph) -> None:
     """Run the pass list on a captured step (train graphs or an inference graph)."""
     runner = PassRunner(record, os.environ.get(DUMP_DIR_ENV) or None)
+    runner.count = len(record.passes)  # after the joint-graph passes' dumps
     runner.dump("capture")
     forward = record.forward if record.forward is not None else record.inference
     record.blocks = runner.run(
