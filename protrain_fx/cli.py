@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ins.add_argument("--option", action="append", default=[], help="key=value backend option (e.g. codegen=eager)")
     ins.add_argument("--graphs", action="store_true", help="print the readable forward and backward graphs")
     ins.add_argument("--time", action="store_true", help="measure the time share of each block")
+    ins.add_argument("--chunks", action="store_true", help="print the parameter chunk layout")
     ins.add_argument("--timeline", metavar="DIR", help="write the predicted timeline files into DIR")
     args = parser.parse_args(argv)
 
@@ -61,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     report = inspect_model(model, *inputs, options=_pairs(args.option, "--option"), measure_time=args.time)
     print(report.summary())
+    if args.chunks:
+        print("\n" + report.chunk_layout().table())
     if args.graphs:
         for g in report.graphs:
             for kind in ("forward", "backward"):

@@ -115,6 +115,16 @@ class StepReport:
             lines.insert(1, f"  budget {human_bytes(budget)}: {verdict}")
         return "\n".join(lines)
 
+    def chunk_layout(self, index: int | None = None):
+        """The parameter chunk layout (``protrain_fx.chunks``) this graph's parameters would get."""
+        from protrain_fx.chunks import choose_layout
+        from protrain_fx.passes.params import parameter_infos
+
+        graph = self._graph(index)
+        if graph.step is None:
+            raise ValueError(f"graph {graph.index} was not analysed")
+        return choose_layout(parameter_infos(graph.step, graph.dynamo_graph))
+
     def summary(self) -> str:
         """All graphs: kinds, graph breaks, and the block table of each training graph."""
         lines = [f"protrain_fx: {len(self.graphs)} graph(s) captured, {len(self.graph_breaks)} graph break(s)"]

@@ -81,3 +81,18 @@ def test_a_parameter_larger_than_every_candidate_gets_chunks_of_its_size():
     layout = choose_layout(params)
     assert layout.chunk_bytes == 300 * MiB
     _check(layout, params)
+
+
+def test_layout_of_a_captured_gpt():
+    from examples.gpt import example
+    from protrain_fx.passes.params import readable_param_name
+    from protrain_fx.report import inspect_model
+
+    model, batch = example("tiny", batch_size=2, seq_len=16)
+    layout = inspect_model(model, *batch, options={"codegen": "eager"}).chunk_layout()
+    names = [name for c in layout.chunks for s in c.slots for name in s.param.names]
+    expected = {n for n, _ in model.named_parameters()}  # the tied LM head is listed once, as wte
+    assert set(names) == expected and len(names) == len(expected)
+    assert names.index("blocks.0.ln_1.weight") < names.index("blocks.1.ln_1.weight")
+    assert sum(c.used_bytes for c in layout.chunks) == sum(p.numel() * 4 for p in model.parameters())
+    assert readable_param_name("L_self_modules_blocks_modules_0_modules_ln_1_parameters_weight_") == "blocks.0.ln_1.weight"

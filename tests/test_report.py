@@ -48,12 +48,13 @@ def test_inspect_model_needs_a_scalar():
 def test_cli_inspect_prints_table_graphs_and_writes_timeline(tmp_path, capsys):
     code = cli.main(
         ["inspect", "examples.gpt:example", "--kw", "size=tiny", "--kw", "seq_len=16", "--option", "codegen=eager",
-         "--graphs", "--timeline", str(tmp_path)]
+         "--graphs", "--chunks", "--timeline", str(tmp_path)]
     )
     out = capsys.readouterr().out
     assert code == 0
     assert "blocks.0" in out and "outside" in out and "predicted peak" in out
     assert "aten.addmm.default" in out  # --graphs
+    assert "1 chunks of 32 MiB" in out  # --chunks: the tiny GPT fits one chunk
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == ["timeline.json", "timeline.svg", "timeline_predicted.pickle"]
 
