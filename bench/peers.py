@@ -85,15 +85,25 @@ def build(system: str, cfg, device: str):
             torch._functorch.config.activation_memory_budget = budget
         run = torch.compile(model)
 
+    return _train_step(run, optimizer, autocast=device if device == "cuda" else None), model
+
+
+def _train_step(run, optimizer, autocast: str | None):
+    """Forward (under bf16 autocast on ``autocast``'s device, if given), backward, optimizer step."""
+    import contextlib
+
+    import torch
+
     def step(idx, targets):
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        ctx = torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with ctx:
             loss = run(idx, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    return step, model
+    return step
 
 
 def _build_fsdp2(cfg):
@@ -124,15 +134,7 @@ def _build_fsdp2(cfg):
         fully_shard(block, **policy)
     fully_shard(model, **policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-    def step(idx, targets):
-        loss = model(idx, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return step, model
+    return _train_step(model, optimizer, autocast=None), model  # FSDP2's policy casts to bf16
 
 
 def _build_deepspeed(cfg):

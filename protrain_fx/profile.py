@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from protrain_fx import meta
 from protrain_fx.capture import CapturedGraph
+from protrain_fx.passes.memory import _output_args
 
 
 class _TimedInterpreter(fx.Interpreter):
@@ -72,8 +73,3 @@ def profile_block_times(record: CapturedGraph, *, repeat: int = 3) -> dict[str, 
             best[block] = min(best.get(block, float("inf")), seconds)
     return best
 
-
-def _output_args(gm: fx.GraphModule) -> list:
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    args = out.args[0]
-    return list(args) if isinstance(args, (tuple, list)) else [args]
