@@ -1,0 +1,535 @@
+"""Host side of the parameter chunks: working copy, fp32 master and Adam states per chunk.
+
+Each chunk of a :class:`~protrain_fx.chunks.ChunkLayout` gets flat host buffers (pinned when a GPU
+will stream them), all with the layout's offsets:
+
+========== ============= =====================================================================
+buffer     dtype         holds
+========== ============= =====================================================================
+working    compute dtype the values the GPU fetches -- or, between the chunk's backward and its
+                         optimizer step, the chunk's gradient (see below)
+master     fp32          the authoritative parameter values
+exp_avg    fp32          Adam's first moment (only chunks with a trainable parameter)
+exp_avg_sq fp32          Adam's second moment (idem)
+========== ============= =====================================================================
+
+plus one fp32 scratch gradient of one chunk, shared by all chunks (none when the compute dtype is
+fp32). With bf16 compute that is 2 + 4 + 8 = 14 bytes per parameter.
+
+There is no separate gradient buffer: the master is authoritative, so the working copy is dead from
+the moment the chunk's backward is done until its optimizer step writes the new values back
+(:meth:`ChunkStore.finish_step`); the gradient lands in those bytes and the optimizer converts it
+into the fp32 scratch. While a chunk holds a gradient, a fetch of its values goes through
+:meth:`ChunkStore.params_for_fetch`, which re-derives them from the master (gradient accumulation
+runs forwards between backwards).
+
+Tied parameters (one tensor, several names) are stored once. Frozen parameters
+(``requires_grad=False``) are stored but refuse gradients, so no optimizer steps them.
+
+On a CUDA machine, a gradient coming from the GPU is copied on a side stream and an event marks its
+arrival (:meth:`ChunkStore.wait_grad`); GPU reads of a host buffer (the buffer pool's fetches) are
+reported with :meth:`ChunkStore.note_host_read` so that nothing overwrites the buffer mid-copy. On
+a CPU-only machine every copy is a plain synchronous copy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from protrain_fx.chunks import ChunkLayout
+
+GiB = 2**30
+#: What the store can show per parameter (see the module table).
+BufferKind = Literal["working", "master", "exp_avg", "exp_avg_sq"]
+
+
+class HostMemoryError(MemoryError):
+    """The host cannot hold the chunk store; raised before anything is allocated."""
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One stored parameter: its names (several when tied), where it lives and what it looks like.
+
+    ``offset`` is in elements from the start of the chunk's flat buffers; ``dtype`` is the
+    parameter's own dtype (the store's buffers have their own).
+    """
+
+    names: tuple[str, ...]
+    chunk: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """``MemAvailable`` of ``meminfo`` in bytes (``None`` where there is no such file, e.g. macOS)."""
+    try:
+        text = meminfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
+    return None
+
+
+def check_host_memory(needed: int, available: int | None, what: str) -> None:
+    """Refuse ``needed`` bytes of host memory when only ``available`` are free (``None``: unknown)."""
+    if available is not None and needed > available:
+        raise HostMemoryError(
+            f"{what} needs {needed} bytes ({needed / GiB:.2f} GiB) of host memory, but only "
+            f"{available} bytes ({available / GiB:.2f} GiB) are available (MemAvailable in "
+            "/proc/meminfo). Free host memory, use a machine with more, or keep more chunks "
+            "on the GPU."
+        )
+
+
+class ChunkStore:
+    """Flat host buffers of every chunk of ``layout``, filled from the model's ``params``.
+
+    ``params`` maps every parameter name (tied names included, e.g.
+    ``dict(model.named_parameters(remove_duplicate=False))``) to its tensor; the layout must
+    name each of them exactly once. ``compute_dtype`` is the working copy's dtype (default: the
+    parameters'). ``available_bytes`` overrides ``/proc/meminfo`` for the up-front memory check.
+    """
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        params: Mapping[str, torch.Tensor],
+        *,
+        compute_dtype: torch.dtype | None = None,
+        pin_memory: bool = True,
+        available_bytes: int | None = None,
+    ) -> None:
+        if [c.index for c in layout.chunks] != list(range(len(layout.chunks))):
+            raise ValueError("chunk indices must be 0, 1, ... in layout order")
+        itemsize = _layout_itemsize(layout, params)
+        self.layout = layout
+        self.chunk_numel = layout.chunk_bytes // itemsize
+        self.slots = _slots(layout, params, itemsize)
+        self.compute_dtype = compute_dtype or next(iter(params.values())).dtype
+        self.pinned = pin_memory and torch.cuda.is_available()
+        self._slot_of = {name: s for s in self.slots for name in s.names}
+        self._chunk_slots = tuple(
+            tuple(s for s in self.slots if s.chunk == c.index) for c in layout.chunks
+        )
+        needed = self._planned_bytes()
+        if available_bytes is None:
+            available_bytes = available_host_bytes()
+        check_host_memory(
+            needed, available_bytes, f"the chunk store ({len(layout.chunks)} chunks)"
+        )
+        self._buffers: dict[BufferKind, list[torch.Tensor | None]] = {
+            "working": [],
+            "master": [],
+            "exp_avg": [],
+            "exp_avg_sq": [],
+        }
+        for slots in self._chunk_slots:
+            self._allocate_chunk(slots, params)
+        needs_scratch = self.compute_dtype != torch.float32 and self.has_trainable
+        self._scratch = self._empty(torch.float32) if needs_scratch else None
+        # which slots hold a gradient since the chunk's last step (empty: the working copy is valid)
+        self._grad_slots: list[set[ParamSlot]] = [set() for _ in layout.chunks]
+        self._versions = [0] * len(layout.chunks)
+        self._grad_events: list[torch.cuda.Event | None] = [None] * len(layout.chunks)
+        self._read_events: list[torch.cuda.Event | None] = [None] * len(layout.chunks)
+        self._d2h_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    # ---- sizes -------------------------------------------------------------------------------
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunk_slots)
+
+    @property
+    def has_trainable(self) -> bool:
+        return any(s.trainable for s in self.slots)
+
+    def chunk_slots(self, chunk_id: int) -> tuple[ParamSlot, ...]:
+        """The parameters of chunk ``chunk_id``, in layout order."""
+        return self._chunk_slots[chunk_id]
+
+    def slot(self, name: str) -> ParamSlot:
+        """The slot of parameter ``name`` (any of a tied parameter's names)."""
+        try:
+            return self._slot_of[name]
+        except KeyError:
+            raise KeyError(f"no parameter named {name!r} in the chunk store") from None
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory the store holds (chunk padding and the scratch included)."""
+        buffers = [b for kind in self._buffers.values() for b in kind if b is not None]
+        if self._scratch is not None:
+            buffers.append(self._scratch)
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+    def bytes_per_param(self) -> float:
+        """Host bytes per stored parameter element, padding included and the scratch excluded
+        (one chunk for the whole model, not a per-parameter cost): 14 for bf16 compute."""
+        scratch = 0 if self._scratch is None else self._scratch.numel() * 4
+        return (self.host_bytes() - scratch) / sum(s.numel for s in self.slots)
+
+    def _planned_bytes(self) -> int:
+        """What ``host_bytes`` will be, computed before allocating anything."""
+        per_chunk = [
+            self.compute_dtype.itemsize
+            + 4
+            + (8 if any(s.trainable for s in slots) else 0)
+            for slots in self._chunk_slots
+        ]
+        scratch = 4 if self.compute_dtype != torch.float32 and self.has_trainable else 0
+        return self.chunk_numel * (sum(per_chunk) + scratch)
+
+    # ---- allocation --------------------------------------------------------------------------
+
+    def _empty(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(self.chunk_numel, dtype=dtype, pin_memory=self.pinned)
+
+    def _allocate_chunk(
+        self, slots: tuple[ParamSlot, ...], params: Mapping[str, torch.Tensor]
+    ) -> None:
+        master = self._empty(torch.float32).zero_()  # zero padding: finite if ever read
+        for s in slots:
+            master[s.offset : s.offset + s.numel].copy_(
+                params[s.name].detach().reshape(-1)
+            )
+        working = self._empty(self.compute_dtype)
+        working.copy_(master)
+        trainable = any(s.trainable for s in slots)
+        self._buffers["master"].append(master)
+        self._buffers["working"].append(working)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            self._buffers[kind].append(
+                self._empty(torch.float32).zero_() if trainable else None
+            )
+
+    # ---- views -------------------------------------------------------------------------------
+
+    def flat(self, kind: BufferKind, chunk_id: int) -> torch.Tensor:
+        """The flat ``kind`` buffer of a chunk (``exp_avg*`` of a chunk with nothing to train: error)."""
+        buffer = self._buffers[kind][chunk_id]
+        if buffer is None:
+            raise ValueError(
+                f"chunk {chunk_id} has no trainable parameter, so no {kind}"
+            )
+        return buffer
+
+    def view(self, kind: BufferKind, slot: ParamSlot) -> torch.Tensor:
+        """``slot``'s parameter-shaped view of its chunk's ``kind`` buffer."""
+        return _slot_view(self.flat(kind, slot.chunk), slot)
+
+    def views(self, kind: Literal["working", "master"]) -> dict[str, torch.Tensor]:
+        """Every parameter name -> its view of ``kind`` (tied names: one view object).
+
+        The working views show a gradient while their chunk holds one (:meth:`holds_grad`)."""
+        return self._named(lambda s: self.view(kind, s))
+
+    def unflatten(self, chunk_id: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter name -> view of ``flat``, any chunk-shaped tensor (e.g. a GPU buffer of chunk ``chunk_id``)."""
+        if flat.shape != (self.chunk_numel,):
+            raise ValueError(
+                f"a flat chunk has {self.chunk_numel} elements, got shape {tuple(flat.shape)}"
+            )
+        views = {}
+        for s in self._chunk_slots[chunk_id]:
+            view = _slot_view(flat, s)
+            views.update(dict.fromkeys(s.names, view))
+        return views
+
+    def _named(
+        self, value: Callable[[ParamSlot], torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        named = {}
+        for s in self.slots:
+            named.update(dict.fromkeys(s.names, value(s)))
+        return named
+
+    # ---- gradients ---------------------------------------------------------------------------
+
+    def holds_grad(self, chunk_id: int) -> bool:
+        """Whether the chunk's working buffer holds a gradient (its values are then in the master only)."""
+        return bool(self._grad_slots[chunk_id])
+
+    def grad_slots(self, chunk_id: int) -> tuple[ParamSlot, ...]:
+        """The chunk's parameters that received a gradient since its last step, in layout order."""
+        return tuple(
+            s for s in self._chunk_slots[chunk_id] if s in self._grad_slots[chunk_id]
+        )
+
+    def write_grad(
+        self, chunk_id: int, flat: torch.Tensor, *, accumulate: bool = False
+    ) -> None:
+        """Land a chunk's whole flat gradient (what a chunk's backward produces, any device).
+
+        ``accumulate=True`` adds it to the gradient the chunk already holds (micro-batches of one
+        step); with no gradient yet, or ``accumulate=False``, it is written as is. Every trainable
+        parameter of the chunk then counts as having a gradient.
+        """
+        slots = self._chunk_slots[chunk_id]
+        trainable = {s for s in slots if s.trainable}
+        if not trainable:
+            raise ValueError(
+                f"chunk {chunk_id} has no trainable parameter to take a gradient"
+            )
+        if flat.shape != (self.chunk_numel,):
+            raise ValueError(
+                f"a flat chunk gradient has {self.chunk_numel} elements, got shape {tuple(flat.shape)}"
+            )
+        held = self._grad_slots[chunk_id]
+        add = accumulate and bool(held)
+        if add:
+            # parameters without a gradient yet still hold values there: start them from zero
+            self._before_host_write(chunk_id)
+            for s in trainable - held:
+                self.view("working", s).zero_()
+        self._land(chunk_id, self.flat("working", chunk_id), flat, add=add)
+        held.update(trainable)
+
+    def write_grads(
+        self, grads: Mapping[str, torch.Tensor], *, accumulate: bool = False
+    ) -> list[int]:
+        """Land gradients by parameter name (e.g. eager autograd's ``p.grad``); returns the chunks
+        touched, in layout order. ``accumulate`` as in :meth:`write_grad`, per parameter."""
+        by_slot: dict[ParamSlot, torch.Tensor] = {}
+        for name, grad in grads.items():
+            s = self.slot(name)
+            if not s.trainable:
+                raise ValueError(
+                    f"parameter {name!r} is frozen (requires_grad=False) but got a gradient"
+                )
+            if s in by_slot:
+                raise ValueError(
+                    f"tied parameter {s.names} got two gradients; give one per tensor"
+                )
+            if tuple(grad.shape) != s.shape:
+                raise ValueError(
+                    f"gradient of {name!r} has shape {tuple(grad.shape)}, expected {s.shape}"
+                )
+            by_slot[s] = grad
+        for s, grad in by_slot.items():
+            held = self._grad_slots[s.chunk]
+            self._land(
+                s.chunk, self.view("working", s), grad, add=accumulate and s in held
+            )
+            held.add(s)
+        return sorted({s.chunk for s in by_slot})
+
+    def wait_grad(self, chunk_id: int) -> None:
+        """Block until the chunk's gradient copies (from a GPU) have arrived."""
+        _synchronize(self._grad_events[chunk_id])
+        self._grad_events[chunk_id] = None
+
+    def grad_fp32(self, chunk_id: int) -> torch.Tensor:
+        """The chunk's gradient as a flat fp32 tensor: the scratch (shared: valid until the next
+        call) or, with fp32 compute, the working buffer itself."""
+        self.wait_grad(chunk_id)
+        working = self.flat("working", chunk_id)
+        if self._scratch is None:
+            return working
+        return self._scratch.copy_(working)
+
+    def finish_step(self, chunk_id: int) -> None:
+        """After the chunk's optimizer step: rebuild its working copy from the master (frozen and
+        un-stepped parameters included) and forget its gradient."""
+        if not self._grad_slots[chunk_id]:
+            return
+        self._before_host_write(chunk_id)
+        self.flat("working", chunk_id).copy_(self.flat("master", chunk_id))
+        self._grad_slots[chunk_id].clear()
+        self._versions[chunk_id] += 1
+
+    def _land(
+        self, chunk_id: int, dst: torch.Tensor, src: torch.Tensor, *, add: bool
+    ) -> None:
+        """Copy (or add) ``src`` into host ``dst``; from a GPU asynchronously, on a side stream."""
+        src = src.detach().reshape(dst.shape)
+        if src.device.type != "cuda":
+            self._before_host_write(chunk_id)
+            if add:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
+            return
+        if add:  # rare (micro-batches) and needs the old value on the host: synchronous
+            self.wait_grad(chunk_id)
+            self._before_host_write(chunk_id)
+            dst.add_(src.to("cpu"))
+            return
+        stream = self._d2h_stream(src.device)
+        stream.wait_stream(
+            torch.cuda.current_stream(src.device)
+        )  # the gradient is made there
+        if (read := self._read_events[chunk_id]) is not None:
+            stream.wait_event(read)  # a fetch may still be reading this buffer
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(
+            stream
+        )  # the allocator must not reuse ``src`` before the copy ends
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._grad_events[chunk_id] = event
+
+    def _d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._d2h_streams:
+            self._d2h_streams[device] = torch.cuda.Stream(device=device)
+        return self._d2h_streams[device]
+
+    def _before_host_write(self, chunk_id: int) -> None:
+        """The CPU is about to write the chunk's host buffers: no copy may still be using them."""
+        _synchronize(self._read_events[chunk_id])
+        self._read_events[chunk_id] = None
+        self.wait_grad(chunk_id)
+
+    # ---- what the GPU buffer pool needs ------------------------------------------------------
+
+    def version(self, chunk_id: int) -> int:
+        """Bumped whenever the chunk's parameter values change (step, load): a device copy fetched
+        at an older version is stale."""
+        return self._versions[chunk_id]
+
+    def params_for_fetch(
+        self, chunk_id: int, staging: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """The host tensor to copy the chunk's current values from: its working buffer, or, while
+        that holds a gradient, a buffer from ``staging()`` (compute dtype, chunk size) filled
+        from the master."""
+        if not self._grad_slots[chunk_id]:
+            return self.flat("working", chunk_id)
+        return staging().copy_(self.flat("master", chunk_id))
+
+    def note_host_read(self, chunk_id: int, event: torch.cuda.Event) -> None:
+        """A GPU copy reading the chunk's host buffer finishes at ``event``: later writes wait for it."""
+        self._read_events[chunk_id] = event
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def param_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> full fp32 tensor (a copy of the master; tied names share one tensor).
+
+        Loads into the plain model with ``load_state_dict`` (which casts to the model's dtype)."""
+        return self._named(lambda s: self.view("master", s).clone())
+
+    def load_param_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Set every parameter from ``state_dict`` (a model's ``state_dict()`` or :meth:`param_state_dict`).
+
+        A tied parameter needs one of its names; entries that are not parameters (buffers) are
+        ignored. Gradients held are dropped."""
+        for s in self.slots:
+            name = next((n for n in s.names if n in state_dict), None)
+            if name is None:
+                raise KeyError(f"state_dict has no entry for parameter {s.name!r}")
+            value = state_dict[name]
+            if tuple(value.shape) != s.shape:
+                raise ValueError(
+                    f"{name!r} has shape {tuple(value.shape)} in the state_dict, expected {s.shape}"
+                )
+            self._before_host_write(s.chunk)
+            self.view("master", s).copy_(value)
+        for c in range(self.num_chunks):
+            self.flat("working", c).copy_(self.flat("master", c))
+            self._grad_slots[c].clear()
+            self._versions[c] += 1
+
+
+def _slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+
+def _synchronize(event: torch.cuda.Event | None) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+def _layout_itemsize(layout: ChunkLayout, params: Mapping[str, torch.Tensor]) -> int:
+    """Bytes per element the layout was sized with (one for all parameters: offsets become elements)."""
+    sizes = set()
+    for chunk in layout.chunks:
+        for slot in chunk.slots:
+            numel = (
+                params[slot.param.names[0]].numel()
+                if slot.param.names[0] in params
+                else 0
+            )
+            if numel == 0 or slot.param.nbytes % numel:
+                raise ValueError(
+                    f"layout parameter {slot.param.names[0]!r} ({slot.param.nbytes} bytes) does not "
+                    "match a parameter of the model"
+                )
+            sizes.add(slot.param.nbytes // numel)
+    if len(sizes) != 1:
+        raise ValueError(
+            f"the layout mixes element sizes {sorted(sizes)}; size every parameter in one dtype"
+        )
+    (itemsize,) = sizes
+    if layout.chunk_bytes % itemsize:
+        raise ValueError(
+            f"chunk size {layout.chunk_bytes} is not a multiple of the element size {itemsize}"
+        )
+    return itemsize
+
+
+def _slots(
+    layout: ChunkLayout, params: Mapping[str, torch.Tensor], itemsize: int
+) -> tuple[ParamSlot, ...]:
+    """One slot per layout parameter; every model parameter must be in the layout exactly once."""
+    slots = []
+    for chunk in layout.chunks:
+        for cs in chunk.slots:
+            names = cs.param.names
+            missing = [n for n in names if n not in params]
+            if missing:
+                raise ValueError(
+                    f"layout parameter {missing[0]!r} is not a parameter of the model"
+                )
+            tensor = params[names[0]]
+            if any(params[n] is not tensor for n in names):
+                raise ValueError(
+                    f"layout ties {names} but the model holds different tensors under these names"
+                )
+            if cs.offset % itemsize:
+                raise ValueError(
+                    f"offset of {names[0]!r} is not a whole number of elements"
+                )
+            slots.append(
+                ParamSlot(
+                    names=names,
+                    chunk=chunk.index,
+                    offset=cs.offset // itemsize,
+                    shape=tuple(tensor.shape),
+                    dtype=tensor.dtype,
+                    trainable=tensor.requires_grad,
+                )
+            )
+    named = [n for s in slots for n in s.names]
+    if len(named) != len(set(named)):
+        raise ValueError("the layout names a parameter twice")
+    by_tensor: dict[int, str] = {}
+    for s in slots:
+        other = by_tensor.setdefault(id(params[s.name]), s.name)
+        if other != s.name:
+            raise ValueError(
+                f"{other!r} and {s.name!r} are one tensor (tied) but have two slots; merge them with dedupe_tied"
+            )
+    unplaced = sorted(set(params) - set(named))
+    if unplaced:
+        raise ValueError(f"parameter {unplaced[0]!r} is not in the chunk layout")
+    return tuple(slots)

@@ -1,0 +1,269 @@
+"""CPU Adam(W) for offloaded chunks, driven by the user's own ``torch.optim.AdamW``.
+
+:class:`ChunkAdamW` binds a :class:`~protrain_fx.runtime.chunk_store.ChunkStore` to the optimizer
+the user built on the model's parameters. The user's optimizer stays the source of truth for the
+hyper-parameters: every chunk step reads ``lr``, ``betas``, ``eps``, ``weight_decay`` and
+``maximize`` from its ``param_groups`` at that moment, so learning-rate schedulers attached to it
+keep working. The moments live in the store (not in ``optimizer.state``) and the step is torch's
+fused CPU kernel (design.md: as fast as DeepSpeed's CPUAdam) on per-parameter views of the flat
+master, with the chunk's gradient converted to fp32.
+
+Why per-parameter views rather than one call on the whole flat chunk: the kernel's vector loop and
+scalar tail round differently (1 ulp), so only the same tensors as eager give the same bits --
+tested bit-exact against ``torch.optim.AdamW(fused=True)``.
+
+:class:`OptimizerWorker` runs the chunk steps on one background thread, in the order chunks are
+submitted (backward order, as their gradients land), so they overlap the rest of backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Self
+
+import torch
+
+from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot
+
+
+class ChunkAdamW:
+    """Steps the chunks of ``store`` with the hyper-parameters of ``optimizer``.
+
+    ``named_params`` maps parameter names to the tensors ``optimizer`` was built on (e.g.
+    ``dict(model.named_parameters(remove_duplicate=False))``): that is how optimizer entries are
+    matched to store slots. A slot absent from the optimizer is not optimized (frozen); an
+    optimizer parameter absent from the store is left to ``optimizer`` itself (e.g. chunks kept on
+    the GPU). State ``optimizer`` already holds for store parameters (a checkpoint loaded before
+    binding) moves into the store.
+    """
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        optimizer: torch.optim.Optimizer,
+        named_params: Mapping[str, torch.Tensor],
+    ) -> None:
+        _check_optimizer(optimizer)
+        self.store = store
+        self.optimizer = optimizer
+        stored = _store_names(store)
+        slot_of_tensor = {
+            id(t): store.slot(n) for n, t in named_params.items() if n in stored
+        }
+        self._group_of: dict[ParamSlot, int] = {}
+        self._index_of: dict[ParamSlot, int] = {}  # position in optimizer.state_dict()
+        index = 0
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                slot = slot_of_tensor.get(id(p))
+                if slot is not None:
+                    self._group_of[slot] = g
+                    self._index_of[slot] = index
+                index += 1
+        # a slot's step count appears at its first step, as in torch
+        self._steps: dict[ParamSlot, torch.Tensor] = {}
+        if any(p in optimizer.state for p in _tensors(named_params, slot_of_tensor)):
+            self.load_state_dict(optimizer.state_dict())
+
+    def optimized(self, slot: ParamSlot) -> bool:
+        """Whether ``slot`` is in the optimizer (else its values never change)."""
+        return slot in self._group_of
+
+    def step_chunk(self, chunk_id: int) -> None:
+        """One Adam(W) step of the chunk's parameters that have a gradient, then its new working copy.
+
+        Parameters without a gradient are skipped, as torch skips ``grad is None``."""
+        slots = [s for s in self.store.grad_slots(chunk_id) if s in self._group_of]
+        if slots:
+            grad = self.store.grad_fp32(chunk_id)
+            for g in sorted({self._group_of[s] for s in slots}):
+                self._step_group(g, [s for s in slots if self._group_of[s] == g], grad)
+        self.store.finish_step(chunk_id)
+
+    def _step_group(self, g: int, slots: list[ParamSlot], grad: torch.Tensor) -> None:
+        group = self.optimizer.param_groups[g]
+        _check_group(group, g)
+        store = self.store
+        steps = [self._step_of(s) for s in slots]
+        torch._foreach_add_(steps, 1)
+        fused = (
+            torch._fused_adamw_
+            if _decoupled(self.optimizer, group)
+            else torch._fused_adam_
+        )
+        beta1, beta2 = group["betas"]
+        fused(
+            [store.view("master", s) for s in slots],
+            [grad[s.offset : s.offset + s.numel].view(s.shape) for s in slots],
+            [store.view("exp_avg", s) for s in slots],
+            [store.view("exp_avg_sq", s) for s in slots],
+            [],
+            steps,
+            amsgrad=False,
+            lr=_scalar(group["lr"]),
+            beta1=_scalar(beta1),
+            beta2=_scalar(beta2),
+            weight_decay=_scalar(group["weight_decay"]),
+            eps=_scalar(group["eps"]),
+            maximize=group.get("maximize", False),
+        )
+
+    def _step_of(self, slot: ParamSlot) -> torch.Tensor:
+        if slot not in self._steps:
+            self._steps[slot] = torch.zeros((), dtype=torch.float32)
+        return self._steps[slot]
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``optimizer.state_dict()`` with the store's parameters' state filled in: the format of a
+        plain ``torch.optim.AdamW`` over the user's parameter list (loads into one)."""
+        state_dict = self.optimizer.state_dict()
+        state = dict(state_dict["state"])
+        for slot, step in self._steps.items():  # only optimized slots take steps
+            state[self._index_of[slot]] = {
+                "step": step.clone(),
+                "exp_avg": self.store.view("exp_avg", slot).clone(),
+                "exp_avg_sq": self.store.view("exp_avg_sq", slot).clone(),
+            }
+        return {
+            "state": dict(sorted(state.items())),
+            "param_groups": state_dict["param_groups"],
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a ``torch.optim.AdamW`` state dict (from :meth:`state_dict` or a plain optimizer):
+        hyper-parameters and other parameters' state go to ``optimizer``, the store's into the store."""
+        state = state_dict["state"]
+        ours = {index: slot for slot, index in self._index_of.items()}
+        self.optimizer.load_state_dict(
+            {
+                "state": {k: v for k, v in state.items() if int(k) not in ours},
+                "param_groups": state_dict["param_groups"],
+            }
+        )
+        self._steps.clear()
+        for index, slot in ours.items():
+            entry = state.get(index, state.get(str(index)))
+            for kind in ("exp_avg", "exp_avg_sq"):
+                view = self.store.view(kind, slot)
+                if entry is None:
+                    view.zero_()
+                else:
+                    view.copy_(entry[kind])
+            if entry is not None:
+                self._steps[slot] = torch.tensor(
+                    float(entry["step"]), dtype=torch.float32
+                )
+
+
+class OptimizerWorker:
+    """Runs ``step_chunk(chunk_id)`` on one background thread, in submission order.
+
+    An exception in a step is raised in the caller at the next :meth:`submit`, :meth:`wait` or
+    :meth:`wait_all` (with a note naming the chunk), and only once.
+    """
+
+    def __init__(self, step_chunk: Callable[[int], None]) -> None:
+        self._step_chunk = step_chunk
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="protrain-cpu-adam"
+        )
+        self._pending: dict[int, Future[None]] = {}
+
+    def submit(self, chunk_id: int) -> None:
+        """Queue the chunk's step. Its gradient must have been written to the store (a copy from
+        the GPU may still be in flight: the step waits for it)."""
+        self._raise_failure()
+        previous = self._pending.get(chunk_id)
+        if previous is not None and not previous.done():
+            raise RuntimeError(
+                f"chunk {chunk_id} submitted again while its last step is still queued or running"
+            )
+        self._pending[chunk_id] = self._executor.submit(self._step, chunk_id)
+
+    def wait(self, chunk_id: int) -> None:
+        """Block until the chunk's queued step (if any) is done."""
+        future = self._pending.pop(chunk_id, None)
+        if future is not None:
+            future.result()
+        self._raise_failure()
+
+    def wait_all(self) -> None:
+        """Block until every queued step is done."""
+        for chunk_id in list(self._pending):
+            self._pending[chunk_id].exception()  # wait, without raising yet
+        self._raise_failure()
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Finish every queued step (raising a failure) and stop the thread."""
+        try:
+            self.wait_all()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # already failing: do not mask that error with a step's
+            self._executor.shutdown(wait=True)
+
+    def _step(self, chunk_id: int) -> None:
+        try:
+            self._step_chunk(chunk_id)
+        except BaseException as error:
+            error.add_note(f"(in the CPU optimizer worker, stepping chunk {chunk_id})")
+            raise
+
+    def _raise_failure(self) -> None:
+        """Raise the first failed step (in submission order), forgetting it."""
+        for chunk_id, future in list(self._pending.items()):
+            if future.done() and future.exception() is not None:
+                del self._pending[chunk_id]
+                raise future.exception()
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+        raise TypeError(
+            f"the CPU chunk optimizer implements Adam and AdamW; got {type(optimizer).__name__}. "
+            "Use torch.optim.AdamW (or keep every chunk on the GPU)."
+        )
+    for g, group in enumerate(optimizer.param_groups):
+        _check_group(group, g)
+
+
+def _check_group(group: Mapping[str, Any], g: int) -> None:
+    if group.get("amsgrad", False):
+        raise ValueError(
+            f"param group {g} sets amsgrad=True, which the CPU chunk optimizer does not support"
+        )
+    if group.get("differentiable", False):
+        raise ValueError(
+            f"param group {g} sets differentiable=True, which the CPU chunk optimizer does not support"
+        )
+
+
+def _decoupled(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> bool:
+    return isinstance(optimizer, torch.optim.AdamW) or bool(
+        group.get("decoupled_weight_decay", False)
+    )
+
+
+def _scalar(value: float | torch.Tensor) -> float:
+    return value.item() if isinstance(value, torch.Tensor) else float(value)
+
+
+def _store_names(store: ChunkStore) -> set[str]:
+    return {n for s in store.slots for n in s.names}
+
+
+def _tensors(
+    named: Mapping[str, torch.Tensor], ids: Mapping[int, ParamSlot]
+) -> list[torch.Tensor]:
+    return [t for t in named.values() if id(t) in ids]
