@@ -1,33 +1,62 @@
 """Side-by-side benchmark of protrain_fx against the peers on the B24 protocol (../shared/anchors.md).
 
 Each (size, system) trains in its own process (an OOM in one must not poison the next): the GPT of
-``examples/gpt.py`` at batch 8 x 1024, bf16, AdamW, on a GPU capped at ``--cap-gib`` GiB with
-``torch.cuda.set_per_process_memory_fraction`` (before anything is allocated), 2 warm-up steps and
-``--steps`` timed steps. Per run: tokens/s, step time, peak allocated and reserved GPU memory, host
-RAM peak, loss after the timed steps, MFU against the measured 786 TFLOP/s, or the OOM / crash and
-its reason.
+``examples/gpt.py`` (or, with ``--model llama1b``, a Hugging Face ``LlamaForCausalLM`` of 1.1B
+parameters with no pretrained weights) at batch 8 x 1024, bf16 autocast, AdamW, on a GPU capped at
+``--cap-gib`` GiB with ``torch.cuda.set_per_process_memory_fraction`` (before anything is allocated),
+2 warm-up steps and ``--steps`` timed steps. Per run: tokens/s, step time, peak allocated and reserved
+GPU memory, host RAM peak, loss after the timed steps, MFU against the measured 786 TFLOP/s, or the
+OOM / crash and its reason; and where the time went: ``wall_s`` (the whole process, compile
+included), ``start_s`` (when it began, seconds into this call), ``setup_s`` (imports, CUDA start),
+``build_s`` (model and optimizer), ``first_step_s`` (first step, compile included), ``warmup_s``.
 
     python bench/peers.py --sizes 350M 760M --out OUT            # every system at each size
     python bench/peers.py --ladder --sizes 350M 760M 1.3B --out OUT  # per system, up to its first failure
+    python bench/peers.py --model llama1b --systems protrain compile --out OUT   # the 1.1B Llama
+    python bench/peers.py --ladder ... --deadline-s 560 --resume EARLIER/peers.json  # a second call
+    python bench/peers.py --report OUT/peers.json --out OUT      # peers.md and plots again
+    python bench/peers.py --device cpu --sizes tiny --seq 32 --out OUT  # dry run (also --model llama_tiny)
+
+Time budget. Runs go size by size (every system at 350M, then the survivors at 760M, ...), and
+``OUT/peers.json`` and ``OUT/peers.md`` are rewritten after every run, so a call cut off at its time
+limit keeps every finished run. ``--deadline-s N`` bounds the whole call: a run is not started when
+less time is left than an estimate for it (the longest ``wall_s`` of that system so far, else
+``--default-estimate-s``), each run's timeout is the smaller of ``--timeout`` and the time left, and
+runs left out are recorded as ``not_run`` with the reason. ``--resume FILE.json`` starts from an
+earlier call's results: pairs already there are skipped, ``not_run`` ones are run, and the ladder
+goes on where it stopped. The call ends by printing the command that resumes it.
+
+Host RAM. Before an offloading peer (fsdp2, deepspeed) starts, the host bytes it needs are estimated
+(:data:`HOST_BYTES_PER_PARAM`) and compared with the memory available; when it cannot fit, the run
+is recorded as ``skipped_host_ram`` (an estimate, not a measured failure; it ends that system's
+ladder). ``--no-host-ram-check`` runs it anyway.
 
 DeepSpeed is benchmark-only and not on the GPU machine: build its wheel and its pure-Python needs
 into the git-ignored ``.whl/`` as ``../shared/anchors.md`` says, carry ``.whl`` with the device call,
 and start the command with ``python3 -m pip install -q --no-index --no-deps --target /tmp/site
 .whl/*.whl && export PYTHONPATH=/tmp/site``; without it the ``deepspeed`` run records the import error.
 
-Systems: protrain (``torch.compile(backend="protrain")``, today with no rewrites), eager, eager_ac
-(every block checkpointed), compile, compile_amb0 / compile_amb05 (``activation_memory_budget`` 0 and
-0.5), fsdp2 (FSDP2 ``CPUOffloadPolicy`` + AC, world size 1), deepspeed (ZeRO-3, parameters and
-optimizer offloaded to CPU + AC; when importable). Writes ``OUT/peers.json``, ``OUT/peers.md`` and,
-when matplotlib is there, ``OUT/peers_throughput.png`` and ``OUT/peers_largest.png``.
+Systems: protrain (``torch.compile(backend="protrain")``, no plan), protrain_plan (the same with a
+hand-written activation plan, ``--plan``; the system is named ``protrain_plan[SPEC]``), eager,
+eager_ac (every block checkpointed), compile, compile_amb0 / compile_amb05
+(``activation_memory_budget`` 0 and 0.5), fsdp2 (FSDP2 ``CPUOffloadPolicy`` + AC, world size 1),
+deepspeed (ZeRO-3, parameters and optimizer offloaded to CPU + AC; when importable). Writes
+``OUT/peers.json``, ``OUT/peers.md``, one log per run in ``OUT/logs/`` and, when matplotlib is there,
+``OUT/peers_throughput.png`` and ``OUT/peers_largest.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import datetime
 import json
 import os
+import re
 import resource
+import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,60 +64,263 @@ import time
 import traceback
 from pathlib import Path
 
+_PROCESS_START = time.monotonic()  # a run's setup_s counts its imports from here
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("protrain", "eager", "eager_ac", "compile", "compile_amb0", "compile_amb05", "fsdp2", "deepspeed")
+if str(ROOT) not in sys.path:  # for ``examples.gpt`` and ``protrain_fx`` from a source tree
+    sys.path.insert(0, str(ROOT))
+
+SYSTEMS = (
+    "protrain", "protrain_plan", "eager", "eager_ac", "compile", "compile_amb0", "compile_amb05", "fsdp2",
+    "deepspeed",
+)
 #: bf16 dense matmul rate measured on the H200 (anchors.md), the denominator of MFU.
 PEAK_FLOPS = 786e12
+#: Statuses that end a system's ladder: it is not run at the larger sizes of the same model.
+LADDER_STOPS = ("OOM", "crash", "timeout", "skipped_host_ram")
+#: Seconds of ``--deadline-s`` kept back for writing the results at the end.
+RESERVE_S = 5.0
+#: What a result records of the protocol; a resumed file must have been run with the same values.
+PROTOCOL_KEYS = ("batch", "seq", "cap_gib", "steps", "warmup", "device")
+
+#: Host bytes per parameter the offloading peers need: estimates, not measurements.
+#: fsdp2: ``CPUOffloadPolicy(pin_memory=True)`` keeps the fp32 parameters (4 B, pinned) and the fp32
+#:   gradients (4 B, pinned: the target of the non-blocking D2H copy) on the CPU, AdamW's exp_avg and
+#:   exp_avg_sq are fp32 (8 B), and ``foreach=True`` AdamW materialises one more state-sized
+#:   temporary (sqrt(exp_avg_sq), 4 B) during its step: 20 B.
+#: deepspeed: DeepSpeed's own estimate for ZeRO-3 with parameters and optimizer on the CPU under
+#:   ``zero.Init`` (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, 0.19.8):
+#:   18 B (bf16 parameter 2 + fp32 master 4 + fp32 gradient 4 + Adam states 8) times its
+#:   ``additional_buffer_factor`` 1.5: 27 B.
+HOST_BYTES_PER_PARAM = {"fsdp2": 20, "deepspeed": 27}
+#: Host bytes of a training process before any model state (CUDA context, torch and its libraries).
+HOST_BASE_BYTES = 3 * 2**30
+
+#: Hugging Face Llama configurations (``transformers.LlamaConfig`` keywords); ``llama_tiny`` is for
+#: CPU dry runs (``--seq`` at most 64).
+LLAMA_SIZES = {
+    "llama1.1B": {  # TinyLlama-1.1B's shape
+        "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "intermediate_size": 5632, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+    },
+    "llama_tiny": {
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 64,
+    },
+}
+#: ``--model`` → the one size it trains (``gpt`` trains ``--sizes``).
+MODELS = {"gpt": None, "llama1b": "llama1.1B", "llama_tiny": "llama_tiny"}
+
+_PLAN_SYSTEM = re.compile(r"^protrain_plan\[(.+)\]$")
 
 
-def flops_per_token(cfg) -> float:
-    """Model FLOPs per trained token: 6N for the weights plus attention scores (PaLM appendix B)."""
-    from examples.gpt import num_params
-
-    n = num_params(cfg) - cfg.block_size * cfg.n_embd  # position embeddings do no matmul
-    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+# ---------------------------------------------------------------------------------------------- models
 
 
-def _checkpoint_blocks(model) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-    from examples.gpt import Block
-
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+def family(size: str) -> str:
+    """``"llama"`` for a :data:`LLAMA_SIZES` size, else ``"gpt"`` (a preset of ``examples/gpt.py``)."""
+    return "llama" if size in LLAMA_SIZES else "gpt"
 
 
-def build(system: str, cfg, device: str):
-    """(step function, model) for one system; the step runs forward, backward and the optimizer."""
+def _gpt_config(size: str):
+    from examples.gpt import gpt_config
+
+    return gpt_config(size)
+
+
+def num_params(size: str) -> int:
+    """Parameters of the model of ``size`` (tied weights once), computed without building it."""
+    if family(size) == "llama":
+        c = LLAMA_SIZES[size]
+        d, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+        head_dim = d // heads
+        attention = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d  # q, k, v, o
+        layer = attention + 3 * d * c["intermediate_size"] + 2 * d  # gate, up, down; two RMSNorms
+        return 2 * c["vocab_size"] * d + c["num_hidden_layers"] * layer + d  # untied embedding and head
+    from examples.gpt import num_params as gpt_num_params
+
+    return gpt_num_params(_gpt_config(size))
+
+
+def n_layers(size: str) -> int:
+    return LLAMA_SIZES[size]["num_hidden_layers"] if family(size) == "llama" else _gpt_config(size).n_layer
+
+
+def block_labels(size: str) -> list[str]:
+    """The block labels protrain_fx finds for this model (``protrain_fx.passes.blocks.find_blocks``:
+    ``blocks.i`` for the GPT, ``model.layers.i`` for ``LlamaForCausalLM``; see
+    tests/test_checkpoint_plans.py and tests/test_blocks.py), in forward order."""
+    container = "model.layers" if family(size) == "llama" else "blocks"
+    return [f"{container}.{i}" for i in range(n_layers(size))]
+
+
+def flops_per_token(size: str, seq: int) -> float:
+    """Model FLOPs per trained token: 6N for the weights that do matmuls plus the attention scores
+    and values, 12 * layers * attention width * sequence (PaLM appendix B)."""
+    n = num_params(size)
+    if family(size) == "llama":
+        c = LLAMA_SIZES[size]
+        matmul_params = n - c["vocab_size"] * c["hidden_size"]  # the input embedding is a lookup
+        attention_width = c["num_attention_heads"] * (c["hidden_size"] // c["num_attention_heads"])
+        return 6 * matmul_params + 12 * c["num_hidden_layers"] * attention_width * seq
+    cfg = _gpt_config(size)
+    matmul_params = n - cfg.block_size * cfg.n_embd  # position embeddings do no matmul (wte is the head)
+    return 6 * matmul_params + 12 * cfg.n_layer * cfg.n_embd * seq
+
+
+def build_model(size: str):
+    """The model of ``size``, seeded, on the current default device."""
     import torch
 
+    torch.manual_seed(0)
+    if family(size) == "llama":
+        import transformers
+
+        config = transformers.LlamaConfig(
+            **LLAMA_SIZES[size], use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa"
+        )
+        model = transformers.LlamaForCausalLM(config)
+        model.loss_type = "ForCausalLM"  # as tests/test_blocks.py: no graph break in the loss-type lookup
+        return model
     from examples.gpt import GPT
 
+    return GPT(_gpt_config(size))
+
+
+def _layers(model, size: str):
+    return model.model.layers if family(size) == "llama" else model.blocks
+
+
+def make_batch(size: str, batch: int, seq: int, device: str):
+    """(inputs, targets) of random tokens. The Llama's targets are its inputs: Hugging Face models
+    shift the labels themselves."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    if family(size) == "llama":
+        idx = torch.randint(0, LLAMA_SIZES[size]["vocab_size"], (batch, seq), generator=generator).to(device)
+        return idx, idx
+    from examples.gpt import random_batch
+
+    return random_batch(_gpt_config(size), batch, seq, device=device, generator=generator)
+
+
+def _loss_fn(run, size: str):
+    """``loss_fn(inputs, targets)`` → the mean cross-entropy of model (or wrapper) ``run``."""
+    if family(size) == "llama":
+        return lambda idx, targets: run(input_ids=idx, labels=targets).loss
+    return run  # GPT.forward(idx, targets) returns the loss
+
+
+# ----------------------------------------------------------------------------------------------- plans
+
+
+def parse_plan_spec(spec: str) -> tuple[int | None, int | None] | Path:
+    """``"swap=2,checkpoint=10"`` → ``(2, 10)``: counts for ``protrain_fx.plan.interleaved``; ``all``
+    stands for every block the other count leaves (``"checkpoint=all"`` → ``(0, None)``); a missing
+    count is 0. A spec ending in ``.json`` is the path of a plan file (relative to the repository
+    root). Raises ``ValueError`` naming what is wrong."""
+    if spec.endswith(".json"):
+        path = Path(spec)
+        return path if path.is_absolute() else ROOT / path
+    counts: dict[str, int | None] = {"swap": 0, "checkpoint": 0}
+    seen = set()
+    for part in spec.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in counts or key in seen:
+            raise ValueError(f"plan spec {spec!r}: expected swap=N,checkpoint=M (N, M counts or 'all') or a .json path")
+        seen.add(key)
+        if value == "all":
+            counts[key] = None
+        elif value.isdigit():
+            counts[key] = int(value)
+        else:
+            raise ValueError(f"plan spec {spec!r}: {key} must be a count or 'all', got {value!r}")
+    if counts["swap"] is None and counts["checkpoint"] is None:
+        raise ValueError(f"plan spec {spec!r}: only one of swap and checkpoint can be 'all'")
+    return counts["swap"], counts["checkpoint"]
+
+
+def plan_from_spec(spec: str, labels: list[str]):
+    """The ``protrain_fx.plan.Plan`` that ``spec`` (:func:`parse_plan_spec`) means for these blocks."""
+    from protrain_fx.plan import interleaved, parse_plan
+
+    parsed = parse_plan_spec(spec)
+    if isinstance(parsed, Path):
+        return parse_plan(str(parsed)).validate(labels)
+    n_swap, n_checkpoint = parsed
+    if n_swap is None:
+        n_swap = max(0, len(labels) - n_checkpoint)
+    if n_checkpoint is None:
+        n_checkpoint = max(0, len(labels) - n_swap)
+    return interleaved(labels, n_swap, n_checkpoint)
+
+
+def system_names(systems: list[str], plans: list[str]) -> list[str]:
+    """``--systems`` with ``protrain_plan`` replaced by one ``protrain_plan[SPEC]`` per ``--plan``."""
+    out = []
+    for system in systems:
+        out += [f"protrain_plan[{spec}]" for spec in plans] if system == "protrain_plan" else [system]
+    return list(dict.fromkeys(out))
+
+
+def base_system(system: str) -> str:
+    return "protrain_plan" if _PLAN_SYSTEM.match(system) else system
+
+
+# ------------------------------------------------------------------------------------------ the worker
+
+
+def _checkpoint_blocks(model, size: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    layer_class = type(_layers(model, size)[0])
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_class))
+
+
+def build(system: str, size: str, device: str) -> tuple:
+    """(step function, model, extra result fields) for one system; the step runs forward, backward
+    and the optimizer and returns the loss."""
+    import torch
+
     if system == "fsdp2":
-        return _build_fsdp2(cfg)
+        return _build_fsdp2(size), None, {}
     if system == "deepspeed":
-        return _build_deepspeed(cfg)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+        return _build_deepspeed(size), None, {}
+    # Built on the device (its RNG, so every system here starts from the same weights): a CPU init
+    # of billions of parameters would take a large share of the time budget.
+    with torch.device(device):
+        model = build_model(size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    info: dict = {}
+    plan_spec = _PLAN_SYSTEM.match(system)
     if system == "eager_ac":
-        _checkpoint_blocks(model)
-    if system == "eager" or system == "eager_ac":
+        _checkpoint_blocks(model, size)
+    if system in ("eager", "eager_ac"):
         run = model
-    elif system == "protrain":
+    elif system == "protrain" or plan_spec:
         from protrain_fx.backend import register
 
         register()
-        run = torch.compile(model, backend="protrain")
+        options = {}
+        if plan_spec:
+            labels = block_labels(size)
+            plan = plan_from_spec(plan_spec.group(1), labels)
+            options["plan"] = plan
+            info["plan"] = plan_spec.group(1)
+            info["plan_blocks"] = {p: sum(plan.policy(b) == p for b in labels) for p in ("swap", "checkpoint", "none")}
+        run = torch.compile(model, backend="protrain", options=options)
     else:
         budget = {"compile": None, "compile_amb0": 0.0, "compile_amb05": 0.5}[system]
         if budget is not None:
             torch._functorch.config.activation_memory_budget = budget
         run = torch.compile(model)
+    autocast = device if device == "cuda" else None
+    return _train_step(_loss_fn(run, size), optimizer, autocast=autocast), model, info
 
-    return _train_step(run, optimizer, autocast=device if device == "cuda" else None), model
 
-
-def _train_step(run, optimizer, autocast: str | None):
+def _train_step(loss_fn, optimizer, autocast: str | None):
     """Forward (under bf16 autocast on ``autocast``'s device, if given), backward, optimizer step."""
     import contextlib
 
@@ -97,7 +329,7 @@ def _train_step(run, optimizer, autocast: str | None):
     def step(idx, targets):
         ctx = torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with ctx:
-            loss = run(idx, targets)
+            loss = loss_fn(idx, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -106,42 +338,44 @@ def _train_step(run, optimizer, autocast: str | None):
     return step
 
 
-def _build_fsdp2(cfg):
+def _build_fsdp2(size: str):
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    from examples.gpt import GPT
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
         os.environ.setdefault(key, value)
     dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    # Materialise on the CPU, where CPUOffloadPolicy keeps parameters; to_empty unties the tied
-    # embedding / LM head, so tie again before initialising (else the model is not the one the
-    # other systems train: seen on 2026-11-30 as a higher loss).
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.reset_parameters()
-    _checkpoint_blocks(model)
-    policy = dict(
-        offload_policy=CPUOffloadPolicy(pin_memory=True),
-        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    )
-    for block in model.blocks:
+    if family(size) == "gpt":
+        with torch.device("meta"):
+            model = build_model(size)
+        # Materialise on the CPU, where CPUOffloadPolicy keeps parameters; to_empty unties the tied
+        # embedding / LM head, so tie again before initialising (else the model is not the one the
+        # other systems train: seen on 2026-11-30 as a higher loss).
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        model.reset_parameters()
+    else:
+        model = build_model(size)  # on the CPU (no tied weights to restore)
+    _checkpoint_blocks(model, size)
+    policy = {
+        "offload_policy": CPUOffloadPolicy(pin_memory=True),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    }
+    for block in _layers(model, size):
         fully_shard(block, **policy)
     fully_shard(model, **policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    return _train_step(model, optimizer, autocast=None), model  # FSDP2's policy casts to bf16
+    return _train_step(_loss_fn(model, size), optimizer, autocast=None)  # FSDP2's policy casts to bf16
 
 
-def _build_deepspeed(cfg):
+def _build_deepspeed(size: str):
     import deepspeed  # benchmark-only peer; see anchors.md for carrying it to the GPU machine
     import torch
-
-    from examples.gpt import GPT
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29518")):
@@ -159,39 +393,46 @@ def _build_deepspeed(cfg):
     }
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = GPT(cfg)
-    _checkpoint_blocks(model)
+        model = build_model(size)
+    _checkpoint_blocks(model, size)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    loss_fn = _loss_fn(engine, size)
 
     def step(idx, targets):
-        loss = engine(idx, targets)
+        loss = loss_fn(idx, targets)
         engine.backward(loss)
         engine.step()
         return loss
 
-    return step, engine
+    return step
 
 
 def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq: int, cap_gib: float,
             device: str) -> dict:
+    """Train ``size`` with ``system`` in this process; the result dict (never raises for a failed run)."""
     import torch
-
-    sys.path.insert(0, str(ROOT))
-    from examples.gpt import gpt_config, random_batch
 
     cuda = device == "cuda"
     if cuda and cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
-    cfg = gpt_config(size)
-    result: dict = {"size": size, "system": system, "cap_gib": cap_gib, "batch": batch, "seq": seq}
+    result: dict = {"size": size, "system": system}
+    result["setup_s"] = time.monotonic() - _PROCESS_START
+    phase = time.perf_counter()
     try:
-        step, _model = build(system, cfg, device)
-        idx, targets = random_batch(cfg, batch, seq, device=device, generator=torch.Generator().manual_seed(0))
+        step, _model, info = build(system, size, device)
+        result.update(info)
+        idx, targets = make_batch(size, batch, seq, device)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        for _ in range(warmup):
+        sync()
+        result["build_s"], phase = time.perf_counter() - phase, time.perf_counter()
+        step(idx, targets)
+        sync()
+        result["first_step_s"] = time.perf_counter() - phase
+        for _ in range(warmup - 1):
             step(idx, targets)
         sync()
+        result["warmup_s"] = time.perf_counter() - phase
         times = []
         for _ in range(steps):
             start = time.perf_counter()
@@ -205,98 +446,390 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
             step_s=step_s,
             step_times_s=times,
             tokens_per_s=tokens_per_s,
-            mfu=tokens_per_s * flops_per_token(cfg) / PEAK_FLOPS,
+            mfu=tokens_per_s * flops_per_token(size, seq) / PEAK_FLOPS,
             loss=float(loss.item()),
         )
     except torch.OutOfMemoryError as e:
         result.update(status="OOM", reason=str(e).splitlines()[0][:300])
-    except Exception as e:  # a crash is a result too: recorded with its reason
-        result.update(status="crash", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+    except Exception as e:  # noqa: BLE001  a crash is a result too: recorded with its reason
+        first_line = str(e).splitlines()[0][:300] if str(e) else ""
+        result.update(status="crash", reason=f"{type(e).__name__}: {first_line}",
                       traceback=traceback.format_exc()[-2000:])
     if cuda:
         result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    if system.startswith("protrain"):
+        result.update(_protrain_prediction())
     result["host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
 
 
-def _spawn(size: str, system: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--run", size, system, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch", str(args.batch), "--seq", str(args.seq), "--cap-gib", str(args.cap_gib), "--device", args.device,
-           "--out", str(args.out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+def _protrain_prediction() -> dict:
+    """What the backend predicted for the training graph (peak, swapped bytes, pool size)."""
+    import protrain_fx
+    from protrain_fx.runtime.swap import POOL
+
+    records = [g for g in protrain_fx.captured_graphs() if g.backward is not None and g.memory is not None]
+    if not records:
+        return {}
+    record = records[-1]
+    return {
+        "predicted_peak_bytes": record.memory.peak_bytes,
+        "swapped_bytes": sum(s.nbytes for s in record.swapped),
+        "swapped_values": len(record.swapped),
+        "swap_est_d2h_s": sum(s.d2h_s for s in record.swapped),
+        "swap_est_h2d_s": sum(s.h2d_s for s in record.swapped),
+        "host_pool_bytes": POOL.nbytes(),
+        "graphs": len(protrain_fx.captured_graphs()),
+    }
+
+
+# ------------------------------------------------------------------------------------------- host RAM
+
+
+def host_bytes_needed(system: str, size: str) -> int | None:
+    """Estimated host bytes for an offloading peer (:data:`HOST_BYTES_PER_PARAM`); None for the others."""
+    per_param = HOST_BYTES_PER_PARAM.get(system)
+    return None if per_param is None else per_param * num_params(size) + HOST_BASE_BYTES
+
+
+def host_bytes_available() -> tuple[int, str]:
+    """(bytes, where from): MemAvailable of /proc/meminfo, or the cgroup's headroom when smaller."""
+    available, source = None, "MemAvailable"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # cgroup v2: a container's limit can be below what the host has free
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            headroom = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            if available is None or headroom < available:
+                available, source = headroom, "cgroup memory.max - memory.current"
+    except (OSError, ValueError):
+        pass
+    return (available if available is not None else 0), source
+
+
+# ------------------------------------------------------------------------------------------ the ledger
+
+
+class Ledger:
+    """The results of this call and of the resumed one, one per (size, system), rewritten to
+    ``out/peers.json`` and ``out/peers.md`` after every change."""
+
+    def __init__(self, out: Path, previous: list[dict], *, force_host_ram: bool = False) -> None:
+        self.out = out
+        self.force_host_ram = force_host_ram
+        self.results: dict[tuple[str, str], dict] = {(r["size"], r["system"]): r for r in previous}
+
+    def add(self, result: dict, write: bool = True) -> None:
+        self.results[(result["size"], result["system"])] = result
+        if write:
+            self.write()
+
+    def done(self, size: str, system: str) -> bool:
+        """Already has a result that a rerun would not change (``not_run`` is not one; nor is
+        ``skipped_host_ram`` when the host RAM check is off)."""
+        r = self.results.get((size, system))
+        return r is not None and r["status"] != "not_run" and not self._forced(r)
+
+    def _forced(self, r: dict) -> bool:
+        return self.force_host_ram and r["status"] == "skipped_host_ram"
+
+    def stopped(self, size: str, system: str) -> dict | None:
+        """The failure that ends ``system``'s ladder before ``size`` (a smaller size of the same model
+        that failed), or None. ``not_run`` is not a failure."""
+        params = num_params(size)
+        for r in self.results.values():
+            if (r["system"] == system and family(r["size"]) == family(size) and num_params(r["size"]) < params
+                    and r["status"] in LADDER_STOPS and not self._forced(r)):
+                return r
+        return None
+
+    def estimate_s(self, system: str, size: str, default: float) -> tuple[float, str]:
+        """(seconds, basis) a run of ``system`` is expected to take: the longest wall time of the
+        system so far on this model (a run cut off counts with the time it had), else ``default``."""
+        walls = [r.get("wall_s") or r.get("cut_off_after_s") or 0.0 for r in self.results.values()
+                 if r["system"] == system and family(r["size"]) == family(size)]
+        walls = [w for w in walls if w > 0]
+        if walls:
+            return max(walls), f"longest wall time of {system} so far"
+        return default, "--default-estimate-s"
+
+    def ordered(self) -> list[dict]:
+        """Results by model, size (parameters) and system (the order of :data:`SYSTEMS`)."""
+
+        def key(r: dict):
+            base = base_system(r["system"])
+            rank = SYSTEMS.index(base) if base in SYSTEMS else len(SYSTEMS)
+            return family(r["size"]) != "gpt", num_params(r["size"]), rank, r["system"]
+
+        return sorted(self.results.values(), key=key)
+
+    def write(self) -> None:
+        results = self.ordered()
+        _write_atomic(self.out / "peers.json", json.dumps(results, indent=1))
+        _write_atomic(self.out / "peers.md", markdown(results))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """A kill in the middle leaves the old file, never half of the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def load_results(path: Path, protocol: dict | None = None) -> list[dict]:
+    """The results of an earlier call; ``SystemExit`` when they were run with another protocol."""
+    results = json.loads(Path(path).read_text())
+    if not isinstance(results, list):
+        raise SystemExit(f"{path}: expected a list of results (a peers.json)")
+    for r in results if protocol else ():
+        differ = {k: (r[k], protocol[k]) for k in PROTOCOL_KEYS if k in r and r[k] != protocol[k]}
+        if differ:
+            raise SystemExit(f"{path}: {r['size']} {r['system']} was run with other settings "
+                             f"(recorded, now): {differ}; resume with the same settings")
+    return results
+
+
+# ------------------------------------------------------------------------------------------ the parent
+
+
+class Interrupted(Exception):
+    """SIGTERM (or SIGINT) reached the parent: the run in progress is stopped and recorded."""
+
+
+def _on_signal(signum, _frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+_PRCTL = getattr(ctypes.CDLL(None), "prctl", None)  # Linux only
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: be killed when the parent dies (a parent killed at a time limit
+    must not leave a training process holding the GPU)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _kill(proc: subprocess.Popen) -> tuple[str, str]:
+    """Kill the run's process group (it was started in a session of its own), reap it, and return
+    what it had written (stdout, stderr)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.communicate()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")
+
+
+def _spawn(size: str, system: str, args, timeout: float) -> tuple[dict, bool, float]:
+    """Run one (size, system) in a child process: (result, timed out, wall seconds). Interruptions
+    (:class:`Interrupted`, ``KeyboardInterrupt``) kill the child and propagate."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--run", size, system, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--cap-gib", str(args.cap_gib), "--device", args.device, "--out", str(args.out)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 no threads here
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        stdout, stderr = _kill(proc)
+    except BaseException:
+        _kill(proc)
+        raise
+    wall = time.monotonic() - start
+    log_dir = args.out / "logs"
+    log_dir.mkdir(exist_ok=True)
+    (log_dir / f"{_slug(size)}__{_slug(system)}.log").write_text(
+        f"$ {shlex.join(cmd)}\n# exit {proc.returncode}, {wall:.1f} s\n--- stdout\n{stdout[-100_000:]}"
+        f"\n--- stderr\n{stderr[-100_000:]}"
+    )
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if lines:
-        return json.loads(lines[-1][len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"size": size, "system": system, "status": "crash", "reason": f"exit {proc.returncode}: {tail[0][:300]}"}
+        return json.loads(lines[-1][len("RESULT ") :]), timed_out, wall
+    rc = proc.returncode
+    how = f"killed by {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit {rc}"
+    tail = stderr.strip().splitlines()[-1:] or stdout.strip().splitlines()[-1:] or ["no output"]
+    return {"status": "crash", "reason": f"{how}: {tail[0][:300]}"}, timed_out, wall
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["350M"])
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--ladder", action="store_true", help="per system, stop at its first failing size")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--cap-gib", type=float, default=24.0)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    parser.add_argument("--run", nargs=2, metavar=("SIZE", "SYSTEM"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.run:
-        result = run_one(*args.run, steps=args.steps, warmup=args.warmup, batch=args.batch, seq=args.seq,
-                         cap_gib=args.cap_gib, device=args.device)
-        print("RESULT " + json.dumps(result), flush=True)
-        return
-    results = []
-    for system in args.systems:
+def _preflight(record: dict, args, ledger: Ledger, deadline: float | None) -> float | None:
+    """The timeout of the run ``record`` is for, or None after recording in it why it does not start:
+    ``skipped_host_ram`` (an offloading peer whose host RAM estimate exceeds what is available) or
+    ``not_run`` (less time left before ``deadline`` than the run is estimated to take)."""
+    size, system = record["size"], record["system"]
+    need = None if args.no_host_ram_check else host_bytes_needed(system, size)
+    if need is not None:
+        available, source = host_bytes_available()
+        record.update(host_needed_bytes=need, host_available_bytes=available)
+        if need > available:
+            reason = (f"estimated host RAM {need / 2**30:.1f} GiB > {source} {available / 2**30:.1f} GiB "
+                      "(an estimate, not a measured failure)")
+            record.update(status="skipped_host_ram", reason=reason)
+            return None
+    if deadline is None:
+        return float(args.timeout)
+    remaining = deadline - time.monotonic() - RESERVE_S
+    estimate, basis = ledger.estimate_s(system, size, args.default_estimate_s)
+    if remaining < estimate:
+        record.update(status="not_run", reason=f"deadline: {max(remaining, 0):.0f} s left < {estimate:.0f} s "
+                                               f"estimated ({basis})")
+        return None
+    return min(float(args.timeout), remaining)
+
+
+def run_all(args) -> int:
+    """The parent: every (size, system) of the call, size by size; returns the exit status."""
+    t0 = time.monotonic()
+    deadline = t0 + args.deadline_s if args.deadline_s is not None else None
+    protocol = {k: getattr(args, k) for k in PROTOCOL_KEYS}
+    previous = load_results(args.resume, protocol) if args.resume else []
+    ledger = Ledger(args.out, previous, force_host_ram=args.no_host_ram_check)
+    systems = system_names(args.systems, args.plan)
+    if args.resume:
+        print(f"{len(previous)} results resumed from {args.resume}")
+    pending: set[str] = set()  # systems with a size left to a later call: their larger sizes wait
+    interrupted = None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _on_signal)
+    try:
         for size in args.sizes:
-            try:
-                r = _spawn(size, system, args)
-            except subprocess.TimeoutExpired:
-                r = {"size": size, "system": system, "status": "timeout", "reason": f"over {args.timeout} s"}
-            results.append(r)
-            print(_row(r), flush=True)
-            (args.out / "peers.json").write_text(json.dumps(results, indent=1))
-            if args.ladder and r["status"] != "ok":
-                break
-    (args.out / "peers.md").write_text(markdown(results, args))
-    print("\n" + markdown(results, args))
-    plot(results, args.out)
+            for system in systems:
+                if ledger.done(size, system) or (args.ladder and (system in pending or ledger.stopped(size, system))):
+                    continue
+                record = {"size": size, "system": system, "model": family(size), "params": num_params(size),
+                          **protocol}
+                if base_system(system) == "protrain_plan":
+                    record["plan"] = _PLAN_SYSTEM.match(system).group(1)
+                timeout = _preflight(record, args, ledger, deadline)
+                if timeout is None:  # recorded as skipped_host_ram or not_run
+                    if record["status"] == "not_run":
+                        pending.add(system)
+                    ledger.add(record)
+                    print(_row(record), flush=True)
+                    continue
+                record.update(start_s=round(time.monotonic() - t0, 2),
+                              started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+                try:
+                    result, timed_out, wall = _spawn(size, system, args, timeout)
+                except (Interrupted, KeyboardInterrupt) as e:
+                    interrupted = str(e) or type(e).__name__
+                    wall = time.monotonic() - t0 - record["start_s"]
+                    record.update(status="not_run", reason=f"interrupted ({interrupted}) after {wall:.0f} s",
+                                  cut_off_after_s=wall)
+                    ledger.add(record)
+                    raise
+                record.update(result, wall_s=round(wall, 2))
+                if timed_out and timeout < args.timeout:  # the deadline's cut, not the run's own limit
+                    record.update(status="not_run", reason=f"cut off at the deadline after {wall:.0f} s",
+                                  cut_off_after_s=record.pop("wall_s"))
+                    pending.add(system)
+                elif timed_out:
+                    record.update(status="timeout", reason=f"over {args.timeout} s")
+                ledger.add(record)
+                print(_row(record), flush=True)
+    except (Interrupted, KeyboardInterrupt) as e:
+        interrupted = interrupted or str(e) or type(e).__name__
+        print(f"\ninterrupted ({interrupted}): results so far are in {args.out / 'peers.json'}", flush=True)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+    ledger.write()
+    results = ledger.ordered()
+    print("\n" + markdown(results))
+    left = [(size, system) for size in args.sizes for system in systems
+            if not ledger.done(size, system) and not (args.ladder and ledger.stopped(size, system))]
+    print(f"this call: {time.monotonic() - t0:.0f} s; up to {len(left)} run(s) left to a later call")
+    print("resume with:\n  " + resume_command(args), flush=True)
+    if interrupted is None:
+        plot(results, args.out)
+    return 130 if interrupted else 0
+
+
+def resume_command(args, argv: list[str] | None = None) -> str:
+    """This call's command line with ``--resume OUT/peers.json`` (any earlier ``--resume`` dropped)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    kept, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == "--resume":
+            skip = True
+        elif not token.startswith("--resume="):
+            kept.append(token)
+    exe = "python3" if shutil.which("python3") == sys.executable else sys.executable
+    script = os.path.relpath(Path(__file__).resolve(), Path.cwd()) if Path.cwd() == ROOT else __file__
+    env_out = os.environ.get("OUT")
+    tokens = [exe, script, *kept, "--resume", str(args.out / "peers.json")]
+    text = " ".join(_quote(t, env_out) for t in tokens)
+    if env_out and Path(env_out).resolve() in (args.out.resolve(), *args.out.resolve().parents):
+        text += ("\n  ($OUT is new on every device call: carry this call's peers.json into the working "
+                 "tree and give that path to --resume)")
+    return text
+
+
+def _quote(token: str, env_out: str | None) -> str:
+    if env_out and token.startswith(env_out.rstrip("/")):
+        return '"$OUT"' + shlex.quote(token[len(env_out.rstrip("/")) :]) if token != env_out else '"$OUT"'
+    return shlex.quote(token)
+
+
+# ------------------------------------------------------------------------------------------- reporting
+
+
+def _tokens(r: dict) -> str:
+    t = r["tokens_per_s"]
+    return f"{t / 1e3:.1f}k" if t >= 1e3 else f"{t:.0f}"
 
 
 def _row(r: dict) -> str:
+    wall = f" [{r['wall_s']:.0f} s]" if r.get("wall_s") else ""
     if r["status"] != "ok":
-        return f"{r['size']:>5} {r['system']:>14}: {r['status']} ({r.get('reason', '')[:100]})"
+        return f"{r['size']:>9} {r['system']:>14}: {r['status']} ({r.get('reason', '')[:140]}){wall}"
     peak = r.get("peak_allocated_bytes")
     peak_text = f", peak {peak / 2**30:.2f} GiB" if peak else ""
-    return (f"{r['size']:>5} {r['system']:>14}: {r['tokens_per_s'] / 1e3:7.1f}k tok/s, "
-            f"{1000 * r['step_s']:.1f} ms, MFU {100 * r['mfu']:.1f}%{peak_text}, loss {r['loss']:.3f}")
+    return (f"{r['size']:>9} {r['system']:>14}: {_tokens(r):>7} tok/s, "
+            f"{1000 * r['step_s']:.1f} ms, MFU {100 * r['mfu']:.1f}%{peak_text}, loss {r['loss']:.3f}{wall}")
 
 
-def markdown(results: list[dict], args) -> str:
-    """Tokens/s table (sizes x systems) and a detail table."""
+_CELL = {"skipped_host_ram": "host RAM (est.)", "not_run": "not run"}
+
+
+def markdown(results: list[dict]) -> str:
+    """Tokens/s table (sizes x systems), what its cells mean, and a detail table."""
     sizes = list(dict.fromkeys(r["size"] for r in results))
     systems = list(dict.fromkeys(r["system"] for r in results))
     cell = {(r["size"], r["system"]): r for r in results}
+    p = results[0] if results else {}
 
     def fmt(r: dict | None) -> str:
         if r is None:
             return "–"
-        return f"{r['tokens_per_s'] / 1e3:.1f}k" if r["status"] == "ok" else r["status"]
+        return _tokens(r) if r["status"] == "ok" else _CELL.get(r["status"], r["status"])
 
-    lines = [f"tokens/s, B24 (batch {args.batch} x {args.seq}, cap {args.cap_gib:g} GiB)", "",
-             "| model | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
+    title = (f"tokens/s, B24 (batch {p.get('batch')} x {p.get('seq')}, cap {p.get('cap_gib', 0):g} GiB, "
+             f"{p.get('steps')} timed steps after {p.get('warmup')} warm-up, {p.get('device')})")
+    lines = [title, "", "| model | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
     lines += [f"| {s} | " + " | ".join(fmt(cell.get((s, y))) for y in systems) + " |" for s in sizes]
-    lines += ["", "| model | system | status | tok/s | step ms | MFU | peak alloc GiB | peak reserved GiB | host RAM GiB | loss |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append("| " + " | ".join(_detail(r)) + " |")
+    legend = ("OOM / crash / timeout: the run failed (reasons below). host RAM (est.): not run because the "
+              "estimated host RAM of the offloading peer exceeded the memory available (bench/peers.py, "
+              "HOST_BYTES_PER_PARAM): an estimate, not a measured failure. not run: left to a later call "
+              "(--resume). –: not attempted (the ladder stopped at a smaller size).")
+    header = ("| model | system | status | tok/s | step ms | MFU | peak alloc GiB | predicted GiB (err) "
+              "| peak reserved GiB | swapped GiB | host RAM GiB | loss | wall s | first step s |")
+    lines += ["", legend, "", header, "|---|" + "---|" * 13]
+    lines += ["| " + " | ".join(_detail(r)) + " |" for r in results]
     return "\n".join(lines) + "\n"
 
 
@@ -306,18 +839,34 @@ def _detail(r: dict) -> list[str]:
     def gib(key: str) -> str:
         return f"{r[key] / 2**30:.2f}" if r.get(key) else "–"
 
+    def sec(key: str) -> str:
+        return f"{r[key]:.1f}" if r.get(key) is not None else "–"
+
     return [
         r["size"],
         r["system"],
-        r["status"] if ok else f"{r['status']}: {r.get('reason', '')[:80]}",
-        f"{r['tokens_per_s'] / 1e3:.1f}k" if ok else "–",
+        r["status"] if ok else f"{_CELL.get(r['status'], r['status'])}: {r.get('reason', '')[:120]}",
+        _tokens(r) if ok else "–",
         f"{1000 * r['step_s']:.1f}" if ok else "–",
         f"{100 * r['mfu']:.1f}%" if ok else "–",
         gib("peak_allocated_bytes"),
+        _predicted(r),
         gib("peak_reserved_bytes"),
+        gib("swapped_bytes"),
         gib("host_peak_bytes"),
         f"{r['loss']:.3f}" if ok else "–",
+        sec("wall_s"),
+        sec("first_step_s"),
     ]
+
+
+def _predicted(r: dict) -> str:
+    """protrain's predicted peak and its error against the measured peak allocated."""
+    pred, meas = r.get("predicted_peak_bytes"), r.get("peak_allocated_bytes")
+    if not pred:
+        return "–"
+    err = f" ({100 * (pred - meas) / meas:+.1f}%)" if meas and r["status"] == "ok" else ""
+    return f"{pred / 2**30:.2f}{err}"
 
 
 def plot(results: list[dict], out: Path) -> None:
@@ -330,33 +879,106 @@ def plot(results: list[dict], out: Path) -> None:
     except ImportError:
         print("matplotlib not found: no PNG plots")
         return
-    sys.path.insert(0, str(ROOT))
-    from examples.gpt import gpt_config, num_params
-
-    systems = list(dict.fromkeys(r["system"] for r in results))
+    lines = list(dict.fromkeys((r["system"], family(r["size"])) for r in results))
     fig, ax = plt.subplots(figsize=(8, 5))
-    for system in systems:
-        pts = sorted((num_params(gpt_config(r["size"])) / 1e9, r["tokens_per_s"]) for r in results
-                     if r["system"] == system and r["status"] == "ok")
+    for system, fam in lines:
+        pts = sorted((num_params(r["size"]) / 1e9, r["tokens_per_s"]) for r in results
+                     if r["system"] == system and family(r["size"]) == fam and r["status"] == "ok")
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=system)
+            label = system if fam == "gpt" else f"{system} ({fam})"
+            ax.plot(*zip(*pts), marker="o" if fam == "gpt" else "s", label=label)
     ax.set_xlabel("parameters (billions)")
     ax.set_ylabel("tokens/s")
+    ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.legend()
+    ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "peers_throughput.png", dpi=120)
     fig, ax = plt.subplots(figsize=(8, 4))
     largest = {}
-    for system in systems:
-        ok = [r["size"] for r in results if r["system"] == system and r["status"] == "ok"]
-        largest[system] = max((num_params(gpt_config(s)) / 1e9 for s in ok), default=0.0)
+    for system, fam in lines:
+        ok = [num_params(r["size"]) / 1e9 for r in results
+              if r["system"] == system and family(r["size"]) == fam and r["status"] == "ok"]
+        largest[system if fam == "gpt" else f"{system} ({fam})"] = max(ok, default=0.0)
     ax.barh(list(largest), list(largest.values()))
     ax.set_xlabel("largest size that trained (billions of parameters)")
     fig.tight_layout()
     fig.savefig(out / "peers_largest.png", dpi=120)
+    plt.close("all")
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt", choices=tuple(MODELS),
+                        help="gpt: the GPT of examples/gpt.py at --sizes; llama1b: Hugging Face Llama, 1.1B "
+                             "(size llama1.1B); llama_tiny: a tiny Llama for CPU dry runs")
+    parser.add_argument("--sizes", nargs="+", help="GPT presets of examples/gpt.py (default 350M)")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--plan", nargs="+", default=["checkpoint=all"], metavar="SPEC",
+                        help="protrain_plan's plans, one system each: 'swap=N,checkpoint=M' (counts for "
+                             "protrain_fx.plan.interleaved; 'all' = every block the other leaves) or the "
+                             "path of a plan .json (default: checkpoint=all)")
+    parser.add_argument("--ladder", action="store_true", help="per system, stop at its first failing size")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (at least 1; the first compiles)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--cap-gib", type=float, default=24.0)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    parser.add_argument("--deadline-s", type=float, help="seconds for this whole call (see the module docstring)")
+    parser.add_argument("--default-estimate-s", type=float, default=90.0,
+                        help="with --deadline-s: expected seconds of a run of a system not yet timed")
+    parser.add_argument("--resume", type=Path, metavar="FILE.json", help="continue from an earlier call's peers.json")
+    parser.add_argument("--no-host-ram-check", action="store_true",
+                        help="run the offloading peers even where their host RAM estimate exceeds what is free")
+    parser.add_argument("--report", type=Path, metavar="FILE.json",
+                        help="only write peers.md and the plots of a peers.json into --out")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    parser.add_argument("--run", nargs=2, metavar=("SIZE", "SYSTEM"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+    if args.model != "gpt":
+        if args.sizes:
+            parser.error(f"--sizes is for --model gpt; --model {args.model} trains {MODELS[args.model]}")
+        args.sizes = [MODELS[args.model]]
+    args.sizes = args.sizes or ["350M"]
+    from examples.gpt import SIZES
+
+    unknown = [s for s in args.sizes if s not in SIZES and s not in LLAMA_SIZES]
+    if unknown:
+        parser.error(f"unknown sizes {unknown}; GPT presets: {', '.join(SIZES)}; Llama: {', '.join(LLAMA_SIZES)}")
+    for spec in args.plan:
+        try:
+            parsed = parse_plan_spec(spec)
+        except ValueError as e:
+            parser.error(str(e))
+        if isinstance(parsed, Path) and not parsed.is_file():
+            parser.error(f"--plan {spec}: no such file {parsed}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.run:
+        result = run_one(*args.run, steps=args.steps, warmup=args.warmup, batch=args.batch, seq=args.seq,
+                         cap_gib=args.cap_gib, device=args.device)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    if args.report:
+        results = Ledger(args.out, load_results(args.report)).ordered()
+        (args.out / "peers.md").write_text(markdown(results))
+        plot(results, args.out)
+        print(markdown(results))
+        return 0
+    return run_all(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""bench/peers.py's bookkeeping, without training: plan specs, ladder / resume / deadline decisions,
+host RAM and FLOPs estimates, the Llama's parameter count; and one CPU dry run cut by a deadline and
+resumed (marked slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import protrain_fx
+from examples.gpt import GPT, gpt_config, random_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+_SPEC = importlib.util.spec_from_file_location("bench_peers", ROOT / "bench" / "peers.py")
+peers = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(peers)
+
+
+@pytest.mark.parametrize(
+    ("spec", "parsed"),
+    [("swap=2,checkpoint=10", (2, 10)), ("checkpoint=all", (0, None)), ("swap=3", (3, 0)),
+     ("swap=all,checkpoint=4", (None, 4))],
+)
+def test_plan_spec(spec, parsed):
+    assert peers.parse_plan_spec(spec) == parsed
+
+
+@pytest.mark.parametrize("spec", ["swap=2;checkpoint=1", "keep=1", "swap=-1", "swap=all,checkpoint=all", "swap=1,swap=2"])
+def test_bad_plan_spec(spec):
+    with pytest.raises(ValueError):
+        peers.parse_plan_spec(spec)
+
+
+def test_plan_from_spec_counts():
+    labels = peers.block_labels("350M")
+    assert labels[0] == "blocks.0" and len(labels) == 24
+    for spec, counts in [("swap=2,checkpoint=10", (2, 10, 12)), ("checkpoint=all", (0, 24, 0)),
+                         ("swap=2,checkpoint=all", (2, 22, 0))]:
+        plan = peers.plan_from_spec(spec, labels)
+        assert tuple(sum(plan.policy(b) == p for b in labels) for p in ("swap", "checkpoint", "none")) == counts
+    assert peers.block_labels("llama1.1B")[-1] == "model.layers.21"
+    assert peers.system_names(["protrain", "protrain_plan"], ["checkpoint=all", "swap=1"]) == [
+        "protrain", "protrain_plan[checkpoint=all]", "protrain_plan[swap=1]"]
+
+
+def test_block_labels_are_the_backends():
+    config = gpt_config("tiny")
+    model = torch.compile(GPT(config), backend="protrain", options={"codegen": "eager"})
+    model(*random_batch(config, 2, 16, generator=torch.Generator().manual_seed(0))).backward()
+    (record,) = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
+    assert list(record.blocks.labels) == peers.block_labels("tiny")
+
+
+@pytest.mark.parametrize("size", ["llama1.1B", "llama_tiny"])
+def test_llama_params_and_flops(size):
+    pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = peers.build_model(size)
+    assert sum(p.numel() for p in model.parameters()) == peers.num_params(size)
+    c = peers.LLAMA_SIZES[size]
+    d = c["hidden_size"]
+    expected = 6 * (peers.num_params(size) - c["vocab_size"] * d) + 12 * c["num_hidden_layers"] * d * 1024
+    assert peers.flops_per_token(size, 1024) == expected
+    if size == "llama1.1B":
+        assert 1.0e9 < peers.num_params(size) < 1.2e9
+
+
+def test_gpt_flops_unchanged():
+    cfg = gpt_config("350M")
+    n = peers.num_params("350M")
+    assert peers.flops_per_token("350M", 1024) == 6 * (n - 1024 * cfg.n_embd) + 12 * cfg.n_layer * cfg.n_embd * 1024
+
+
+def test_host_ram_estimates():
+    # anchors.md: on the 125 GiB host both offloading peers ran 4.2B and failed (host RAM) at 6.7B.
+    assert peers.host_bytes_needed("compile", "6.7B") is None
+    for system in ("fsdp2", "deepspeed"):
+        assert peers.host_bytes_needed(system, "4.2B") < 115 * 2**30
+        assert peers.host_bytes_needed(system, "6.7B") > 125 * 2**30
+    available, source = peers.host_bytes_available()
+    assert available > 0 and source
+
+
+def _r(size, system, status, **kw):
+    if status == "ok":
+        kw = {"tokens_per_s": 4800.0, "step_s": 1.7, "mfu": 0.1, "loss": 10.0, **kw}
+    return {"size": size, "system": system, "status": status, **kw}
+
+
+def test_ledger_ladder_and_resume(tmp_path):
+    previous = [
+        _r("350M", "compile", "ok", wall_s=50.0),
+        _r("760M", "compile", "OOM", wall_s=70.0),
+        _r("350M", "fsdp2", "ok", wall_s=30.0),
+        _r("760M", "fsdp2", "not_run", reason="deadline"),
+        _r("760M", "deepspeed", "skipped_host_ram"),
+        _r("760M", "eager", "not_run", cut_off_after_s=120.0),
+    ]
+    ledger = peers.Ledger(tmp_path, previous)
+    assert ledger.done("350M", "compile") and ledger.done("760M", "compile")
+    assert ledger.stopped("1.3B", "compile")["status"] == "OOM"
+    assert ledger.stopped("760M", "compile") is None
+    assert not ledger.done("760M", "fsdp2") and ledger.stopped("1.3B", "fsdp2") is None  # not_run is no failure
+    assert ledger.done("760M", "deepspeed") and ledger.stopped("1.3B", "deepspeed")
+    assert ledger.stopped("llama1.1B", "compile") is None  # another model: its own ladder
+    assert ledger.estimate_s("compile", "1.3B", 90.0)[0] == 70.0
+    assert ledger.estimate_s("eager", "1.3B", 90.0)[0] == 120.0
+    assert ledger.estimate_s("protrain", "1.3B", 90.0) == (90.0, "--default-estimate-s")
+    forced = peers.Ledger(tmp_path, previous, force_host_ram=True)
+    assert not forced.done("760M", "deepspeed") and forced.stopped("1.3B", "deepspeed") is None
+    ledger.add(_r("1.3B", "fsdp2", "ok", wall_s=40.0))
+    written = json.loads((tmp_path / "peers.json").read_text())
+    assert [(r["size"], r["system"]) for r in written][:3] == [("350M", "compile"), ("350M", "fsdp2"),
+                                                               ("760M", "eager")]
+    md = (tmp_path / "peers.md").read_text()
+    assert "host RAM (est.)" in md and "not a measured failure" in md and "4.8k" in md
+
+
+def test_resume_protocol_must_match(tmp_path):
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps([_r("350M", "compile", "ok", batch=8, seq=512)]))
+    protocol = {"batch": 8, "seq": 1024, "cap_gib": 24.0, "steps": 3, "warmup": 2, "device": "cuda"}
+    with pytest.raises(SystemExit, match="seq"):
+        peers.load_results(path, protocol)
+
+
+def test_resume_command(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    args = peers.parse_args(["--sizes", "350M", "--ladder", "--out", str(tmp_path), "--resume", "old.json"])
+    cmd = peers.resume_command(args, ["--sizes", "350M", "--ladder", "--out", str(tmp_path), "--resume", "old.json"])
+    assert "old.json" not in cmd and cmd.endswith(f"--resume {tmp_path / 'peers.json'}")
+    assert "--ladder" in cmd
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_deadline_then_resume(tmp_path):
+    base = [sys.executable, str(ROOT / "bench" / "peers.py"), "--device", "cpu", "--sizes", "tiny", "--systems",
+            "eager", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--ladder",
+            "--out", str(tmp_path)]
+    first = subprocess.run([*base, "--deadline-s", "0"], capture_output=True, text=True, check=True)
+    results = json.loads((tmp_path / "peers.json").read_text())
+    assert [r["status"] for r in results] == ["not_run"], first.stdout
+    assert f"--resume {tmp_path / 'peers.json'}" in first.stdout
+    subprocess.run([*base, "--resume", str(tmp_path / "peers.json")], capture_output=True, text=True, check=True)
+    results = json.loads((tmp_path / "peers.json").read_text())
+    assert [(r["system"], r["status"]) for r in results] == [("eager", "ok")]
+    assert all(r["wall_s"] > 0 and r["first_step_s"] > 0 for r in results)
