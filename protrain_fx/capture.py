@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from protrain_fx.passes.blocks import BlockInfo
     from protrain_fx.passes.inductor_memory import GraphPlan
     from protrain_fx.passes.memory import MemoryAnalysis, StepGraphs
+    from protrain_fx.passes.swap import SwappedValue
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class CapturedGraph:
     #: ``memory`` is replaced by the analysis of Inductor's plans once both graphs are compiled
     #: (the backward graph at the first ``backward()``), and this keeps the graph-level one.
     memory_unfused: "MemoryAnalysis | None" = None
+    #: Saved values the plan swaps, with where their copies were placed (``passes/swap.py``).
+    swapped: list["SwappedValue"] = field(default_factory=list)
 
     @property
     def has_backward(self) -> bool:
@@ -129,3 +132,6 @@ def reset() -> None:
         _records.clear()
         _breaks_seen.clear()
         _breaks_seen.update(counters["graph_break"])
+    from protrain_fx.runtime.swap import POOL
+
+    POOL.clear()  # host buffers of swapped values of the forgotten graphs

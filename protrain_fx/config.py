@@ -85,8 +85,10 @@ class ProtrainConfig:
         keep_node_order: with Inductor, turn off its ``reorder_for_peak_memory`` so the kernels run in
             the order our analysis (and later our rewrites) assumed.
         verbose: log one line per captured graph and per pass.
-        plan: an activation plan given by hand (per block: none / checkpoint), applied to every
-            captured graph; see ``protrain_fx.plan``.
+        plan: an activation plan given by hand (per block: none / checkpoint / swap), applied to
+            every captured graph; see ``protrain_fx.plan``.
+        machine: overrides of the machine constants the rewrites place copies with (e.g.
+            ``{"h2d_bytes": 25e9, "d2h_bytes": 25e9}`` for a PCIe Gen4 card); see ``protrain_fx.machine``.
     """
 
     memory_budget_bytes: int | None = None
@@ -95,6 +97,7 @@ class ProtrainConfig:
     keep_node_order: bool = True
     verbose: bool = False
     plan: "Plan | None" = None
+    machine: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes is not None:  # "24GiB" given to the class directly
@@ -106,6 +109,13 @@ class ProtrainConfig:
         for name in ("keep_node_order", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name!r}: got {getattr(self, name)!r}; accepted: True or False")
+        if self.machine is not None:
+            if not isinstance(self.machine, Mapping):
+                raise ValueError(f"option 'machine': got {self.machine!r}; accepted: a dict of machine constants")
+            from protrain_fx.machine import CPU
+
+            CPU.with_overrides(self.machine)  # raises ValueError naming a bad key or value
+            object.__setattr__(self, "machine", dict(self.machine))
         return self
 
     @property
@@ -126,6 +136,7 @@ _OPTION_FIELDS = {
     "keep_node_order": "keep_node_order",
     "verbose": "verbose",
     "plan": "plan",
+    "machine": "machine",
 }
 
 

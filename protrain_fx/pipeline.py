@@ -36,10 +36,11 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from protrain_fx.capture import CapturedGraph, PassRecord
+from protrain_fx.machine import machine_for
 from protrain_fx.passes.annotate import annotate_plan
 from protrain_fx.passes.blocks import attribute_blocks, find_blocks
 from protrain_fx.passes.inductor_memory import analyze_inductor_memory
-from protrain_fx.passes.memory import analyze_memory
+from protrain_fx.passes.memory import analysis_device, analyze_memory
 from protrain_fx.passes.swap import swap_pass
 from protrain_fx.readable import format_graph, readable_graphs
 
@@ -131,10 +132,18 @@ def run_step_passes(record: CapturedGraph) -> None:
     plan = record.config.plan
     swaps = plan is not None and (plan.blocks_with("swap") or "swap" in plan.tensors.values())
     if swaps and record.backward is not None:
-        runner.run(
+        record.swapped = runner.run(
             "swap_activations",
-            lambda: swap_pass(record.forward, record.backward, plan, record.step.num_user_outputs),
-            lambda n: f"{n} saved values offloaded to host memory and reloaded for backward",
+            lambda: swap_pass(
+                record.forward,
+                record.backward,
+                plan,
+                record.step.num_user_outputs,
+                machine=machine_for(analysis_device(record.step), record.config.machine),
+                slot_prefix=f"g{record.index}.",
+            ),
+            lambda swapped: f"{len(swapped)} saved values ({sum(s.nbytes for s in swapped) / 2**20:.1f} MiB) "
+            "offloaded to host memory and reloaded for backward",
         )
     if record.step is not None:
         record.memory = runner.run(

@@ -117,21 +117,28 @@ def test_swapped_blocks_reload_every_saved_value_before_use():
     assert torch.equal(loss, ref_loss) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
     offloads = [n for n in record.forward.graph.nodes if n.target is torch.ops.protrain.offload.default]
     reloads = [n for n in record.backward.graph.nodes if n.target is torch.ops.protrain.reload.default]
-    assert offloads and len(offloads) == len(reloads)
+    assert offloads and len(offloads) == len(reloads) == len(record.swapped)
     assert {n.meta[meta.BLOCK] for n in offloads} == {"blocks.1", "blocks.3"}
     fw_out = next(n for n in reversed(record.forward.graph.nodes) if n.op == "output").args[0]
     fw_order = {n: i for i, n in enumerate(record.forward.graph.nodes)}
     for host in offloads:
         assert host in fw_out  # the host copy, not the device value, crosses to backward
-        (value,) = host.args
+        value, slot = host.args
         assert value not in fw_out
-        # offloaded right after the value's last forward use
-        assert all(fw_order[u] < fw_order[host] for u in value.users if u is not host)
+        # offloaded right after the value's last forward use; its wait is the value's last use
+        (wait,) = [u for u in host.users if u.op != "output"]
+        assert wait.target is torch.ops.protrain.offload_wait.default and wait.args == (host, value, slot)
+        assert all(fw_order[u] < fw_order[host] for u in value.users if u not in (host, wait))
+        assert fw_order[host] < fw_order[wait]
     order = {n: i for i, n in enumerate(record.backward.graph.nodes)}
     for reload in reloads:
-        (host_input,) = reload.args[:1]
-        assert host_input.op == "placeholder" and list(host_input.users) == [reload]  # nothing reads the host copy
-        assert all(order[u] > order[reload] for u in reload.users)  # reloaded before its first use
+        host_input, slot, _ = reload.args
+        assert host_input.op == "placeholder" and list(host_input.users) == [reload]  # nothing else reads the host copy
+        (wait,) = [u for u in reload.users if u.target is torch.ops.protrain.reload_wait.default]
+        assert wait.args == (reload, slot)
+        others = [u for u in reload.users if u is not wait]
+        assert others and all(order[wait] < order[u] for u in others)  # waited for before its first use
+        assert order[reload] < order[wait]
 
 
 def _saved_values(record, block):

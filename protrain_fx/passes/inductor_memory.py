@@ -62,7 +62,7 @@ class GraphPlan:
 def read_inductor_plan(graph: Any, phase: str) -> GraphPlan:
     """Read the memory-planning lines of a compiled ``GraphLowering`` (after its code was generated)."""
     from torch._inductor.codegen import wrapper as w
-    from torch._inductor.ir import MultiOutputLayout
+    from torch._inductor.ir import MultiOutputLayout, NoneLayout
     from torch._inductor.utils import LineContext
 
     def nbytes(node: Any) -> tuple[int, str]:
@@ -94,7 +94,8 @@ def read_inductor_plan(graph: Any, phase: str) -> GraphPlan:
         elif isinstance(line, w.FreeLine):
             actions.append(("free", line.node.get_name(), None))
         elif isinstance(line, w.ExternKernelAllocLine):
-            if not isinstance(line.node.layout, MultiOutputLayout):
+            # NoneLayout: an op that returns nothing (our copy waits, which only mutate an input).
+            if not isinstance(line.node.layout, (MultiOutputLayout, NoneLayout)):
                 actions.append(("alloc", line.node.get_name(), nbytes(line.node)))
         elif isinstance(line, w.MultiOutputLine):
             actions.append(("alloc", line.result_name, nbytes(graph.get_buffer(line.result_name))))

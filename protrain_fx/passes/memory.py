@@ -144,8 +144,11 @@ def analyze_memory(
     rows = step_rows(step, fw_nodes, bw_nodes)
     end = len(rows)
 
+    host = host_copies(step)
+
     def keys_of(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
-        return [(meta.storage_key(t), t) for t in meta.tensor_values(node) if t.device == device]
+        keys = [(meta.storage_key(t), t) for t in meta.tensor_values(node) if t.device == device]
+        return [(k, t) for k, t in keys if k not in host]
 
     state = model_state(step, device, granule, end, optimizer_states_per_param)
     buffers: dict[int, _Buffer] = {key: buf for key, buf in state.by_storage.items()}
@@ -189,6 +192,14 @@ def analyze_memory(
     return finish_analysis(
         step, device, list(buffers.values()) + state.optimizer, rows, fw_nodes, bw_nodes, label
     )
+
+
+def host_copies(step: StepGraphs) -> set[int]:
+    """Storage keys of the host copies swapped activations are offloaded to (never device memory,
+    even when the "device" is the CPU)."""
+    offload = torch.ops.protrain.offload.default if hasattr(torch.ops.protrain, "offload") else None
+    nodes = step.forward.graph.nodes if step.forward is not None else ()
+    return {meta.storage_key(t) for n in nodes if n.target is offload for t in meta.tensor_values(n)}
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""Machine constants the rewrites plan with: compute rate, memory bandwidth, host<->device copy speed.
+
+Today these are known numbers for GPUs we measured (anchors: the H200 of our GPU machine) and
+conservative defaults elsewhere; ``options={"machine": {...}}`` overrides any of them. The profiler
+(a later release) measures them on the device instead.
+
+They are only used to *place* work (when to wait for an offload, how early to prefetch); a wrong
+number costs time (a copy waited on too early), never correctness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Rates in units per second: ``flops`` for matrix products (bf16 on GPUs), ``hbm_bytes`` for the
+    device's memory (reads plus writes), ``h2d_bytes`` / ``d2h_bytes`` for pinned copies one way,
+    ``duplex_bytes`` for both directions at once (total). ``*_efficiency`` is the fraction of the peak
+    a typical kernel of the captured graphs reaches."""
+
+    name: str
+    flops: float
+    hbm_bytes: float
+    h2d_bytes: float
+    d2h_bytes: float
+    duplex_bytes: float
+    flops_efficiency: float = 0.6
+    hbm_efficiency: float = 0.7
+
+    def with_overrides(self, overrides: Mapping[str, Any] | None) -> Machine:
+        if not overrides:
+            return self
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(
+                f"option 'machine': unknown key(s) {unknown}; accepted: {sorted(fields - {'name'})}"
+            )
+        for key, value in overrides.items():
+            if key != "name" and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value <= 0
+            ):
+                raise ValueError(
+                    f"option 'machine': {key}={value!r} must be a positive number"
+                )
+        return dataclasses.replace(self, **dict(overrides))
+
+
+#: Measured on our GPU machine (anchors.md, 2026-11-30): bf16 8192^3 matmul 786 TFLOP/s, pinned
+#: H2D 55.3 GB/s, D2H 55.2 GB/s, 97 GB/s both at once. HBM3e: 4.8 TB/s datasheet.
+H200 = Machine(
+    "NVIDIA H200",
+    flops=786e12,
+    hbm_bytes=4.8e12,
+    h2d_bytes=55.3e9,
+    d2h_bytes=55.2e9,
+    duplex_bytes=97e9,
+)
+#: Any other GPU until measured: an RTX 4090-class card on PCIe Gen4 (ProTrain's own setting).
+GENERIC_GPU = Machine(
+    "generic GPU",
+    flops=165e12,
+    hbm_bytes=1.0e12,
+    h2d_bytes=22e9,
+    d2h_bytes=22e9,
+    duplex_bytes=40e9,
+)
+#: CPU "device": swaps are synchronous copies there, so only relative numbers matter.
+CPU = Machine(
+    "CPU", flops=1e12, hbm_bytes=50e9, h2d_bytes=20e9, d2h_bytes=20e9, duplex_bytes=20e9
+)
+
+
+def machine_for(
+    device: torch.device, overrides: Mapping[str, Any] | None = None
+) -> Machine:
+    """The constants for ``device``, with the user's overrides applied."""
+    if device.type != "cuda":
+        base = CPU
+    else:
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else ""
+        base = H200 if "H200" in name else GENERIC_GPU
+    return base.with_overrides(overrides)

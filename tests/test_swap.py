@@ -1,0 +1,146 @@
+"""Activation swap: where the copies are placed, the host buffer pool, and what the analysis counts.
+
+The copies themselves are synchronous on the CPU (CI has no GPU); placement, buffer reuse and the
+memory model are the same code as on the GPU, where ``tests/test_gpu_swap.py`` checks the streams.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain_fx
+from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx.plan import Plan
+from protrain_fx.runtime.swap import POOL
+
+CONFIG = gpt_config("tiny", n_layer=4)
+SWAP = Plan(blocks={"blocks.0": "swap", "blocks.1": "swap"})
+SLOW = {"d2h_bytes": 1.0, "h2d_bytes": 1.0}  # every copy takes "forever": waits as late as possible
+FAST = {"d2h_bytes": 1e30, "h2d_bytes": 1e30}  # copies take no time: waits at once, reloads at use
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    yield
+    protrain_fx.reset()
+    torch._dynamo.reset()
+
+
+def _record(plan: Plan | None, machine: dict | None = None, codegen: str = "eager"):
+    torch.manual_seed(0)
+    options = {"codegen": codegen, "plan": plan}
+    if machine is not None:
+        options["machine"] = machine
+    model = GPT(CONFIG)
+    compiled = torch.compile(model, backend="protrain", options=options)
+    compiled(*random_batch(CONFIG, 2, 32)).backward()
+    (record,) = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
+    return record
+
+
+def _positions(gm):
+    return {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def test_slow_copies_wait_late_and_prefetch_early_fast_ones_the_opposite():
+    slow = _record(SWAP, SLOW)
+    fw, bw = _positions(slow.forward), _positions(slow.backward)
+    first_compute = min(i for n, i in bw.items() if not slow.backward.graph.find_nodes(op="placeholder", target=n))
+    last_fw = max(fw.values())
+    for s in slow.swapped:
+        assert fw[s.wait_before] == last_fw  # before the output node: the copy never finishes sooner
+        assert bw[s.reload_before] <= first_compute + len(slow.swapped)  # issued first thing in backward
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    fast = _record(SWAP, FAST)
+    fw, bw = _positions(fast.forward), _positions(fast.backward)
+    for s in fast.swapped:
+        offload = fw[s.offload_after]
+        # the wait follows the offload and at most the other offloads/waits issued at the same node
+        assert 0 < fw[s.wait_before] - offload <= 2 * len(fast.swapped) + 1
+        assert bw[s.first_use] - bw[s.reload_before] <= 2 * len(fast.swapped) + 1
+    assert [s.name for s in slow.swapped] == [s.name for s in fast.swapped]
+
+
+def test_copies_queue_in_order_on_each_stream():
+    record = _record(SWAP)
+    fw = _positions(record.forward)
+    offloads = [n for n in record.forward.graph.nodes if n.target is torch.ops.protrain.offload.default]
+    waits = [n for n in record.forward.graph.nodes if n.target is torch.ops.protrain.offload_wait.default]
+    assert [w.args[2] for w in waits] == [o.args[1] for o in offloads]  # waited for in issue order
+    reloads = [n for n in record.backward.graph.nodes if n.target is torch.ops.protrain.reload.default]
+    rwaits = [n for n in record.backward.graph.nodes if n.target is torch.ops.protrain.reload_wait.default]
+    assert [w.args[1] for w in rwaits] == [r.args[1] for r in reloads]
+    assert all(fw[o.name] < fw[w.name] for o, w in zip(offloads, waits))
+
+
+def test_swapped_bytes_leave_the_device_between_wait_and_reload():
+    none = _record(Plan(blocks={}))
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    fast = _record(SWAP, FAST)
+    swapped = sum(s.nbytes for s in fast.swapped)
+    assert swapped > 0
+
+    def live_at_forward_end(record):
+        return [e for e in record.memory.timeline.entries if e.phase == "forward"][-1].live_bytes
+
+    assert live_at_forward_end(none) - live_at_forward_end(fast) == swapped
+    # With copies that never finish in time, the device values stay until the end of forward.
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    slow = _record(SWAP, SLOW)
+    assert fast.memory.peak_bytes <= slow.memory.peak_bytes
+
+
+def test_host_pool_is_reused_across_steps_and_never_shared_by_two_pending_forwards():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "plan": SWAP})
+    batches = [random_batch(CONFIG, 2, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    compiled(*batches[0]).backward()
+    n_values = len(protrain_fx.captured_graphs()[-1].swapped)
+    assert POOL.buffers() == n_values
+    for _ in range(3):  # steady state: the same buffers every step
+        compiled(*batches[0]).backward()
+    assert POOL.buffers() == n_values
+    model.zero_grad()
+    # Two forwards saved for backward at once: each needs its own host copies.
+    (compiled(*batches[0]) + compiled(*batches[1])).backward()
+    assert POOL.buffers() == 2 * n_values
+    (reference(*batches[0]) + reference(*batches[1])).backward()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        # the two graphs' gradients may be summed in another order than eager's: fp32 rounding only
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_swap_with_inductor_keeps_the_placed_order():
+    record = _record(SWAP, codegen="inductor")
+    for phase, gm, issue in (
+        ("forward", record.forward, torch.ops.protrain.offload.default),
+        ("backward", record.backward, torch.ops.protrain.reload.default),
+    ):
+        issued = [n.name for n in gm.graph.nodes if n.target is issue]
+        waits = {n.name: n.args[0].name for n in gm.graph.nodes if getattr(n.target, "namespace", None) == "protrain" and n.target is not issue}
+        assert issued and len(waits) == len(issued)
+        contexts = [row.context for row in record.inductor_plans[phase].rows]
+        first = {name: contexts.index(name) for name in [*issued, *waits] if name in contexts}
+        # Inductor lowers the copies in the order we issued them, each before its wait (it may
+        # sink a wait past the next copy's issue: nothing reads the buffer before its wait anyway).
+        seen = [name for name in issued if name in first]
+        assert len(seen) == len(issued) and sorted(seen, key=first.__getitem__) == seen
+        for wait, copy_node in waits.items():
+            assert wait in first and first[copy_node] < first[wait], (phase, wait)
+
+
+def test_bad_machine_option_is_refused():
+    with pytest.raises(ValueError, match="h2d"):
+        protrain_fx.config.parse_options({"machine": {"h2d": 1}})
+    with pytest.raises(ValueError, match="positive"):
+        protrain_fx.config.parse_options({"machine": {"h2d_bytes": 0}})
