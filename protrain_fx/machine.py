@@ -32,6 +32,11 @@ class Machine:
     duplex_bytes: float
     flops_efficiency: float = 0.6
     hbm_efficiency: float = 0.7
+    #: Swap copies are placed as if they took this many times their bytes / bandwidth. Measured on
+    #: the H200 (B24 760M, 2 swapped blocks, 2026-11-30): at 1.25 the waits came early and 51% of
+    #: the copy time showed in the step; at 3.7, 10% (bench/swap_profile.py). The estimate of compute
+    #: time it is laid against is a roofline that Inductor's fused kernels beat.
+    copy_margin: float = 3.0
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> Machine:
         if not overrides:

@@ -141,6 +141,7 @@ def run_step_passes(record: CapturedGraph) -> None:
                 record.step.num_user_outputs,
                 machine=machine_for(analysis_device(record.step), record.config.machine),
                 slot_prefix=f"g{record.index}.",
+                state_inputs=record.step.state_inputs,
             ),
             lambda swapped: f"{len(swapped)} saved values ({sum(s.nbytes for s in swapped) / 2**20:.1f} MiB) "
             "offloaded to host memory and reloaded for backward",

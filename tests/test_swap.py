@@ -144,3 +144,24 @@ def test_bad_machine_option_is_refused():
         protrain_fx.config.parse_options({"machine": {"h2d": 1}})
     with pytest.raises(ValueError, match="positive"):
         protrain_fx.config.parse_options({"machine": {"h2d_bytes": 0}})
+
+
+def test_weight_casts_are_not_swapped_with_their_block():
+    """Under bf16 autocast the backward saves bf16 copies of the weights; copying them over PCIe is
+    pointless (they are made from parameters alone), so a swapped block leaves them on the device."""
+    from protrain_fx.passes.swap import _state_derived
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "plan": SWAP})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(*random_batch(CONFIG, 2, 32))
+    loss.backward()
+    (record,) = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
+    derived = _state_derived(record.forward, record.step.state_inputs)
+    nodes = {n.name: n for n in record.forward.graph.nodes}
+    out = next(n for n in reversed(record.forward.graph.nodes) if n.op == "output").args[0]
+    saved_casts = [a for a in out[record.step.num_user_outputs:] if isinstance(a, torch.fx.Node) and a.op != "placeholder"
+                   and derived[a] and a.meta.get(protrain_fx.meta.BLOCK) in SWAP.blocks]
+    assert saved_casts, "bf16 weight casts of the swapped blocks are saved for backward"
+    assert record.swapped and not any(derived[nodes[s.name]] for s in record.swapped)

@@ -12,7 +12,8 @@ for backward whose block the plan swaps (or that a per-tensor override swaps):
   before that first use.
 
 "Estimated" uses ``passes/estimate.py`` (roofline per node) and the machine's copy bandwidth, with
-:data:`COPY_MARGIN` on top. Parameters, user outputs and non-contiguous (view) values are left alone.
+:attr:`Machine.copy_margin` on top. Parameters, user outputs, and values computed from the model state
+alone (bf16 casts of weights: a block swap leaves them; cheap to keep, pointless to copy) stay.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from protrain_fx.runtime import swap as swap_ops  # noqa: F401  (registers the p
 
 MADE_BY = "protrain_made_by"
 #: Copies are planned as if they took this many times their estimated duration.
-COPY_MARGIN = 1.25
 
 _ops = torch.ops.protrain
 
@@ -75,15 +75,18 @@ def swap_pass(
     *,
     machine: Machine,
     slot_prefix: str = "",
+    state_inputs: frozenset[str] = frozenset(),
 ) -> list[SwappedValue]:
-    """Rewrite both graphs for ``plan``'s swaps; returns what was swapped (empty when nothing)."""
+    """Rewrite both graphs for ``plan``'s swaps; returns what was swapped (empty when nothing).
+
+    ``state_inputs`` names the forward placeholders that are model state (parameters, buffers)."""
     swapped_blocks = set(plan.blocks_with("swap"))
     if not swapped_blocks and "swap" not in plan.tensors.values():
         return []
     out_node = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
     outputs = list(out_node.args[0])
     groups, refused = _select(
-        forward, backward, outputs, plan, swapped_blocks, num_user_outputs
+        forward, backward, outputs, plan, swapped_blocks, num_user_outputs, state_inputs
     )
     asked = {name for name, policy in plan.tensors.items() if policy == "swap"}
     chosen_names = {value.name for g in groups for _, value, _ in g.members}
@@ -133,8 +136,10 @@ def _select(
     plan: Plan,
     swapped_blocks: set[str],
     num_user_outputs: int,
+    state_inputs: frozenset[str],
 ) -> tuple[list[_Group], dict[str, str]]:
     """Storages to swap (a storage is swapped whole or not at all), and why asked values were not."""
+    from_state = _state_derived(forward, state_inputs)
     bw_inputs = {n.name: n for n in backward.graph.nodes if n.op == "placeholder"}
     by_storage: dict[int, list[tuple[int, fx.Node]]] = {}
     for j, value in enumerate(outputs):
@@ -153,9 +158,8 @@ def _select(
 
         def wanted(value: fx.Node) -> bool:
             override = plan.tensors.get(value.name)
-            return override == "swap" or (
-                override is None and value.meta.get(meta.BLOCK) in swapped_blocks
-            )
+            in_block = value.meta.get(meta.BLOCK) in swapped_blocks and not from_state[value]
+            return override == "swap" or (override is None and in_block)
 
         if not any(wanted(value) for _, value in entries):
             continue
@@ -181,6 +185,17 @@ def _select(
         last_use = max((*aliases[key], *readers), key=order.__getitem__)
         groups.append(_Group(members=members, base=base, last_use=last_use))
     return groups, refused
+
+
+def _state_derived(forward: fx.GraphModule, state_inputs: frozenset[str]) -> dict[fx.Node, bool]:
+    """Per node: computed from model state (and constants) alone, not from the batch."""
+    derived: dict[fx.Node, bool] = {}
+    for node in forward.graph.nodes:
+        if node.op == "placeholder":
+            derived[node] = node.name in state_inputs
+        else:
+            derived[node] = all(derived.get(n, False) for n in node.all_input_nodes)
+    return derived
 
 
 def _static(t: torch.Tensor) -> bool:
@@ -237,7 +252,7 @@ def _place_offload_waits(
     for g in groups:  # in issue order
         seconds = meta.storage_nbytes(g.base.meta["val"]) / machine.d2h_bytes
         begin = max(start[g.host], queue_free)
-        queue_free = begin + seconds * COPY_MARGIN
+        queue_free = begin + seconds * machine.copy_margin
         i = bisect.bisect_left(times, queue_free, lo=position[g.host] + 1)
         before = nodes[i] if i < len(nodes) else output
         with forward.graph.inserting_before(before):
@@ -279,7 +294,7 @@ def _place_reloads(
     for k in range(len(items) - 1, -1, -1):
         use_at, _, _, seconds = items[k]
         latest_end = min(start[nodes[use_at]], latest_end)
-        starts[k] = latest_end - seconds * COPY_MARGIN
+        starts[k] = latest_end - seconds * machine.copy_margin
         latest_end = starts[k]
     placed: dict[int, tuple[str, str, float]] = {}
     for (use_at, g, first_use, seconds), latest in zip(items, starts):
