@@ -37,6 +37,9 @@ class Machine:
     #: the copy time showed in the step; at 3.7, 10% (bench/swap_profile.py). The estimate of compute
     #: time it is laid against is a roofline that Inductor's fused kernels beat.
     copy_margin: float = 3.0
+    #: A block swap leaves saved values smaller than this on the device: their copy saves next to no
+    #: memory and its two ops cost more host time than the copy (layer-norm statistics, masks).
+    min_swap_bytes: int = 1 << 20
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> Machine:
         if not overrides:
@@ -51,7 +54,8 @@ class Machine:
             if key != "name" and (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
-                or value <= 0
+                or value < 0
+                or (value == 0 and key != "min_swap_bytes")
             ):
                 raise ValueError(
                     f"option 'machine': {key}={value!r} must be a positive number"
@@ -80,7 +84,7 @@ GENERIC_GPU = Machine(
 )
 #: CPU "device": swaps are synchronous copies there, so only relative numbers matter.
 CPU = Machine(
-    "CPU", flops=1e12, hbm_bytes=50e9, h2d_bytes=20e9, d2h_bytes=20e9, duplex_bytes=20e9
+    "CPU", flops=1e12, hbm_bytes=50e9, h2d_bytes=20e9, d2h_bytes=20e9, duplex_bytes=20e9, min_swap_bytes=0
 )
 
 

@@ -165,3 +165,13 @@ def test_weight_casts_are_not_swapped_with_their_block():
                    and derived[a] and a.meta.get(protrain_fx.meta.BLOCK) in SWAP.blocks]
     assert saved_casts, "bf16 weight casts of the swapped blocks are saved for backward"
     assert record.swapped and not any(derived[nodes[s.name]] for s in record.swapped)
+
+
+def test_small_values_stay_on_the_device_below_min_swap_bytes():
+    record = _record(SWAP, {"min_swap_bytes": 20_000})
+    assert record.swapped and all(s.nbytes >= 20_000 for s in record.swapped)
+    out = next(n for n in reversed(record.forward.graph.nodes) if n.op == "output").args[0]
+    small = [a for a in out[record.step.num_user_outputs:] if isinstance(a, torch.fx.Node)
+             and a.meta.get(protrain_fx.meta.BLOCK) in SWAP.blocks and a.op != "placeholder"
+             and a.target is not torch.ops.protrain.offload.default]
+    assert small, "small saved values of the swapped blocks are kept"

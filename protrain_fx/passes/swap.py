@@ -86,7 +86,7 @@ def swap_pass(
     out_node = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
     outputs = list(out_node.args[0])
     groups, refused = _select(
-        forward, backward, outputs, plan, swapped_blocks, num_user_outputs, state_inputs
+        forward, backward, outputs, plan, swapped_blocks, num_user_outputs, state_inputs, machine.min_swap_bytes
     )
     asked = {name for name, policy in plan.tensors.items() if policy == "swap"}
     chosen_names = {value.name for g in groups for _, value, _ in g.members}
@@ -137,6 +137,7 @@ def _select(
     swapped_blocks: set[str],
     num_user_outputs: int,
     state_inputs: frozenset[str],
+    min_bytes: int,
 ) -> tuple[list[_Group], dict[str, str]]:
     """Storages to swap (a storage is swapped whole or not at all), and why asked values were not."""
     from_state = _state_derived(forward, state_inputs)
@@ -158,7 +159,11 @@ def _select(
 
         def wanted(value: fx.Node) -> bool:
             override = plan.tensors.get(value.name)
-            in_block = value.meta.get(meta.BLOCK) in swapped_blocks and not from_state[value]
+            in_block = (
+                value.meta.get(meta.BLOCK) in swapped_blocks
+                and not from_state[value]
+                and meta.storage_nbytes(value.meta["val"]) >= min_bytes
+            )
             return override == "swap" or (override is None and in_block)
 
         if not any(wanted(value) for _, value in entries):
