@@ -1,1 +1,2 @@
-"""Runtime: the custom ops rewritten graphs call. Never imports ``protrain_fx.passes``."""
+"""Runtime pieces the rewritten graphs call: activation swap ops (copy streams, pinned pool) and the
+host side of parameter chunks (chunk store, GPU buffer pool, CPU optimizer worker)."""
