@@ -11,6 +11,13 @@ from protrain_fx.timeline import BufferEvent, Timeline, TimelineEntry
 
 
 
+def offload(model, optimizer, **kwargs):
+    """Put ``model``'s parameters into chunks, most in host memory; see :mod:`protrain_fx.param_offload`."""
+    from protrain_fx.param_offload import offload as _offload
+
+    return _offload(model, optimizer, **kwargs)
+
+
 def step_report():
     """A :class:`~protrain_fx.report.StepReport` of every graph captured so far (print it for the
     per-block tables, predicted peaks and graph breaks)."""
@@ -20,6 +27,7 @@ def step_report():
 
 
 __all__ = [
+    "offload",
     "step_report",
     "CapturedGraph",
     "ProtrainConfig",

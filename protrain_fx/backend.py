@@ -124,6 +124,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
         from torch._inductor.virtualized import V
 
         lowered["graph"] = V.graph
+        _keep_chunk_buffers(nodes, V.graph)
         return nodes
 
     patches: dict[str, Any] = {
@@ -151,6 +152,31 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
     # A warm AOTAutograd cache would skip partitioning, and with it our passes.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _keep_chunk_buffers(nodes: list[Any], graph: Any) -> None:
+    """A chunk buffer ``chunk_gather`` returns belongs to the pool: Inductor must never reuse its
+    memory for another buffer nor write a kernel's output into it in place. Gradients handed to
+    ``chunk_grads`` are read by a copy still running after the op returns: not reused either."""
+    gather = getattr(torch.ops.protrain, "chunk_gather", None)
+    if gather is None:
+        return
+    from torch._inductor.ir import MultiOutput
+
+    for node in nodes:
+        for snode in node.get_nodes():
+            op = snode.node
+            if isinstance(op, MultiOutput) and op.inputs:  # the tensor a single-output fallback returns
+                op = op.inputs[0]
+            if getattr(op, "op_overload", None) is gather.default:
+                for out in snode.get_outputs():
+                    graph.never_reuse_buffers.add(out.get_name())
+            elif getattr(op, "op_overload", None) is torch.ops.protrain.chunk_grads.default:
+                # the gradients are copied to the host asynchronously: their memory must outlive
+                # the copy (the caching allocator is told with record_stream; Inductor's own reuse
+                # of a dead buffer would bypass it)
+                for dep in snode.read_writes.reads:
+                    graph.never_reuse_buffers.add(dep.name)
 
 
 class _Picklable:

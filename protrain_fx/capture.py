@@ -68,6 +68,8 @@ class CapturedGraph:
     memory_unfused: "MemoryAnalysis | None" = None
     #: Saved values the plan swaps, with where their copies were placed (``passes/swap.py``).
     swapped: list["SwappedValue"] = field(default_factory=list)
+    #: Chunks of offloaded parameters gathered per graph (``passes/gather.py``).
+    gathered: list[Any] = field(default_factory=list)
 
     @property
     def has_backward(self) -> bool:

@@ -41,7 +41,9 @@ from protrain_fx.passes.annotate import annotate_plan
 from protrain_fx.passes.blocks import attribute_blocks, find_blocks
 from protrain_fx.passes.inductor_memory import analyze_inductor_memory
 from protrain_fx.passes.memory import analysis_device, analyze_memory
+from protrain_fx.passes.gather import gather_pass
 from protrain_fx.passes.swap import swap_pass
+from protrain_fx.runtime import chunk_ops
 from protrain_fx.readable import format_graph, readable_graphs
 
 log = logging.getLogger("protrain_fx")
@@ -129,6 +131,12 @@ def run_step_passes(record: CapturedGraph) -> None:
         lambda: attribute_blocks(forward, record.backward),
         lambda info: f"{len(info.labels)} blocks of {info.layer_class or '-'} under {info.container or '-'}",
     )
+    if record.backward is not None or record.forward is not None:
+        record.gathered = runner.run(
+            "gather_chunks",
+            lambda: gather_pass(record.forward, record.backward, record.real_inputs()),
+            lambda chunks: f"{len(chunks)} chunk gathers (offloaded parameters read from chunk buffers)",
+        ) if _has_offloaded(record) else []
     plan = record.config.plan
     swaps = plan is not None and (plan.blocks_with("swap") or "swap" in plan.tensors.values())
     if swaps and record.backward is not None:
@@ -160,6 +168,10 @@ def run_step_passes(record: CapturedGraph) -> None:
     record.readable = readable_graphs(record)
     if record.config.codegen == "eager" or record.step is None or record.step.backward is None:
         check_budget(record)  # with Inductor: once its plan is known
+
+
+def _has_offloaded(record: CapturedGraph) -> bool:
+    return record.forward is not None and any(chunk_ops.offloaded(t) for t in record.real_inputs())
 
 
 def check_budget(record: CapturedGraph) -> None:

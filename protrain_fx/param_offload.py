@@ -1,0 +1,241 @@
+"""Train a model whose parameters do not all fit on the GPU: parameters in chunks, most of them in
+host memory, streamed in by the compiled graphs and updated on the CPU during backward.
+
+    model = GPT(config)                                   # built on the CPU (host memory)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    handle = protrain_fx.offload(model, optimizer, n_persist=2, n_buffer=2, device="cuda")
+    compiled = torch.compile(model, backend="protrain")
+    for x, y in batches:
+        compiled(x, y).backward()
+        optimizer.step()          # persistent chunks: the GPU AdamW; the others were stepped on the
+        optimizer.zero_grad()     # CPU as their gradients arrived in backward
+        scheduler.step()          # lr schedulers keep working
+
+The parameters are packed into equal-size chunks (``protrain_fx.chunks``). The first ``n_persist``
+chunks move to the device as ordinary parameters, stepped by ``optimizer`` there. The others live in
+a host chunk store (fp32 master, compute-dtype copy, Adam states; ``runtime/chunk_store.py``); the
+model keeps them as device tensors *without memory* (storage of 0 bytes: shapes for tracing only),
+and the backend rewrites every captured graph to read them from ``n_buffer`` device chunk buffers
+(``passes/gather.py``). Their gradients go to the store, and a worker thread steps them with the
+optimizer's hyper-parameters (``runtime/cpu_adam.py``) while backward goes on; the next forward waits
+only for the chunks it needs, in order.
+
+Use ``handle.accumulate()`` around the backward passes of all but the last micro-batch of a step,
+``handle.state_dict()`` / ``handle.optimizer_state_dict()`` for checkpoints (ordinary full tensors),
+``handle.load_state_dict(...)`` to resume.
+
+Not supported yet (clear errors): optimizers other than Adam/AdamW, a chunk whose parameters are
+used by several captured graphs of one step (a graph break inside a block), gradient clipping over
+all parameters (the CPU steps start before every gradient exists).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from protrain_fx.chunks import Chunk, ChunkLayout, ParamInfo, choose_layout, dedupe_tied, pack
+from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.buffer_pool import ChunkBufferPool
+from protrain_fx.runtime.chunk_store import ChunkStore
+from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+class OffloadHandle:
+    """The state behind one offloaded model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        n_persist: int,
+        n_buffer: int,
+        device: torch.device | str,
+        chunk_bytes: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+        available_host_bytes: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        named = dict(model.named_parameters(remove_duplicate=False))
+        if not named:
+            raise ValueError("offload: the model has no parameters")
+        self.layout = _layout(named, chunk_bytes)
+        n_chunks = len(self.layout.chunks)
+        if not 0 <= n_persist <= n_chunks:
+            raise ValueError(f"offload: n_persist must be in [0, {n_chunks}] ({n_chunks} chunks), got {n_persist}")
+        offloaded = self.layout.chunks[n_persist:]
+        if offloaded and n_buffer < 1:
+            raise ValueError(f"offload: {len(offloaded)} chunks live on the host and need n_buffer >= 1, got {n_buffer}")
+        self.n_persist, self.n_buffer = n_persist, n_buffer
+        host_layout = ChunkLayout(
+            self.layout.chunk_bytes, tuple(Chunk(i, c.slots) for i, c in enumerate(offloaded))
+        )
+        host_names = {n for c in offloaded for s in c.slots for n in s.param.names}
+        self.store = ChunkStore(
+            host_layout,
+            {n: p for n, p in named.items() if n in host_names},
+            compute_dtype=compute_dtype,
+            pin_memory=self.device.type == "cuda",
+            available_bytes=available_host_bytes,
+        ) if offloaded else None
+        self.optimizer = optimizer
+        self.adam = ChunkAdamW(self.store, optimizer, named) if self.store else None
+        self.worker = OptimizerWorker(self.adam.step_chunk) if self.adam else None
+        self.pool = (
+            ChunkBufferPool(self.store, n_buffer, self.device, wait_host=self.worker.wait) if self.store else None
+        )
+        self._accumulating = False
+        self._submitted: set[int] = set()
+        self._pending: set[int] = set()  # chunks holding gradients not yet queued for a step
+        # Model state: persistent parameters and buffers to the device, host chunks to empty shells.
+        shells: dict[int, tuple[torch.Tensor, int, int, str]] = {}
+        for name, p in named.items():
+            if name in host_names:
+                if id(p) not in shells:
+                    slot = self.store.slot(name)
+                    shells[id(p)] = (p, slot.chunk, slot.offset, slot.name)
+                    p.data = _shell(p, self.device)
+            elif p.device != self.device:
+                p.data = p.data.to(self.device)
+        for b in model.buffers():
+            b.data = b.data.to(self.device)
+        self.id = chunk_ops.register(self, list(shells.values()))
+        self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    # ---- what the rewritten graphs call ------------------------------------------------------
+
+    def gather(self, chunk: int) -> torch.Tensor:
+        return self.pool.acquire(chunk)
+
+    def release(self, chunk: int) -> None:
+        self.pool.release(chunk)
+
+    def land_grads(self, chunk: int, names: list[str], grads: list[torch.Tensor]) -> None:
+        if chunk in self._submitted:
+            raise RuntimeError(
+                f"protrain_fx: chunk {chunk} got gradients from two graphs in one step (a graph break "
+                "inside the parameters of one chunk); this release needs each chunk's backward in one graph"
+            )
+        self.store.write_grads(dict(zip(names, grads)), accumulate=True)
+        if self._accumulating:
+            self._pending.add(chunk)
+        else:
+            self._pending.discard(chunk)
+            self._submitted.add(chunk)
+            self.worker.submit(chunk)
+
+    # ---- user API ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Backward passes inside add their gradients without stepping (micro-batches of one step)."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    def synchronize(self) -> None:
+        """Wait for every queued CPU optimizer step (raises a failure of the worker)."""
+        if self.worker is not None:
+            self.worker.wait_all()
+
+    def _after_step(self) -> None:
+        for chunk in sorted(self._pending):  # accumulated, never queued: step them now
+            self.worker.submit(chunk)
+        self._pending.clear()
+        self._submitted.clear()
+
+    def host_bytes_per_param(self) -> float:
+        return self.store.bytes_per_param() if self.store else 0.0
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Model parameters and buffers as ordinary full CPU tensors (loads into a plain model)."""
+        self.synchronize()
+        host = self.store.param_state_dict() if self.store else {}
+        out: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            out[name] = host[name] if name in host else p.detach().to("cpu", copy=True)
+        for name, b in model.named_buffers():
+            out[name] = b.detach().to("cpu", copy=True)
+        return out
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict with the host chunks' state filled in (loads into a plain AdamW)."""
+        self.synchronize()
+        return self.adam.state_dict() if self.adam else self.optimizer.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any] | None = None
+    ) -> None:
+        """Set parameters (and optionally the optimizer state) from ordinary full tensors."""
+        self.synchronize()
+        if self.store:
+            self.store.load_param_state_dict(state_dict)
+        host = {n for s in (self.store.slots if self.store else ()) for n in s.names}
+        with torch.no_grad():
+            for name, p in model.named_parameters(remove_duplicate=False):
+                if name not in host:
+                    p.copy_(state_dict[name])
+            for name, b in model.named_buffers():
+                b.copy_(state_dict[name])
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+            if self.adam:
+                self.adam.load_state_dict(optimizer_state)
+
+    def close(self) -> None:
+        self.synchronize()
+        if self.worker is not None:
+            self.worker.close()
+        self._hook.remove()
+        chunk_ops.unregister(self.id)
+
+
+def offload(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    n_persist: int,
+    n_buffer: int,
+    device: torch.device | str = "cuda",
+    chunk_bytes: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+    available_host_bytes: int | None = None,
+) -> OffloadHandle:
+    """Put ``model``'s parameters into chunks (see the module docstring); call before ``torch.compile``."""
+    return OffloadHandle(
+        model,
+        optimizer,
+        n_persist=n_persist,
+        n_buffer=n_buffer,
+        device=device,
+        chunk_bytes=chunk_bytes,
+        compute_dtype=compute_dtype,
+        available_host_bytes=available_host_bytes,
+    )
+
+
+def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None) -> ChunkLayout:
+    """Chunks in registration order (the order a transformer uses its parameters), blocks together."""
+    rows = []
+    for i, (name, p) in enumerate(named.items()):
+        m = _BLOCK.match(name)
+        rows.append((name, id(p), p.numel() * p.element_size(), m.group(1) if m else "outside", i))
+    infos: list[ParamInfo] = dedupe_tied(rows)
+    return pack(infos, chunk_bytes) if chunk_bytes else choose_layout(infos)
+
+
+def _shell(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor shaped, typed and placed like ``p`` whose storage holds no bytes (for tracing)."""
+    shell = torch.empty(p.shape, dtype=p.dtype, device=device)
+    shell.untyped_storage().resize_(0)
+    return shell

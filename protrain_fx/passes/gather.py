@@ -1,0 +1,216 @@
+"""Chunk rewrite: graphs read host-stored parameters from chunk buffers, and hand their gradients back.
+
+Runs on the partitioned graphs when some forward inputs are parameters an offload handle holds
+(``protrain_fx.param_offload``; the model keeps them as device tensors with no bytes). Per chunk and graph:
+
+* ``chunk_gather`` before the first node that reads one of the chunk's parameters, each parameter
+  then a view of the returned flat buffer (cast to the parameter's dtype when the store computes
+  in another one), and ``chunk_release`` after the last reader;
+* in backward, the same for the parameters saved for it, and the chunk's gradients leave through
+  ``chunk_grads`` (to the host store and the CPU optimizer) instead of the graph's outputs, which
+  return ``None`` for them: autograd never sees a gradient of an offloaded parameter.
+
+The parameter inputs themselves stay in the graphs' signatures (and are still what the forward
+saves for backward): they cost no memory and nothing reads them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+from protrain_fx import meta
+from protrain_fx.runtime import chunk_ops
+
+_ops = torch.ops.protrain
+
+
+@dataclass(frozen=True)
+class GatheredChunk:
+    """Where one chunk is gathered and released in one graph."""
+
+    phase: str
+    handle: int
+    chunk: int
+    params: tuple[str, ...]
+    gather_before: str
+    release_after: str
+
+
+def gather_pass(
+    forward: fx.GraphModule, backward: fx.GraphModule | None, real_inputs: list[Any]
+) -> list[GatheredChunk]:
+    """Rewrite both graphs for the offloaded parameters among ``real_inputs`` (forward input order)."""
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    info = {}
+    for node, real in zip(placeholders, real_inputs):
+        found = chunk_ops.offloaded(real)
+        if found is not None:
+            info[node.name] = found
+    if not info:
+        return []
+    done = _rewrite_reads(forward, info, "forward")
+    if backward is not None:
+        done += _rewrite_reads(backward, info, "backward")
+        _route_grads(backward, placeholders, info)
+        backward.graph.lint()
+        backward.recompile()
+    forward.graph.lint()
+    forward.recompile()
+    return done
+
+
+def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredChunk]:
+    params_of: dict[tuple[int, int], list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in info and _readers(node):
+            _sink_views(node)
+            hid, chunk, _, _ = info[node.name]
+            params_of[(hid, chunk)].append(node)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    spans = []  # (first reader, last reader, handle, chunk, params)
+    for (hid, chunk), params in params_of.items():
+        for span in _spans([r for p in params for r in _readers(p)], order):
+            spans.append((span[0], span[-1], hid, chunk, params, span))
+    done = []
+    for number, (first, last, hid, chunk, params, span) in enumerate(sorted(spans, key=lambda s: order[s[0]])):
+        fake_mode = detect_fake_mode([p.meta["val"] for p in params])
+        with gm.graph.inserting_before(first):
+            buf = gm.graph.call_function(_ops.chunk_gather.default, (hid, chunk, number))
+            with fake_mode:
+                buf.meta["val"] = _ops.chunk_gather.default(hid, chunk, number)
+            _tag(buf, first, phase)
+            for p in params:
+                readers = [r for r in _readers(p) if r in span]
+                if readers:
+                    view = _param_view(gm, buf, p, info[p.name][2], fake_mode)
+                    for r in readers:
+                        r.replace_input_with(p, view)
+        touched = _through_views(span)
+        after = _tensor_results([n for n in touched if not _is_view(n)])
+        with gm.graph.inserting_after(max([*touched, *after], key=lambda n: order.get(n, -1))):
+            release = gm.graph.call_function(_ops.chunk_release.default, (buf, after, hid, chunk))
+            release.meta["val"] = None
+            _tag(release, last, phase)
+        done.append(
+            GatheredChunk(phase, hid, chunk, tuple(info[p.name][3] for p in params), first.name, last.name)
+        )
+    return done
+
+
+def _tensor_results(nodes: list[fx.Node]) -> list[fx.Node]:
+    """Nodes holding the tensors ``nodes`` produce (the getitems of a multi-output op)."""
+    out = []
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            out.append(node)
+        elif isinstance(val, (tuple, list)):
+            out += [u for u in node.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
+    return out
+
+
+def _spans(readers: list[fx.Node], order: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """The chunk's readers split into runs of one block each: the chunk is gathered per run, so a
+    chunk read at the start and at the end of a graph (a tied embedding and head) does not hold a
+    buffer in between (the pool keeps it resident while no other chunk needs the buffer)."""
+    runs: list[list[fx.Node]] = []
+    for node in sorted(set(readers), key=order.__getitem__):
+        block = node.meta.get(meta.BLOCK, meta.OUTSIDE)
+        if runs and runs[-1][-1].meta.get(meta.BLOCK, meta.OUTSIDE) == block:
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    return runs
+
+
+def _sink_views(param: fx.Node) -> None:
+    """Move the views of ``param`` (a transpose the partitioner placed early, say) right before
+    their first reader, so the buffer they read is not held from there on."""
+    graph_order = {n: i for i, n in enumerate(param.graph.nodes)}
+    views = [n for n in _through_views(_readers(param)) if _is_view(n) and _readers(n)]
+    for view in sorted(views, key=graph_order.__getitem__, reverse=True):
+        order = {n: i for i, n in enumerate(param.graph.nodes)}
+        first_user = min(_readers(view), key=order.__getitem__)
+        if order[first_user] > order[view] + 1 and all(order[a] < order[first_user] for a in view.all_input_nodes):
+            first_user.prepend(view)
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if u.op != "output"]
+
+
+def _through_views(nodes: list[fx.Node]) -> list[fx.Node]:
+    """``nodes`` and, for those that are views, every node that reads them (transitively)."""
+    seen: list[fx.Node] = []
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.append(node)
+        if _is_view(node):
+            stack.extend(_readers(node))
+    return seen
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _param_view(gm: fx.GraphModule, buf: fx.Node, param: fx.Node, offset: int, fake_mode: Any) -> fx.Node:
+    """``param`` as a view of the chunk buffer (cast to its dtype when the buffer's differs)."""
+    val = param.meta["val"]
+    stride = tuple(torch.empty(val.shape, device="meta").stride())
+    view = gm.graph.call_function(torch.ops.aten.as_strided.default, (buf, tuple(val.shape), stride, offset))
+    with fake_mode:
+        view.meta["val"] = torch.ops.aten.as_strided.default(buf.meta["val"], tuple(val.shape), stride, offset)
+    out = view
+    if view.meta["val"].dtype != val.dtype:
+        out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (view, val.dtype))
+        with fake_mode:
+            out.meta["val"] = torch.ops.prims.convert_element_type.default(view.meta["val"], val.dtype)
+    for node in (view, out):
+        _tag(node, param, param.meta.get(meta.PHASE, ""))
+    return out
+
+
+def _route_grads(backward: fx.GraphModule, fw_placeholders: list[fx.Node], info: dict) -> None:
+    """Offloaded parameters' gradients go to ``chunk_grads``; the graph returns None for them."""
+    out = next(n for n in reversed(backward.graph.nodes) if n.op == "output")
+    grads = list(out.args[0])
+    order = {n: i for i, n in enumerate(backward.graph.nodes)}
+    by_chunk: dict[tuple[int, int], list[tuple[str, fx.Node]]] = defaultdict(list)
+    for i, ph in enumerate(fw_placeholders):
+        if ph.name in info and i < len(grads) and isinstance(grads[i], fx.Node):
+            hid, chunk, _, name = info[ph.name]
+            by_chunk[(hid, chunk)].append((name, grads[i]))
+            grads[i] = None
+    out.args = (tuple(grads),)
+    for (hid, chunk), items in by_chunk.items():
+        last = max((g for _, g in items), key=order.__getitem__)
+        with backward.graph.inserting_after(last):
+            node = backward.graph.call_function(
+                _ops.chunk_grads.default, ([g for _, g in items], hid, chunk, "\n".join(n for n, _ in items))
+            )
+        node.meta["val"] = None
+        _tag(node, last, "backward")
+
+
+def _tag(node: fx.Node, source: fx.Node, phase: str) -> None:
+    for key in ("nn_module_stack", "stack_trace", "seq_nr"):
+        if key in source.meta:
+            node.meta[key] = source.meta[key]
+    node.meta[meta.BLOCK] = source.meta.get(meta.BLOCK, meta.OUTSIDE)
+    node.meta[meta.PHASE] = phase
+    node.meta["protrain_made_by"] = "gather_pass"

@@ -1,0 +1,98 @@
+"""Custom ops the parameter-chunk rewrite inserts, and the registry that connects them to the
+offload handles (``protrain_fx.param_offload``) they serve.
+
+* ``protrain::chunk_gather(handle, chunk, span)`` → the chunk's flat device buffer (fetched from the
+  host store into one of the pool's ``n_buffer`` buffers if it is not resident; waits for the
+  chunk's pending CPU optimizer step first). The graph reads its parameters as views of it.
+* ``protrain::chunk_release(buf, after, handle, chunk)`` after the chunk's last use in this graph: the
+  buffer may be given to another chunk from then on. Declared to mutate ``buf``, which keeps it in
+  the graph and after every reader.
+* ``protrain::chunk_grads(grads, handle, chunk, names)`` in backward, once every gradient of the
+  chunk's parameters in this graph exists: lands them in the store (adding to a held gradient) and,
+  unless the handle is accumulating micro-batches, queues the chunk's CPU optimizer step, which
+  then overlaps the rest of backward. Declared to mutate ``grads`` so that it stays in the graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from protrain_fx.param_offload import OffloadHandle
+
+_handles: dict[int, weakref.ref[OffloadHandle]] = {}
+#: id(parameter) -> (the parameter, weakly; handle id, chunk, slot offset, name).
+_params: dict[int, tuple[weakref.ref, int, int, int, str]] = {}
+_ids = itertools.count()
+
+
+def register(handle: OffloadHandle, params: list[tuple[torch.Tensor, int, int, str]]) -> int:
+    """Register a handle and its offloaded parameters ``(param, chunk, offset, name)``; forgotten
+    when the handle is garbage-collected."""
+    hid = next(_ids)
+    _handles[hid] = weakref.ref(handle)
+    for param, chunk, offset, name in params:
+        _params[id(param)] = (weakref.ref(param), hid, chunk, offset, name)
+    weakref.finalize(handle, unregister, hid)
+    return hid
+
+
+def unregister(hid: int) -> None:
+    _handles.pop(hid, None)
+    for key in [k for k, v in _params.items() if v[1] == hid]:
+        del _params[key]
+
+
+def handle(hid: int) -> OffloadHandle:
+    ref = _handles.get(hid)
+    h = ref() if ref is not None else None
+    if h is None:
+        raise RuntimeError(f"protrain_fx: offload handle {hid} is gone (the model was offloaded again or closed)")
+    return h
+
+
+def offloaded(t: Any) -> tuple[int, int, int, str] | None:
+    """``(handle id, chunk, offset, name)`` when ``t`` is a parameter held in a chunk store."""
+    entry = _params.get(id(t)) if isinstance(t, torch.Tensor) else None
+    if entry is None or entry[0]() is not t:  # an id reused by another tensor
+        return None
+    return entry[1:]
+
+
+@torch.library.custom_op("protrain::chunk_gather", mutates_args=())
+def chunk_gather(hid: int, chunk: int, span: int) -> torch.Tensor:
+    """``span`` numbers the gathers of one graph: no two calls look alike, so no pass merges them."""
+    return handle(hid).gather(chunk)
+
+
+@chunk_gather.register_fake
+def _chunk_gather_fake(hid: int, chunk: int, span: int) -> torch.Tensor:
+    h = handle(hid)
+    return torch.empty(h.store.chunk_numel, dtype=h.store.compute_dtype, device=h.device)
+
+
+@torch.library.custom_op("protrain::chunk_release", mutates_args=("buf",))
+def chunk_release(buf: torch.Tensor, after: list[torch.Tensor], hid: int, chunk: int) -> None:
+    """``after``: outputs of the nodes that read the buffer. A data dependency on them is what
+    keeps every reader (fused into any kernel) before the release, in Inductor's schedule too."""
+    handle(hid).release(chunk)
+
+
+@chunk_release.register_fake
+def _chunk_release_fake(buf: torch.Tensor, after: list[torch.Tensor], hid: int, chunk: int) -> None:
+    return None
+
+
+@torch.library.custom_op("protrain::chunk_grads", mutates_args=("grads",))
+def chunk_grads(grads: list[torch.Tensor], hid: int, chunk: int, names: str) -> None:
+    """``names``: the parameters' names joined by newlines (schemas have no string lists)."""
+    handle(hid).land_grads(chunk, names.split("\n"), grads)
+
+
+@chunk_grads.register_fake
+def _chunk_grads_fake(grads: list[torch.Tensor], hid: int, chunk: int, names: str) -> None:
+    return None
