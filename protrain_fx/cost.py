@@ -1,0 +1,809 @@
+# ruff: noqa: PLR1730, FURB136
+# (the simulation's hot loops keep `x if x > y else y`: twice as fast as max() in CPython)
+"""ProTrain's cost model as plain data in, numbers out: no FX, no torch, replayable from a JSON dump.
+
+A :class:`Problem` describes one training step the way the search sees it: per transformer block its
+times and activation bytes (:class:`BlockProfile`), per parameter chunk its size (:class:`ChunkProfile`),
+the work outside the blocks (embedding, head, loss) and the machine (:class:`MachineProfile`).
+:func:`estimate` turns a :class:`Config` (ProTrain's four counts) into an :class:`Estimate`: step time
+and peak GPU memory.
+
+Memory (bytes), exactly ``peak = static(n_persist, n_buffer) + activations(n_swap, n_checkpoint)``:
+
+* static = ``fixed_bytes`` + per persistent chunk ``2 * bytes + n_params * (master_bytes_per_param +
+  adam_state_bytes_per_param)`` (working copy, its gradient in the same layout and dtype, fp32 master,
+  two Adam moments) + ``n_buffer * max(chunk bytes)`` (the staging buffers; a non-persistent chunk's
+  gradient is produced in its buffer and offloaded from there, so it costs nothing more).
+* activations: a per-block walk. ``keep_i`` = what block ``i`` leaves on the GPU after its forward:
+  ``saved_bytes`` (none), ``checkpoint_saved_bytes`` (checkpoint), ``saved_bytes - swap_bytes`` (swap).
+  Forward of block ``i``: ``Σ_{j<i} keep_j + swap_{i-1} + transient_i + (checkpoint_saved_i if
+  checkpoint else saved_i)`` (a swap block's copy out overlaps the next block, so its bytes are freed
+  one block later). End of forward: ``Σ keep + swap_{N-1} + outside_peak_bytes``. Backward of block
+  ``i``: ``Σ_{j<i} keep_j + saved_i (+ checkpoint_saved_i when recomputed) + swap_{i-1} + transient_i``
+  (a swap block's reload is prefetched one block ahead, so ``swap_{i-1}`` is already back).
+
+Time (seconds): an event simulation over four resources: the GPU stream (sequential compute), the
+host-to-device and device-to-host copy queues (each FIFO in a fixed order) and one CPU Adam worker.
+
+* Forward, step ``j`` = block ``j`` (and last the outside work, step ``N``): the non-persistent chunks
+  a step uses are fetched in *runs* (a chunk used by consecutive steps is fetched once). Fetch ``k``
+  (runs in forward order) needs a buffer: with ``B`` buffers it waits for the end of the step that
+  releases the ``(k-B+1)``-th earliest-released earlier run. A step starts when the previous one ended
+  and its runs are fetched. A swap block's offload enters the D2H queue at the end of its forward.
+* Backward, reverse order, starting with the outside work: the ``B`` runs last released in forward are
+  still resident and are not re-fetched; every other run is re-fetched into the buffer whose gradient
+  offload finished earliest (the same rank rule). A swap block's reload is issued when the previous
+  backward step starts (one block ahead) and after its offload ended. A checkpoint block adds
+  ``recompute_s``. When a step ends, the gradients of the runs it finishes enter the D2H queue; when a
+  chunk's last gradient lands, CPU Adam runs on it (``n_params / cpu_adam_params_per_s``, one chunk at
+  a time). GPU Adam of the persistent chunks runs after backward on the GPU stream.
+* Link: a copy runs at the one-way rate, or at ``min(one-way, duplex_bytes_per_s / 2)`` when the other
+  direction is busy. "Busy" is decided on a static reference timeline (compute only, no recompute):
+  a copy is shared when its reference interval (issued one step before use, lasting bytes / one-way
+  rate) overlaps a reference interval of a copy in the other direction that the config performs.
+* Step time ``= max(E, cpu_adam_total, max_c(adam_done_c + fetch_c - ref_start_c))`` where ``E`` is
+  the end of GPU work (backward + GPU Adam), and the last term lets the next forward start while the
+  CPU still updates chunks, waiting only for chunk ``c`` to be updated and fetched before the step
+  that first uses it (``ref_start_c``: the compute-only time at which the next forward reaches it).
+
+Every time is built from ``max`` and ``+`` of non-negative durations in a fixed order decided by the
+config alone (never by timing). Hence (and the tests check it on random problems):
+
+* more bandwidth (or removing a copy, a constraint or a duration) never increases the step time;
+* the step time is non-increasing in ``n_buffer`` (earlier buffers, fewer re-fetches);
+* ``T(p+1, b) <= T(p, b) + gpu_adam(chunk p)``: one more persistent chunk only adds its GPU Adam time,
+  so the time never increases when GPU Adam is free;
+* ``T(p, b, s, c) >= T(p, b, 0, 0)`` and ``>= T_act(s, c)`` (all chunks persistent, no optimizer):
+  swap and checkpoint only add copies and compute. :mod:`protrain_fx.search` prunes with these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from protrain_fx.plan import Plan, _segment_starts, interleaved
+
+#: Version of the :class:`Problem` JSON form; :meth:`Problem.from_dict` refuses any other.
+PROBLEM_VERSION = 1
+
+_NONE, _CKPT, _SWAP = 0, 1, 2
+_Forward = tuple[list[float], list[float], list[float], float, float, float]
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineProfile:
+    """Rates of the machine. ``duplex_bytes_per_s`` is the total when both copy directions run at once;
+    ``gpu_bytes`` is the device's memory (informational: the search takes its budget separately)."""
+
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    duplex_bytes_per_s: float
+    cpu_adam_params_per_s: float
+    gpu_adam_params_per_s: float
+    gpu_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "gpu_bytes" and not (_is_number(v) and v > 0):
+                raise ValueError(f"MachineProfile: {f.name}={v!r} must be a positive number (inf allowed)")
+        _check_count("MachineProfile", "gpu_bytes", self.gpu_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MachineProfile:
+        return cls(**_known(cls, d))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockProfile:
+    """One transformer block, forward order. Times in seconds, sizes in bytes.
+
+    ``bwd_s`` is backward without recompute; ``recompute_s`` the forward rerun a checkpointed block
+    adds to backward. ``saved_bytes``: activations kept for backward; ``checkpoint_saved_bytes``:
+    what a checkpointed block still keeps (its input); ``swap_bytes``: what a swap moves to the CPU
+    (at most ``saved_bytes``; the rest stays); ``transient_bytes``: peak working memory inside the
+    block's forward or backward on top of the live activations. ``chunk_ids``: parameter chunks used.
+    """
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    saved_bytes: int
+    checkpoint_saved_bytes: int
+    swap_bytes: int
+    transient_bytes: int
+    chunk_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunk_ids", tuple(self.chunk_ids))
+        where = f"BlockProfile {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"BlockProfile: name must be a non-empty string, got {self.name!r}")
+        for n in ("fwd_s", "bwd_s", "recompute_s"):
+            _check_seconds(where, n, getattr(self, n))
+        for n in ("saved_bytes", "checkpoint_saved_bytes", "swap_bytes", "transient_bytes"):
+            _check_count(where, n, getattr(self, n))
+        if self.swap_bytes > self.saved_bytes:
+            raise ValueError(f"{where}: swap_bytes ({self.swap_bytes}) exceeds saved_bytes ({self.saved_bytes})")
+        for c in self.chunk_ids:
+            _check_count(where, "chunk id", c)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["chunk_ids"] = list(self.chunk_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BlockProfile:
+        return cls(**_known(cls, d))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkProfile:
+    """One parameter chunk: ``bytes`` of its compute-dtype working copy (padding included), ``n_params``."""
+
+    bytes: int
+    n_params: int
+
+    def __post_init__(self) -> None:
+        _check_count("ChunkProfile", "bytes", self.bytes)
+        _check_count("ChunkProfile", "n_params", self.n_params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ChunkProfile:
+        return cls(**_known(cls, d))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """What the search needs to know about one training step (see the module docstring for the model).
+
+    ``chunks`` are in first-use order: the first ``n_persist`` stay on the GPU. ``outside_*``: the work
+    outside the blocks (embedding, head, loss), modelled as one step after the last block in forward
+    and the first step of backward, using ``outside_chunk_ids``; ``outside_peak_bytes`` is its working
+    memory on top of the activations. ``fixed_bytes``: always resident (inputs, workspace).
+
+    A persistent chunk costs ``2 * bytes + n_params * (master_bytes_per_param +
+    adam_state_bytes_per_param)`` GPU bytes (:meth:`persistent_bytes`): working copy, gradient (same
+    layout and dtype), fp32 master copy (4 B; 0 when the working copy is the master), Adam's two fp32
+    moments (8 B).
+    """
+
+    blocks: tuple[BlockProfile, ...]
+    chunks: tuple[ChunkProfile, ...]
+    machine: MachineProfile
+    outside_fwd_s: float = 0.0
+    outside_bwd_s: float = 0.0
+    outside_peak_bytes: int = 0
+    outside_chunk_ids: tuple[int, ...] = ()
+    fixed_bytes: int = 0
+    master_bytes_per_param: int = 4
+    adam_state_bytes_per_param: int = 8
+
+    def __post_init__(self) -> None:
+        for n in ("blocks", "chunks", "outside_chunk_ids"):
+            object.__setattr__(self, n, tuple(getattr(self, n)))
+        for n in ("outside_fwd_s", "outside_bwd_s"):
+            _check_seconds("Problem", n, getattr(self, n))
+        for n in ("outside_peak_bytes", "fixed_bytes", "master_bytes_per_param", "adam_state_bytes_per_param"):
+            _check_count("Problem", n, getattr(self, n))
+        names = [b.name for b in self.blocks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Problem: repeated block names {sorted({n for n in names if names.count(n) > 1})}")
+        n = len(self.chunks)
+        used: set[int] = set(self.outside_chunk_ids)
+        for b in self.blocks:
+            used.update(b.chunk_ids)
+        bad = sorted(c for c in used if c >= n)
+        if bad:
+            raise ValueError(f"Problem: chunk ids {bad} out of range (there are {n} chunks)")
+        unused = sorted(set(range(n)) - used)
+        if unused:
+            raise ValueError(f"Problem: chunks {unused} are used by no block and not in outside_chunk_ids")
+
+    def persistent_bytes(self, chunk_id: int) -> int:
+        """GPU bytes of chunk ``chunk_id`` when persistent (see the class docstring)."""
+        c = self.chunks[chunk_id]
+        return 2 * c.bytes + c.n_params * (self.master_bytes_per_param + self.adam_state_bytes_per_param)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Size of one chunk staging buffer: the largest chunk."""
+        return max((c.bytes for c in self.chunks), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PROBLEM_VERSION,
+            "blocks": [b.to_dict() for b in self.blocks],
+            "chunks": [c.to_dict() for c in self.chunks],
+            "machine": self.machine.to_dict(),
+            "outside_fwd_s": self.outside_fwd_s,
+            "outside_bwd_s": self.outside_bwd_s,
+            "outside_peak_bytes": self.outside_peak_bytes,
+            "outside_chunk_ids": list(self.outside_chunk_ids),
+            "fixed_bytes": self.fixed_bytes,
+            "master_bytes_per_param": self.master_bytes_per_param,
+            "adam_state_bytes_per_param": self.adam_state_bytes_per_param,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Problem:
+        version = d.get("version", PROBLEM_VERSION)
+        if version != PROBLEM_VERSION:
+            raise ValueError(f"Problem: version {version!r} is not supported; accepted: {PROBLEM_VERSION}")
+        rest = _known(cls, {k: v for k, v in d.items() if k != "version"})
+        rest["blocks"] = [BlockProfile.from_dict(b) for b in d["blocks"]]
+        rest["chunks"] = [ChunkProfile.from_dict(c) for c in d["chunks"]]
+        rest["machine"] = MachineProfile.from_dict(d["machine"])
+        return cls(**rest)
+
+    def dump(self, path: str | os.PathLike[str]) -> None:
+        """Write the JSON form to ``path`` (floats round-trip exactly)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Problem:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+
+@dataclass(frozen=True, order=True)
+class Config:
+    """ProTrain's four counts. Not :class:`protrain_fx.plan.Plan`: :func:`block_plan` maps the two
+    activation counts to per-block policies with :func:`protrain_fx.plan.interleaved`."""
+
+    n_persist: int
+    n_buffer: int
+    n_swap: int
+    n_checkpoint: int
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Config:
+        return cls(**_known(cls, d))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What :func:`estimate` predicts for one config. ``step_s = fwd_s + bwd_s + opt_s``; ``opt_s`` is
+    what follows backward on the critical path (GPU Adam, or waiting for the CPU Adam the next forward
+    needs). ``peak_bytes = static_bytes + activation_peak_bytes``."""
+
+    step_s: float
+    peak_bytes: int
+    fwd_s: float
+    bwd_s: float
+    opt_s: float
+    static_bytes: int
+    activation_peak_bytes: int
+    compute_s: float  # forward + backward compute without recompute
+    recompute_s: float
+    gpu_adam_s: float
+    cpu_adam_s: float
+    h2d_bytes: int
+    d2h_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- API
+
+
+def block_plan(problem: Problem, config: Config) -> Plan:
+    """The per-block activation plan of ``config``: ProTrain's interleaved layout over the blocks."""
+    return interleaved([b.name for b in problem.blocks], config.n_swap, config.n_checkpoint)
+
+
+def estimate(problem: Problem, config: Config) -> Estimate:
+    """Predicted step time and peak memory of ``config``. Raises ``ValueError`` for an invalid config."""
+    return CostModel(problem).estimate(config)
+
+
+class CostModel:
+    """:func:`estimate` with the per-problem precomputation kept (the search calls it many times)."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        p = problem
+        m = p.machine
+        self.n_blocks = N = len(p.blocks)
+        self.n_chunks = len(p.chunks)
+        self._labels = [b.name for b in p.blocks]
+        # Forward steps 0..N (N = outside); backward visits j = N, N-1, ..., 0.
+        self.cf = [b.fwd_s for b in p.blocks] + [p.outside_fwd_s]
+        self.cb = [b.bwd_s for b in p.blocks] + [p.outside_bwd_s]
+        self.rc = [b.recompute_s for b in p.blocks] + [0.0]
+        step_chunks = [sorted(set(b.chunk_ids)) for b in p.blocks] + [sorted(set(p.outside_chunk_ids))]
+        self.compute_s = sum(self.cf) + sum(self.cb)
+
+        # Runs: maximal ranges of consecutive forward steps using one chunk, sorted by (first, chunk).
+        runs: list[tuple[int, int, int]] = []  # (first, chunk, last)
+        open_run: dict[int, list[int]] = {}
+        for j in range(N + 1):
+            for c in step_chunks[j]:
+                if c in open_run and open_run[c][1] == j - 1:
+                    open_run[c][1] = j
+                else:
+                    if c in open_run:
+                        runs.append((open_run[c][0], c, open_run[c][1]))
+                    open_run[c] = [j, j]
+        runs += [(f, c, last) for c, (f, last) in open_run.items()]
+        runs.sort()
+        self.run_first = [r[0] for r in runs]
+        self.run_chunk = [r[1] for r in runs]
+        self.run_last = [r[2] for r in runs]
+        self.run_bytes = [p.chunks[c].bytes for c in self.run_chunk]
+        R = len(runs)
+        self.step_runs = [[r for r in range(R) if self.run_first[r] <= j <= self.run_last[r]] for j in range(N + 1)]
+        # The run whose gradient lands last in backward (the chunk's earliest run) triggers CPU Adam.
+        self.adam_run = {}
+        for r in range(R):
+            self.adam_run.setdefault(self.run_chunk[r], r)
+        self.adam_s = [c.n_params / m.cpu_adam_params_per_s for c in p.chunks]
+        self.gpu_adam_s = [c.n_params / m.gpu_adam_params_per_s for c in p.chunks]
+
+        # Static reference timeline (compute only, no recompute) and the copies' reference intervals.
+        fs = [0.0] * (N + 1)
+        for j in range(1, N + 1):
+            fs[j] = fs[j - 1] + self.cf[j - 1]
+        fe = [fs[j] + self.cf[j] for j in range(N + 1)]
+        bs = [0.0] * (N + 1)  # indexed by forward step j
+        t = fe[N]
+        for j in range(N, -1, -1):
+            bs[j] = t
+            t += self.cb[j]
+        be = [bs[j] + self.cb[j] for j in range(N + 1)]
+        self.fwd_ref_start = fs
+        h2d, d2h = m.h2d_bytes_per_s, m.d2h_bytes_per_s
+
+        def iv(start: float, nbytes: int, rate: float) -> tuple[float, float]:
+            return (start, start + nbytes / rate)
+
+        blocks = p.blocks
+        ff = [iv(fs[self.run_first[r] - 1] if self.run_first[r] else 0.0, self.run_bytes[r], h2d) for r in range(R)]
+        bf = [iv(bs[self.run_last[r] + 1] if self.run_last[r] < N else bs[N], self.run_bytes[r], h2d) for r in range(R)]
+        rl = [iv(bs[i + 1], blocks[i].swap_bytes, h2d) for i in range(N)]
+        so = [iv(fe[i], blocks[i].swap_bytes, d2h) for i in range(N)]
+        go = [iv(be[self.run_first[r]], self.run_bytes[r], d2h) for r in range(R)]
+
+        def hit(a: tuple[float, float], b: tuple[float, float]) -> bool:
+            return a[0] < b[1] and b[0] < a[1]
+
+        inf = math.inf
+        # An H2D copy is shared iff a performed swap offload (block < n_swap) or gradient offload
+        # (chunk >= n_persist) overlaps it: keep the smallest such block and the largest such chunk.
+        def h2d_keys(x: tuple[float, float]) -> tuple[float, int]:
+            return (
+                min((i for i in range(N) if hit(x, so[i])), default=inf),
+                max((self.run_chunk[r] for r in range(R) if hit(x, go[r])), default=-1),
+            )
+
+        self.ff_key = [h2d_keys(x) for x in ff]
+        self.bf_key = [h2d_keys(x) for x in bf]
+        self.rl_key = [h2d_keys(x) for x in rl]
+
+        # A D2H copy is shared iff a performed forward fetch (chunk >= n_persist), swap reload
+        # (block < n_swap) or backward re-fetch (config dependent: listed) overlaps it.
+        def d2h_keys(x: tuple[float, float]) -> tuple[int, float, list[int]]:
+            return (
+                max((self.run_chunk[r] for r in range(R) if hit(x, ff[r])), default=-1),
+                min((i for i in range(N) if hit(x, rl[i])), default=inf),
+                [r for r in range(R) if hit(x, bf[r])],
+            )
+
+        self.so_key = [d2h_keys(x) for x in so]
+        self.go_key = [d2h_keys(x) for x in go]
+        # Copy durations alone (d1) and sharing the link (d2).
+        h2d_sh = min(h2d, m.duplex_bytes_per_s / 2)
+        d2h_sh = min(d2h, m.duplex_bytes_per_s / 2)
+        self.h_d1 = [x / h2d for x in self.run_bytes]
+        self.h_d2 = [x / h2d_sh for x in self.run_bytes]
+        self.g_d1 = [x / d2h for x in self.run_bytes]
+        self.g_d2 = [x / d2h_sh for x in self.run_bytes]
+        swap = [b.swap_bytes for b in blocks]
+        self.rl_d1 = [x / h2d for x in swap]
+        self.rl_d2 = [x / h2d_sh for x in swap]
+        self.so_d1 = [x / d2h for x in swap]
+        self.so_d2 = [x / d2h_sh for x in swap]
+        self._saved = [b.saved_bytes for b in blocks]
+        self._ck = [b.checkpoint_saved_bytes for b in blocks]
+        self._swap = swap
+        self._transient = [b.transient_bytes for b in blocks]
+
+        self._per_p: dict[int, _PerPersist] = {}
+        self._per_pb: dict[tuple[int, int], _PerBuffer] = {}
+        self._policies: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._fwd_cache: dict[tuple[int, int, int], _Forward] = {}
+        static_persist = [0]
+        for c in range(self.n_chunks):
+            static_persist.append(static_persist[-1] + p.persistent_bytes(c))
+        self._static_persist = static_persist
+        self._buffer_bytes = p.buffer_bytes
+        self._min_buffers = [max(sum(1 for x in cs if x >= q) for cs in step_chunks) for q in range(self.n_chunks + 1)]
+
+    # ------------------------------------------------------------------ memory
+
+    def static_bytes(self, n_persist: int, n_buffer: int) -> int:
+        """Model-state bytes resident all step: fixed + persistent chunks + chunk buffers."""
+        return self.problem.fixed_bytes + self._static_persist[n_persist] + n_buffer * self._buffer_bytes
+
+    def activation_peak(self, n_swap: int, n_checkpoint: int) -> int:
+        """Peak activation bytes of the per-block walk in the module docstring."""
+        pol = self.policies(n_swap, n_checkpoint)
+        saved, ck, sw, tr = self._saved, self._ck, self._swap, self._transient
+        N = self.n_blocks
+        keep = [ck[i] if pol[i] == _CKPT else saved[i] - sw[i] if i < n_swap else saved[i] for i in range(N)]
+        peak = base = prev_swap = 0
+        for i in range(N):
+            x = base + prev_swap + tr[i] + (ck[i] if pol[i] == _CKPT else saved[i])
+            if x > peak:
+                peak = x
+            base += keep[i]
+            prev_swap = sw[i] if i < n_swap else 0
+        x = base + prev_swap + self.problem.outside_peak_bytes
+        if x > peak:
+            peak = x
+        below = base
+        for i in range(N - 1, -1, -1):
+            below -= keep[i]
+            x = below + saved[i] + tr[i] + (ck[i] if pol[i] == _CKPT else 0) + (sw[i - 1] if 0 < i <= n_swap else 0)
+            if x > peak:
+                peak = x
+        return peak
+
+    def min_buffers(self, n_persist: int) -> int:
+        """Fewest buffers with ``n_persist`` persistent chunks: the most non-persistent chunks one step uses."""
+        return self._min_buffers[n_persist]
+
+    def buffer_range(self, n_persist: int) -> range:
+        """Valid ``n_buffer`` values: ``[0]`` when all chunks persist, else ``min_buffers .. n_chunks - n_persist``."""
+        if n_persist == self.n_chunks:
+            return range(1)
+        return range(self.min_buffers(n_persist), self.n_chunks - n_persist + 1)
+
+    def policies(self, n_swap: int, n_checkpoint: int) -> tuple[int, ...]:
+        """Per-block policy codes (0 none, 1 checkpoint, 2 swap) of :func:`block_plan`.
+
+        Built from :func:`protrain_fx.plan._segment_starts`, the rule :func:`~protrain_fx.plan.interleaved`
+        applies (a test checks both agree), because building a validated ``Plan`` per pair would cost
+        the search more than all its simulations.
+        """
+        key = (n_swap, n_checkpoint)
+        pol = self._policies.get(key)
+        if pol is None:
+            N = self.n_blocks
+            codes = [_SWAP] * n_swap + [_NONE] * (N - n_swap)
+            for i in _segment_starts(N - n_swap, n_checkpoint):
+                codes[n_swap + i] = _CKPT
+            pol = self._policies[key] = tuple(codes)
+        return pol
+
+    # ------------------------------------------------------------------ time
+
+    def validate(self, config: Config) -> Config:
+        p, b, s, c = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint
+        for name, v in config.to_dict().items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Config: {name}={v!r} must be an int >= 0")
+        if p > self.n_chunks:
+            raise ValueError(f"Config: n_persist={p} exceeds the {self.n_chunks} chunks")
+        if b not in self.buffer_range(p):
+            r = self.buffer_range(p)
+            raise ValueError(f"Config: n_buffer={b} with n_persist={p}; accepted: {r.start}..{r.stop - 1}")
+        if s + c > self.n_blocks:
+            raise ValueError(f"Config: n_swap + n_checkpoint = {s + c} exceeds the {self.n_blocks} blocks")
+        return config
+
+    def estimate(self, config: Config) -> Estimate:
+        self.validate(config)
+        p, b, s, c = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint
+        return self._simulate(p, b, s, c, optimizer=True, detail=True)  # type: ignore[return-value]
+
+    def step_time(self, p: int, b: int, s: int, c: int, *, optimizer: bool = True) -> float:
+        """:attr:`Estimate.step_s` without building the Estimate (no validation: the search's fast path)."""
+        return self._simulate(p, b, s, c, optimizer=optimizer, detail=False)[0]  # type: ignore[index]
+
+    def step_and_forward_time(self, p: int, b: int, s: int, c: int) -> tuple[float, float]:
+        """``(step_s, fwd_s)`` of a config, unvalidated. The forward does not depend on ``n_checkpoint``
+        (recompute happens in backward) and only slows down with ``n_swap``, so ``fwd_s`` of
+        ``(p, b, 0, 0)`` bounds the forward of every ``(p, b, s, c)`` from below."""
+        return self._simulate(p, b, s, c, optimizer=True, detail=False)  # type: ignore[return-value]
+
+    def _forward(self, p: int, b: int, s: int) -> _Forward:
+        """Forward of ``(p, b, s, *)``; it does not depend on ``n_checkpoint``, so recent ones are kept.
+
+        Returns ``done`` (run -> its fetch finished), ``ff_dur`` (run -> fetch duration), ``so_done``
+        (block -> its swap offload finished), and when the H2D queue, the D2H queue and the GPU are
+        free at the end of forward (read-only: callers copy ``done`` before writing).
+        """
+        key = (p, b, s)
+        got = self._fwd_cache.get(key)
+        if got is not None:
+            return got
+        if len(self._fwd_cache) > 256:
+            self._fwd_cache.clear()
+        N = self.n_blocks
+        P = self._pp(p)
+        PB = self._pb(p, b)
+        cf, h_d1, h_d2, ff_thr = self.cf, self.h_d1, self.h_d2, P.ff_thr
+        done = [0.0] * len(h_d1)
+        ff_dur = [0.0] * len(h_d1)
+        fe = [0.0] * (N + 1)
+        so_done = [0.0] * N
+        gpu = h2d = d2h = 0.0
+        wait_step = PB.wait_step
+        for j in range(N + 1):
+            for k, r in P.fetch_at[j]:
+                ready = fe[wait_step[k]] if k >= b else 0.0
+                dur = ff_dur[r] = h_d2[r] if s > ff_thr[r] else h_d1[r]
+                h2d = (h2d if h2d > ready else ready) + dur
+                done[r] = h2d
+            start = gpu
+            for r in P.step_runs[j]:
+                if done[r] > start:
+                    start = done[r]
+            gpu = fe[j] = start + cf[j]
+            if j < s:  # swap blocks are the first n_swap
+                d2h = (d2h if d2h > gpu else gpu) + (self.so_d2[j] if s > PB.so_thr[j] else self.so_d1[j])
+                so_done[j] = d2h
+        got = self._fwd_cache[key] = (done, ff_dur, so_done, h2d, d2h, gpu)
+        return got
+
+    def _simulate(
+        self, p: int, b: int, s: int, c: int, *, optimizer: bool, detail: bool
+    ) -> tuple[float, float] | Estimate:
+        N = self.n_blocks
+        P = self._pp(p)
+        PB = self._pb(p, b)
+        pol = self.policies(s, c)
+        cb, rc = self.cb, self.rc
+        h_d1, h_d2, g_d1, g_d2 = self.h_d1, self.h_d2, self.g_d1, self.g_d2
+        bf_thr, go_thr = P.bf_thr, PB.go_thr
+        # ---- forward (shared by every n_checkpoint)
+        fdone, ff_dur, so_done, h2d, d2h, gpu = self._forward(p, b, s)
+        done = fdone[:]  # fetch finished; in backward: re-fetch, then gradient offload finished
+        fwd_end = gpu
+        # ---- backward
+        adam_done: list[tuple[int, float]] = []
+        cpu = recompute = 0.0
+        prev_start = gpu
+        rl_d1, rl_d2, rl_thr = self.rl_d1, self.rl_d2, P.rl_thr
+        adam_s = P.adam_s if optimizer else P.no_adam
+        for j in range(N, -1, -1):
+            for r, freed_by in PB.refetch_at[j]:
+                ready = done[freed_by]  # its gradient offload (stored in done[] when it finished)
+                h2d = (h2d if h2d > ready else ready) + (h_d2[r] if s > bf_thr[r] else h_d1[r])
+                done[r] = h2d
+            start = gpu
+            if j < s:
+                ready = so_done[j] if so_done[j] > prev_start else prev_start
+                h2d = (h2d if h2d > ready else ready) + (rl_d2[j] if s > rl_thr[j] else rl_d1[j])
+                if h2d > start:
+                    start = h2d
+            for r in PB.step_refetched[j]:
+                if done[r] > start:
+                    start = done[r]
+            prev_start = start
+            gpu = start + cb[j]
+            if j < N and pol[j] == _CKPT:
+                gpu += rc[j]
+                recompute += rc[j]
+            for r in P.offload_at[j]:
+                d2h = (d2h if d2h > gpu else gpu) + (g_d2[r] if s > go_thr[r] else g_d1[r])
+                done[r] = d2h  # the run's buffer is free again
+                if adam_s[r]:
+                    cpu = (cpu if cpu > d2h else d2h) + adam_s[r]
+                    adam_done.append((r, cpu))
+        bwd_end = gpu
+        # ---- optimizer, and the next forward overlapping the CPU Adam tail
+        gpu_adam = P.gpu_adam_s if optimizer else 0.0
+        cpu_adam = P.cpu_adam_s if optimizer else 0.0
+        step = bwd_end + gpu_adam
+        if cpu_adam > step:
+            step = cpu_adam
+        ref = self.fwd_ref_start
+        for r, a in adam_done:
+            x = a + ff_dur[r] - ref[self.run_first[r]]
+            if x > step:
+                step = x
+        if not detail:
+            return step, fwd_end
+        static = self.static_bytes(p, b)
+        act = self.activation_peak(s, c)
+        refetched = sum(self.run_bytes[r] for r in P.runs if PB.refetch[r])
+        fetched = sum(self.run_bytes[r] for r in P.runs)
+        swapped = sum(self._swap[:s])
+        return Estimate(
+            step_s=step,
+            peak_bytes=static + act,
+            fwd_s=fwd_end,
+            bwd_s=bwd_end - fwd_end,
+            opt_s=step - bwd_end,
+            static_bytes=static,
+            activation_peak_bytes=act,
+            compute_s=self.compute_s,
+            recompute_s=recompute,
+            gpu_adam_s=gpu_adam,
+            cpu_adam_s=cpu_adam,
+            h2d_bytes=fetched + refetched + swapped,
+            d2h_bytes=fetched + swapped,
+        )
+
+    # ------------------------------------------------------------------ per-config tables
+
+    def _pp(self, p: int) -> _PerPersist:
+        got = self._per_p.get(p)
+        if got is None:
+            got = self._per_p[p] = _PerPersist.build(self, p)
+        return got
+
+    def _pb(self, p: int, b: int) -> _PerBuffer:
+        got = self._per_pb.get((p, b))
+        if got is None:
+            got = self._per_pb[(p, b)] = _PerBuffer.build(self, self._pp(p), b)
+        return got
+
+
+@dataclass
+class _PerPersist:
+    """Tables that depend on ``n_persist`` only: the runs of non-persistent chunks, and when each
+    H2D copy shares the link (it does iff ``n_swap > thr``)."""
+
+    p: int
+    runs: list[int]  # forward order (first, chunk)
+    by_last: list[int]  # release order in forward: (last, run)
+    fetch_at: list[list[tuple[int, int]]]  # step -> [(fetch index k, run)]
+    step_runs: list[list[int]]
+    offload_at: list[list[int]]  # step -> runs whose gradient is final after its backward (FIFO order)
+    adam_trigger: list[bool]
+    adam_s: list[float]  # run -> CPU Adam time of its chunk when its gradient offload completes the chunk, else 0
+    no_adam: list[float]
+    min_buffers: int
+    gpu_adam_s: float
+    cpu_adam_s: float
+    ff_thr: list[float]
+    bf_thr: list[float]
+    rl_thr: list[float]
+
+    @classmethod
+    def build(cls, m: CostModel, p: int) -> _PerPersist:
+        N = m.n_blocks
+        R = len(m.run_chunk)
+        runs = [r for r in range(R) if m.run_chunk[r] >= p]
+        fetch_at: list[list[tuple[int, int]]] = [[] for _ in range(N + 1)]
+        for k, r in enumerate(runs):
+            fetch_at[m.run_first[r]].append((k, r))
+        offload_at: list[list[int]] = [[] for _ in range(N + 1)]
+        for r in reversed(runs):  # backward release order: (first desc, run desc)
+            offload_at[m.run_first[r]].append(r)
+        adam_trigger = [False] * R
+        for ch, r in m.adam_run.items():
+            adam_trigger[r] = ch >= p
+        step_runs = [[r for r in rs if m.run_chunk[r] >= p] for rs in m.step_runs]
+
+        def thr(key: tuple[float, int]) -> float:  # shared iff a swap block < n_swap or a chunk >= p overlaps
+            return -1 if key[1] >= p else key[0]
+
+        return cls(
+            p=p,
+            runs=runs,
+            by_last=sorted(runs, key=lambda r: (m.run_last[r], r)),
+            fetch_at=fetch_at,
+            step_runs=step_runs,
+            offload_at=offload_at,
+            adam_trigger=adam_trigger,
+            adam_s=[m.adam_s[m.run_chunk[r]] if adam_trigger[r] else 0.0 for r in range(R)],
+            no_adam=[0.0] * R,
+            min_buffers=max((len(rs) for rs in step_runs), default=0),
+            gpu_adam_s=sum(m.gpu_adam_s[:p]),
+            cpu_adam_s=sum(m.adam_s[p:]),
+            ff_thr=[thr(k) for k in m.ff_key],
+            bf_thr=[thr(k) for k in m.bf_key],
+            rl_thr=[thr(k) for k in m.rl_key],
+        )
+
+
+@dataclass
+class _PerBuffer:
+    """Tables that depend on ``(n_persist, n_buffer)``: which buffer each fetch waits for, which runs
+    are re-fetched in backward, and when each D2H copy shares the link (iff ``n_swap > thr``)."""
+
+    wait_step: list[int]  # fetch k >= B waits for the end of this forward step
+    refetch: list[bool]  # run -> re-fetched in backward
+    refetch_at: list[list[tuple[int, int]]]  # step -> [(run, run whose gradient offload frees its buffer)]
+    step_refetched: list[list[int]]  # step -> its runs that were re-fetched
+    so_thr: list[float]
+    go_thr: list[float]
+
+    @classmethod
+    def build(cls, m: CostModel, P: _PerPersist, b: int) -> _PerBuffer:
+        N = m.n_blocks
+        K = len(P.runs)
+        p = P.p
+        wait_step = [0] * K
+        for k in range(b, K):
+            wait_step[k] = m.run_last[P.by_last[k - b]]
+            assert wait_step[k] < m.run_first[P.runs[k]], "fewer buffers than one step needs"
+        acquire = P.by_last[::-1]  # backward acquisition order; the first b are still resident
+        release = P.runs[::-1]  # backward release order (gradient offload FIFO order)
+        refetch = [False] * len(m.run_chunk)
+        refetch_at: list[list[tuple[int, int]]] = [[] for _ in range(N + 1)]
+        for pos in range(b, K):
+            r = acquire[pos]
+            refetch[r] = True
+            freed_by = release[pos - b]
+            assert m.run_first[freed_by] > m.run_last[r], "fewer buffers than one step needs"
+            refetch_at[m.run_last[r]].append((r, freed_by))
+
+        def thr(key: tuple[int, float, list[int]]) -> float:
+            # shared iff a fetched chunk >= p, a re-fetched run or a reloaded block < n_swap overlaps
+            return -1 if key[0] >= p or any(refetch[r] for r in key[2]) else key[1]
+
+        return cls(
+            wait_step=wait_step,
+            refetch=refetch,
+            refetch_at=refetch_at,
+            step_refetched=[[r for r in rs if refetch[r]] for rs in P.step_runs],
+            so_thr=[thr(k) for k in m.so_key],
+            go_thr=[thr(k) for k in m.go_key],
+        )
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _check_seconds(where: str, name: str, v: Any) -> None:
+    if not (_is_number(v) and 0 <= v < math.inf):
+        raise ValueError(f"{where}: {name}={v!r} must be a finite number of seconds >= 0")
+
+
+def _check_count(where: str, name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{where}: {name}={v!r} must be an int >= 0")
+
+
+def _known(cls: type, d: Mapping[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(d) - names)
+    if extra:
+        raise ValueError(f"{cls.__name__}: unknown keys {extra}; accepted: {sorted(names)}")
+    return dict(d)
+
+
+__all__ = [
+    "PROBLEM_VERSION",
+    "BlockProfile",
+    "ChunkProfile",
+    "Config",
+    "CostModel",
+    "Estimate",
+    "MachineProfile",
+    "Problem",
+    "block_plan",
+    "estimate",
+]

@@ -1,0 +1,360 @@
+"""Cost model (``protrain_fx.cost``) and search (``protrain_fx.search``) on synthetic problems.
+
+Plain data, no graphs, no device. Problems come from :func:`make_problem` (seeded RNG); sizes are in
+whole MiB and times in milliseconds so failures read easily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import pytest
+
+from protrain_fx.cost import (
+    BlockProfile,
+    ChunkProfile,
+    Config,
+    CostModel,
+    MachineProfile,
+    Problem,
+    block_plan,
+    estimate,
+)
+from protrain_fx.plan import interleaved
+from protrain_fx.search import NoPlanFits, search
+
+MiB = 2**20
+ms = 1e-3
+
+
+def make_problem(seed: int, n_blocks: int = 5, *, chunks_per_block: tuple[int, int] = (1, 2), **machine: float) -> Problem:
+    """A random step: blocks using 1-2 fresh chunks each (sometimes also the previous block's last),
+    chunk 0 = a tied embedding used by the outside work (and sometimes by block 0)."""
+    rng = random.Random(seed)
+    blocks: list[BlockProfile] = []
+    next_chunk = 1
+    for i in range(n_blocks):
+        ids = [next_chunk - 1] if i > 0 and rng.random() < 0.3 else []
+        k = rng.randint(*chunks_per_block)
+        ids += range(next_chunk, next_chunk + k)
+        next_chunk += k
+        if i == 0 and rng.random() < 0.5:
+            ids.insert(0, 0)
+        saved = rng.randint(50, 400) * MiB
+        blocks.append(
+            BlockProfile(
+                name=f"blocks.{i}",
+                fwd_s=rng.uniform(1, 5) * ms,
+                bwd_s=rng.uniform(2, 10) * ms,
+                recompute_s=rng.uniform(1, 5) * ms,
+                saved_bytes=saved,
+                checkpoint_saved_bytes=rng.randint(1, 20) * MiB,
+                swap_bytes=saved - rng.randint(0, 10) * MiB,
+                transient_bytes=rng.randint(10, 200) * MiB,
+                chunk_ids=tuple(ids),
+            )
+        )
+    chunks = [ChunkProfile(bytes=64 * MiB, n_params=32 * MiB - rng.randint(0, 1000)) for _ in range(next_chunk)]
+    rates = {
+        "h2d_bytes_per_s": rng.uniform(10, 60) * 1e9,
+        "d2h_bytes_per_s": rng.uniform(10, 60) * 1e9,
+        "duplex_bytes_per_s": rng.uniform(15, 100) * 1e9,
+        "cpu_adam_params_per_s": rng.uniform(1, 20) * 1e9,
+        "gpu_adam_params_per_s": rng.uniform(50, 500) * 1e9,
+        **machine,
+    }
+    return Problem(
+        blocks=blocks,
+        chunks=chunks,
+        machine=MachineProfile(**rates, gpu_bytes=80 * 2**30),
+        outside_fwd_s=rng.uniform(0, 3) * ms,
+        outside_bwd_s=rng.uniform(0, 6) * ms,
+        outside_peak_bytes=rng.randint(0, 500) * MiB,
+        outside_chunk_ids=(0,),
+        fixed_bytes=rng.randint(0, 100) * MiB,
+    )
+
+
+def all_configs(problem: Problem):
+    """Every valid config, enumerated independently of the search (minimum buffers included)."""
+    n, N = len(problem.chunks), len(problem.blocks)
+    steps = [set(b.chunk_ids) for b in problem.blocks] + [set(problem.outside_chunk_ids)]
+    for p in range(n + 1):
+        need = max(len({c for c in s if c >= p}) for s in steps)
+        for b in [0] if p == n else range(max(1, need), n - p + 1):
+            for s in range(N + 1):
+                for c in range(N + 1 - s):
+                    yield Config(p, b, s, c)
+
+
+def brute_force(problem: Problem) -> list[tuple[Config, float, int]]:
+    model = CostModel(problem)
+    return [(cfg, (e := model.estimate(cfg)).step_s, e.peak_bytes) for cfg in all_configs(problem)]
+
+
+def best_under(table: list[tuple[Config, float, int]], cap: int) -> float:
+    return min((t for _, t, peak in table if peak <= cap), default=math.inf)
+
+
+def budgets(table: list[tuple[Config, float, int]], k: int) -> list[int]:
+    """``k`` budgets from the smallest peak to the largest (both ends included)."""
+    lo, hi = min(p for *_, p in table), max(p for *_, p in table)
+    return [lo + (hi - lo) * i // (k - 1) for i in range(k)]
+
+
+# --------------------------------------------------------------------------- search
+
+
+def test_search_equals_brute_force_on_random_problems() -> None:
+    checked = 0
+    for seed in range(25):
+        problem = make_problem(seed, n_blocks=2 + seed % 4)
+        table = brute_force(problem)
+        for budget in budgets(table, 6):
+            want = best_under(table, budget)
+            got = search(problem, budget)
+            assert got.estimate.step_s == want, (seed, budget, got.best)
+            assert got.estimate.peak_bytes <= budget
+            assert got.estimate == estimate(problem, got.best)
+            assert got.evaluated + got.pruned == got.total == len(table)
+            checked += 1
+    assert checked == 150
+
+
+def test_pruning_never_drops_the_optimum_and_prunes() -> None:
+    pruned_any = False
+    for seed in range(100, 115):
+        problem = make_problem(seed, n_blocks=6)
+        for frac in (0.0, 0.05, 0.2, 0.5, 1.0):
+            model = CostModel(problem)
+            lo = min(model.static_bytes(p, model.buffer_range(p).start) for p in range(len(problem.chunks) + 1))
+            budget = lo + model.activation_peak(0, 0) + int(frac * model.static_bytes(len(problem.chunks), 0))
+            full = search(problem, budget, prune=False)
+            fast = search(problem, budget)
+            assert fast.estimate.step_s == full.estimate.step_s, (seed, frac)
+            assert fast.evaluated <= full.evaluated
+            pruned_any |= fast.evaluated < full.evaluated
+    assert pruned_any
+
+
+def test_more_budget_never_gives_a_slower_plan() -> None:
+    for seed in range(200, 206):
+        problem = make_problem(seed, n_blocks=8)
+        model = CostModel(problem)
+        n = len(problem.chunks)
+        lo = min(model.static_bytes(p, model.buffer_range(p).start) for p in range(n + 1))
+        hi = model.static_bytes(n, 0) + model.activation_peak(0, 0)
+        previous = math.inf
+        for budget in range(lo, hi + 64 * MiB, max(1, (hi - lo) // 40)):
+            try:
+                t = search(problem, budget).estimate.step_s
+            except NoPlanFits:
+                continue
+            assert t <= previous, (seed, budget)
+            previous = t
+        assert previous < math.inf
+
+
+def test_huge_budget_keeps_everything_persistent_without_swap_or_checkpoint() -> None:
+    problem = make_problem(7, n_blocks=6, gpu_adam_params_per_s=math.inf, cpu_adam_params_per_s=1e8)
+    got = search(problem, 2**50)
+    assert got.best == Config(len(problem.chunks), 0, 0, 0)
+    e = got.estimate
+    assert e.h2d_bytes == e.d2h_bytes == 0 and e.recompute_s == 0
+    assert e.step_s == pytest.approx(e.compute_s, rel=1e-12)
+
+
+def test_no_plan_fits_names_the_minimum_budget() -> None:
+    problem = make_problem(3, n_blocks=4)
+    smallest = min(peak for *_, peak in brute_force(problem))
+    with pytest.raises(NoPlanFits) as info:
+        search(problem, smallest - 1)
+    assert isinstance(info.value, ValueError)
+    assert info.value.min_budget_bytes == smallest
+    assert f"at least {smallest} bytes" in str(info.value)
+    with pytest.raises(NoPlanFits) as info:
+        search(problem, smallest, reserve_bytes=MiB)
+    assert info.value.min_budget_bytes == smallest + MiB
+    assert search(problem, smallest).estimate.peak_bytes == smallest
+    assert search(problem, smallest + MiB, reserve_bytes=MiB).estimate.peak_bytes == smallest
+    with pytest.raises(ValueError, match="budget_bytes"):
+        search(problem, -1)
+
+
+def test_search_time_48_blocks_100_chunks() -> None:
+    problem = make_problem(11, n_blocks=48, chunks_per_block=(2, 2))
+    model = CostModel(problem)
+    n = len(problem.chunks)
+    assert 95 <= n <= 110
+    lo = min(model.static_bytes(p, model.buffer_range(p).start) for p in range(n + 1))
+    hi = model.static_bytes(n, 0) + model.activation_peak(0, 0)
+    worst = 0.0
+    for frac in (0.1, 0.3, 0.5, 0.8, 1.2):
+        r = search(problem, int(lo + 2000 * MiB + frac * (hi - lo)))
+        print(
+            f"48 blocks, {n} chunks, budget at {frac:.0%}: {r.seconds * 1e3:.0f} ms, best {r.best}, "
+            f"{r.evaluated} simulated + {r.bound_evaluations} bounds of {r.total} configs"
+        )
+        worst = max(worst, r.seconds)
+    assert worst < 2.0
+
+
+# --------------------------------------------------------------------------- cost model properties
+
+
+def test_time_never_increases_with_bandwidth() -> None:
+    for seed in range(300, 310):
+        problem = make_problem(seed, n_blocks=5)
+        rng = random.Random(seed)
+        m = problem.machine
+        faster = dataclasses.replace(
+            problem,
+            machine=dataclasses.replace(
+                m,
+                h2d_bytes_per_s=m.h2d_bytes_per_s * rng.choice([1, 1.5, 4]),
+                d2h_bytes_per_s=m.d2h_bytes_per_s * rng.choice([1, 1.5, 4]),
+                duplex_bytes_per_s=m.duplex_bytes_per_s * rng.choice([1, 2, 8]),
+            ),
+        )
+        slow, fast = CostModel(problem), CostModel(faster)
+        for cfg in all_configs(problem):
+            assert fast.estimate(cfg).step_s <= slow.estimate(cfg).step_s, (seed, cfg)
+
+
+def test_time_never_increases_with_buffers() -> None:
+    for seed in range(400, 410):
+        model = CostModel(make_problem(seed, n_blocks=5))
+        for cfg in all_configs(model.problem):
+            if cfg.n_buffer + 1 in model.buffer_range(cfg.n_persist):
+                more = dataclasses.replace(cfg, n_buffer=cfg.n_buffer + 1)
+                assert model.step_time(*astuple(more)) <= model.step_time(*astuple(cfg)), (seed, cfg)
+
+
+@pytest.mark.parametrize("free_gpu_adam", [True, False])
+def test_one_more_persistent_chunk_adds_at_most_its_gpu_adam(free_gpu_adam: bool) -> None:
+    """With unlimited memory, more n_persist never increases the time when GPU Adam is free; when it
+    is not, the time grows at most by the new persistent chunk's GPU Adam step."""
+    extra = {"gpu_adam_params_per_s": math.inf} if free_gpu_adam else {}
+    for seed in range(500, 510):
+        problem = make_problem(seed, n_blocks=5, **extra)
+        model = CostModel(problem)
+        rate = problem.machine.gpu_adam_params_per_s
+        for cfg in all_configs(problem):
+            p, b = cfg.n_persist, cfg.n_buffer
+            if p == len(problem.chunks):
+                continue
+            nb = min(b, len(problem.chunks) - p - 1)
+            if nb not in model.buffer_range(p + 1):
+                continue
+            more = dataclasses.replace(cfg, n_persist=p + 1, n_buffer=nb)
+            t_more, t = model.step_time(*astuple(more)), model.step_time(*astuple(cfg))
+            allowed = problem.chunks[p].n_params / rate
+            if free_gpu_adam:
+                assert t_more <= t, (seed, cfg)
+            else:
+                assert t_more <= t + allowed * (1 + 1e-9) + 1e-12, (seed, cfg)
+
+
+def test_lower_bounds_the_search_prunes_with() -> None:
+    for seed in range(600, 610):
+        model = CostModel(make_problem(seed, n_blocks=5))
+        n = model.n_chunks
+        for cfg in all_configs(model.problem):
+            p, b, s, c = astuple(cfg)
+            t = model.step_time(p, b, s, c)
+            assert t >= model.step_time(p, b, 0, 0)
+            assert t >= model.step_time(n, 0, s, c, optimizer=False)
+            e = model.estimate(cfg)
+            assert e.peak_bytes == model.static_bytes(p, b) + model.activation_peak(s, c)
+            assert t >= e.compute_s + e.recompute_s + e.gpu_adam_s - 1e-12
+            assert e.step_s == pytest.approx(e.fwd_s + e.bwd_s + e.opt_s, rel=1e-12)
+
+
+def test_memory_walk_by_hand() -> None:
+    """Two equal blocks, sizes in MiB: swap the first, checkpoint the second."""
+    block = {"fwd_s": ms, "bwd_s": 2 * ms, "recompute_s": ms, "saved_bytes": 100 * MiB,
+             "checkpoint_saved_bytes": 10 * MiB, "swap_bytes": 90 * MiB, "transient_bytes": 20 * MiB}
+    problem = Problem(
+        blocks=[BlockProfile(name="a", chunk_ids=(0,), **block), BlockProfile(name="b", chunk_ids=(1,), **block)],
+        chunks=[ChunkProfile(bytes=64 * MiB, n_params=32 * MiB)] * 2,
+        machine=MachineProfile(h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, duplex_bytes_per_s=1.5e10,
+                               cpu_adam_params_per_s=1e9, gpu_adam_params_per_s=1e11),
+        outside_peak_bytes=50 * MiB,
+        fixed_bytes=7 * MiB,
+    )
+    model = CostModel(problem)
+    # none/none: backward of b holds a's 100 + b's 100 + 20 transient; end of forward 200 + 50.
+    assert model.activation_peak(0, 0) == 250 * MiB
+    # swap a, checkpoint b: forward of b = keep_a 10 + swap_a 90 in flight + 20 + 10 = 130;
+    # end of forward = 10 + 10 + 90 (a's offload overlaps the outside work) + 50 = 160;
+    # backward of b = keep_a 10 + recomputed 100 + its input 10 + a prefetched 90 + 20 = 230.
+    assert model.activation_peak(1, 1) == 230 * MiB
+    # persistent chunk: working copy + grad (64 + 64 MiB) + fp32 master and two moments (12 B/param).
+    assert problem.persistent_bytes(0) == 128 * MiB + 12 * 32 * MiB
+    assert model.static_bytes(1, 1) == 7 * MiB + problem.persistent_bytes(0) + 64 * MiB
+    e = estimate(problem, Config(2, 0, 0, 0))
+    assert e.step_s == pytest.approx(6 * ms + 2 * 32 * MiB / 1e11)
+
+
+def test_policies_follow_interleaved() -> None:
+    for n_blocks in range(8):
+        problem = make_problem(n_blocks, n_blocks=max(n_blocks, 1))
+        model = CostModel(problem)
+        labels = [b.name for b in problem.blocks]
+        codes = {"none": 0, "checkpoint": 1, "swap": 2}
+        for s, c in itertools.product(range(len(labels) + 1), repeat=2):
+            if s + c <= len(labels):
+                plan = interleaved(labels, s, c)
+                assert model.policies(s, c) == tuple(codes[plan.policy(x)] for x in labels)
+                assert block_plan(problem, Config(len(problem.chunks), 0, s, c)) == plan
+
+
+def test_invalid_configs_are_refused() -> None:
+    problem = make_problem(1, n_blocks=3, chunks_per_block=(2, 2))
+    n = len(problem.chunks)
+    for bad, match in [
+        (Config(n, 1, 0, 0), "n_buffer=1"),
+        (Config(0, 0, 0, 0), "n_buffer=0"),
+        (Config(0, 1, 0, 0), "n_buffer=1"),  # a block uses two non-persistent chunks at once
+        (Config(n + 1, 0, 0, 0), "n_persist"),
+        (Config(n, 0, 2, 2), "exceeds the 3 blocks"),
+        (Config(n, 0, -1, 0), "n_swap"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            estimate(problem, bad)
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def test_dumped_problem_replays_to_identical_estimates(tmp_path) -> None:
+    for seed in range(700, 705):
+        problem = make_problem(seed, n_blocks=4, gpu_adam_params_per_s=math.inf if seed % 2 else 3e11)
+        path = tmp_path / f"problem_{seed}.json"
+        problem.dump(path)
+        loaded = Problem.load(path)
+        assert loaded == problem
+        assert Problem.from_dict(problem.to_dict()) == problem
+        a, b = CostModel(problem), CostModel(loaded)
+        for cfg in all_configs(problem):
+            assert a.estimate(cfg) == b.estimate(cfg)
+            assert Config.from_dict(cfg.to_dict()) == cfg
+        budget = budgets(brute_force(problem), 3)[1]
+        assert search(loaded, budget).estimate == search(problem, budget).estimate
+
+
+def test_problem_json_refuses_unknown_keys_and_versions() -> None:
+    d = make_problem(0, n_blocks=2).to_dict()
+    with pytest.raises(ValueError, match="version 2"):
+        Problem.from_dict({**d, "version": 2})
+    with pytest.raises(ValueError, match="unknown keys"):
+        Problem.from_dict({**d, "budget": 1})
+    with pytest.raises(ValueError, match="chunks \\[1\\] are used by no block"):
+        Problem.from_dict({**d, "blocks": d["blocks"][:0], "outside_chunk_ids": [0], "chunks": d["chunks"][:2]})
+
+
+def astuple(cfg: Config) -> tuple[int, int, int, int]:
+    return (cfg.n_persist, cfg.n_buffer, cfg.n_swap, cfg.n_checkpoint)
