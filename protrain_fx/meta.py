@@ -17,6 +17,9 @@ BLOCK = "protrain_block"
 #: ``"forward"`` or ``"backward"``: which partitioned graph the node runs in.
 PHASE = "protrain_phase"
 
+#: Which rewrite inserted a node (``"swap_pass"``, ``"gather_pass"``); absent on captured nodes.
+MADE_BY = "protrain_made_by"
+
 #: Block label of nodes not inside any repeated layer (embeddings, head, loss, optimizer glue).
 OUTSIDE = "outside"
 
@@ -32,6 +35,17 @@ def _flatten(value: Any) -> Iterator[Any]:
             yield from _flatten(v)
     elif value is not None:
         yield value
+
+
+def tag_inserted(node: fx.Node, source: fx.Node, phase: str, made_by: str) -> None:
+    """Metadata of a node a rewrite inserts: ``source``'s module stack and user line, ``source``'s
+    block, the graph ``phase`` and which pass made it (readable graphs and block tables use them)."""
+    for key in ("nn_module_stack", "stack_trace", "seq_nr"):
+        if key in source.meta:
+            node.meta[key] = source.meta[key]
+    node.meta[BLOCK] = source.meta.get(BLOCK, OUTSIDE)
+    node.meta[PHASE] = phase
+    node.meta[MADE_BY] = made_by
 
 
 def concrete(n: Any) -> int:

@@ -18,14 +18,6 @@ from protrain_fx.runtime import swap
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    protrain_fx.reset()
-    torch._dynamo.reset()
-    yield
-    protrain_fx.reset()
-    torch._dynamo.reset()
-
 
 def test_ops_copy_on_side_streams_into_pinned_buffers():
     x = torch.randn(1 << 20, device="cuda")

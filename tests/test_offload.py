@@ -19,14 +19,6 @@ CONFIG = gpt_config("tiny", n_layer=4)
 CHUNK = 64 * 1024
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    protrain_fx.reset()
-    torch._dynamo.reset()
-    yield
-    protrain_fx.reset()
-    torch._dynamo.reset()
-
 
 def _batch(step: int):
     return random_batch(CONFIG, 2, 32, generator=torch.Generator().manual_seed(step))

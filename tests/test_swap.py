@@ -22,14 +22,6 @@ SLOW = {"d2h_bytes": 1.0, "h2d_bytes": 1.0}  # every copy takes "forever": waits
 FAST = {"d2h_bytes": 1e30, "h2d_bytes": 1e30}  # copies take no time: waits at once, reloads at use
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    protrain_fx.reset()
-    torch._dynamo.reset()
-    yield
-    protrain_fx.reset()
-    torch._dynamo.reset()
-
 
 def _record(plan: Plan | None, machine: dict | None = None, codegen: str = "eager"):
     torch.manual_seed(0)

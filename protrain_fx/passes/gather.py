@@ -208,9 +208,4 @@ def _route_grads(backward: fx.GraphModule, fw_placeholders: list[fx.Node], info:
 
 
 def _tag(node: fx.Node, source: fx.Node, phase: str) -> None:
-    for key in ("nn_module_stack", "stack_trace", "seq_nr"):
-        if key in source.meta:
-            node.meta[key] = source.meta[key]
-    node.meta[meta.BLOCK] = source.meta.get(meta.BLOCK, meta.OUTSIDE)
-    node.meta[meta.PHASE] = phase
-    node.meta["protrain_made_by"] = "gather_pass"
+    meta.tag_inserted(node, source, phase, "gather_pass")

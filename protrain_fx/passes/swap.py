@@ -31,7 +31,7 @@ from protrain_fx.passes.estimate import start_times
 from protrain_fx.plan import Plan
 from protrain_fx.runtime import swap as swap_ops  # noqa: F401  (registers the protrain:: ops)
 
-MADE_BY = "protrain_made_by"
+MADE_BY = meta.MADE_BY
 #: Copies are planned as if they took this many times their estimated duration.
 
 _ops = torch.ops.protrain
@@ -376,9 +376,4 @@ def _view_of(
 
 
 def _tag(node: fx.Node, source: fx.Node, phase: str) -> None:
-    for key in ("nn_module_stack", "stack_trace", "seq_nr"):
-        if key in source.meta:
-            node.meta[key] = source.meta[key]
-    node.meta[meta.BLOCK] = source.meta.get(meta.BLOCK, meta.OUTSIDE)
-    node.meta[meta.PHASE] = phase
-    node.meta[MADE_BY] = "swap_pass"
+    meta.tag_inserted(node, source, phase, "swap_pass")
