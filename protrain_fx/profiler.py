@@ -1,0 +1,445 @@
+"""The profiler: fills a :class:`protrain_fx.cost.Problem` from a captured training step and the machine.
+
+Two halves:
+
+* :func:`measure_machine` measures the machine's rates (copy bandwidths, fused AdamW throughput) into a
+  :class:`~protrain_fx.cost.MachineProfile`, once per device and torch version: the result is cached
+  as JSON under ``~/.cache/protrain_fx`` (or ``$PROTRAIN_CACHE_DIR``, or the ``cache_dir`` argument).
+* :func:`problem_from_record` turns a :class:`~protrain_fx.capture.CapturedGraph` (a step with a
+  backward graph) into the search's plain-data :class:`~protrain_fx.cost.Problem`: per block its
+  times and activation bytes, the parameter chunks and which block uses which, the work outside the
+  blocks.
+
+Approximations are stated where they are made (docstrings of :func:`problem_from_record` and of the
+helpers); in short: times are a roofline estimate unless measured times are passed, recompute costs
+one forward, a checkpointed block keeps the values crossing into it, and swap leaves small values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from protrain_fx import chunks as chunks_mod
+from protrain_fx import cost, meta
+from protrain_fx.capture import CapturedGraph
+from protrain_fx.machine import Machine, machine_for
+from protrain_fx.passes.estimate import node_time
+from protrain_fx.passes.memory import _output_args, default_granule
+from protrain_fx.passes.params import parameter_infos
+
+MiB = 2**20
+#: Version of the machine cache file; a file of another version is measured again.
+CACHE_VERSION = 1
+#: Default sizes of the measurements (``measure_machine`` arguments).
+COPY_BYTES = 256 * MiB
+ADAM_PARAMS = 16 * 2**20
+
+# ---------------------------------------------------------------------------- machine
+
+
+def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
+    """Where measured machine profiles are kept: ``path``, else ``$PROTRAIN_CACHE_DIR``, else
+    ``~/.cache/protrain_fx``."""
+    if path is not None:
+        return Path(path)
+    env = os.environ.get("PROTRAIN_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "protrain_fx"
+
+
+def device_name(device: torch.device | str) -> str:
+    """The name a machine profile is cached under: the GPU's name, or ``cpu-<processor>``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{platform.processor() or platform.machine() or 'unknown'}"
+
+
+def cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None = None) -> Path:
+    """The JSON file of ``device``'s profile: keyed by device name and torch version."""
+    key = f"{device_name(device)}-torch{torch.__version__}"
+    slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", key).strip("_")
+    return cache_dir(cache) / f"machine-{slug}.json"
+
+
+def measure_machine(
+    device: torch.device | str,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+    copy_bytes: int = COPY_BYTES,
+    adam_params: int = ADAM_PARAMS,
+    repeat: int = 3,
+) -> cost.MachineProfile:
+    """Measured rates of ``device`` as a :class:`~protrain_fx.cost.MachineProfile`, cached.
+
+    The first call for a (device name, torch version) pair measures, prints one progress line to
+    stderr and writes ``cache_path(device, cache)``; later calls (even after a restart) read that
+    file. ``refresh=True`` measures again.
+
+    What is measured (best of ``repeat`` after a warm-up):
+
+    * CUDA: pinned host <-> device copies of ``copy_bytes`` timed with CUDA events (``h2d``, ``d2h``),
+      both directions at once on two streams (``duplex``: total bytes over the wall time of both);
+      ``torch.optim.AdamW(fused=True)`` steps on an fp32 tensor of ``adam_params`` elements on the CPU
+      and on the GPU; ``gpu_bytes`` = the device's total memory.
+    * CPU only (no GPU to copy to): the CPU Adam rate is measured as above. The GPU numbers are
+      stand-ins, recorded in the cache file's ``"stand_ins"`` list: ``h2d``/``d2h``/``duplex`` = the
+      host's own memory-copy rate (one ``copy_`` of ``copy_bytes`` between two host tensors; the
+      CPU "device" moves swapped values with such copies, and both directions share one memory bus,
+      so duplex = one-way), GPU Adam = the CPU Adam rate (the "device" is the CPU), ``gpu_bytes`` =
+      the host's physical memory (0 when unknown).
+    """
+    device = torch.device(device)
+    path = cache_path(device, cache)
+    if not refresh and path.exists():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("version") == CACHE_VERSION:
+                return cost.MachineProfile.from_dict(data["profile"])
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable or stale: measure again
+    print(
+        f"protrain_fx: measuring {device_name(device)} (copy bandwidth, fused AdamW; once, cached in {path})",
+        file=sys.stderr,
+        flush=True,
+    )
+    cpu_adam = _adam_params_per_s(torch.device("cpu"), adam_params, repeat)
+    stand_ins: list[str] = []
+    if device.type == "cuda":
+        h2d, d2h, duplex = _cuda_copy_rates(device, copy_bytes, repeat)
+        gpu_adam = _adam_params_per_s(device, adam_params, repeat)
+        gpu_bytes = int(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        h2d = d2h = duplex = _host_copy_rate(copy_bytes, repeat)
+        gpu_adam = cpu_adam
+        gpu_bytes = _host_memory_bytes()
+        stand_ins = ["h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "gpu_adam_params_per_s", "gpu_bytes"]
+    profile = cost.MachineProfile(
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        duplex_bytes_per_s=duplex,
+        cpu_adam_params_per_s=cpu_adam,
+        gpu_adam_params_per_s=gpu_adam,
+        gpu_bytes=gpu_bytes,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "version": CACHE_VERSION,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "copy_bytes": copy_bytes,
+        "adam_params": adam_params,
+        "stand_ins": stand_ins,
+        "profile": profile.to_dict(),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    return profile
+
+
+def _cuda_copy_rates(device: torch.device, nbytes: int, repeat: int) -> tuple[float, float, float]:
+    """Pinned H2D, D2H and both-at-once (total) bytes per second, best of ``repeat``."""
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def one_way(dst: torch.Tensor, src: torch.Tensor) -> float:
+        best = float("inf")
+        for i in range(repeat + 1):  # the first is a warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(s1):
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+            end.synchronize()
+            if i:
+                best = min(best, start.elapsed_time(end) / 1e3)
+        return nbytes / best
+
+    h2d = one_way(dev_a, host_a)
+    d2h = one_way(host_a, dev_a)
+    best = float("inf")
+    for i in range(repeat + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(s1):
+            dev_a.copy_(host_a, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host_b.copy_(dev_b, non_blocking=True)
+        torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return h2d, d2h, 2 * nbytes / best
+
+
+def _host_copy_rate(nbytes: int, repeat: int) -> float:
+    """Bytes per second of one host-to-host ``copy_`` (the CPU stand-in for the copy links)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for i in range(repeat + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / max(best, 1e-9)
+
+
+def _adam_params_per_s(device: torch.device, n: int, repeat: int) -> float:
+    """Parameters per second of ``torch.optim.AdamW(fused=True)`` on one fp32 tensor of ``n``."""
+    p = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for i in range(repeat + 1):  # the first step allocates the states
+        sync()
+        t0 = time.perf_counter()
+        opt.step()
+        sync()
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return n / max(best, 1e-9)
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+# ---------------------------------------------------------------------------- problem
+
+#: Adam-family optimizers keep two fp32 moments per parameter (the cost model's Adam state); the
+#: others as the analysis counts them (``config.OPTIMIZER_STATES_PER_PARAM``), 4 bytes each.
+_STATE_BYTES = 4
+
+
+def problem_from_record(
+    record: CapturedGraph,
+    machine: cost.MachineProfile,
+    *,
+    block_times: Mapping[str, Any] | None = None,
+    chunk_bytes: int | None = None,
+    estimate_machine: Machine | None = None,
+    min_swap_bytes: int | None = None,
+) -> cost.Problem:
+    """The search's :class:`~protrain_fx.cost.Problem` for a captured training step.
+
+    ``record`` must have a backward graph and its memory analysis (the backend fills both). Blocks are
+    the labels of the forward graph's nodes other than ``"outside"``, in order of first appearance
+    (forward order). Per block:
+
+    * ``saved_bytes`` / ``transient_bytes``: the analysis' per-block table (``record.memory.blocks``:
+      ``saved_activation_bytes``, ``transient_peak_bytes``). With Inductor codegen that table is the
+      one of Inductor's plans once the backward has been compiled.
+    * ``checkpoint_saved_bytes``: the bytes of the values that cross into the block (forward graph
+      values of another block, or graph inputs other than parameters, read by the block's nodes; each
+      storage once). That is what a checkpointed block must keep to rerun its forward; the min-cut
+      partitioner may keep a little more (e.g. a cheap-to-save statistic), which this ignores.
+    * ``swap_bytes``: the block's saved bytes minus its saved storages under ``min_swap_bytes``
+      (default: ``Machine``'s default, 1 MiB, the GPU rule even when the record was captured on the
+      CPU, whose machine swaps everything): what a swap leaves on the GPU, as ``passes/swap.py`` does. The
+      saved storages are the forward graph's saved outputs attributed to the block of the node that
+      first produces them, as the analysis does; capped at ``saved_bytes``. bf16 casts of weights,
+      which a real swap also leaves, are not subtracted.
+    * ``fwd_s``, ``bwd_s``: from ``block_times`` when given, else a roofline estimate
+      (``passes/estimate.node_time`` summed over the block's forward / backward nodes with
+      ``estimate_machine``, default ``machine_for`` the analysed device). ``block_times`` maps a
+      label to ``(fwd_s, bwd_s)``, or to one number (fwd + bwd, as ``profile.profile_block_times``
+      returns), split 1 : 2 between forward and backward (backward computes two products per
+      forward product). A block missing from ``block_times`` falls back to the roofline.
+    * ``recompute_s`` = ``fwd_s``: a checkpointed block reruns its whole forward.
+    * ``chunk_ids``: the chunks holding the block's parameters.
+
+    Chunks: the parameters (``passes/params.parameter_infos``, tied ones once, buffers included)
+    packed by ``chunks.choose_layout`` (or ``chunks.pack`` with ``chunk_bytes``). A chunk's ``bytes``
+    is the chunk size (padding included), ``n_params`` its used bytes over the parameters' mean
+    element size. Chunks holding ``"outside"`` parameters (or of a block the forward graph does not
+    show) are ``outside_chunk_ids``.
+
+    Outside: ``outside_fwd_s`` / ``outside_bwd_s`` as for blocks over the ``"outside"`` nodes (label
+    ``"outside"`` in ``block_times``); ``outside_peak_bytes`` = the outside row's transient peak plus
+    its saved bytes (the cost model keeps no saved bytes outside the blocks otherwise: embedding and
+    head activations are counted as working memory at the end of forward). ``fixed_bytes`` = the
+    step's inputs (``memory.input_bytes``). ``master_bytes_per_param`` is 0 when the parameters are
+    fp32 (the working copy is the master), else 4; ``adam_state_bytes_per_param`` is 4 bytes per state
+    the configured optimizer keeps (8 for Adam/AdamW).
+    """
+    if record.forward is None or record.backward is None or record.step is None:
+        raise ValueError(f"graph {record.index} has no backward graph: nothing to train")
+    if record.memory is None:
+        raise ValueError(f"graph {record.index} has no memory analysis")
+    analysis = record.memory
+    rows = {b.block: b for b in analysis.blocks}
+    fw_nodes = [n for n in record.forward.graph.nodes if n.op not in ("placeholder", "output")]
+    bw_nodes = [n for n in record.backward.graph.nodes if n.op not in ("placeholder", "output")]
+    labels = list(dict.fromkeys(_label(n) for n in fw_nodes if _label(n) != meta.OUTSIDE))
+    if not labels:
+        raise ValueError(f"graph {record.index}: no transformer blocks were found")
+
+    device = torch.device(analysis.device)
+    est = estimate_machine or machine_for(device, record.config.machine)
+    times = _phase_times(fw_nodes, bw_nodes, est)
+    if block_times:
+        for label, value in block_times.items():
+            times[label] = _split(value)
+
+    state = record.step.state_inputs
+    crossing = _crossing_bytes(fw_nodes, state)
+    if min_swap_bytes is None:
+        min_swap_bytes = Machine.__dataclass_fields__["min_swap_bytes"].default
+    small_saved = _small_saved_bytes(record, device, min_swap_bytes)
+
+    params = parameter_infos(record.step, record.dynamo_graph)
+    layout = chunks_mod.pack(params, chunk_bytes) if chunk_bytes else chunks_mod.choose_layout(params)
+    elem = _mean_param_element_size(record)
+    chunk_profiles = [
+        cost.ChunkProfile(bytes=layout.chunk_bytes, n_params=round(c.used_bytes / elem)) for c in layout.chunks
+    ]
+    chunks_of: dict[str, list[int]] = defaultdict(list)
+    for c in layout.chunks:
+        for block in dict.fromkeys(s.param.block for s in c.slots):
+            chunks_of[block if block in labels else meta.OUTSIDE].append(c.index)
+
+    blocks = []
+    for label in labels:
+        row = rows.get(label)
+        saved = row.saved_activation_bytes if row else 0
+        fwd_s, bwd_s = times.get(label, (0.0, 0.0))
+        blocks.append(
+            cost.BlockProfile(
+                name=label,
+                fwd_s=fwd_s,
+                bwd_s=bwd_s,
+                recompute_s=fwd_s,
+                saved_bytes=saved,
+                checkpoint_saved_bytes=crossing.get(label, 0),
+                swap_bytes=max(0, min(saved, saved - small_saved.get(label, 0))),
+                transient_bytes=row.transient_peak_bytes if row else 0,
+                chunk_ids=tuple(sorted(set(chunks_of.get(label, ())))),
+            )
+        )
+    outside = rows.get(meta.OUTSIDE)
+    out_fwd, out_bwd = times.get(meta.OUTSIDE, (0.0, 0.0))
+    n_states = record.config.optimizer_states_per_param
+    return cost.Problem(
+        blocks=tuple(blocks),
+        chunks=tuple(chunk_profiles),
+        machine=machine,
+        outside_fwd_s=out_fwd,
+        outside_bwd_s=out_bwd,
+        outside_peak_bytes=(outside.transient_peak_bytes + outside.saved_activation_bytes) if outside else 0,
+        outside_chunk_ids=tuple(sorted(set(chunks_of.get(meta.OUTSIDE, ())))),
+        fixed_bytes=analysis.input_bytes,
+        master_bytes_per_param=0 if elem >= 4 else 4,
+        adam_state_bytes_per_param=_STATE_BYTES * n_states,
+    )
+
+
+def _label(node: fx.Node) -> str:
+    return node.meta.get(meta.BLOCK, meta.OUTSIDE)
+
+
+def _split(value: Any) -> tuple[float, float]:
+    """``(fwd_s, bwd_s)`` from a pair, or from a total split 1 : 2."""
+    if isinstance(value, (tuple, list)):
+        fwd, bwd = value
+        return float(fwd), float(bwd)
+    total = float(value)
+    return total / 3, 2 * total / 3
+
+
+def _phase_times(
+    fw_nodes: list[fx.Node], bw_nodes: list[fx.Node], machine: Machine
+) -> dict[str, tuple[float, float]]:
+    """Roofline seconds per label and phase (``passes/estimate.node_time`` summed)."""
+    fwd: dict[str, float] = defaultdict(float)
+    bwd: dict[str, float] = defaultdict(float)
+    for n in fw_nodes:
+        fwd[_label(n)] += node_time(n, machine)
+    for n in bw_nodes:
+        bwd[_label(n)] += node_time(n, machine)
+    return {label: (fwd[label], bwd[label]) for label in {*fwd, *bwd}}
+
+
+def _crossing_bytes(fw_nodes: list[fx.Node], state_inputs: frozenset[str]) -> dict[str, int]:
+    """Per block: bytes of the storages its forward nodes read from outside it (parameters excluded)."""
+    seen: dict[str, dict[int, int]] = defaultdict(dict)
+    for node in fw_nodes:
+        label = _label(node)
+        for src in node.all_input_nodes:
+            if _label(src) == label or (src.op == "placeholder" and src.name in state_inputs):
+                continue
+            for t in meta.tensor_values(src):
+                seen[label][meta.storage_key(t)] = meta.storage_nbytes(t)
+    return {label: sum(by_key.values()) for label, by_key in seen.items()}
+
+
+def _small_saved_bytes(record: CapturedGraph, device: torch.device, min_bytes: int) -> dict[str, int]:
+    """Per block: bytes of the saved storages smaller than ``min_bytes`` (a swap leaves them).
+
+    Saved storages: the forward graph's outputs after the user's, that are not graph inputs, each
+    storage once, attributed to the block of the first forward node producing it; sizes rounded to the
+    allocator's granule like the analysis.
+    """
+    granule = default_granule(device)
+    first_block: dict[int, str] = {}
+    inputs: set[int] = set()
+    for node in record.forward.graph.nodes:
+        for t in meta.tensor_values(node):
+            key = meta.storage_key(t)
+            if node.op == "placeholder":
+                inputs.add(key)
+            elif node.op != "output":
+                first_block.setdefault(key, _label(node))
+    small: dict[str, int] = defaultdict(int)
+    counted: set[int] = set()
+    for arg in _output_args(record.forward)[record.step.num_user_outputs :]:
+        if not isinstance(arg, fx.Node):
+            continue
+        for t in meta.tensor_values(arg):
+            key = meta.storage_key(t)
+            if key in counted or key in inputs or key not in first_block or t.device != device:
+                continue
+            counted.add(key)
+            nbytes = -(-meta.storage_nbytes(t) // granule) * granule
+            if nbytes < min_bytes:
+                small[first_block[key]] += nbytes
+    return small
+
+
+def _mean_param_element_size(record: CapturedGraph) -> float:
+    """Bytes per element over the model-state inputs (1 storage once): to turn chunk bytes into params."""
+    nbytes = numel = 0
+    seen: set[int] = set()
+    for node in record.forward.graph.nodes:
+        if node.op != "placeholder" or node.name not in record.step.state_inputs:
+            continue
+        for t in meta.tensor_values(node):
+            key = meta.storage_key(t)
+            if key not in seen:
+                seen.add(key)
+                nbytes += meta.storage_nbytes(t)
+                numel += meta.storage_nbytes(t) // t.element_size()
+    return nbytes / numel if numel else 4.0
+
+
+__all__ = ["cache_dir", "cache_path", "device_name", "measure_machine", "problem_from_record"]

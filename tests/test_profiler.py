@@ -1,0 +1,123 @@
+"""The profiler (CPU): a Problem built from a captured GPT step, and the cached machine measurement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import protrain_fx
+from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx import cost, profiler, search
+from protrain_fx.chunks import pack
+from protrain_fx.passes.params import parameter_infos
+
+MACHINE = cost.MachineProfile(
+    h2d_bytes_per_s=20e9,
+    d2h_bytes_per_s=20e9,
+    duplex_bytes_per_s=30e9,
+    cpu_adam_params_per_s=1e9,
+    gpu_adam_params_per_s=50e9,
+    gpu_bytes=80 * 2**30,
+)
+N_LAYER = 4
+#: One GPT-tiny block's parameters (199936 B) plus room for the final norm: several chunks.
+CHUNK_BYTES = 200704
+
+
+@pytest.fixture
+def record():
+    torch.manual_seed(0)
+    cfg = gpt_config("tiny", n_layer=N_LAYER)
+    model = GPT(cfg)
+    x, y = random_batch(cfg, 2, 16)
+    torch.compile(model, backend="protrain", options={"codegen": "eager"})(x, y).backward()
+    return next(r for r in protrain_fx.captured_graphs() if r.has_backward)
+
+
+def test_problem_from_gpt_record(record, tmp_path):
+    problem = profiler.problem_from_record(record, MACHINE, chunk_bytes=CHUNK_BYTES)
+    labels = [f"blocks.{i}" for i in range(N_LAYER)]
+    assert [b.name for b in problem.blocks] == labels
+    rows = {r.block: r for r in record.memory.blocks}
+    for b in problem.blocks:
+        assert b.saved_bytes == rows[b.name].saved_activation_bytes > 0
+        assert b.transient_bytes == rows[b.name].transient_peak_bytes
+        assert 0 < b.checkpoint_saved_bytes < b.saved_bytes  # its input: 2 x 16 x 64 fp32 (+ nothing else)
+        assert b.swap_bytes == 0  # every saved value of a tiny GPT is under 1 MiB
+        assert b.fwd_s > 0 and b.bwd_s > 0 and b.recompute_s == b.fwd_s
+    assert problem.blocks[1].checkpoint_saved_bytes == 2 * 16 * 64 * 4
+    # chunks: every chunk used, each block's chunks hold its parameters
+    params = parameter_infos(record.step, record.dynamo_graph)
+    layout = pack(params, CHUNK_BYTES)
+    assert len(problem.chunks) == len(layout.chunks) > N_LAYER
+    used = set(problem.outside_chunk_ids).union(*(b.chunk_ids for b in problem.blocks))
+    assert used == set(range(len(problem.chunks)))
+    for b in problem.blocks:
+        mine = {layout.chunk_of(p.names[0]) for p in params if p.block == b.name}
+        assert set(b.chunk_ids) == mine
+    assert sum(c.n_params for c in problem.chunks) == sum(p.numel() for p in record_params(record))
+    assert problem.fixed_bytes == record.memory.input_bytes
+    assert problem.master_bytes_per_param == 0 and problem.adam_state_bytes_per_param == 8
+    # JSON round trip
+    assert cost.Problem.from_dict(problem.to_dict()) == problem
+    problem.dump(tmp_path / "p.json")
+    assert cost.Problem.load(tmp_path / "p.json") == problem
+    # the search runs on it
+    est = cost.estimate(problem, cost.Config(len(problem.chunks), 0, 0, 0))
+    result = search.search(problem, est.peak_bytes)
+    assert isinstance(result.best, cost.Config)
+    assert result.estimate.peak_bytes <= est.peak_bytes
+
+
+def record_params(record):
+    """The model-state inputs of the forward graph, one per storage (tied weights once)."""
+    seen, out = set(), []
+    for node in record.forward.graph.nodes:
+        if node.op == "placeholder" and node.name in record.step.state_inputs:
+            t = node.meta["val"]
+            key = t.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                out.append(t)
+    return out
+
+
+def test_problem_options(record):
+    base = profiler.problem_from_record(record, MACHINE)
+    assert len(base.chunks) == 1  # choose_layout: one 32 MiB chunk holds the tiny model
+    swap_all = profiler.problem_from_record(record, MACHINE, min_swap_bytes=0)
+    assert all(b.swap_bytes == b.saved_bytes for b in swap_all.blocks)
+    times = {f"blocks.{i}": (0.001 * (i + 1), 0.002) for i in range(N_LAYER)} | {"outside": 0.3}
+    timed = profiler.problem_from_record(record, MACHINE, block_times=times)
+    assert [b.fwd_s for b in timed.blocks] == [0.001 * (i + 1) for i in range(N_LAYER)]
+    assert timed.outside_fwd_s == pytest.approx(0.1) and timed.outside_bwd_s == pytest.approx(0.2)
+
+
+def test_problem_needs_a_backward():
+    torch.manual_seed(0)
+    cfg = gpt_config("tiny", n_layer=2)
+    x, _ = random_batch(cfg, 1, 8)
+    with torch.no_grad():
+        torch.compile(GPT(cfg), backend="protrain", options={"codegen": "eager"})(x)
+    (rec,) = protrain_fx.captured_graphs()
+    with pytest.raises(ValueError, match="no backward"):
+        profiler.problem_from_record(rec, MACHINE)
+
+
+def test_measure_machine_cpu_is_cached(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "env"))
+    kw = {"copy_bytes": 8 * 2**20, "adam_params": 2**20, "repeat": 1}
+    first = profiler.measure_machine("cpu", cache=tmp_path, **kw)
+    for name, value in first.to_dict().items():
+        assert value > 0, name
+    path = profiler.cache_path("cpu", tmp_path)
+    assert path.exists() and path.parent == tmp_path
+    assert "measuring" in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(profiler, "_adam_params_per_s", lambda *a: calls.append(a) or 1.0)
+    assert profiler.measure_machine("cpu", cache=tmp_path, **kw) == first
+    assert calls == [] and capsys.readouterr().err == ""
+    # the environment variable picks the directory when no argument does
+    assert profiler.cache_path("cpu").parent == tmp_path / "env"
+    again = profiler.measure_machine("cpu", refresh=True, **kw)
+    assert calls and again.cpu_adam_params_per_s == 1.0 and profiler.cache_path("cpu").exists()
