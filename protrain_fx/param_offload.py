@@ -115,6 +115,9 @@ class OffloadHandle:
     def gather(self, chunk: int) -> torch.Tensor:
         return self.pool.acquire(chunk)
 
+    def prefetch(self, chunk: int) -> None:
+        self.pool.try_prefetch(chunk)
+
     def release(self, chunk: int) -> None:
         self.pool.release(chunk)
 

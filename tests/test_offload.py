@@ -67,6 +67,12 @@ def test_training_equals_eager_adamw(n_persist, n_buffer):
         assert (p.untyped_storage().nbytes() == 0) == (name in host), name
     record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
     assert record.gathered and {g.phase for g in record.gathered} == {"forward", "backward"}
+    # Each gather but the last hints the next other chunk's fetch right after it.
+    nodes = list(record.forward.graph.nodes)
+    gathers = [n for n in nodes if n.target is torch.ops.protrain.chunk_gather.default]
+    hints = [n for n in nodes if n.target is torch.ops.protrain.chunk_prefetch.default]
+    assert len(hints) >= len(gathers) - 1 - sum(1 for g in gathers if g.args[1] == gathers[-1].args[1])
+    assert all(h.args[0].target is torch.ops.protrain.chunk_gather.default for h in hints)
     # No gradient of an offloaded parameter reaches autograd.
     assert all(p.grad is None for n, p in model.named_parameters() if n in host)
     handle.close()

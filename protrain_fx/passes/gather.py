@@ -79,13 +79,19 @@ def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredC
         for span in _spans([r for p in params for r in _readers(p)], order):
             spans.append((span[0], span[-1], hid, chunk, params, span))
     done = []
-    for number, (first, last, hid, chunk, params, span) in enumerate(sorted(spans, key=lambda s: order[s[0]])):
+    spans.sort(key=lambda s: order[s[0]])
+    for number, (first, last, hid, chunk, params, span) in enumerate(spans):
         fake_mode = detect_fake_mode([p.meta["val"] for p in params])
         with gm.graph.inserting_before(first):
             buf = gm.graph.call_function(_ops.chunk_gather.default, (hid, chunk, number))
             with fake_mode:
                 buf.meta["val"] = _ops.chunk_gather.default(hid, chunk, number)
             _tag(buf, first, phase)
+            upcoming = next((s for s in spans[number + 1 :] if (s[2], s[3]) != (hid, chunk)), None)
+            if upcoming is not None:  # the next other chunk starts its copy while this one computes
+                hint = gm.graph.call_function(_ops.chunk_prefetch.default, (buf, upcoming[2], upcoming[3]))
+                hint.meta["val"] = None
+                _tag(hint, first, phase)
             for p in params:
                 readers = [r for r in _readers(p) if r in span]
                 if readers:

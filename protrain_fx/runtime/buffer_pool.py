@@ -72,6 +72,14 @@ class ChunkBufferPool:
         """Whether a current copy of the chunk is on the device (or on its way there)."""
         return self._current(chunk_id) is not None
 
+    def try_prefetch(self, chunk_id: int) -> bool:
+        """:meth:`prefetch` if a buffer is idle or the chunk is resident; else nothing (a hint
+        never fails). Returns whether the chunk is now resident or on its way."""
+        if self._current(chunk_id) is None and all(self._users):
+            return False
+        self.prefetch(chunk_id)
+        return True
+
     def prefetch(self, chunk_id: int) -> None:
         """Start bringing the chunk in, if it is not resident; does not hold the buffer."""
         self._wait_host(chunk_id)

@@ -4,6 +4,9 @@ offload handles (``protrain_fx.param_offload``) they serve.
 * ``protrain::chunk_gather(handle, chunk, span)`` → the chunk's flat device buffer (fetched from the
   host store into one of the pool's ``n_buffer`` buffers if it is not resident; waits for the
   chunk's pending CPU optimizer step first). The graph reads its parameters as views of it.
+* ``protrain::chunk_prefetch(buf, handle, chunk)`` right after a gather: starts fetching the
+  chunk of the next gather into an idle buffer (if one is idle), so that copy overlaps this
+  chunk's compute.
 * ``protrain::chunk_release(buf, after, handle, chunk)`` after the chunk's last use in this graph: the
   buffer may be given to another chunk from then on. Declared to mutate ``buf``, which keeps it in
   the graph and after every reader.
@@ -73,6 +76,18 @@ def chunk_gather(hid: int, chunk: int, span: int) -> torch.Tensor:
 def _chunk_gather_fake(hid: int, chunk: int, span: int) -> torch.Tensor:
     h = handle(hid)
     return torch.empty(h.store.chunk_numel, dtype=h.store.compute_dtype, device=h.device)
+
+
+@torch.library.custom_op("protrain::chunk_prefetch", mutates_args=("after",))
+def chunk_prefetch(after: torch.Tensor, hid: int, chunk: int) -> None:
+    """Start fetching ``chunk`` if a buffer is idle (a hint). ``after`` is the buffer of the chunk
+    in use when it is issued: the data dependency places it right after that gather."""
+    handle(hid).prefetch(chunk)
+
+
+@chunk_prefetch.register_fake
+def _chunk_prefetch_fake(after: torch.Tensor, hid: int, chunk: int) -> None:
+    return None
 
 
 @torch.library.custom_op("protrain::chunk_release", mutates_args=("buf",))
