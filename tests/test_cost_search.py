@@ -184,22 +184,20 @@ def test_no_plan_fits_names_the_minimum_budget() -> None:
         search(problem, -1)
 
 
-def test_search_time_48_blocks_100_chunks() -> None:
+def test_search_at_full_scale_prunes_and_fits() -> None:
+    """48 blocks, ~100 chunks: the search finishes with a plan that fits and prunes most configs.
+    Its speed is a benchmark (bench/search_time.py), not a timed test."""
     problem = make_problem(11, n_blocks=48, chunks_per_block=(2, 2))
     model = CostModel(problem)
     n = len(problem.chunks)
     assert 95 <= n <= 110
     lo = min(model.static_bytes(p, model.buffer_range(p).start) for p in range(n + 1))
     hi = model.static_bytes(n, 0) + model.activation_peak(0, 0)
-    worst = 0.0
-    for frac in (0.1, 0.3, 0.5, 0.8, 1.2):
-        r = search(problem, int(lo + 2000 * MiB + frac * (hi - lo)))
-        print(
-            f"48 blocks, {n} chunks, budget at {frac:.0%}: {r.seconds * 1e3:.0f} ms, best {r.best}, "
-            f"{r.evaluated} simulated + {r.bound_evaluations} bounds of {r.total} configs"
-        )
-        worst = max(worst, r.seconds)
-    assert worst < 2.0
+    for frac in (0.1, 0.5, 1.2):
+        budget = int(lo + 2000 * MiB + frac * (hi - lo))
+        r = search(problem, budget)
+        assert r.estimate.peak_bytes <= budget
+        assert r.evaluated < r.total / 4, (frac, r.evaluated, r.total)
 
 
 # --------------------------------------------------------------------------- cost model properties
