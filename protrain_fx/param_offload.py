@@ -24,6 +24,9 @@ Use ``handle.accumulate()`` around the backward passes of all but the last micro
 ``handle.state_dict()`` / ``handle.optimizer_state_dict()`` for checkpoints (ordinary full tensors),
 ``handle.load_state_dict(...)`` to resume.
 
+After ``offload`` the model runs only through ``torch.compile(model, backend="protrain")``: its
+offloaded parameters hold no bytes, so a plain call fails inside the first op that reads one.
+
 Not supported yet (clear errors): optimizers other than Adam/AdamW, a chunk whose parameters are
 used by several captured graphs of one step (a graph break inside a block), gradient clipping over
 all parameters (the CPU steps start before every gradient exists).
@@ -64,6 +67,8 @@ class OffloadHandle:
         available_host_bytes: int | None = None,
     ) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("offload: device='cuda' but this machine has no CUDA device (use device='cpu' to try it)")
         named = dict(model.named_parameters(remove_duplicate=False))
         if not named:
             raise ValueError("offload: the model has no parameters")
