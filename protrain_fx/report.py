@@ -111,7 +111,13 @@ class StepReport:
         ]
         budget = graph.config.memory_budget_bytes
         if budget is not None:
-            verdict = "fits" if memory.peak_bytes <= budget else "DOES NOT FIT (plans arrive in a later release)"
+            from protrain_fx.pipeline import ALLOCATOR_HEADROOM, budget_verdict
+
+            verdict = {
+                "fits": "fits",
+                "tight": f"TIGHT: the peak fits, the allocator's usual {100 * ALLOCATOR_HEADROOM:.0f}% headroom does not",
+                "over": "DOES NOT FIT (choose a plan with options={'plan': ...})",
+            }[budget_verdict(memory.peak_bytes, budget)]
             lines.insert(1, f"  budget {human_bytes(budget)}: {verdict}")
         return "\n".join(lines)
 

@@ -91,3 +91,30 @@ def test_verbose_prints_one_line_per_pass(capfd):
     torch.compile(model, backend="protrain", options={"codegen": "eager", "verbose": True})(*batch).backward()
     err = capfd.readouterr().err
     assert "attribute_blocks" in err and "analyze_memory" in err and "predicted peak" in err
+
+
+def test_budget_verdict_keeps_the_allocators_headroom():
+    from protrain_fx.pipeline import ALLOCATOR_HEADROOM, budget_verdict
+
+    gib = 2**30
+    assert budget_verdict(10 * gib, 20 * gib) == "fits"
+    # 19.2 GiB predicted under a 20 GiB cap ran out of memory on the H200 (reserved ~1 GiB more)
+    assert budget_verdict(int(19.2 * gib), 20 * gib) == "tight"
+    assert budget_verdict(21 * gib, 20 * gib) == "over"
+    edge = int(20 * gib / (1 + ALLOCATOR_HEADROOM))
+    assert budget_verdict(edge, 20 * gib) == "fits" and budget_verdict(edge + 2**20, 20 * gib) == "tight"
+
+
+def test_tight_budget_is_reported(caplog):
+    model, batch = example("tiny", batch_size=2, seq_len=16)
+    torch.compile(model, backend="protrain", options={"codegen": "eager"})(*batch).backward()
+    peak = protrain_fx.captured_graphs()[-1].memory.peak_bytes
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    model, batch = example("tiny", batch_size=2, seq_len=16)
+    with caplog.at_level(logging.WARNING, logger="protrain_fx"):
+        torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": peak + 1})(
+            *batch
+        ).backward()
+    assert any("at the edge of its memory budget" in r.getMessage() for r in caplog.records)
+    assert "TIGHT" in protrain_fx.step_report().block_table()
