@@ -17,6 +17,10 @@ BLOCK = "protrain_block"
 #: ``"forward"`` or ``"backward"``: which partitioned graph the node runs in.
 PHASE = "protrain_phase"
 
+#: On a parameter placeholder: the parameter lives in a host chunk store (``passes/gather.py``);
+#: the graph reads it from a chunk buffer, so the device holds neither it nor its optimizer state.
+OFFLOADED = "protrain_offloaded"
+
 #: Which rewrite inserted a node (``"swap_pass"``, ``"gather_pass"``); absent on captured nodes.
 MADE_BY = "protrain_made_by"
 

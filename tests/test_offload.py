@@ -164,3 +164,27 @@ def test_too_few_buffers_is_a_clear_error():
     model, _, _, _, handle, compiled = _setup(0, 1)
     with pytest.raises(Exception, match="n_buffer|buffer"):
         compiled(*_batch(0))
+
+
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_memory_analysis_counts_the_chunk_pool_once_as_model_state(codegen):
+    peaks = {}
+    for n_persist in (0, 6):
+        protrain_fx.reset()
+        torch._dynamo.reset()
+        model, _, opt, _, handle, compiled = _setup(n_persist, 3, codegen=codegen)
+        compiled(*_batch(0)).backward()
+        record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
+        memory = record.memory
+        pool = [e for e in memory.timeline.events if "chunk buffers" in e.name]
+        assert not pool, "the pool is baseline state, not an event of the step"
+        assert memory.timeline.baseline_bytes["parameter"] >= 3 * CHUNK
+        gathers = {n.name for g in (record.forward, record.backward) for n in g.graph.nodes
+                   if n.target is torch.ops.protrain.chunk_gather.default}
+        assert not [e for e in memory.timeline.events if e.name in gathers], "gathers allocate nothing new"
+        if n_persist == 0:  # every parameter is streamed: the device holds the pool, no Adam state
+            assert memory.parameter_bytes == 3 * CHUNK and memory.optimizer_state_bytes == 0
+        peaks[n_persist] = memory.peak_bytes
+        handle.close()
+    # more chunks on the device: more parameter bytes there
+    assert peaks[6] > peaks[0]

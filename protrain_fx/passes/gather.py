@@ -55,6 +55,10 @@ def gather_pass(
             info[node.name] = found
     if not info:
         return []
+    for graph_module in (forward, backward):
+        for node in graph_module.graph.nodes if graph_module is not None else ():
+            if node.op == "placeholder" and node.name in info:
+                node.meta[meta.OFFLOADED] = True
     done = _rewrite_reads(forward, info, "forward")
     if backward is not None:
         done += _rewrite_reads(backward, info, "backward")

@@ -136,9 +136,12 @@ class _PlanWalker:
         for i, row in enumerate(plan.rows):
             at = offset + i
             node = nodes.get(row.context)
+            pooled = node is not None and node.target is getattr(
+                getattr(torch.ops.protrain, "chunk_gather", None), "default", None
+            )
             for action, a, b in row.actions:
                 if action == "alloc":
-                    if b[1] != device_type:  # e.g. a host copy made by an offload op
+                    if b[1] != device_type or pooled:  # a host copy; a chunk buffer (model state)
                         continue
                     buf = _node_buffer(("plan", plan.phase, a), _round(b[0], granule), "transient", node, at)
                     self.buffers.append(buf)
@@ -210,6 +213,8 @@ def analyze_inductor_memory(
                 walker.bind(name, saved_by_name[name])
             elif name in state.by_placeholder and state.by_placeholder[name]:
                 walker.bind(name, state.by_placeholder[name][0])
+            elif getattr(bw_nodes_by_name.get(name), "meta", {}).get(meta.OFFLOADED):
+                continue  # a parameter held in a host chunk store: no device bytes
             else:  # a tangent, made by autograd for the backward call
                 node = bw_nodes_by_name.get(name)
                 val = node.meta.get("val") if node is not None else None

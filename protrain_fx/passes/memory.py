@@ -144,7 +144,7 @@ def analyze_memory(
     rows = step_rows(step, fw_nodes, bw_nodes)
     end = len(rows)
 
-    host = host_copies(step)
+    host = host_copies(step) | pool_buffers(step)
 
     def keys_of(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
         keys = [(meta.storage_key(t), t) for t in meta.tensor_values(node) if t.device == device]
@@ -178,7 +178,7 @@ def analyze_memory(
     if step.backward is not None:
         # Tangents (the loss's grad) arrive with the backward call.
         for node in step.backward.graph.nodes:
-            if node.op == "placeholder":
+            if node.op == "placeholder" and not node.meta.get(meta.OFFLOADED):
                 for key, t in keys_of(node):
                     if key not in buffers:
                         new_buffer(key, t, node, n_fw)
@@ -200,6 +200,32 @@ def host_copies(step: StepGraphs) -> set[int]:
     offload = torch.ops.protrain.offload.default if hasattr(torch.ops.protrain, "offload") else None
     nodes = step.forward.graph.nodes if step.forward is not None else ()
     return {meta.storage_key(t) for n in nodes if n.target is offload for t in meta.tensor_values(n)}
+
+
+def _gather_nodes(step: StepGraphs) -> list[fx.Node]:
+    gather = getattr(torch.ops.protrain, "chunk_gather", None)
+    if gather is None:
+        return []
+    graphs = [g for g in (step.forward, step.backward) if g is not None]
+    return [n for g in graphs for n in g.graph.nodes if n.target is gather.default]
+
+
+def pool_buffers(step: StepGraphs) -> set[int]:
+    """Storage keys of the chunk buffers ``chunk_gather`` hands out: the pool's, counted once as
+    model state (:func:`model_state`), not as values of the graph."""
+    return {meta.storage_key(t) for n in _gather_nodes(step) for t in meta.tensor_values(n)}
+
+
+def chunk_pool_bytes(step: StepGraphs) -> dict[int, int]:
+    """Bytes of the device chunk buffers of every offload handle the step reads parameters from."""
+    from protrain_fx.runtime import chunk_ops
+
+    out = {}
+    for hid in sorted({n.args[0] for n in _gather_nodes(step)}):
+        handle = chunk_ops.handle(hid)
+        itemsize = torch.empty(0, dtype=handle.store.compute_dtype).element_size()
+        out[hid] = handle.pool.n_buffer * handle.store.chunk_numel * itemsize
+    return out
 
 
 @dataclass
@@ -237,6 +263,8 @@ def model_state(
             continue
         category = "parameter" if node.name in step.state_inputs else "input"
         state.by_placeholder[node.name] = []
+        if node.meta.get(meta.OFFLOADED):
+            continue  # in the host chunk store: its device bytes are the pool's (below)
         for t in meta.tensor_values(node):
             if t.device != device:
                 continue
@@ -250,6 +278,11 @@ def model_state(
             state.by_placeholder[node.name].append(state.by_storage[key])
             if node.name in step.trainable_inputs:
                 trainable.add(key)
+    for hid, nbytes in chunk_pool_bytes(step).items():  # parameters streamed through the pool
+        buf = _Buffer(key=("chunk_pool", hid), nbytes=_round(nbytes, granule), category="parameter",
+                      name=f"chunk buffers of offload handle {hid}", source="", alloc=0, last_use=end,
+                      persistent=True)
+        state.by_storage[buf.key] = buf
     if step.backward is None or not step.trainable_inputs:
         return state
     for buf in params:
