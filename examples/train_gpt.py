@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
     parser.add_argument("--codegen", choices=("inductor", "eager"), default="inductor")
     parser.add_argument("--budget", default=None, help="memory budget, e.g. 24GiB (checked against the prediction)")
+    parser.add_argument("--plan", default=None,
+                        help="activation plan: 'swap=N,checkpoint=M' (ProTrain's interleaved layout), JSON text or a .json path")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--out", type=Path, default=Path("out/train_gpt"))
     args = parser.parse_args(argv)
@@ -52,10 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     options = {"codegen": args.codegen}
     if args.budget:
         options["memory_budget"] = args.budget
+    if args.plan:
+        options["plan"] = _plan(args.plan, config.n_layer)
     compiled = torch.compile(model, backend="protrain", options=options)
     batch = random_batch(config, args.batch_size, seq_len, device=device, generator=torch.Generator().manual_seed(0))
     print(f"GPT {args.size}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"batch {args.batch_size} x {seq_len}, {device}, codegen {args.codegen}")
+    if args.plan:
+        print(options["plan"].table([f"blocks.{i}" for i in range(config.n_layer)]))
 
     def step(mark=None) -> torch.Tensor:
         mark = mark or (lambda _phase: None)
@@ -116,5 +122,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _plan(spec: str, n_layer: int):
+    """``swap=N,checkpoint=M`` → ProTrain's interleaved layout over the GPT's blocks; anything else
+    (JSON text, a path) is parsed by ``protrain_fx.plan.parse_plan``."""
+    from protrain_fx.plan import interleaved, parse_plan
+
+    labels = [f"blocks.{i}" for i in range(n_layer)]
+    if "=" in spec and not spec.lstrip().startswith("{"):
+        counts = {}
+        for part in spec.split(","):
+            key, _, value = part.partition("=")
+            if key.strip() not in ("swap", "checkpoint") or not value.strip().isdigit():
+                raise SystemExit(f"--plan: cannot read {part!r}; write e.g. swap=2,checkpoint=4")
+            counts[key.strip()] = int(value)
+        return interleaved(labels, counts.get("swap", 0), counts.get("checkpoint", 0))
+    return parse_plan(spec)
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
+

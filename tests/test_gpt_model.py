@@ -135,3 +135,13 @@ def test_tie_weights_after_meta_build():
     model.reset_parameters()
     assert model.lm_head.weight is model.wte.weight
     assert sum(p.numel() for p in model.parameters()) == num_params(gpt_config("tiny"))
+
+
+def test_main_job_runs_with_a_hand_plan(tmp_path, capsys):
+    from examples import train_gpt
+
+    assert train_gpt.main(["--size", "tiny", "--steps", "2", "--codegen", "eager", "--plan",
+                           "swap=1,checkpoint=1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.0  swap" in out and "blocks.1  checkpoint" in out
+    assert "peak: predicted" in out and (tmp_path / "gpt_tiny.svg").exists()
