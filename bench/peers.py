@@ -222,37 +222,19 @@ def parse_plan_spec(spec: str) -> tuple[int | None, int | None] | Path:
     if spec.endswith(".json"):
         path = Path(spec)
         return path if path.is_absolute() else ROOT / path
-    counts: dict[str, int | None] = {"swap": 0, "checkpoint": 0}
-    seen = set()
-    for part in spec.split(","):
-        key, sep, value = part.strip().partition("=")
-        if not sep or key not in counts or key in seen:
-            raise ValueError(f"plan spec {spec!r}: expected swap=N,checkpoint=M (N, M counts or 'all') or a .json path")
-        seen.add(key)
-        if value == "all":
-            counts[key] = None
-        elif value.isdigit():
-            counts[key] = int(value)
-        else:
-            raise ValueError(f"plan spec {spec!r}: {key} must be a count or 'all', got {value!r}")
-    if counts["swap"] is None and counts["checkpoint"] is None:
-        raise ValueError(f"plan spec {spec!r}: only one of swap and checkpoint can be 'all'")
-    return counts["swap"], counts["checkpoint"]
+    from protrain_fx.plan import parse_counts
+
+    return parse_counts(spec)
 
 
 def plan_from_spec(spec: str, labels: list[str]):
     """The ``protrain_fx.plan.Plan`` that ``spec`` (:func:`parse_plan_spec`) means for these blocks."""
-    from protrain_fx.plan import interleaved, parse_plan
+    from protrain_fx.plan import from_counts, parse_plan
 
     parsed = parse_plan_spec(spec)
     if isinstance(parsed, Path):
         return parse_plan(str(parsed)).validate(labels)
-    n_swap, n_checkpoint = parsed
-    if n_swap is None:
-        n_swap = max(0, len(labels) - n_checkpoint)
-    if n_checkpoint is None:
-        n_checkpoint = max(0, len(labels) - n_swap)
-    return interleaved(labels, n_swap, n_checkpoint)
+    return from_counts(spec, labels)
 
 
 def system_names(systems: list[str], plans: list[str]) -> list[str]:

@@ -123,19 +123,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plan(spec: str, n_layer: int):
-    """``swap=N,checkpoint=M`` → ProTrain's interleaved layout over the GPT's blocks; anything else
-    (JSON text, a path) is parsed by ``protrain_fx.plan.parse_plan``."""
-    from protrain_fx.plan import interleaved, parse_plan
+    """``swap=N,checkpoint=M`` → ProTrain's interleaved layout over the GPT's blocks
+    (``protrain_fx.plan.from_counts``); anything else (JSON text, a path) goes to ``parse_plan``."""
+    from protrain_fx.plan import from_counts, parse_plan
 
-    labels = [f"blocks.{i}" for i in range(n_layer)]
     if "=" in spec and not spec.lstrip().startswith("{"):
-        counts = {}
-        for part in spec.split(","):
-            key, _, value = part.partition("=")
-            if key.strip() not in ("swap", "checkpoint") or not value.strip().isdigit():
-                raise SystemExit(f"--plan: cannot read {part!r}; write e.g. swap=2,checkpoint=4")
-            counts[key.strip()] = int(value)
-        return interleaved(labels, counts.get("swap", 0), counts.get("checkpoint", 0))
+        try:
+            return from_counts(spec, [f"blocks.{i}" for i in range(n_layer)])
+        except ValueError as e:
+            raise SystemExit(f"--plan: {e}") from None
     return parse_plan(spec)
 
 

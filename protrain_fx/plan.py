@@ -249,6 +249,38 @@ def interleaved(labels: Sequence[str], n_swap: int, n_checkpoint: int) -> Plan:
     return Plan(blocks=blocks)
 
 
+def parse_counts(spec: str) -> tuple[int | None, int | None]:
+    """``"swap=2,checkpoint=10"`` → ``(2, 10)``, the counts of :func:`interleaved`; ``all`` stands
+    for every block the other count leaves (``"checkpoint=all"`` → ``(0, None)``), a missing count
+    is 0. Raises ``ValueError`` naming what is wrong."""
+    counts: dict[str, int | None] = {"swap": 0, "checkpoint": 0}
+    seen = set()
+    for part in spec.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in counts or key in seen:
+            raise ValueError(f"plan spec {spec!r}: expected swap=N,checkpoint=M (N, M counts or 'all') or a .json path")
+        seen.add(key)
+        if value == "all":
+            counts[key] = None
+        elif value.isdigit():
+            counts[key] = int(value)
+        else:
+            raise ValueError(f"plan spec {spec!r}: {key} must be a count or 'all', got {value!r}")
+    if counts["swap"] is None and counts["checkpoint"] is None:
+        raise ValueError(f"plan spec {spec!r}: only one of swap and checkpoint can be 'all'")
+    return counts["swap"], counts["checkpoint"]
+
+
+def from_counts(spec: str, labels: Sequence[str]) -> Plan:
+    """The interleaved plan a :func:`parse_counts` spec means for blocks ``labels``."""
+    n_swap, n_checkpoint = parse_counts(spec)
+    if n_swap is None:
+        n_swap = max(0, len(labels) - n_checkpoint)
+    if n_checkpoint is None:
+        n_checkpoint = max(0, len(labels) - n_swap)
+    return interleaved(labels, n_swap, n_checkpoint)
+
+
 def _segment_starts(n: int, k: int) -> list[int]:
     """Starts of ``k`` consecutive segments covering ``range(n)``, lengths ``n // k`` or one more,
     the short ones first (``[]`` for ``k == 0``)."""

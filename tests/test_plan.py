@@ -334,3 +334,16 @@ def test_parse_plan_bad_file_names_the_file(tmp_path: Path) -> None:
     path.write_text('{"version": 9, "blocks": {}}')
     with pytest.raises(ValueError, match=r"file '.*bad.json'.*version 9 is not supported"):
         parse_plan(path)
+
+
+def test_plans_from_counts_specs():
+    from protrain_fx.plan import from_counts, parse_counts
+
+    labels = [f"blocks.{i}" for i in range(6)]
+    assert from_counts("swap=1,checkpoint=2", labels) == interleaved(labels, 1, 2)
+    assert from_counts("checkpoint=all", labels) == interleaved(labels, 0, 6)
+    assert from_counts("swap=2,checkpoint=all", labels) == interleaved(labels, 2, 4)
+    assert parse_counts("swap=3") == (3, 0)
+    for bad in ("swap=x", "swapp=1", "swap=all,checkpoint=all", "swap=1,swap=2"):
+        with pytest.raises(ValueError, match="plan spec"):
+            parse_counts(bad)
