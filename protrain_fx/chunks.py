@@ -8,8 +8,12 @@ others live in host memory and are streamed in. This module decides the layout o
   chunk starts a new one (unless the block alone is larger than a chunk, then it spans chunks);
 * a parameter never straddles two chunks, so the chunk size is at least the largest parameter;
 * tied parameters (one storage, several names) take one slot, at their first use;
-* the chunk size is the candidate (default 32, 64, 128, 256 MiB, plus the largest parameter when it
-  is bigger) that wastes the fewest bytes; ties go to the smaller chunk.
+* the chunk size is the candidate that wastes the fewest bytes (ties go to the smaller chunk): 32, 64,
+  128, 256 MiB (ProTrain's), the largest parameter when it is bigger, and whole multiples of the
+  most common block's bytes (1-4 blocks, plus room for the small parameters outside blocks, such as
+  a final norm). A large model's blocks outgrow the fixed sizes: a 4.2B GPT block (453 MB in fp32)
+  next to a 618 MB embedding would waste 27% of every chunk at the embedding's size, against 1.5%
+  with chunks of two blocks.
 
 Sizes are in bytes of the parameters' working copy; the fp32 master, optimizer state and gradient
 of a chunk follow the same layout, scaled.
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 MiB = 2**20
+#: The block label of parameters outside any block (embeddings, a final norm).
+OUTSIDE = "outside"
 #: ProTrain's chunk sizes (paper): the one wasting least is chosen.
 DEFAULT_CANDIDATES = (32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB)
 
@@ -119,9 +125,29 @@ def choose_layout(params: Sequence[ParamInfo], candidates: Sequence[int] = DEFAU
     if not params:
         raise ValueError("no parameters to lay out")
     largest = max(p.nbytes for p in params)
-    sizes = sorted({c for c in candidates if c >= largest} | ({largest} if largest > max(candidates) else set()))
+    extra = set(_block_multiples(params)) if candidates is DEFAULT_CANDIDATES else set()
+    if largest > max(candidates):
+        extra.add(largest)
+    sizes = sorted({c for c in (*candidates, *extra) if c >= largest})
     layouts = [pack(params, size) for size in sizes]
     return min(layouts, key=lambda layout: (layout.waste_bytes, layout.chunk_bytes))
+
+
+def _block_multiples(params: Sequence[ParamInfo], most: int = 4) -> list[int]:
+    """1..``most`` times the bytes of the most common block size, each also with room for the
+    small parameters outside blocks (smaller than one block)."""
+    sizes: dict[str, int] = {}
+    for p in params:
+        if p.block != OUTSIDE:
+            sizes[p.block] = sizes.get(p.block, 0) + p.nbytes
+    if not sizes:
+        return []
+    counts: dict[int, int] = {}
+    for size in sizes.values():
+        counts[size] = counts.get(size, 0) + 1
+    block = max(counts, key=lambda size: (counts[size], size))
+    small = sum(p.nbytes for p in params if p.block == OUTSIDE and p.nbytes < block)
+    return [k * block + r for k in range(1, most + 1) for r in {0, small}]
 
 
 def dedupe_tied(params: Iterable[tuple[str, int, int, str, int]]) -> list[ParamInfo]:

@@ -12,6 +12,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import hint_int
 
+#: Block label of nodes not inside any repeated layer (embeddings, head, loss, optimizer glue);
+#: the chunk layout uses the same label for parameters outside blocks.
+from protrain_fx.chunks import OUTSIDE  # noqa: F401
+
 #: Block label of a node: a repeated layer such as ``"blocks.3"``, or :data:`OUTSIDE`.
 BLOCK = "protrain_block"
 #: ``"forward"`` or ``"backward"``: which partitioned graph the node runs in.
@@ -24,8 +28,6 @@ OFFLOADED = "protrain_offloaded"
 #: Which rewrite inserted a node (``"swap_pass"``, ``"gather_pass"``); absent on captured nodes.
 MADE_BY = "protrain_made_by"
 
-#: Block label of nodes not inside any repeated layer (embeddings, head, loss, optimizer glue).
-OUTSIDE = "outside"
 
 
 def tensor_values(node: fx.Node) -> list[torch.Tensor]:

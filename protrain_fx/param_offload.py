@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from protrain_fx.chunks import Chunk, ChunkLayout, ParamInfo, choose_layout, dedupe_tied, pack
+from protrain_fx.chunks import OUTSIDE, Chunk, ChunkLayout, ParamInfo, choose_layout, dedupe_tied, pack
 from protrain_fx.runtime import chunk_ops
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
 from protrain_fx.runtime.chunk_store import ChunkStore
@@ -237,7 +237,7 @@ def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None) -> Chunk
     rows = []
     for i, (name, p) in enumerate(named.items()):
         m = _BLOCK.match(name)
-        rows.append((name, id(p), p.numel() * p.element_size(), m.group(1) if m else "outside", i))
+        rows.append((name, id(p), p.numel() * p.element_size(), m.group(1) if m else OUTSIDE, i))
     infos: list[ParamInfo] = dedupe_tied(rows)
     return pack(infos, chunk_bytes) if chunk_bytes else choose_layout(infos)
 

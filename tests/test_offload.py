@@ -14,6 +14,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx.plan import from_counts
 
 CONFIG = gpt_config("tiny", n_layer=4)
 CHUNK = 64 * 1024
@@ -24,7 +25,7 @@ def _batch(step: int):
     return random_batch(CONFIG, 2, 32, generator=torch.Generator().manual_seed(step))
 
 
-def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str | None = None):
+def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str | None = None, plan=None):
     torch.manual_seed(0)
     model = GPT(CONFIG)
     if frozen:
@@ -33,7 +34,8 @@ def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, fused=True)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, fused=True)
     handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cpu", chunk_bytes=CHUNK)
-    compiled = torch.compile(model, backend="protrain", options={"codegen": codegen})
+    options = {"codegen": codegen} if plan is None else {"codegen": codegen, "plan": plan}
+    compiled = torch.compile(model, backend="protrain", options=options)
     return model, reference, opt, ref_opt, handle, compiled
 
 
@@ -75,6 +77,33 @@ def test_training_equals_eager_adamw(n_persist, n_buffer):
     assert all(h.args[0].target is torch.ops.protrain.chunk_gather.default for h in hints)
     # No gradient of an offloaded parameter reaches autograd.
     assert all(p.grad is None for n, p in model.named_parameters() if n in host)
+    handle.close()
+
+
+def test_offload_with_an_activation_plan_equals_eager_adamw():
+    # Chunks and activation plans together: a swapped block, checkpointed blocks (whose recompute in
+    # backward reads the gathered chunks again) and a plain one. A block spans several of these
+    # small chunks, and a checkpointed block holds all of them from its recompute to its backward.
+    plan = from_counts("swap=1,checkpoint=2", [f"blocks.{i}" for i in range(CONFIG.n_layer)])
+    model, reference, opt, ref_opt, handle, compiled = _setup(1, 8, plan=plan)
+    for step in range(3):
+        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
+        assert torch.equal(loss, ref_loss), step
+        loss.backward()
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    _assert_same_params(handle, model, reference)
+    record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
+    assert record.swapped and record.gathered
+    handle.close()
+
+
+def test_a_plan_needing_more_buffers_than_the_offload_has_is_refused_before_running():
+    plan = from_counts("checkpoint=all", [f"blocks.{i}" for i in range(CONFIG.n_layer)])
+    model, _, _, _, handle, compiled = _setup(0, 2, plan=plan)
+    with pytest.raises(Exception, match=r"holds \d+ parameter chunks at once .* use n_buffer >= \d+"):
+        compiled(*_batch(0)).backward()
     handle.close()
 
 

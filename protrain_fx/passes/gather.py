@@ -67,7 +67,35 @@ def gather_pass(
         backward.recompile()
     forward.graph.lint()
     forward.recompile()
+    for graph_module, phase in ((forward, "forward"), (backward, "backward")):
+        if graph_module is not None:
+            _check_buffers(graph_module, phase)
     return done
+
+
+def _check_buffers(gm: fx.GraphModule, phase: str) -> None:
+    """Refuse a graph that holds more chunks at once than its handle has buffers: it would stop
+    at run time, mid-step, with the buffers full (a checkpointed block's recompute and backward
+    hold all the chunks of the block together)."""
+    live: dict[int, set[int]] = defaultdict(set)
+    most: dict[int, tuple[int, str]] = {}
+    for node in gm.graph.nodes:
+        if node.target is _ops.chunk_gather.default:
+            hid, chunk = node.args[0], node.args[1]
+            live[hid].add(chunk)
+            if len(live[hid]) > most.get(hid, (0, ""))[0]:
+                most[hid] = (len(live[hid]), node.meta.get(meta.BLOCK, meta.OUTSIDE))
+        elif node.target is _ops.chunk_release.default:
+            live[node.args[2]].discard(node.args[3])
+    for hid, (needed, block) in most.items():
+        n_buffer = chunk_ops.handle(hid).n_buffer
+        if needed > n_buffer:
+            raise ValueError(
+                f"the {phase} graph holds {needed} parameter chunks at once (at {block}), "
+                f"but the offload has n_buffer={n_buffer}: use n_buffer >= {needed}, larger chunks "
+                "(chunk_bytes) so that a block fits in fewer, or checkpoint fewer blocks (a "
+                "checkpointed block keeps its chunks from its recompute to its backward)"
+            )
 
 
 def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredChunk]:
