@@ -40,7 +40,12 @@ Systems: protrain (``torch.compile(backend="protrain")``, no plan), protrain_pla
 hand-written activation plan, ``--plan``; the system is named ``protrain_plan[SPEC]``), eager,
 eager_ac (every block checkpointed), compile, compile_amb0 / compile_amb05
 (``activation_memory_budget`` 0 and 0.5), fsdp2 (FSDP2 ``CPUOffloadPolicy`` + AC, world size 1),
-deepspeed (ZeRO-3, parameters and optimizer offloaded to CPU + AC; when importable). Writes
+deepspeed (ZeRO-3, parameters and optimizer offloaded to CPU + AC; when importable), and, only
+when named in ``--systems``, protrain_offload (parameters in chunks, ``protrain_fx.offload``, most
+of them in host memory with a CPU AdamW during backward, plus an activation plan; ``--offload``
+gives its settings, the system is named ``protrain_offload[SPEC]``; its runs also record the
+forward / backward / optimizer breakdown, the overlap table of ``peers.md``). ``--host-ram-gib``
+emulates a host with that much free RAM on a larger one (the 2-GPU machine has 256 GiB). Writes
 ``OUT/peers.json``, ``OUT/peers.md``, one log per run in ``OUT/logs/`` and, when matplotlib is there,
 ``OUT/peers_throughput.png`` and ``OUT/peers_largest.png``.
 """
@@ -70,13 +75,13 @@ if str(ROOT) not in sys.path:  # for ``examples.gpt`` and ``protrain_fx`` from a
     sys.path.insert(0, str(ROOT))
 
 SYSTEMS = (
-    "protrain", "protrain_plan", "eager", "eager_ac", "compile", "compile_amb0", "compile_amb05", "fsdp2",
-    "deepspeed",
+    "protrain", "protrain_plan", "protrain_offload", "eager", "eager_ac", "compile", "compile_amb0",
+    "compile_amb05", "fsdp2", "deepspeed",
 )
 #: bf16 dense matmul rate measured on the H200 (anchors.md), the denominator of MFU.
 PEAK_FLOPS = 786e12
 #: Statuses that end a system's ladder: it is not run at the larger sizes of the same model.
-LADDER_STOPS = ("OOM", "crash", "timeout", "skipped_host_ram")
+LADDER_STOPS = ("OOM", "crash", "timeout", "skipped_host_ram", "refused_host_ram")
 #: Seconds of ``--deadline-s`` kept back for writing the results at the end.
 RESERVE_S = 5.0
 #: What a result records of the protocol; a resumed file must have been run with the same values.
@@ -111,6 +116,10 @@ LLAMA_SIZES = {
 MODELS = {"gpt": None, "llama1b": "llama1.1B", "llama_tiny": "llama_tiny"}
 
 _PLAN_SYSTEM = re.compile(r"^protrain_plan\[(.+)\]$")
+_OFFLOAD_SYSTEM = re.compile(r"^protrain_offload\[(.+)\]$")
+#: Environment variable that caps the host RAM a run may use (bytes), for a machine with more RAM
+#: than the one emulated (``--host-ram-gib``).
+HOST_RAM_ENV = "PEERS_HOST_RAM_BYTES"
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -237,16 +246,45 @@ def plan_from_spec(spec: str, labels: list[str]):
     return from_counts(spec, labels)
 
 
-def system_names(systems: list[str], plans: list[str]) -> list[str]:
-    """``--systems`` with ``protrain_plan`` replaced by one ``protrain_plan[SPEC]`` per ``--plan``."""
+def system_names(systems: list[str], plans: list[str], offloads: list[str] | None = None) -> list[str]:
+    """``--systems`` with ``protrain_plan`` replaced by one ``protrain_plan[SPEC]`` per ``--plan``
+    and ``protrain_offload`` by one ``protrain_offload[SPEC]`` per ``--offload``."""
     out = []
     for system in systems:
-        out += [f"protrain_plan[{spec}]" for spec in plans] if system == "protrain_plan" else [system]
+        if system == "protrain_plan":
+            out += [f"protrain_plan[{spec}]" for spec in plans]
+        elif system == "protrain_offload":
+            out += [f"protrain_offload[{spec}]" for spec in offloads or ()]
+        else:
+            out.append(system)
     return list(dict.fromkeys(out))
 
 
 def base_system(system: str) -> str:
-    return "protrain_plan" if _PLAN_SYSTEM.match(system) else system
+    if _PLAN_SYSTEM.match(system):
+        return "protrain_plan"
+    return "protrain_offload" if _OFFLOAD_SYSTEM.match(system) else system
+
+
+def parse_offload_spec(spec: str) -> tuple[int, int, str]:
+    """``"persist=2,buffer=3,checkpoint=all"`` → ``(2, 3, "checkpoint=all")``: the chunks kept on the
+    GPU, the GPU chunk buffers, and the activation plan (``swap=``/``checkpoint=`` counts, as
+    ``--plan``; empty: none). ``buffer`` is required; ``persist`` defaults to 0."""
+    counts, rest = {"persist": 0}, []
+    for part in filter(None, spec.split(",")):
+        key, _, value = part.partition("=")
+        if key.strip() in ("persist", "buffer"):
+            if not value.strip().isdigit():
+                raise ValueError(f"offload spec {spec!r}: {key.strip()} needs a whole number, got {value!r}")
+            counts[key.strip()] = int(value)
+        else:
+            rest.append(part)
+    if "buffer" not in counts:
+        raise ValueError(f"offload spec {spec!r}: say how many GPU chunk buffers (buffer=N)")
+    plan = ",".join(rest)
+    if plan:
+        parse_plan_spec(plan)  # raises on a bad plan
+    return counts["persist"], counts["buffer"], plan
 
 
 # ------------------------------------------------------------------------------------------ the worker
@@ -270,6 +308,8 @@ def build(system: str, size: str, device: str) -> tuple:
         return _build_fsdp2(size), None, {}
     if system == "deepspeed":
         return _build_deepspeed(size), None, {}
+    if _OFFLOAD_SYSTEM.match(system):
+        return _build_offload(_OFFLOAD_SYSTEM.match(system).group(1), size, device)
     # Built on the device (its RNG, so every system here starts from the same weights): a CPU init
     # of billions of parameters would take a large share of the time budget.
     with torch.device(device):
@@ -318,6 +358,93 @@ def _train_step(loss_fn, optimizer, autocast: str | None):
         return loss
 
     return step
+
+
+def _build_offload(spec: str, size: str, device: str) -> tuple:
+    """protrain_fx with parameter chunks (``protrain_fx.offload``) and an activation plan. The step
+    records, per call, GPU forward / backward / optimizer time (CUDA events) and the CPU optimizer
+    worker's busy time since the previous call, into ``info["breakdown"]``."""
+    import contextlib
+
+    import torch
+
+    import protrain_fx
+    from protrain_fx.backend import register
+
+    n_persist, n_buffer, plan_spec = parse_offload_spec(spec)
+    cuda = device == "cuda"
+    cap = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+    fraction = torch.cuda.get_per_process_memory_fraction(0) if cuda else 0.0
+    if cuda and num_params(size) * 4 < 0.8 * cap * fraction and family(size) == "gpt":
+        with torch.device(device):  # the GPU's RNG, as the other systems: the same weights
+            model = build_model(size)
+        where = "device"
+    elif family(size) == "gpt":
+        with torch.device("meta"):
+            model = build_model(size)
+        model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty unties the embedding and the head (see _build_fsdp2)
+        model.reset_parameters()
+        where = "cpu"
+    else:
+        model, where = build_model(size), "cpu"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    limit = os.environ.get(HOST_RAM_ENV)
+    available = None
+    if limit:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        available = int(limit) - rss
+    handle = protrain_fx.offload(model, optimizer, n_persist=n_persist, n_buffer=n_buffer, device=device,
+                                 compute_dtype=torch.bfloat16 if cuda else None, available_host_bytes=available)
+    if cuda:
+        torch.cuda.empty_cache()  # the initial fp32 weights of the offloaded chunks are gone
+        torch.cuda.reset_peak_memory_stats()
+    register()
+    options = {}
+    info: dict = {"offload": {"n_persist": n_persist, "n_buffer": n_buffer, "built_on": where,
+                              "chunks": len(handle.layout.chunks), "chunk_bytes": handle.layout.chunk_bytes,
+                              "host_store_bytes": handle.store.host_bytes() if handle.store else 0,
+                              "host_bytes_per_param": handle.host_bytes_per_param()},
+                  "breakdown": []}
+    if plan_spec:
+        labels = block_labels(size)
+        plan = plan_from_spec(plan_spec, labels)
+        options["plan"] = plan
+        info["plan"] = plan_spec
+        info["plan_blocks"] = {p: sum(plan.policy(b) == p for b in labels) for p in ("swap", "checkpoint", "none")}
+    run = torch.compile(model, backend="protrain", options=options)
+    loss_fn = _loss_fn(run, size)
+    worker = handle.worker
+    last_busy = [worker.busy_s if worker else 0.0]
+
+    def step(idx, targets):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
+        if events:
+            events[0].record()
+        ctx = torch.autocast(device, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(idx, targets)
+        if events:
+            events[1].record()
+        loss.backward()
+        if events:
+            events[2].record()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if events:
+            events[3].record()
+            events[3].synchronize()
+            busy = worker.busy_s if worker else 0.0
+            info["breakdown"].append({
+                "forward_s": events[0].elapsed_time(events[1]) / 1e3,
+                "backward_s": events[1].elapsed_time(events[2]) / 1e3,
+                "gpu_optimizer_s": events[2].elapsed_time(events[3]) / 1e3,
+                "cpu_optimizer_busy_s": busy - last_busy[0],  # steps run since the last call's end
+            })
+            last_busy[0] = busy
+        return loss
+
+    return step, model, info
 
 
 def _build_fsdp2(size: str):
@@ -433,6 +560,8 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
         )
     except torch.OutOfMemoryError as e:
         result.update(status="OOM", reason=str(e).splitlines()[0][:300])
+    except MemoryError as e:  # protrain_fx's chunk store refuses, before allocating, what the host cannot hold
+        result.update(status="refused_host_ram", reason=str(e).splitlines()[0][:300])
     except Exception as e:  # noqa: BLE001  a crash is a result too: recorded with its reason
         first_line = str(e).splitlines()[0][:300] if str(e) else ""
         result.update(status="crash", reason=f"{type(e).__name__}: {first_line}",
@@ -476,7 +605,10 @@ def host_bytes_needed(system: str, size: str) -> int | None:
 
 
 def host_bytes_available() -> tuple[int, str]:
-    """(bytes, where from): MemAvailable of /proc/meminfo, or the cgroup's headroom when smaller."""
+    """(bytes, where from): ``--host-ram-gib`` when given, else MemAvailable of /proc/meminfo, or the
+    cgroup's headroom when smaller."""
+    if os.environ.get(HOST_RAM_ENV):
+        return int(os.environ[HOST_RAM_ENV]), "--host-ram-gib"
     available, source = None, "MemAvailable"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -678,7 +810,7 @@ def run_all(args) -> int:
     protocol = {k: getattr(args, k) for k in PROTOCOL_KEYS}
     previous = load_results(args.resume, protocol) if args.resume else []
     ledger = Ledger(args.out, previous, force_host_ram=args.no_host_ram_check)
-    systems = system_names(args.systems, args.plan)
+    systems = system_names(args.systems, args.plan, args.offload)
     if args.resume:
         print(f"{len(previous)} results resumed from {args.resume}")
     pending: set[str] = set()  # systems with a size left to a later call: their larger sizes wait
@@ -694,6 +826,8 @@ def run_all(args) -> int:
                           **protocol}
                 if base_system(system) == "protrain_plan":
                     record["plan"] = _PLAN_SYSTEM.match(system).group(1)
+                if args.host_ram_gib:
+                    record["host_ram_cap_gib"] = args.host_ram_gib
                 timeout = _preflight(record, args, ledger, deadline)
                 if timeout is None:  # recorded as skipped_host_ram or not_run
                     if record["status"] == "not_run":
@@ -812,7 +946,33 @@ def markdown(results: list[dict]) -> str:
               "| peak reserved GiB | swapped GiB | host RAM GiB | loss | wall s | first step s |")
     lines += ["", legend, "", header, "|---|" + "---|" * 13]
     lines += ["| " + " | ".join(_detail(r)) + " |" for r in results]
+    lines += _overlap_table(results)
     return "\n".join(lines) + "\n"
+
+
+def _overlap_table(results: list[dict]) -> list[str]:
+    """Where the step time of the chunked runs goes: medians over the timed steps of GPU forward,
+    backward and optimizer time and of the CPU optimizer's busy time, against the step time."""
+    rows = [r for r in results if r.get("breakdown") and r["status"] == "ok"]
+    if not rows:
+        return []
+    lines = ["", "Overlap of the chunked runs (medians over the timed steps, ms): forward, backward and the GPU "
+             "optimizer are CUDA-event times; the CPU optimizer is its worker's busy time in the step; serial "
+             "sum = forward + backward + CPU optimizer.", "",
+             "| model | system | forward | backward | GPU optimizer | CPU optimizer | serial sum | step | "
+             "host B/param |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        timed = r["breakdown"][-r["steps"]:]
+
+        def med(key: str) -> float:
+            return 1000 * statistics.median(b[key] for b in timed)
+
+        serial = med("forward_s") + med("backward_s") + med("cpu_optimizer_busy_s")
+        per_param = r.get("offload", {}).get("host_bytes_per_param")
+        lines.append(f"| {r['size']} | {r['system']} | {med('forward_s'):.0f} | {med('backward_s'):.0f} | "
+                     f"{med('gpu_optimizer_s'):.0f} | {med('cpu_optimizer_busy_s'):.0f} | {serial:.0f} | "
+                     f"{1000 * r['step_s']:.0f} | {per_param:.2f} |" if per_param else "–")
+    return lines
 
 
 def _detail(r: dict) -> list[str]:
@@ -899,11 +1059,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="gpt: the GPT of examples/gpt.py at --sizes; llama1b: Hugging Face Llama, 1.1B "
                              "(size llama1.1B); llama_tiny: a tiny Llama for CPU dry runs")
     parser.add_argument("--sizes", nargs="+", help="GPT presets of examples/gpt.py (default 350M)")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=[s for s in SYSTEMS if s != "protrain_offload"],
+                        choices=SYSTEMS, help="default: all but protrain_offload (name it to run it)")
     parser.add_argument("--plan", nargs="+", default=["checkpoint=all"], metavar="SPEC",
                         help="protrain_plan's plans, one system each: 'swap=N,checkpoint=M' (counts for "
                              "protrain_fx.plan.interleaved; 'all' = every block the other leaves) or the "
                              "path of a plan .json (default: checkpoint=all)")
+    parser.add_argument("--offload", nargs="+", default=["buffer=3,checkpoint=all"], metavar="SPEC",
+                        help="protrain_offload's settings, one system each: 'persist=P,buffer=B' and an "
+                             "optional activation plan as --plan (default: buffer=3,checkpoint=all)")
+    parser.add_argument("--host-ram-gib", type=float,
+                        help="emulate a host with this much free RAM (GiB): the offloading peers' host RAM "
+                             "check and protrain_fx's chunk store use it instead of MemAvailable")
     parser.add_argument("--ladder", action="store_true", help="per system, stop at its first failing size")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (at least 1; the first compiles)")
@@ -935,6 +1102,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.sizes if s not in SIZES and s not in LLAMA_SIZES]
     if unknown:
         parser.error(f"unknown sizes {unknown}; GPT presets: {', '.join(SIZES)}; Llama: {', '.join(LLAMA_SIZES)}")
+    for spec in args.offload:
+        try:
+            parse_offload_spec(spec)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.host_ram_gib:
+        os.environ[HOST_RAM_ENV] = str(int(args.host_ram_gib * 2**30))  # the runs inherit it
     for spec in args.plan:
         try:
             parsed = parse_plan_spec(spec)

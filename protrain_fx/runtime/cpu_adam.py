@@ -18,6 +18,7 @@ submitted (backward order, as their gradients land), so they overlap the rest of
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Self
@@ -171,6 +172,10 @@ class OptimizerWorker:
             max_workers=1, thread_name_prefix="protrain-cpu-adam"
         )
         self._pending: dict[int, Future[None]] = {}
+        #: Seconds the thread has spent in chunk steps (for overlap breakdowns).
+        self.busy_s = 0.0
+        #: Chunk steps run so far.
+        self.steps = 0
 
     def submit(self, chunk_id: int) -> None:
         """Queue the chunk's step. Its gradient must have been written to the store (a copy from
@@ -214,11 +219,15 @@ class OptimizerWorker:
             self._executor.shutdown(wait=True)
 
     def _step(self, chunk_id: int) -> None:
+        start = time.perf_counter()
         try:
             self._step_chunk(chunk_id)
         except BaseException as error:
             error.add_note(f"(in the CPU optimizer worker, stepping chunk {chunk_id})")
             raise
+        finally:
+            self.busy_s += time.perf_counter() - start
+            self.steps += 1
 
     def _raise_failure(self) -> None:
         """Raise the first failed step (in submission order), forgetting it."""

@@ -1,0 +1,106 @@
+"""Parameter chunks on a GPU: pinned host store, device chunk buffers, CPU AdamW during backward.
+
+Skipped without CUDA (CI runs the same paths on the CPU in tests/test_offload.py). Speed and the
+overlap breakdown are measured by ``bench/peers.py --systems protrain_offload``, not here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain_fx
+from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx.plan import from_counts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CONFIG = gpt_config("tiny", n_layer=4)
+CHUNK = 256 * 1024
+
+
+def _batch(step: int):
+    return random_batch(CONFIG, 4, 64, device="cuda", generator=torch.Generator().manual_seed(step))
+
+
+def _setup(n_persist: int, n_buffer: int, *, compute_dtype=None, plan=None, codegen="inductor"):
+    torch.manual_seed(0)
+    model = GPT(CONFIG)  # on the CPU: offload moves what it keeps on the GPU
+    reference = copy.deepcopy(model).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cuda",
+                                 chunk_bytes=CHUNK, compute_dtype=compute_dtype)
+    options = {"codegen": codegen} if plan is None else {"codegen": codegen, "plan": plan}
+    compiled = torch.compile(model, backend="protrain", options=options)
+    return model, reference, opt, ref_opt, handle, compiled
+
+
+@pytest.mark.parametrize(("n_persist", "plan_spec"), [(0, None), (2, "swap=1,checkpoint=2")])
+def test_fp32_training_matches_eager_adamw_on_the_gpu(n_persist, plan_spec):
+    plan = from_counts(plan_spec, [f"blocks.{i}" for i in range(CONFIG.n_layer)]) if plan_spec else None
+    model, reference, opt, ref_opt, handle, compiled = _setup(n_persist, 8, plan=plan)
+    assert handle.store.pinned
+    for step in range(4):
+        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        loss.backward()
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    state = handle.state_dict(model)
+    for name, p in reference.named_parameters():
+        # CPU (fused) and GPU (fused) AdamW and the GPU kernels round differently in fp32; Adam's
+        # normalised update shows it on near-zero gradients (see tests/test_offload.py).
+        torch.testing.assert_close(state[name], p.detach().cpu(), rtol=1e-4, atol=3e-5, msg=name)
+    host = {n for s in handle.store.slots for n in s.names}
+    assert all(p.untyped_storage().nbytes() == 0 for n, p in model.named_parameters() if n in host)
+    handle.close()
+
+
+def test_bf16_chunks_train_like_eager_autocast():
+    model, reference, opt, ref_opt, handle, compiled = _setup(1, 8, compute_dtype=torch.bfloat16)
+    assert handle.host_bytes_per_param() <= 14.5  # bf16 copy + fp32 master + Adam states (+ padding)
+    for step in range(20):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(*_batch(step % 4))
+            ref_loss = reference(*_batch(step % 4))
+        # bf16 weights (rounded once from the fp32 master) against autocast's casts of fp32 weights:
+        # the same values; gradients land in bf16, so the paths drift slowly apart.
+        assert abs(loss.item() - ref_loss.item()) <= 0.01 * ref_loss.item(), step
+        loss.backward()
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert loss.item() < 0.9 * _first_loss(handle, model)
+    handle.close()
+
+
+def _first_loss(handle, model) -> float:
+    """Loss of the initial weights (a fresh model from the same seed), as a check that training moved."""
+    torch.manual_seed(0)
+    fresh = GPT(CONFIG).cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        return fresh(*_batch(0)).item()
+
+
+def test_the_cpu_optimizer_runs_during_backward_and_a_worker_failure_surfaces():
+    model, reference, opt, ref_opt, handle, compiled = _setup(0, 4)
+    compiled(*_batch(0)).backward()
+    # backward queued every offloaded chunk's step; they run on the worker thread
+    assert handle.worker.steps + len(handle.worker._pending) >= len(handle.store.layout.chunks) - 1
+    opt.step()
+    opt.zero_grad()
+    handle.synchronize()
+    assert handle.worker.steps >= len(handle.store.layout.chunks) - 1
+
+    def broken(chunk):
+        raise RuntimeError("planted failure")
+
+    handle.worker._step_chunk = broken
+    with pytest.raises(RuntimeError, match="planted failure"):
+        compiled(*_batch(1)).backward()
+        opt.step()
+        handle.synchronize()
