@@ -62,7 +62,10 @@ def test_fp32_training_matches_eager_adamw_on_the_gpu(n_persist, plan_spec):
 
 def test_bf16_chunks_train_like_eager_autocast():
     model, reference, opt, ref_opt, handle, compiled = _setup(1, 8, compute_dtype=torch.bfloat16)
-    assert handle.host_bytes_per_param() <= 14.5  # bf16 copy + fp32 master + Adam states (+ padding)
+    # bf16 copy + fp32 master + Adam states per chunk element (padding of these tiny chunks included;
+    # the per-parameter figure of a real model is measured by bench/peers.py), plus one fp32 scratch
+    store = handle.store
+    assert store.host_bytes() == store.chunk_numel * (14 * store.num_chunks + 4)
     for step in range(20):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = compiled(*_batch(step % 4))

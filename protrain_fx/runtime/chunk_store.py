@@ -35,7 +35,7 @@ a CPU-only machine every copy is a plain synchronous copy.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -346,13 +346,25 @@ class ChunkStore:
             return working
         return self._scratch.copy_(working)
 
-    def finish_step(self, chunk_id: int) -> None:
+    @property
+    def scratch(self) -> torch.Tensor | None:
+        """The fp32 gradient scratch of one chunk (``None`` with fp32 compute)."""
+        return self._scratch
+
+    def finish_step(self, chunk_id: int, refreshed: Iterable[ParamSlot] = ()) -> None:
         """After the chunk's optimizer step: rebuild its working copy from the master (frozen and
-        un-stepped parameters included) and forget its gradient."""
+        un-stepped parameters included) and forget its gradient. ``refreshed``: slots whose
+        working copy the optimizer already rewrote from the new master."""
         if not self._grad_slots[chunk_id]:
             return
         self._before_host_write(chunk_id)
-        self.flat("working", chunk_id).copy_(self.flat("master", chunk_id))
+        done = set(refreshed)
+        if not done:
+            self.flat("working", chunk_id).copy_(self.flat("master", chunk_id))
+        else:
+            for s in self._chunk_slots[chunk_id]:  # a flat gradient covered frozen ones too
+                if s not in done:
+                    self.view("working", s).copy_(self.view("master", s))
         self._grad_slots[chunk_id].clear()
         self._versions[chunk_id] += 1
 
@@ -392,6 +404,10 @@ class ChunkStore:
         if device not in self._d2h_streams:
             self._d2h_streams[device] = torch.cuda.Stream(device=device)
         return self._d2h_streams[device]
+
+    def before_host_write(self, chunk_id: int) -> None:
+        """The CPU is about to write the chunk's host buffers: no copy may still be using them."""
+        self._before_host_write(chunk_id)
 
     def _before_host_write(self, chunk_id: int) -> None:
         """The CPU is about to write the chunk's host buffers: no copy may still be using them."""
