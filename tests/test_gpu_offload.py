@@ -77,7 +77,9 @@ def test_bf16_chunks_train_like_eager_autocast():
         ref_loss.backward()
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    assert loss.item() < 0.9 * _first_loss(handle, model)
+    # and it trained: at least 80% of eager's loss drop (first H200 run: 4.85 -> 4.43)
+    first = _first_loss(handle, model)
+    assert first - loss.item() > 0.8 * (first - ref_loss.item())
     handle.close()
 
 
