@@ -10,8 +10,8 @@ others live in host memory and are streamed in. This module decides the layout o
 * tied parameters (one storage, several names) take one slot, at their first use;
 * the chunk size is the candidate that wastes the fewest bytes (ties go to the smaller chunk): 32, 64,
   128, 256 MiB (ProTrain's), the largest parameter when it is bigger, and whole multiples of the
-  most common block's bytes (1-4 blocks, plus room for the small parameters outside blocks, such as
-  a final norm). A large model's blocks outgrow the fixed sizes: a 4.2B GPT block (453 MB in fp32)
+  most common block's bytes of at least 32 MiB (1-4 blocks, plus room for the small parameters
+  outside blocks, such as a final norm). A large model's blocks outgrow the fixed sizes: a 4.2B GPT block (453 MB in fp32)
   next to a 618 MB embedding would waste 27% of every chunk at the embedding's size, against 1.5%
   with chunks of two blocks.
 
@@ -125,7 +125,9 @@ def choose_layout(params: Sequence[ParamInfo], candidates: Sequence[int] = DEFAU
     if not params:
         raise ValueError("no parameters to lay out")
     largest = max(p.nbytes for p in params)
-    extra = set(_block_multiples(params)) if candidates is DEFAULT_CANDIDATES else set()
+    extra = set()
+    if candidates is DEFAULT_CANDIDATES:  # only where blocks outgrow the fixed sizes: no tiny chunks
+        extra = {c for c in _block_multiples(params) if c >= min(candidates)}
     if largest > max(candidates):
         extra.add(largest)
     sizes = sorted({c for c in (*candidates, *extra) if c >= largest})
