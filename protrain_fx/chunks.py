@@ -12,8 +12,8 @@ others live in host memory and are streamed in. This module decides the layout o
   128, 256 MiB (ProTrain's), the largest parameter when it is bigger, and whole multiples of the
   most common block's bytes of at least 32 MiB (1-4 blocks, plus room for the small parameters
   outside blocks, such as a final norm). A large model's blocks outgrow the fixed sizes: a 4.2B GPT block (453 MB in fp32)
-  next to a 618 MB embedding would waste 27% of every chunk at the embedding's size, against 1.5%
-  with chunks of two blocks.
+  next to a 618 MB embedding would waste 27% of every chunk at the embedding's size, against 3% with
+  chunks of two blocks (tests/test_chunks.py).
 
 Sizes are in bytes of the parameters' working copy; the fp32 master, optimizer state and gradient
 of a chunk follow the same layout, scaled.

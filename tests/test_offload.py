@@ -39,6 +39,19 @@ def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str
     return model, reference, opt, ref_opt, handle, compiled
 
 
+def _train_side_by_side(compiled, reference, opt, ref_opt, steps: int, schedules=()):
+    """``steps`` training steps of both models on the same batches; the losses must be equal."""
+    for step in range(steps):
+        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
+        assert torch.equal(loss, ref_loss), step
+        loss.backward()
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        for schedule in schedules:
+            schedule.step()
+
+
 def _assert_same_params(handle, model, reference, exact=True):
     state = handle.state_dict(model)
     for name, p in reference.named_parameters():
@@ -54,14 +67,7 @@ def test_training_equals_eager_adamw(n_persist, n_buffer):
     assert len(handle.layout.chunks) > n_persist + n_buffer  # some chunks really stream
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
-    for step in range(3):
-        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
-        assert torch.equal(loss, ref_loss), step
-        loss.backward()
-        ref_loss.backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-        schedule.step(), ref_schedule.step()
+    _train_side_by_side(compiled, reference, opt, ref_opt, 3, schedules=(schedule, ref_schedule))
     _assert_same_params(handle, model, reference)
     # The model's offloaded parameters hold no bytes; the persistent ones are ordinary tensors.
     host = {n for s in handle.store.slots for n in s.names}
@@ -86,13 +92,7 @@ def test_offload_with_an_activation_plan_equals_eager_adamw():
     # small chunks, and a checkpointed block holds all of them from its recompute to its backward.
     plan = from_counts("swap=1,checkpoint=2", [f"blocks.{i}" for i in range(CONFIG.n_layer)])
     model, reference, opt, ref_opt, handle, compiled = _setup(1, 8, plan=plan)
-    for step in range(3):
-        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
-        assert torch.equal(loss, ref_loss), step
-        loss.backward()
-        ref_loss.backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+    _train_side_by_side(compiled, reference, opt, ref_opt, 3)
     _assert_same_params(handle, model, reference)
     record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
     assert record.swapped and record.gathered
