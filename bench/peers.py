@@ -379,13 +379,10 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
         with torch.device(device):  # the GPU's RNG, as the other systems: the same weights
             model = build_model(size)
         where = "device"
-    elif family(size) == "gpt":
+    elif family(size) == "gpt":  # too large for the device: built on meta, materialised into the chunks
         with torch.device("meta"):
             model = build_model(size)
-        model.to_empty(device="cpu")
-        model.tie_weights()  # to_empty unties the embedding and the head (see _build_fsdp2)
-        model.reset_parameters()
-        where = "cpu"
+        where = "meta"
     else:
         model, where = build_model(size), "cpu"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -395,7 +392,8 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         available = int(limit) - rss
     handle = protrain_fx.offload(model, optimizer, n_persist=n_persist, n_buffer=n_buffer, device=device,
-                                 compute_dtype=torch.bfloat16 if cuda else None, available_host_bytes=available)
+                                 compute_dtype=torch.bfloat16 if cuda else None, available_host_bytes=available,
+                                 init=model.init_parameter if where == "meta" else None)
     if cuda:
         torch.cuda.empty_cache()  # the initial fp32 weights of the offloaded chunks are gone
         torch.cuda.reset_peak_memory_stats()

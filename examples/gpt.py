@@ -221,6 +221,22 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
 
+    @torch.no_grad()
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill one parameter (by name) with the distribution :meth:`reset_parameters` gives it: for
+        a model built on the ``meta`` device and materialised parameter by parameter, e.g. by
+        ``protrain_fx.offload(..., init=model.init_parameter)``. Same distributions, not the same
+        random stream as ``reset_parameters`` (which draws module by module)."""
+        module = self.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(tensor) if name.endswith("weight") else nn.init.zeros_(tensor)
+        elif name.endswith("bias"):
+            nn.init.zeros_(tensor)
+        elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            nn.init.normal_(tensor, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+        else:
+            nn.init.normal_(tensor, mean=0.0, std=0.02)
+
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``(B, T, vocab_size)``, or the mean cross-entropy loss if ``targets`` is given."""
         seq = idx.shape[1]

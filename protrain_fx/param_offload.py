@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -65,6 +65,7 @@ class OffloadHandle:
         chunk_bytes: int | None = None,
         compute_dtype: torch.dtype | None = None,
         available_host_bytes: int | None = None,
+        init: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -72,6 +73,18 @@ class OffloadHandle:
         named = dict(model.named_parameters(remove_duplicate=False))
         if not named:
             raise ValueError("offload: the model has no parameters")
+        on_meta = [n for n, p in named.items() if p.is_meta]
+        if on_meta and init is None:
+            raise ValueError(
+                f"offload: {len(on_meta)} parameters (e.g. {on_meta[0]!r}) are on the meta device; give "
+                "init=fn, fn(name, tensor) filling tensor in place, to materialise them straight into chunks"
+            )
+        meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+        if meta_buffers:
+            raise ValueError(
+                f"offload: buffer {meta_buffers[0]!r} is on the meta device; materialise buffers before "
+                "offload (only parameters are materialised into chunks)"
+            )
         self.layout = _layout(named, chunk_bytes)
         n_chunks = len(self.layout.chunks)
         if not 0 <= n_persist <= n_chunks:
@@ -90,6 +103,7 @@ class OffloadHandle:
             compute_dtype=compute_dtype,
             pin_memory=self.device.type == "cuda",
             available_bytes=available_host_bytes,
+            init=init,
         ) if offloaded else None
         self.optimizer = optimizer
         self.adam = ChunkAdamW(self.store, optimizer, named) if self.store else None
@@ -107,7 +121,12 @@ class OffloadHandle:
                 if id(p) not in shells:
                     slot = self.store.slot(name)
                     shells[id(p)] = (p, slot.chunk, slot.offset, slot.name)
-                    p.data = _shell(p, self.device)
+                    _set_data(p, _shell(p, self.device))
+            elif p.is_meta:  # a persistent parameter of a meta model: materialised on the device
+                value = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                with torch.no_grad():
+                    init(name, value)
+                _set_data(p, value)
             elif p.device != self.device:
                 p.data = p.data.to(self.device)
         for b in model.buffers():
@@ -218,8 +237,14 @@ def offload(
     chunk_bytes: int | None = None,
     compute_dtype: torch.dtype | None = None,
     available_host_bytes: int | None = None,
+    init: Callable[[str, torch.Tensor], None] | None = None,
 ) -> OffloadHandle:
-    """Put ``model``'s parameters into chunks (see the module docstring); call before ``torch.compile``."""
+    """Put ``model``'s parameters into chunks (see the module docstring); call before ``torch.compile``.
+
+    A model built on the ``meta`` device is materialised straight into the chunks: ``init(name,
+    tensor)`` fills each parameter (first of its names when tied) in place, in the host chunk for
+    offloaded ones, on ``device`` for persistent ones. Host memory then peaks at the chunk store,
+    never at a whole second copy of the model."""
     return OffloadHandle(
         model,
         optimizer,
@@ -229,6 +254,7 @@ def offload(
         chunk_bytes=chunk_bytes,
         compute_dtype=compute_dtype,
         available_host_bytes=available_host_bytes,
+        init=init,
     )
 
 
@@ -240,6 +266,17 @@ def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None) -> Chunk
         rows.append((name, id(p), p.numel() * p.element_size(), m.group(1) if m else OUTSIDE, i))
     infos: list[ParamInfo] = dedupe_tied(rows)
     return pack(infos, chunk_bytes) if chunk_bytes else choose_layout(infos)
+
+
+def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.data = value``, also for a ``meta`` parameter, whose data cannot be set to a real tensor:
+    its contents are swapped instead (the same object, so the optimizer's references stay valid)."""
+    if not p.is_meta:
+        p.data = value
+    elif isinstance(p, nn.Parameter):
+        torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+    else:
+        torch.utils.swap_tensors(p, value.requires_grad_(p.requires_grad))
 
 
 def _shell(p: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -217,3 +217,53 @@ def test_memory_analysis_counts_the_chunk_pool_once_as_model_state(codegen):
         handle.close()
     # more chunks on the device: more parameter bytes there
     assert peaks[6] > peaks[0]
+
+
+def _seeded_init(model):
+    """``model.init_parameter`` with a generator seeded per name: the same values whatever the order."""
+    import zlib
+
+    def init(name, tensor):
+        state = torch.random.get_rng_state()
+        torch.manual_seed(zlib.crc32(name.encode()))
+        try:
+            model.init_parameter(name, tensor)
+        finally:
+            torch.random.set_rng_state(state)
+
+    return init
+
+
+@pytest.mark.parametrize("n_persist", [0, 2])
+def test_a_meta_model_is_materialised_straight_into_chunks(n_persist):
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    reference = GPT(CONFIG)
+    init = _seeded_init(reference)
+    for name, p in reference.named_parameters():
+        init(name, p.data)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    opt_fused = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True) if n_persist else opt
+    handle = protrain_fx.offload(model, opt_fused, n_persist=n_persist, n_buffer=2, device="cpu",
+                                 chunk_bytes=CHUNK, init=_seeded_init(model))
+    assert not any(p.is_meta for p in model.parameters())
+    host = {n for s in handle.store.slots for n in s.names}
+    assert all(p.untyped_storage().nbytes() == 0 for n, p in model.named_parameters() if n in host)
+    assert model.lm_head.weight is model.wte.weight  # still tied, stored once
+    _assert_same_params(handle, model, reference)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
+    _train_side_by_side(compiled, reference, opt_fused, ref_opt, 2)
+    _assert_same_params(handle, model, reference)
+    handle.close()
+
+
+def test_a_meta_model_without_init_or_with_meta_buffers_is_refused():
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="meta device; give init="):
+        protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
+    model.register_buffer("mask", torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="buffer 'mask' is on the meta device"):
+        protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu", chunk_bytes=CHUNK, init=model.init_parameter)

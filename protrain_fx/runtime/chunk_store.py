@@ -117,6 +117,7 @@ class ChunkStore:
         compute_dtype: torch.dtype | None = None,
         pin_memory: bool = True,
         available_bytes: int | None = None,
+        init: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         if [c.index for c in layout.chunks] != list(range(len(layout.chunks))):
             raise ValueError("chunk indices must be 0, 1, ... in layout order")
@@ -136,6 +137,7 @@ class ChunkStore:
         check_host_memory(
             needed, available_bytes, f"the chunk store ({len(layout.chunks)} chunks)"
         )
+        self._init = init
         self._buffers: dict[BufferKind, list[torch.Tensor | None]] = {
             "working": [],
             "master": [],
@@ -208,9 +210,12 @@ class ChunkStore:
     ) -> None:
         master = self._empty(torch.float32).zero_()  # zero padding: finite if ever read
         for s in slots:
-            master[s.offset : s.offset + s.numel].copy_(
-                params[s.name].detach().reshape(-1)
-            )
+            source = params[s.name]
+            target = master[s.offset : s.offset + s.numel]
+            if source.is_meta:  # materialised here, straight into the chunk
+                self._materialize(s, target)
+            else:
+                target.copy_(source.detach().reshape(-1))
         working = self._empty(self.compute_dtype)
         working.copy_(master)
         trainable = any(s.trainable for s in slots)
@@ -220,6 +225,19 @@ class ChunkStore:
             self._buffers[kind].append(
                 self._empty(torch.float32).zero_() if trainable else None
             )
+
+    def _materialize(self, slot: ParamSlot, target: torch.Tensor) -> None:
+        """Fill ``target`` (the slot's flat fp32 master) with ``init(name, tensor)``'s values."""
+        if self._init is None:
+            raise ValueError(
+                f"parameter {slot.name!r} is on the meta device and has no values: give an init "
+                "function (offload(..., init=fn), fn(name, tensor) fills tensor in place)"
+            )
+        value = target.view(slot.shape) if slot.dtype == torch.float32 else torch.empty(slot.shape, dtype=slot.dtype)
+        with torch.no_grad():
+            self._init(slot.name, value)
+        if value.data_ptr() != target.data_ptr():
+            target.copy_(value.reshape(-1))
 
     # ---- views -------------------------------------------------------------------------------
 
