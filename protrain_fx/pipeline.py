@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from protrain_fx.capture import CapturedGraph, PassRecord
@@ -189,23 +190,42 @@ def budget_verdict(peak_bytes: int, budget_bytes: int) -> str:
     return "tight" if peak_bytes <= budget_bytes else "over"
 
 
+def device_limit_bytes(device: str | torch.device) -> int | None:
+    """Bytes this process may allocate on a CUDA ``device``: its memory times the per-process
+    fraction (``torch.cuda.set_per_process_memory_fraction``); None for other devices."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    return int(total * torch.cuda.get_per_process_memory_fraction(index))
+
+
 def check_budget(record: CapturedGraph) -> None:
-    """Warn when the predicted peak, with the allocator's headroom, exceeds the memory budget."""
+    """Warn when the predicted peak, with the allocator's headroom, exceeds the memory budget, or,
+    without one, the memory this process may use on the GPU (a run that will run out of memory)."""
     budget, memory = record.config.memory_budget_bytes, record.memory
-    if budget is None or memory is None:
+    if memory is None:
         return
+    what = "its memory budget"
+    if budget is None:
+        budget = device_limit_bytes(memory.device)
+        what = f"the memory this process may use on {memory.device}"
+        if budget is None:
+            return
     verdict = budget_verdict(memory.peak_bytes, budget)
     if verdict == "fits":
         return
     log.warning(
         "protrain_fx: graph %d is predicted to need %.2f GiB (%.2f GiB with %.0f%% allocator headroom), "
-        "%s its memory budget of %.2f GiB (this release predicts and reports; choose a plan by hand "
+        "%s %s of %.2f GiB (this release predicts and reports; choose a plan by hand "
         "with options={'plan': ...})",
         record.index,
         memory.peak_bytes / 2**30,
         memory.peak_bytes * (1 + ALLOCATOR_HEADROOM) / 2**30,
         100 * ALLOCATOR_HEADROOM,
         "over" if verdict == "over" else "at the edge of",
+        what,
         budget / 2**30,
     )
 

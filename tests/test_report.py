@@ -118,3 +118,29 @@ def test_tight_budget_is_reported(caplog):
         ).backward()
     assert any("at the edge of its memory budget" in r.getMessage() for r in caplog.records)
     assert "TIGHT" in protrain_fx.step_report().block_table()
+
+
+def test_without_a_budget_a_peak_over_the_gpus_allowed_memory_warns(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from protrain_fx import pipeline
+    from protrain_fx.config import ProtrainConfig
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=140 * gib))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 24 / 140)
+    assert pipeline.device_limit_bytes("cuda:0") == 24 * gib
+    assert pipeline.device_limit_bytes("cpu") is None
+
+    def record(peak: int, device: str):
+        return SimpleNamespace(config=ProtrainConfig(), index=0, memory=SimpleNamespace(peak_bytes=peak, device=device))
+
+    with caplog.at_level(logging.WARNING, logger="protrain_fx"):
+        # 6.7B with chunks on the H200: 27.8 GiB predicted under a 24 GiB cap, and it ran out of memory
+        pipeline.check_budget(record(int(27.8 * gib), "cuda:0"))
+        pipeline.check_budget(record(10 * gib, "cuda:0"))  # fits: silent
+        pipeline.check_budget(record(100 * gib, "cpu"))  # no limit known: silent
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1
+    assert "over the memory this process may use on cuda:0 of 24.00 GiB" in messages[0]
