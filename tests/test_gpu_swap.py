@@ -17,6 +17,9 @@ from protrain_fx.runtime import swap
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+#: Machine override that swaps values of any size (the tiny test models have none over 1 MiB).
+SWAP_ALL = {"min_swap_bytes": 0}
+
 
 
 def test_ops_copy_on_side_streams_into_pinned_buffers():
@@ -45,7 +48,10 @@ def test_swap_plan_trains_like_eager_in_bf16(codegen):
     reference = copy.deepcopy(model)
     labels = [f"blocks.{i}" for i in range(config.n_layer)]
     plan = interleaved(labels, n_swap=2, n_checkpoint=2)
-    compiled = torch.compile(model, backend="protrain", options={"codegen": codegen, "plan": plan})
+    # This model's saved values are all under 1 MiB, which the swap leaves on the GPU by default
+    # (Machine.min_swap_bytes): swap them anyway, or the test swaps nothing (seen on the H200).
+    options = {"codegen": codegen, "plan": plan, "machine": SWAP_ALL}
+    compiled = torch.compile(model, backend="protrain", options=options)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference))
     losses, ref_losses = [], []
     for step in range(5):
@@ -68,11 +74,12 @@ def test_fp32_swap_is_exact_on_gpu_with_eager_codegen():
     config = gpt_config("tiny", n_layer=4)
     model = GPT(config).cuda()
     reference = copy.deepcopy(model)
-    compiled = torch.compile(
-        model, backend="protrain", options={"codegen": "eager", "plan": Plan(blocks={"blocks.0": "swap", "blocks.2": "swap"})}
-    )
+    plan = Plan(blocks={"blocks.0": "swap", "blocks.2": "swap"})
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "plan": plan, "machine": SWAP_ALL})
     batch = [t.cuda() for t in random_batch(config, 2, 64)]
     compiled(*batch).backward()
     reference(*batch).backward()
+    record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
+    assert record.swapped
     for p, r in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, r.grad)
