@@ -146,9 +146,23 @@ def analyze_memory(
 
     host = host_copies(step) | pool_buffers(step)
 
-    def keys_of(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
+    # Recomputed nodes in the backward graph carry copies of their forward nodes' fake values,
+    # so their storages look like the forward's: a backward node that allocates (none of its
+    # storages is an input's) under a forward storage gets a storage of its own.
+    renamed: dict[int, object] = {}
+
+    def raw_keys(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
         keys = [(meta.storage_key(t), t) for t in meta.tensor_values(node) if t.device == device]
         return [(k, t) for k, t in keys if k not in host]
+
+    def keys_of(node: fx.Node) -> list[tuple[object, torch.Tensor]]:
+        return [(renamed.get(k, k), t) for k, t in raw_keys(node)]
+
+    def rename_recomputed(node: fx.Node) -> None:
+        inputs = {k for i in node.all_input_nodes for k, _ in raw_keys(i)}
+        for k, _ in raw_keys(node):
+            if k not in inputs and k in buffers and buffers[k].alloc < n_fw:
+                renamed[k] = ("backward", node.name, k)
 
     state = model_state(step, device, granule, end, optimizer_states_per_param)
     buffers: dict[int, _Buffer] = {key: buf for key, buf in state.by_storage.items()}
@@ -159,6 +173,8 @@ def analyze_memory(
     def walk(nodes: list[fx.Node], offset: int) -> None:
         for i, node in enumerate(nodes):
             at = offset + i
+            if offset:
+                rename_recomputed(node)
             for key, t in keys_of(node):
                 if key not in buffers:
                     new_buffer(key, t, node, at)
