@@ -156,8 +156,11 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
 
 def _keep_chunk_buffers(nodes: list[Any], graph: Any) -> None:
     """A chunk buffer ``chunk_gather`` returns belongs to the pool: Inductor must never reuse its
-    memory for another buffer nor write a kernel's output into it in place. Gradients handed to
-    ``chunk_grads`` are read by a copy still running after the op returns: not reused either."""
+    memory for another buffer nor write a kernel's output into it in place.
+
+    (Gradients handed to ``chunk_grads`` are not listed: Inductor never frees a buffer it may not
+    reuse, so they stayed allocated to the end of backward -- every offloaded chunk's gradient at
+    once. The op copies them into a staging buffer of its own before returning instead.)"""
     gather = getattr(torch.ops.protrain, "chunk_gather", None)
     if gather is None:
         return
@@ -171,12 +174,6 @@ def _keep_chunk_buffers(nodes: list[Any], graph: Any) -> None:
             if getattr(op, "op_overload", None) is gather.default:
                 for out in snode.get_outputs():
                     graph.never_reuse_buffers.add(out.get_name())
-            elif getattr(op, "op_overload", None) is torch.ops.protrain.chunk_grads.default:
-                # the gradients are copied to the host asynchronously: their memory must outlive
-                # the copy (the caching allocator is told with record_stream; Inductor's own reuse
-                # of a dead buffer would bypass it)
-                for dep in snode.read_writes.reads:
-                    graph.never_reuse_buffers.add(dep.name)
 
 
 class _Picklable:

@@ -151,6 +151,8 @@ class OffloadHandle:
                 f"protrain_fx: chunk {chunk} got gradients from two graphs in one step (a graph break "
                 "inside the parameters of one chunk); this release needs each chunk's backward in one graph"
             )
+        if self.device.type == "cuda":
+            grads = _staged(grads, self.store.compute_dtype)
         self.store.write_grads(dict(zip(names, grads)), accumulate=True)
         if self._accumulating:
             self._pending.add(chunk)
@@ -266,6 +268,23 @@ def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None) -> Chunk
         rows.append((name, id(p), p.numel() * p.element_size(), m.group(1) if m else OUTSIDE, i))
     infos: list[ParamInfo] = dedupe_tied(rows)
     return pack(infos, chunk_bytes) if chunk_bytes else choose_layout(infos)
+
+
+def _staged(grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The gradients copied, in ``dtype``, into one fresh device buffer on the current stream.
+
+    The copies to the host read this buffer after the graph has gone on; the graph's own gradient
+    buffers are free as soon as this returns (Inductor may reuse them at once, which it could not
+    if the host copies read them), and the staging buffer is the caching allocator's, held until
+    the copy stream is done with it (``record_stream``)."""
+    flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+    views, start = [], 0
+    for g in grads:
+        view = flat[start : start + g.numel()].view(g.shape)
+        view.copy_(g)
+        views.append(view)
+        start += g.numel()
+    return views
 
 
 def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:

@@ -237,11 +237,19 @@ def _route_grads(backward: fx.GraphModule, fw_placeholders: list[fx.Node], info:
     out.args = (tuple(grads),)
     for (hid, chunk), items in by_chunk.items():
         last = max((g for _, g in items), key=order.__getitem__)
+        grad = last.meta["val"]
         with backward.graph.inserting_after(last):
+            token = backward.graph.call_function(
+                torch.ops.aten.empty.memory_format, ([0],), {"dtype": torch.uint8, "device": grad.device}
+            )
+            with detect_fake_mode([grad]):
+                token.meta["val"] = torch.empty(0, dtype=torch.uint8, device=grad.device)
+        with backward.graph.inserting_after(token):
             node = backward.graph.call_function(
-                _ops.chunk_grads.default, ([g for _, g in items], hid, chunk, "\n".join(n for n, _ in items))
+                _ops.chunk_grads.default, (token, [g for _, g in items], hid, chunk, "\n".join(n for n, _ in items))
             )
         node.meta["val"] = None
+        _tag(token, last, "backward")
         _tag(node, last, "backward")
 
 

@@ -355,6 +355,7 @@ def finish_analysis(
     label: str,
 ) -> MemoryAnalysis:
     """Replay buffer lifetimes over the rows into a timeline, and sum them up."""
+    buffers = buffers + grad_staging(rows, device)
     timeline_entries, events = _replay(buffers, rows)
     by_category: dict[str, int] = defaultdict(int)
     for buf in buffers:
@@ -390,6 +391,32 @@ def finish_analysis(
         saved_activation_bytes=by_category["activation"],
         blocks=_block_table(buffers, timeline_entries, fw_nodes, bw_nodes),
     )
+
+
+def grad_staging(rows: list[tuple[str, int, object]], device: torch.device) -> list["_Buffer"]:
+    """The staging buffers ``chunk_grads`` allocates on a GPU (``param_offload._staged``): the
+    chunk's gradients in the compute dtype, from the op until its copy to the host is done --
+    counted as live until the next ``chunk_grads`` (or the end of backward), so two overlap there."""
+    op = getattr(torch.ops.protrain, "chunk_grads", None)
+    if op is None or device.type != "cuda":
+        return []
+    from protrain_fx.runtime import chunk_ops
+
+    at, seen = [], set()
+    for index, (_, _, item) in enumerate(rows):
+        node = item[1] if isinstance(item, tuple) else item
+        if isinstance(node, fx.Node) and node.target is op.default and node not in seen:
+            seen.add(node)  # Inductor may show one op in several rows
+            dtype = chunk_ops.handle(node.args[2]).store.compute_dtype
+            numel = sum(g.meta["val"].numel() for g in node.args[1])
+            nbytes = _round(numel * torch.empty(0, dtype=dtype).element_size(), CUDA_ALLOCATION_GRANULE)
+            at.append((index, nbytes, node.name))
+    end = max((i for i, (phase, _, _) in enumerate(rows) if phase == "backward"), default=len(rows) - 1)
+    return [
+        _Buffer(key=("grad_staging", name), nbytes=nbytes, category="transient", name=f"{name} (staging)",
+                source="", alloc=index, last_use=at[k + 1][0] if k + 1 < len(at) else end)
+        for k, (index, nbytes, name) in enumerate(at)
+    ]
 
 
 def _replay(

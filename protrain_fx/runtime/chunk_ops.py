@@ -10,10 +10,11 @@ offload handles (``protrain_fx.param_offload``) they serve.
 * ``protrain::chunk_release(buf, after, handle, chunk)`` after the chunk's last use in this graph: the
   buffer may be given to another chunk from then on. Declared to mutate ``buf``, which keeps it in
   the graph and after every reader.
-* ``protrain::chunk_grads(grads, handle, chunk, names)`` in backward, once every gradient of the
+* ``protrain::chunk_grads(token, grads, handle, chunk, names)`` in backward, once every gradient of the
   chunk's parameters in this graph exists: lands them in the store (adding to a held gradient) and,
   unless the handle is accumulating micro-batches, queues the chunk's CPU optimizer step, which
-  then overlaps the rest of backward. Declared to mutate ``grads`` so that it stays in the graph.
+  then overlaps the rest of backward. Declared to mutate ``token`` (an empty tensor) so that it
+  stays in the graph.
 """
 
 from __future__ import annotations
@@ -102,12 +103,17 @@ def _chunk_release_fake(buf: torch.Tensor, after: list[torch.Tensor], hid: int, 
     return None
 
 
-@torch.library.custom_op("protrain::chunk_grads", mutates_args=("grads",))
-def chunk_grads(grads: list[torch.Tensor], hid: int, chunk: int, names: str) -> None:
-    """``names``: the parameters' names joined by newlines (schemas have no string lists)."""
+@torch.library.custom_op("protrain::chunk_grads", mutates_args=("token",))
+def chunk_grads(token: torch.Tensor, grads: list[torch.Tensor], hid: int, chunk: int, names: str) -> None:
+    """``names``: the parameters' names joined by newlines (schemas have no string lists).
+
+    ``token`` is an empty tensor made for this call; declaring it mutated keeps the op in the graph.
+    The gradients are only read: declared mutated, Inductor would keep every one of them allocated
+    to the end of backward (it never frees a mutated buffer early), which at 4.2B held all the
+    offloaded chunks' fp32 gradients at once."""
     handle(hid).land_grads(chunk, names.split("\n"), grads)
 
 
 @chunk_grads.register_fake
-def _chunk_grads_fake(grads: list[torch.Tensor], hid: int, chunk: int, names: str) -> None:
+def _chunk_grads_fake(token: torch.Tensor, grads: list[torch.Tensor], hid: int, chunk: int, names: str) -> None:
     return None
