@@ -266,14 +266,15 @@ def base_system(system: str) -> str:
     return "protrain_offload" if _OFFLOAD_SYSTEM.match(system) else system
 
 
-def parse_offload_spec(spec: str) -> tuple[int, int, str]:
-    """``"persist=2,buffer=3,checkpoint=all"`` → ``(2, 3, "checkpoint=all")``: the chunks kept on the
-    GPU, the GPU chunk buffers, and the activation plan (``swap=``/``checkpoint=`` counts, as
-    ``--plan``; empty: none). ``buffer`` is required; ``persist`` defaults to 0."""
-    counts, rest = {"persist": 0}, []
+def parse_offload_spec(spec: str) -> tuple[int, int, str, int]:
+    """``"persist=2,buffer=3,gpu_optim=1,checkpoint=all"`` → ``(2, 3, "checkpoint=all", 1)``: the
+    chunks kept on the GPU, the GPU chunk buffers, the activation plan (``swap=``/``checkpoint=``
+    counts, as ``--plan``; empty: none) and the offloaded chunks stepped on the GPU. ``buffer`` is
+    required; ``persist`` and ``gpu_optim`` default to 0."""
+    counts, rest = {"persist": 0, "gpu_optim": 0}, []
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
-        if key.strip() in ("persist", "buffer"):
+        if key.strip() in ("persist", "buffer", "gpu_optim"):
             if not value.strip().isdigit():
                 raise ValueError(f"offload spec {spec!r}: {key.strip()} needs a whole number, got {value!r}")
             counts[key.strip()] = int(value)
@@ -284,7 +285,7 @@ def parse_offload_spec(spec: str) -> tuple[int, int, str]:
     plan = ",".join(rest)
     if plan:
         parse_plan_spec(plan)  # raises on a bad plan
-    return counts["persist"], counts["buffer"], plan
+    return counts["persist"], counts["buffer"], plan, counts["gpu_optim"]
 
 
 # ------------------------------------------------------------------------------------------ the worker
@@ -371,7 +372,7 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
     import protrain_fx
     from protrain_fx.backend import register
 
-    n_persist, n_buffer, plan_spec = parse_offload_spec(spec)
+    n_persist, n_buffer, plan_spec, n_gpu_optim = parse_offload_spec(spec)
     cuda = device == "cuda"
     cap = torch.cuda.get_device_properties(0).total_memory if cuda else 0
     fraction = torch.cuda.get_per_process_memory_fraction(0) if cuda else 0.0
@@ -393,13 +394,14 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
         available = int(limit) - rss
     handle = protrain_fx.offload(model, optimizer, n_persist=n_persist, n_buffer=n_buffer, device=device,
                                  compute_dtype=torch.bfloat16 if cuda else None, available_host_bytes=available,
-                                 init=model.init_parameter if where == "meta" else None)
+                                 init=model.init_parameter if where == "meta" else None, n_gpu_optim=n_gpu_optim)
     if cuda:
         torch.cuda.empty_cache()  # the initial fp32 weights of the offloaded chunks are gone
         torch.cuda.reset_peak_memory_stats()
     register()
     options = {}
-    info: dict = {"offload": {"n_persist": n_persist, "n_buffer": n_buffer, "built_on": where,
+    info: dict = {"offload": {"n_persist": n_persist, "n_buffer": n_buffer, "n_gpu_optim": n_gpu_optim,
+                              "built_on": where,
                               "chunks": len(handle.layout.chunks), "chunk_bytes": handle.layout.chunk_bytes,
                               "host_store_bytes": handle.store.host_bytes() if handle.store else 0,
                               "host_bytes_per_param": handle.host_bytes_per_param()},

@@ -47,6 +47,7 @@ from protrain_fx.runtime import chunk_ops
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
 from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
+from protrain_fx.runtime.device_adam import DeviceAdamW
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
@@ -66,6 +67,7 @@ class OffloadHandle:
         compute_dtype: torch.dtype | None = None,
         available_host_bytes: int | None = None,
         init: Callable[[str, torch.Tensor], None] | None = None,
+        n_gpu_optim: int = 0,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -92,7 +94,11 @@ class OffloadHandle:
         offloaded = self.layout.chunks[n_persist:]
         if offloaded and n_buffer < 1:
             raise ValueError(f"offload: {len(offloaded)} chunks live on the host and need n_buffer >= 1, got {n_buffer}")
-        self.n_persist, self.n_buffer = n_persist, n_buffer
+        if not 0 <= n_gpu_optim <= len(offloaded):
+            raise ValueError(
+                f"offload: n_gpu_optim must be in [0, {len(offloaded)}] (the offloaded chunks), got {n_gpu_optim}"
+            )
+        self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         host_layout = ChunkLayout(
             self.layout.chunk_bytes, tuple(Chunk(i, c.slots) for i, c in enumerate(offloaded))
         )
@@ -108,6 +114,7 @@ class OffloadHandle:
         self.optimizer = optimizer
         self.adam = ChunkAdamW(self.store, optimizer, named) if self.store else None
         self.worker = OptimizerWorker(self.adam.step_chunk) if self.adam else None
+        self.device_adam = DeviceAdamW(self.adam, self.device) if self.adam and n_gpu_optim else None
         self.pool = (
             ChunkBufferPool(self.store, n_buffer, self.device, wait_host=self.worker.wait) if self.store else None
         )
@@ -153,6 +160,10 @@ class OffloadHandle:
             )
         if self.device.type == "cuda":
             grads = _staged(grads, self.store.compute_dtype)
+        if chunk < self.n_gpu_optim and not self._accumulating and not self.store.holds_grad(chunk):
+            self.device_adam.step_chunk(chunk, dict(zip(names, grads)))  # its states stream through the GPU
+            self._submitted.add(chunk)
+            return
         self.store.write_grads(dict(zip(names, grads)), accumulate=True)
         if self._accumulating:
             self._pending.add(chunk)
@@ -173,9 +184,11 @@ class OffloadHandle:
             self._accumulating = previous
 
     def synchronize(self) -> None:
-        """Wait for every queued CPU optimizer step (raises a failure of the worker)."""
+        """Wait for every queued optimizer step of an offloaded chunk (raises a failure of the worker)."""
         if self.worker is not None:
             self.worker.wait_all()
+        if self.store is not None:
+            self.store.wait_writes()
 
     def _after_step(self) -> None:
         for chunk in sorted(self._pending):  # accumulated, never queued: step them now
@@ -240,13 +253,18 @@ def offload(
     compute_dtype: torch.dtype | None = None,
     available_host_bytes: int | None = None,
     init: Callable[[str, torch.Tensor], None] | None = None,
+    n_gpu_optim: int = 0,
 ) -> OffloadHandle:
     """Put ``model``'s parameters into chunks (see the module docstring); call before ``torch.compile``.
 
     A model built on the ``meta`` device is materialised straight into the chunks: ``init(name,
     tensor)`` fills each parameter (first of its names when tied) in place, in the host chunk for
     offloaded ones, on ``device`` for persistent ones. Host memory then peaks at the chunk store,
-    never at a whole second copy of the model."""
+    never at a whole second copy of the model.
+
+    ``n_gpu_optim``: the first that many offloaded chunks (the last of backward, the first of the
+    next forward) are stepped on the device instead of the CPU, their fp32 states streamed through
+    it (``runtime/device_adam.py``): the CPU steps fewer chunks and forward waits less."""
     return OffloadHandle(
         model,
         optimizer,
@@ -257,6 +275,7 @@ def offload(
         compute_dtype=compute_dtype,
         available_host_bytes=available_host_bytes,
         init=init,
+        n_gpu_optim=n_gpu_optim,
     )
 
 

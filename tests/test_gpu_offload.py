@@ -25,23 +25,26 @@ def _batch(step: int):
     return random_batch(CONFIG, 4, 64, device="cuda", generator=torch.Generator().manual_seed(step))
 
 
-def _setup(n_persist: int, n_buffer: int, *, compute_dtype=None, plan=None, codegen="inductor"):
+def _setup(n_persist: int, n_buffer: int, *, compute_dtype=None, plan=None, codegen="inductor", n_gpu_optim=0):
     torch.manual_seed(0)
     model = GPT(CONFIG)  # on the CPU: offload moves what it keeps on the GPU
     reference = copy.deepcopy(model).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cuda",
-                                 chunk_bytes=CHUNK, compute_dtype=compute_dtype)
+                                 chunk_bytes=CHUNK, compute_dtype=compute_dtype, n_gpu_optim=n_gpu_optim)
+    if handle.device_adam is not None:
+        handle.device_adam.slice_elems = 4096  # many slices: the two staging sets are reused often
     options = {"codegen": codegen} if plan is None else {"codegen": codegen, "plan": plan}
     compiled = torch.compile(model, backend="protrain", options=options)
     return model, reference, opt, ref_opt, handle, compiled
 
 
-@pytest.mark.parametrize(("n_persist", "plan_spec"), [(0, None), (2, "swap=1,checkpoint=2")])
-def test_fp32_training_matches_eager_adamw_on_the_gpu(n_persist, plan_spec):
+@pytest.mark.parametrize(("n_persist", "plan_spec", "n_gpu_optim"),
+                         [(0, None, 0), (2, "swap=1,checkpoint=2", 0), (0, None, 3), (1, "checkpoint=2", 2)])
+def test_fp32_training_matches_eager_adamw_on_the_gpu(n_persist, plan_spec, n_gpu_optim):
     plan = from_counts(plan_spec, [f"blocks.{i}" for i in range(CONFIG.n_layer)]) if plan_spec else None
-    model, reference, opt, ref_opt, handle, compiled = _setup(n_persist, 8, plan=plan)
+    model, reference, opt, ref_opt, handle, compiled = _setup(n_persist, 8, plan=plan, n_gpu_optim=n_gpu_optim)
     assert handle.store.pinned
     for step in range(4):
         loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
@@ -57,11 +60,15 @@ def test_fp32_training_matches_eager_adamw_on_the_gpu(n_persist, plan_spec):
         torch.testing.assert_close(state[name], p.detach().cpu(), rtol=1e-4, atol=3e-5, msg=name)
     host = {n for s in handle.store.slots for n in s.names}
     assert all(p.untyped_storage().nbytes() == 0 for n, p in model.named_parameters() if n in host)
+    if n_gpu_optim:
+        assert handle.device_adam.chunk_steps == 4 * n_gpu_optim
     handle.close()
 
 
-def test_bf16_chunks_train_like_eager_autocast():
-    model, reference, opt, ref_opt, handle, compiled = _setup(1, 8, compute_dtype=torch.bfloat16)
+@pytest.mark.parametrize("n_gpu_optim", [0, 3])  # 3: every offloaded chunk
+def test_bf16_chunks_train_like_eager_autocast(n_gpu_optim):
+    model, reference, opt, ref_opt, handle, compiled = _setup(1, 8, compute_dtype=torch.bfloat16,
+                                                              n_gpu_optim=n_gpu_optim)
     # bf16 copy + fp32 master + Adam states per chunk element (padding of these tiny chunks included;
     # the per-parameter figure of a real model is measured by bench/peers.py), plus one fp32 scratch
     store = handle.store

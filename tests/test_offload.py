@@ -25,7 +25,8 @@ def _batch(step: int):
     return random_batch(CONFIG, 2, 32, generator=torch.Generator().manual_seed(step))
 
 
-def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str | None = None, plan=None):
+def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str | None = None, plan=None,
+           n_gpu_optim: int = 0):
     torch.manual_seed(0)
     model = GPT(CONFIG)
     if frozen:
@@ -33,7 +34,8 @@ def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str
     reference = copy.deepcopy(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, fused=True)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, fused=True)
-    handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cpu", chunk_bytes=CHUNK)
+    handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cpu", chunk_bytes=CHUNK,
+                                 n_gpu_optim=n_gpu_optim)
     options = {"codegen": codegen} if plan is None else {"codegen": codegen, "plan": plan}
     compiled = torch.compile(model, backend="protrain", options=options)
     return model, reference, opt, ref_opt, handle, compiled
@@ -83,6 +85,65 @@ def test_training_equals_eager_adamw(n_persist, n_buffer):
     assert all(h.args[0].target is torch.ops.protrain.chunk_gather.default for h in hints)
     # No gradient of an offloaded parameter reaches autograd.
     assert all(p.grad is None for n, p in model.named_parameters() if n in host)
+    handle.close()
+
+
+@pytest.mark.parametrize(("n_persist", "n_gpu_optim", "slice_elems"), [(0, 1, None), (1, 3, 1000), (0, 99, 64)])
+def test_chunks_stepped_on_the_device_train_exactly_like_eager_adamw(n_persist, n_gpu_optim, slice_elems):
+    # The device step (runtime/device_adam.py) on a CPU "device": states copied out to staging
+    # slices, stepped there, copied back -- the same bits as eager, in slices smaller than a
+    # parameter (1000 -> 960 on the kernel's grid; 64: the smallest) or one slice a chunk.
+    n_chunks = len(_setup(0, 2)[4].layout.chunks)
+    n_gpu_optim = min(n_gpu_optim, n_chunks - n_persist)
+    model, reference, opt, ref_opt, handle, compiled = _setup(n_persist, 2, n_gpu_optim=n_gpu_optim)
+    if slice_elems:
+        handle.device_adam.slice_elems = slice_elems
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    _train_side_by_side(compiled, reference, opt, ref_opt, 3, schedules=(schedule, ref_schedule))
+    _assert_same_params(handle, model, reference)
+    # Exactly the first n_gpu_optim offloaded chunks went through the device, once a step.
+    assert handle.device_adam.chunk_steps == 3 * n_gpu_optim
+    assert handle.worker.steps == 3 * (n_chunks - n_persist - n_gpu_optim)
+    # Their moments are in the optimizer's state dict like the others'.
+    state = handle.optimizer_state_dict()["state"]
+    ref_state = ref_opt.state_dict()["state"]
+    for index, entry in ref_state.items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[index][key], entry[key]), (index, key)
+    handle.close()
+
+
+def test_device_stepped_chunks_accumulate_resume_and_keep_frozen_parameters():
+    # Accumulated gradients are on the host: those chunks take the CPU path at the step; a frozen
+    # parameter in a device-stepped chunk stays; a checkpoint resumes exactly.
+    model, reference, opt, ref_opt, handle, compiled = _setup(0, 2, frozen="blocks.0.attn.qkv.weight", n_gpu_optim=3)
+    frozen_before = reference.get_parameter("blocks.0.attn.qkv.weight").detach().clone()
+    for step in range(2):
+        with handle.accumulate():
+            compiled(*_batch(10 * step)).backward()
+        compiled(*_batch(10 * step + 1)).backward()
+        opt.step(), opt.zero_grad()
+        reference(*_batch(10 * step)).backward()
+        reference(*_batch(10 * step + 1)).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+    assert handle.device_adam.chunk_steps == 0  # every chunk held an accumulated gradient
+    _train_side_by_side(compiled, reference, opt, ref_opt, 2)
+    assert handle.device_adam.chunk_steps == 2 * 3
+    _assert_same_params(handle, model, reference)
+    assert torch.equal(handle.state_dict(model)["blocks.0.attn.qkv.weight"], frozen_before)
+    plain = GPT(CONFIG)
+    plain.load_state_dict(handle.state_dict(model))
+    plain_opt = torch.optim.AdamW([p for n, p in plain.named_parameters() if n != "blocks.0.attn.qkv.weight"],
+                                  lr=1e-3, weight_decay=0.1, fused=True)
+    plain_opt.load_state_dict(copy.deepcopy(handle.optimizer_state_dict()))
+    plain.get_parameter("blocks.0.attn.qkv.weight").requires_grad_(False)
+    for step in (5, 6):
+        compiled(*_batch(step)).backward()
+        opt.step(), opt.zero_grad()
+        plain(*_batch(step)).backward()
+        plain_opt.step(), plain_opt.zero_grad()
+    _assert_same_params(handle, model, plain)
     handle.close()
 
 
@@ -196,6 +257,8 @@ def test_bad_settings_are_refused_with_the_numbers():
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="n_persist must be in"):
         protrain_fx.offload(model, opt, n_persist=999, n_buffer=1, device="cpu", chunk_bytes=CHUNK)
+    with pytest.raises(ValueError, match=r"n_gpu_optim must be in \[0, \d+\]"):
+        protrain_fx.offload(model, opt, n_persist=1, n_buffer=1, device="cpu", chunk_bytes=CHUNK, n_gpu_optim=999)
     with pytest.raises(ValueError, match="n_buffer >= 1"):
         protrain_fx.offload(model, opt, n_persist=0, n_buffer=0, device="cpu", chunk_bytes=CHUNK)
     with pytest.raises(MemoryError, match="bytes"):

@@ -241,6 +241,8 @@ def chunk_pool_bytes(step: StepGraphs) -> dict[int, int]:
         handle = chunk_ops.handle(hid)
         itemsize = torch.empty(0, dtype=handle.store.compute_dtype).element_size()
         out[hid] = handle.pool.n_buffer * handle.store.chunk_numel * itemsize
+        if handle.device_adam is not None:  # the device steps' staging slices (runtime/device_adam.py)
+            out[hid] += _round(handle.device_adam.staging_bytes, default_granule(handle.device))
     return out
 
 
@@ -396,7 +398,9 @@ def finish_analysis(
 def grad_staging(rows: list[tuple[str, int, object]], device: torch.device) -> list["_Buffer"]:
     """The staging buffers ``chunk_grads`` allocates on a GPU (``param_offload._staged``): the
     chunk's gradients in the compute dtype, from the op until its copy to the host is done --
-    counted as live until the next ``chunk_grads`` (or the end of backward), so two overlap there."""
+    counted as live until the next ``chunk_grads`` (or the end of backward), so two overlap there.
+    A chunk stepped on the device (``n_gpu_optim``) holds its buffer until its step has streamed
+    through: counted to the end of backward."""
     op = getattr(torch.ops.protrain, "chunk_grads", None)
     if op is None or device.type != "cuda":
         return []
@@ -407,15 +411,17 @@ def grad_staging(rows: list[tuple[str, int, object]], device: torch.device) -> l
         node = item[1] if isinstance(item, tuple) else item
         if isinstance(node, fx.Node) and node.target is op.default and node not in seen:
             seen.add(node)  # Inductor may show one op in several rows
-            dtype = chunk_ops.handle(node.args[2]).store.compute_dtype
+            handle = chunk_ops.handle(node.args[2])
             numel = sum(g.meta["val"].numel() for g in node.args[1])
-            nbytes = _round(numel * torch.empty(0, dtype=dtype).element_size(), CUDA_ALLOCATION_GRANULE)
-            at.append((index, nbytes, node.name))
+            nbytes = _round(numel * torch.empty(0, dtype=handle.store.compute_dtype).element_size(),
+                            CUDA_ALLOCATION_GRANULE)
+            on_device = node.args[3] < handle.n_gpu_optim  # read by its device step, not one copy
+            at.append((index, nbytes, node.name, on_device))
     end = max((i for i, (phase, _, _) in enumerate(rows) if phase == "backward"), default=len(rows) - 1)
     return [
         _Buffer(key=("grad_staging", name), nbytes=nbytes, category="transient", name=f"{name} (staging)",
-                source="", alloc=index, last_use=at[k + 1][0] if k + 1 < len(at) else end)
-        for k, (index, nbytes, name) in enumerate(at)
+                source="", alloc=index, last_use=end if on_device or k + 1 == len(at) else at[k + 1][0])
+        for k, (index, nbytes, name, on_device) in enumerate(at)
     ]
 
 

@@ -157,6 +157,8 @@ class ChunkBufferPool:
                 self._stream.wait_event(
                     self._freed[i]
                 )  # compute is done with the old chunk
+            if (write := self.store.pending_write(chunk_id)) is not None:
+                self._stream.wait_event(write)  # a device step is still writing the values
             with torch.cuda.stream(self._stream):
                 dst.copy_(source, non_blocking=True)
             event = torch.cuda.Event()

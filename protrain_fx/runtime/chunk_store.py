@@ -153,6 +153,8 @@ class ChunkStore:
         self._versions = [0] * len(layout.chunks)
         self._grad_events: list[torch.cuda.Event | None] = [None] * len(layout.chunks)
         self._read_events: list[torch.cuda.Event | None] = [None] * len(layout.chunks)
+        # copies from the device into the chunk's host buffers still in flight (a device step)
+        self._write_events: list[torch.cuda.Event | None] = [None] * len(layout.chunks)
         self._d2h_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -409,6 +411,8 @@ class ChunkStore:
         )  # the gradient is made there
         if (read := self._read_events[chunk_id]) is not None:
             stream.wait_event(read)  # a fetch may still be reading this buffer
+        if (write := self._write_events[chunk_id]) is not None:
+            stream.wait_event(write)  # a device step may still be writing it
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         src.record_stream(
@@ -432,6 +436,30 @@ class ChunkStore:
         _synchronize(self._read_events[chunk_id])
         self._read_events[chunk_id] = None
         self.wait_grad(chunk_id)
+        self.wait_writes(chunk_id)
+
+    # ---- device steps (``runtime/device_adam.py``) -------------------------------------------
+
+    def note_host_write(self, chunk_id: int, event: torch.cuda.Event | None) -> None:
+        """Copies from the device into the chunk's host buffers end at ``event``: fetches wait for
+        it on their stream, host reads and writes with :meth:`wait_writes`. The chunk's values
+        changed: its version is bumped (device copies are stale)."""
+        self._write_events[chunk_id] = event
+        self._versions[chunk_id] += 1
+
+    def pending_write(self, chunk_id: int) -> torch.cuda.Event | None:
+        """The event of the chunk's host writes still in flight, if any."""
+        return self._write_events[chunk_id]
+
+    def wait_writes(self, chunk_id: int | None = None) -> None:
+        """Block until the device's copies into the chunk's (default: every chunk's) host buffers end."""
+        for c in range(self.num_chunks) if chunk_id is None else (chunk_id,):
+            _synchronize(self._write_events[c])
+            self._write_events[c] = None
+
+    def read_event(self, chunk_id: int) -> torch.cuda.Event | None:
+        """The event of the last GPU copy reading the chunk's host buffers (see :meth:`note_host_read`)."""
+        return self._read_events[chunk_id]
 
     # ---- what the GPU buffer pool needs ------------------------------------------------------
 
@@ -460,6 +488,7 @@ class ChunkStore:
         """Parameter name -> full fp32 tensor (a copy of the master; tied names share one tensor).
 
         Loads into the plain model with ``load_state_dict`` (which casts to the model's dtype)."""
+        self.wait_writes()
         return self._named(lambda s: self.view("master", s).clone())
 
     def load_param_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:

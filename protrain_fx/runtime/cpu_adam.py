@@ -92,26 +92,9 @@ class ChunkAdamW:
         parameters, ``bench/cpu_adam_speed.py``, 2026-11-30): 2.39 G params/s in three whole-chunk
         passes, 2.50 with 1M-element slices, against 4.01 for torch's fused AdamW on fp32
         parameters alone: the bf16<->fp32 conversions, not DRAM passes, cost the difference."""
-        group = self.optimizer.param_groups[g]
-        _check_group(group, g)
         store = self.store
-        steps = [self._step_of(s) for s in slots]
-        torch._foreach_add_(steps, 1)
-        fused = (
-            torch._fused_adamw_
-            if _decoupled(self.optimizer, group)
-            else torch._fused_adam_
-        )
-        beta1, beta2 = group["betas"]
-        hyper = dict(
-            amsgrad=False,
-            lr=_scalar(group["lr"]),
-            beta1=_scalar(beta1),
-            beta2=_scalar(beta2),
-            weight_decay=_scalar(group["weight_decay"]),
-            eps=_scalar(group["eps"]),
-            maximize=group.get("maximize", False),
-        )
+        steps = self.advance(slots)
+        fused, hyper = self.kernel(g)
         working, master = store.flat("working", chunk_id), store.flat("master", chunk_id)
         exp_avg, exp_avg_sq = store.flat("exp_avg", chunk_id), store.flat("exp_avg_sq", chunk_id)
         scratch = store.scratch
@@ -132,6 +115,38 @@ class ChunkAdamW:
             )
             for a, b in ranges:
                 working[a:b].copy_(master[a:b])
+
+    def group_of(self, slot: ParamSlot) -> int:
+        """Index of the optimizer's param group holding ``slot``."""
+        return self._group_of[slot]
+
+    def advance(self, slots: list[ParamSlot]) -> list[torch.Tensor]:
+        """Count one more step for each of ``slots``; their (CPU, fp32) step tensors."""
+        steps = [self._step_of(s) for s in slots]
+        torch._foreach_add_(steps, 1)
+        return steps
+
+    def kernel(self, g: int) -> tuple[Callable[..., None], dict[str, Any]]:
+        """torch's fused Adam or AdamW kernel for param group ``g`` and its keyword arguments, read
+        from the group now (so schedulers apply)."""
+        group = self.optimizer.param_groups[g]
+        _check_group(group, g)
+        fused = (
+            torch._fused_adamw_
+            if _decoupled(self.optimizer, group)
+            else torch._fused_adam_
+        )
+        beta1, beta2 = group["betas"]
+        hyper = dict(
+            amsgrad=False,
+            lr=_scalar(group["lr"]),
+            beta1=_scalar(beta1),
+            beta2=_scalar(beta2),
+            weight_decay=_scalar(group["weight_decay"]),
+            eps=_scalar(group["eps"]),
+            maximize=group.get("maximize", False),
+        )
+        return fused, hyper
 
     def _step_of(self, slot: ParamSlot) -> torch.Tensor:
         if slot not in self._steps:
