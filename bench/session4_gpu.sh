@@ -7,7 +7,8 @@
 #   lane b (GPU 1, cores 16-31): B24 4.2B through protrain_offload after the gradient-freeing fix, with
 #     and without chunks stepped on the GPU (gpu_optim), then 6.7B (OOMed on the GPU before the fix).
 #   bash bench/session4_gpu.sh   (TESTS, PEERS, OFFLOAD42A (lane a, after the peers), OFFLOAD42 and
-#                                 OFFLOAD67 (lane b) override what runs; empty: skip)
+#                                 OFFLOAD67 (lane b) override what runs; empty: skip; EXTRA_A: the
+#                                 arguments of one more bench/peers.py run in lane a)
 # Needs .whl/ carried for DeepSpeed (anchors.md). Writes $OUT/session4.tgz (logs, JSON, tables, plots).
 set -u
 export PYTHONUNBUFFERED=1
@@ -19,11 +20,12 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 { nvidia-smi -L; nproc; free -g | head -2; python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count())'; } > "$O/machine.txt" 2>&1
-OFFLOAD42=${OFFLOAD42:-"persist=0,buffer=3,checkpoint=all persist=0,buffer=3,gpu_optim=4,checkpoint=all persist=0,buffer=3,gpu_optim=8,checkpoint=all persist=2,buffer=3,gpu_optim=4,checkpoint=all"}
-OFFLOAD67=${OFFLOAD67:-"persist=0,buffer=3,gpu_optim=4,checkpoint=all"}
-PEERS=${PEERS:-"fsdp2 deepspeed"}
-TESTS=${TESTS:-"tests/test_gpu_offload.py tests/test_gpu_swap.py"}
-OFFLOAD42A=${OFFLOAD42A:-}
+OFFLOAD42=${OFFLOAD42-"persist=0,buffer=3,checkpoint=all persist=0,buffer=3,gpu_optim=4,checkpoint=all persist=0,buffer=3,gpu_optim=8,checkpoint=all persist=2,buffer=3,gpu_optim=4,checkpoint=all"}
+OFFLOAD67=${OFFLOAD67-"persist=0,buffer=3,gpu_optim=4,checkpoint=all"}
+PEERS=${PEERS-"fsdp2 deepspeed"}
+TESTS=${TESTS-"tests/test_gpu_offload.py tests/test_gpu_swap.py"}
+OFFLOAD42A=${OFFLOAD42A-}
+EXTRA_A=${EXTRA_A-}
 
 lane_a() {
   if [ -n "$TESTS" ]; then
@@ -35,6 +37,11 @@ lane_a() {
     # shellcheck disable=SC2086
     python3 bench/peers.py --sizes 4.2B --systems $PEERS --host-ram-gib 120 --out "$O/a" \
       --deadline-s $((END - $(date +%s))) > "$O/a/peers42.log" 2>&1
+  fi
+  if [ -n "$EXTRA_A" ]; then  # any other bench/peers.py run (its own arguments), e.g. an uncapped reference
+    mkdir -p "$O/a/extra"
+    # shellcheck disable=SC2086
+    python3 bench/peers.py $EXTRA_A --out "$O/a/extra" --deadline-s $((END - $(date +%s))) > "$O/a/extra42.log" 2>&1
   fi
   if [ -n "$OFFLOAD42A" ]; then  # more protrain_offload settings at 4.2B, after the peers
     local resume=()
@@ -61,7 +68,7 @@ lane_b() {
   fi
 }
 
-(export CUDA_VISIBLE_DEVICES=0; taskset -c 0-15 bash -c "$(declare -f lane_a); O=$O END=$END TESTS='$TESTS' PEERS='$PEERS' OFFLOAD42A='$OFFLOAD42A' lane_a") &
+(export CUDA_VISIBLE_DEVICES=0; taskset -c 0-15 bash -c "$(declare -f lane_a); O=$O END=$END TESTS='$TESTS' PEERS='$PEERS' OFFLOAD42A='$OFFLOAD42A' EXTRA_A='$EXTRA_A' lane_a") &
 (export CUDA_VISIBLE_DEVICES=1; taskset -c 16-31 bash -c "$(declare -f lane_b); O=$O END=$END OFFLOAD42='$OFFLOAD42' OFFLOAD67='$OFFLOAD67' lane_b") &
 wait
 tar czf "$OUT/session4.tgz" -C "$O" .

@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from protrain_fx.runtime.pinned import host_empty
+
 from protrain_fx.runtime.chunk_store import ChunkStore
 
 
@@ -176,9 +178,5 @@ class ChunkBufferPool:
         if self._fetched[i] is not None:
             self._fetched[i].synchronize()
         if self._staging[i] is None:
-            self._staging[i] = torch.empty(
-                self.store.chunk_numel,
-                dtype=self.store.compute_dtype,
-                pin_memory=self.store.pinned,
-            )
+            self._staging[i] = host_empty(self.store.chunk_numel, self.store.compute_dtype, self.store.pinned)
         return self._staging[i]

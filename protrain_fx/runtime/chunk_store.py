@@ -43,6 +43,7 @@ from typing import Literal
 import torch
 
 from protrain_fx.chunks import ChunkLayout
+from protrain_fx.runtime.pinned import host_empty
 
 GiB = 2**30
 #: What the store can show per parameter (see the module table).
@@ -205,7 +206,7 @@ class ChunkStore:
     # ---- allocation --------------------------------------------------------------------------
 
     def _empty(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(self.chunk_numel, dtype=dtype, pin_memory=self.pinned)
+        return host_empty(self.chunk_numel, dtype, self.pinned)  # exact size: no power-of-two rounding
 
     def _allocate_chunk(
         self, slots: tuple[ParamSlot, ...], params: Mapping[str, torch.Tensor]

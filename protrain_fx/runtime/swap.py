@@ -28,6 +28,8 @@ import threading
 
 import torch
 
+from protrain_fx.runtime.pinned import host_empty
+
 
 class HostPool:
     """Exact-size (pinned, for CUDA sources) host buffers, reused across steps per slot.
@@ -54,7 +56,7 @@ class HostPool:
             )
             storage = next(free, None)
             if storage is None:
-                storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+                storage = host_empty(nbytes, torch.uint8, pin).untyped_storage()  # exact size
                 storages.append(storage)
             return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape)
 
