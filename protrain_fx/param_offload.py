@@ -158,9 +158,12 @@ class OffloadHandle:
                 f"protrain_fx: chunk {chunk} got gradients from two graphs in one step (a graph break "
                 "inside the parameters of one chunk); this release needs each chunk's backward in one graph"
             )
+        on_device = chunk < self.n_gpu_optim and not self._accumulating and not self.store.holds_grad(chunk)
+        if on_device:
+            self.device_adam.make_room()  # bounds the device steps in flight, so their gradients' memory
         if self.device.type == "cuda":
             grads = _staged(grads, self.store.compute_dtype)
-        if chunk < self.n_gpu_optim and not self._accumulating and not self.store.holds_grad(chunk):
+        if on_device:
             self.device_adam.step_chunk(chunk, dict(zip(names, grads)))  # its states stream through the GPU
             self._submitted.add(chunk)
             return

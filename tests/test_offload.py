@@ -114,6 +114,30 @@ def test_chunks_stepped_on_the_device_train_exactly_like_eager_adamw(n_persist, 
     handle.close()
 
 
+def test_memory_analysis_counts_the_device_steps_in_flight():
+    # On a GPU a device-stepped chunk's gradient buffer lives until its step is done; the runtime lets
+    # MAX_IN_FLIGHT steps run at once (make_room), and the analysis counts exactly that: each buffer
+    # until just before the one MAX_IN_FLIGHT device chunks later is made.
+    from protrain_fx.passes.memory import grad_staging
+    from protrain_fx.runtime.device_adam import MAX_IN_FLIGHT
+
+    _, _, _, _, handle, compiled = _setup(0, 2, n_gpu_optim=4)
+    compiled(*_batch(0)).backward()
+    record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
+    rows = [("backward", 1, n) for n in record.backward.graph.nodes]
+    buffers = grad_staging(rows, torch.device("cuda"))  # the rule is the GPU's; only the type is read
+    grads_rows = [i for i, (_, _, n) in enumerate(rows) if n.target is torch.ops.protrain.chunk_grads.default]
+    on_device = [rows[i][2].args[3] < 4 for i in grads_rows]
+    assert len(buffers) == len(grads_rows) and sum(on_device) == 4
+    device_bufs = [b for b, d in zip(buffers, on_device) if d]
+    for k, b in enumerate(device_bufs):
+        later = device_bufs[k + MAX_IN_FLIGHT :]
+        assert b.last_use == (later[0].alloc - 1 if later else len(rows) - 1), k
+    for i in range(len(rows)):
+        assert sum(b.alloc <= i <= b.last_use for b in device_bufs) <= MAX_IN_FLIGHT, i
+    handle.close()
+
+
 def test_device_stepped_chunks_accumulate_resume_and_keep_frozen_parameters():
     # Accumulated gradients are on the host: those chunks take the CPU path at the step; a frozen
     # parameter in a device-stepped chunk stays; a checkpoint resumes exactly.

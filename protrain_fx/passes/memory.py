@@ -400,7 +400,9 @@ def grad_staging(rows: list[tuple[str, int, object]], device: torch.device) -> l
     chunk's gradients in the compute dtype, from the op until its copy to the host is done --
     counted as live until the next ``chunk_grads`` (or the end of backward), so two overlap there.
     A chunk stepped on the device (``n_gpu_optim``) holds its buffer until its step has streamed
-    through: counted to the end of backward."""
+    through; the runtime lets at most ``MAX_IN_FLIGHT`` such steps run at once
+    (``DeviceAdamW.make_room``), so the buffer is counted until just before the device step that
+    many chunks later makes its own (or the end of backward)."""
     op = getattr(torch.ops.protrain, "chunk_grads", None)
     if op is None or device.type != "cuda":
         return []
@@ -417,11 +419,22 @@ def grad_staging(rows: list[tuple[str, int, object]], device: torch.device) -> l
                             CUDA_ALLOCATION_GRANULE)
             on_device = node.args[3] < handle.n_gpu_optim  # read by its device step, not one copy
             at.append((index, nbytes, node.name, on_device))
+    from protrain_fx.runtime.device_adam import MAX_IN_FLIGHT
+
     end = max((i for i, (phase, _, _) in enumerate(rows) if phase == "backward"), default=len(rows) - 1)
+    device_rows = [index for index, _, _, on_device in at if on_device]
+
+    def last_use(k: int) -> int:
+        index, _, _, on_device = at[k]
+        if on_device:  # freed before the MAX_IN_FLIGHT-th next device step makes its buffer
+            later = device_rows[device_rows.index(index) + MAX_IN_FLIGHT :]
+            return later[0] - 1 if later else end
+        return at[k + 1][0] if k + 1 < len(at) else end
+
     return [
         _Buffer(key=("grad_staging", name), nbytes=nbytes, category="transient", name=f"{name} (staging)",
-                source="", alloc=index, last_use=end if on_device or k + 1 == len(at) else at[k + 1][0])
-        for k, (index, nbytes, name, on_device) in enumerate(at)
+                source="", alloc=index, last_use=last_use(k))
+        for k, (index, nbytes, name, _) in enumerate(at)
     ]
 
 

@@ -20,6 +20,7 @@ slice boundaries on the grid of ``cpu_adam._slices``: the same bits as the host 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
@@ -33,6 +34,11 @@ from protrain_fx.runtime.cpu_adam import ChunkAdamW, _slices
 DEVICE_SLICE_ELEMS = 1 << 23
 #: Staging sets: one being filled while the other is updated and drained.
 N_SETS = 2
+#: Device steps in flight at most: a chunk's gradient buffer lives until its step is done, so the
+#: thread landing gradients waits (:meth:`DeviceAdamW.make_room`) before a third one is made. The
+#: memory analysis counts exactly that many (``passes/memory.py``, ``grad_staging``); on the H200 the
+#: steps kept up with backward, so the wait costs nothing there.
+MAX_IN_FLIGHT = 2
 
 
 class DeviceAdamW:
@@ -53,6 +59,9 @@ class DeviceAdamW:
         self._device_steps: dict[ParamSlot, torch.Tensor] = {}
         #: Chunk steps issued so far.
         self.chunk_steps = 0
+        #: Seconds the landing thread waited in :meth:`make_room`.
+        self.wait_s = 0.0
+        self._in_flight: list[torch.cuda.Event] = []
         self._load = torch.cuda.Stream(self.device) if self.cuda else None
         self._work = torch.cuda.Stream(self.device) if self.cuda else None
 
@@ -61,6 +70,16 @@ class DeviceAdamW:
         """Device bytes of the staging sets (held from the first step on)."""
         itemsize = torch.empty(0, dtype=self.store.compute_dtype).element_size()
         return N_SETS * self.slice_elems * (4 * 4 + itemsize)
+
+    def make_room(self) -> None:
+        """Block until fewer than :data:`MAX_IN_FLIGHT` issued steps are still running (call before
+        making the next chunk's gradient buffer: the caching allocator can then reuse the oldest's)."""
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            event = self._in_flight.pop(0)
+            if not event.query():
+                start = time.perf_counter()
+                event.synchronize()
+                self.wait_s += time.perf_counter() - start
 
     def step_chunk(self, chunk_id: int, grads: Mapping[str, torch.Tensor]) -> None:
         """One step of the chunk's optimized parameters that have a gradient in ``grads`` (name ->
@@ -111,6 +130,7 @@ class DeviceAdamW:
             done = torch.cuda.Event()
             done.record(self._work)
             store.note_host_write(chunk_id, done)
+            self._in_flight.append(done)
         else:
             store.note_host_write(chunk_id, None)
 
