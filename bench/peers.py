@@ -416,6 +416,8 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
     loss_fn = _loss_fn(run, size)
     worker = handle.worker
     last_busy = [worker.busy_s if worker else 0.0]
+    device_adam = handle.device_adam
+    last_wait = [device_adam.wait_s if device_adam else 0.0]
 
     def step(idx, targets):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
@@ -440,8 +442,11 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
                 "backward_s": events[1].elapsed_time(events[2]) / 1e3,
                 "gpu_optimizer_s": events[2].elapsed_time(events[3]) / 1e3,
                 "cpu_optimizer_busy_s": busy - last_busy[0],  # steps run since the last call's end
+                # backward's thread waiting for GPU optimizer steps in flight (runtime/device_adam.py)
+                "device_optimizer_wait_s": (device_adam.wait_s if device_adam else 0.0) - last_wait[0],
             })
             last_busy[0] = busy
+            last_wait[0] = device_adam.wait_s if device_adam else 0.0
         return loss
 
     return step, model, info
