@@ -372,3 +372,39 @@ def test_a_meta_model_without_init_or_with_meta_buffers_is_refused():
     model.register_buffer("mask", torch.empty(4, device="meta"))
     with pytest.raises(ValueError, match="buffer 'mask' is on the meta device"):
         protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu", chunk_bytes=CHUNK, init=model.init_parameter)
+
+
+def test_device_steps_with_bf16_compute_give_the_host_paths_bits():
+    # bf16 working copies: the device path converts the bf16 gradient to fp32 in its staging slice
+    # and writes the new bf16 copy back, as the host path does in its scratch -- the same bits.
+    def train(n_gpu_optim):
+        torch._dynamo.reset()  # one offloaded model per compiled graph (see the test below)
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        handle = protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu", chunk_bytes=CHUNK,
+                                     compute_dtype=torch.bfloat16, n_gpu_optim=n_gpu_optim)
+        if handle.device_adam is not None:
+            handle.device_adam.slice_elems = 1000
+        compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
+        losses = []
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = compiled(*_batch(step))
+            loss.backward()
+            opt.step(), opt.zero_grad()
+            losses.append(loss.item())
+        state = handle.state_dict(model)
+        working = {n: t.clone() for n, t in handle.store.views("working").items()}
+        steps = handle.device_adam.chunk_steps if handle.device_adam else 0
+        handle.close()
+        return losses, state, working, steps
+
+    host_losses, host_state, host_working, _ = train(0)
+    dev_losses, dev_state, dev_working, steps = train(3)
+    assert steps == 9
+    assert dev_losses == host_losses
+    for name in host_state:
+        assert torch.equal(dev_state[name], host_state[name]), name
+        assert torch.equal(dev_working[name], host_working[name]), name
+

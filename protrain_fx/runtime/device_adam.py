@@ -100,8 +100,8 @@ class DeviceAdamW:
                 raise ValueError(f"tied parameter {s.names} got two gradients; give one per tensor")
             if tuple(grad.shape) != s.shape:
                 raise ValueError(f"gradient of {name!r} has shape {tuple(grad.shape)}, expected {s.shape}")
-            if adam.optimized(s):
-                flat[s] = grad.detach().reshape(-1)
+            if adam.optimized(s):  # rounded to the compute dtype, as the host path stores it
+                flat[s] = grad.detach().reshape(-1).to(store.compute_dtype)
         if not flat:
             return
         if self._sets is None:
