@@ -408,3 +408,25 @@ def test_device_steps_with_bf16_compute_give_the_host_paths_bits():
         assert torch.equal(dev_state[name], host_state[name]), name
         assert torch.equal(dev_working[name], host_working[name]), name
 
+
+def test_a_graph_reused_for_another_offloaded_model_is_refused_not_run_on_the_wrong_chunks():
+    # Dynamo reuses the first model's graph for a second instance of the class (same shapes); that
+    # graph names the first handle. Before the shell check, the second model silently computed with
+    # the first one's weights (its loss was the first model's).
+    def make(seed):
+        torch.manual_seed(seed)
+        model = GPT(CONFIG)
+        reference = copy.deepcopy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        handle = protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
+        return torch.compile(model, backend="protrain", options={"codegen": "eager"}), reference, handle
+
+    first, first_ref, first_handle = make(0)
+    second, second_ref, second_handle = make(1)
+    assert torch.equal(first(*_batch(0)), first_ref(*_batch(0)))
+    with pytest.raises(RuntimeError, match="another model's parameters.*torch._dynamo.reset"):
+        second(*_batch(0))
+    torch._dynamo.reset()  # as the message says: compiled again, for the second model's chunks
+    assert torch.equal(second(*_batch(0)), second_ref(*_batch(0)))
+    first_handle.close(), second_handle.close()
+

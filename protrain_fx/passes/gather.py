@@ -115,9 +115,9 @@ def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredC
     for number, (first, last, hid, chunk, params, span) in enumerate(spans):
         fake_mode = detect_fake_mode([p.meta["val"] for p in params])
         with gm.graph.inserting_before(first):
-            buf = gm.graph.call_function(_ops.chunk_gather.default, (hid, chunk, number))
+            buf = gm.graph.call_function(_ops.chunk_gather.default, (hid, chunk, number, params[0]))
             with fake_mode:
-                buf.meta["val"] = _ops.chunk_gather.default(hid, chunk, number)
+                buf.meta["val"] = _ops.chunk_gather.default(hid, chunk, number, params[0].meta["val"])
             _tag(buf, first, phase)
             upcoming = next((s for s in spans[number + 1 :] if (s[2], s[3]) != (hid, chunk)), None)
             if upcoming is not None:  # the next other chunk starts its copy while this one computes

@@ -32,6 +32,8 @@ _handles: dict[int, weakref.ref[OffloadHandle]] = {}
 #: id(parameter) -> (the parameter, weakly; handle id, chunk, slot offset, name).
 _params: dict[int, tuple[weakref.ref, int, int, int, str]] = {}
 _ids = itertools.count()
+#: handle id -> chunk -> the storages (``StorageImpl`` addresses) of its parameters' shells.
+_shells: dict[int, dict[int, set[int]]] = {}
 
 
 def register(handle: OffloadHandle, params: list[tuple[torch.Tensor, int, int, str]]) -> int:
@@ -39,14 +41,18 @@ def register(handle: OffloadHandle, params: list[tuple[torch.Tensor, int, int, s
     when the handle is garbage-collected."""
     hid = next(_ids)
     _handles[hid] = weakref.ref(handle)
+    storages: dict[int, set[int]] = {}
     for param, chunk, offset, name in params:
         _params[id(param)] = (weakref.ref(param), hid, chunk, offset, name)
+        storages.setdefault(chunk, set()).add(param.untyped_storage()._cdata)
+    _shells[hid] = storages
     weakref.finalize(handle, unregister, hid)
     return hid
 
 
 def unregister(hid: int) -> None:
     _handles.pop(hid, None)
+    _shells.pop(hid, None)
     for key in [k for k, v in _params.items() if v[1] == hid]:
         del _params[key]
 
@@ -67,14 +73,33 @@ def offloaded(t: Any) -> tuple[int, int, int, str] | None:
     return entry[1:]
 
 
+def check_shell(hid: int, chunk: int, shell: torch.Tensor) -> None:
+    """Refuse a graph called with parameters that are not the handle's (see :func:`chunk_gather`)."""
+    if shell.untyped_storage()._cdata not in _shells.get(hid, {}).get(chunk, ()):
+        raise RuntimeError(
+            f"protrain_fx: this compiled graph reads the parameter chunks of offload handle {hid}, but it "
+            "was called with another model's parameters. torch.compile shares compiled code among the "
+            "instances of one module class and cannot tell which offload holds their parameters. Use one "
+            "offloaded model per process, or call torch._dynamo.reset() before calling this model (it is "
+            "then compiled again, for its own parameters)."
+        )
+
+
 @torch.library.custom_op("protrain::chunk_gather", mutates_args=())
-def chunk_gather(hid: int, chunk: int, span: int) -> torch.Tensor:
-    """``span`` numbers the gathers of one graph: no two calls look alike, so no pass merges them."""
+def chunk_gather(hid: int, chunk: int, span: int, shell: torch.Tensor | None = None) -> torch.Tensor:
+    """``span`` numbers the gathers of one graph: no two calls look alike, so no pass merges them.
+
+    ``shell``: a parameter of the chunk as the graph received it (storage of 0 bytes). It must be
+    the handle's own: Dynamo reuses a graph for another instance of the module class when shapes
+    and dtypes match, and the handle id baked into the graph would then hand it this model's
+    chunks, silently (found with two offloaded GPTs of one config)."""
+    if shell is not None:
+        check_shell(hid, chunk, shell)
     return handle(hid).gather(chunk)
 
 
 @chunk_gather.register_fake
-def _chunk_gather_fake(hid: int, chunk: int, span: int) -> torch.Tensor:
+def _chunk_gather_fake(hid: int, chunk: int, span: int, shell: torch.Tensor | None = None) -> torch.Tensor:
     h = handle(hid)
     return torch.empty(h.store.chunk_numel, dtype=h.store.compute_dtype, device=h.device)
 
