@@ -132,10 +132,10 @@ def run_step_passes(record: CapturedGraph) -> None:
         lambda: attribute_blocks(forward, record.backward),
         lambda info: f"{len(info.labels)} blocks of {info.layer_class or '-'} under {info.container or '-'}",
     )
-    if record.backward is not None or record.forward is not None:
+    if forward is not None:  # an inference graph (no_grad, eval) reads offloaded chunks too
         record.gathered = runner.run(
             "gather_chunks",
-            lambda: gather_pass(record.forward, record.backward, record.real_inputs()),
+            lambda: gather_pass(forward, record.backward, record.real_inputs()),
             lambda chunks: f"{len(chunks)} chunk gathers (offloaded parameters read from chunk buffers)",
         ) if _has_offloaded(record) else []
     plan = record.config.plan
@@ -172,7 +172,8 @@ def run_step_passes(record: CapturedGraph) -> None:
 
 
 def _has_offloaded(record: CapturedGraph) -> bool:
-    return record.forward is not None and any(chunk_ops.offloaded(t) for t in record.real_inputs())
+    graph = record.forward if record.forward is not None else record.inference
+    return graph is not None and any(chunk_ops.offloaded(t) for t in record.real_inputs())
 
 
 #: The caching allocator reserves more than the tensors it holds (block rounding, fragmentation);

@@ -430,3 +430,15 @@ def test_a_graph_reused_for_another_offloaded_model_is_refused_not_run_on_the_wr
     assert torch.equal(second(*_batch(0)), second_ref(*_batch(0)))
     first_handle.close(), second_handle.close()
 
+
+def test_an_offloaded_model_evaluates_under_no_grad():
+    # The inference graph (no_grad: no backward) reads the chunks too; before it was rewritten, it
+    # read the 0-byte shells and failed inside the first op ("out of bounds for storage of size 0").
+    model, reference, opt, ref_opt, handle, compiled = _setup(1, 2)
+    for step in range(2):
+        with torch.no_grad():
+            assert torch.equal(compiled(*_batch(7)), reference(*_batch(7))), step
+        _train_side_by_side(compiled, reference, opt, ref_opt, 1)
+    record = next(g for g in protrain_fx.captured_graphs() if g.inference is not None)
+    assert record.gathered and {g.phase for g in record.gathered} == {"forward"}
+    handle.close()
