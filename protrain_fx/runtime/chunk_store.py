@@ -477,6 +477,7 @@ class ChunkStore:
         from the master."""
         if not self._grad_slots[chunk_id]:
             return self.flat("working", chunk_id)
+        self.wait_writes(chunk_id)  # the CPU reads the master: a device step may still be writing it
         return staging().copy_(self.flat("master", chunk_id))
 
     def note_host_read(self, chunk_id: int, event: torch.cuda.Event) -> None:
