@@ -329,6 +329,18 @@ class ChunkStore:
     ) -> list[int]:
         """Land gradients by parameter name (e.g. eager autograd's ``p.grad``); returns the chunks
         touched, in layout order. ``accumulate`` as in :meth:`write_grad`, per parameter."""
+        by_slot = self.grads_by_slot(grads)
+        for s, grad in by_slot.items():
+            held = self._grad_slots[s.chunk]
+            self._land(
+                s.chunk, self.view("working", s), grad, add=accumulate and s in held
+            )
+            held.add(s)
+        return sorted({s.chunk for s in by_slot})
+
+    def grads_by_slot(self, grads: Mapping[str, torch.Tensor]) -> dict[ParamSlot, torch.Tensor]:
+        """Gradients by parameter name -> by slot, refusing a frozen parameter's, two for one tied
+        tensor, or a wrong shape."""
         by_slot: dict[ParamSlot, torch.Tensor] = {}
         for name, grad in grads.items():
             s = self.slot(name)
@@ -345,13 +357,7 @@ class ChunkStore:
                     f"gradient of {name!r} has shape {tuple(grad.shape)}, expected {s.shape}"
                 )
             by_slot[s] = grad
-        for s, grad in by_slot.items():
-            held = self._grad_slots[s.chunk]
-            self._land(
-                s.chunk, self.view("working", s), grad, add=accumulate and s in held
-            )
-            held.add(s)
-        return sorted({s.chunk for s in by_slot})
+        return by_slot
 
     def wait_grad(self, chunk_id: int) -> None:
         """Block until the chunk's gradient copies (from a GPU) have arrived."""

@@ -20,6 +20,7 @@ slice boundaries on the grid of ``cpu_adam._slices``: the same bits as the host 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 
@@ -90,16 +91,9 @@ class DeviceAdamW:
         if store.grad_slots(chunk_id):
             raise RuntimeError(f"chunk {chunk_id} holds a gradient on the host; step it on the CPU")
         flat: dict[ParamSlot, torch.Tensor] = {}
-        for name, grad in grads.items():
-            s = store.slot(name)
+        for s, grad in store.grads_by_slot(grads).items():
             if s.chunk != chunk_id:
-                raise ValueError(f"parameter {name!r} is in chunk {s.chunk}, not {chunk_id}")
-            if not s.trainable:
-                raise ValueError(f"parameter {name!r} is frozen (requires_grad=False) but got a gradient")
-            if s in flat:
-                raise ValueError(f"tied parameter {s.names} got two gradients; give one per tensor")
-            if tuple(grad.shape) != s.shape:
-                raise ValueError(f"gradient of {name!r} has shape {tuple(grad.shape)}, expected {s.shape}")
+                raise ValueError(f"parameter {s.name!r} is in chunk {s.chunk}, not {chunk_id}")
             if adam.optimized(s):  # rounded to the compute dtype, as the host path stores it
                 flat[s] = grad.detach().reshape(-1).to(store.compute_dtype)
         if not flat:
@@ -123,8 +117,9 @@ class DeviceAdamW:
             slots = [s for s in flat if adam.group_of(s) == group]
             steps = adam.advance(slots)
             fused, hyper = adam.kernel(group)
+            owner = {id(step): s for s, step in zip(slots, steps)}  # one step tensor per slot
             for batch in _slices(slots, steps, self.slice_elems):
-                self._step_slice(batch, flat, host, fused, hyper)
+                self._step_slice(batch, owner, flat, host, fused, hyper)
         self.chunk_steps += 1
         if self.cuda:
             done = torch.cuda.Event()
@@ -134,14 +129,13 @@ class DeviceAdamW:
         else:
             store.note_host_write(chunk_id, None)
 
-    def _step_slice(self, batch, flat, host, fused, hyper) -> None:
+    def _step_slice(self, batch, owner, flat, host, fused, hyper) -> None:
         k = self._next
         self._next = (k + 1) % N_SETS
         st = self._sets[k]
         ranges, pos = [], 0  # (host start, host end, staging start, slot)
-        for a, b, _ in batch:
-            s = _owner(flat, a)
-            ranges.append((a, b, pos, s))
+        for a, b, step in batch:
+            ranges.append((a, b, pos, owner[id(step)]))
             pos += b - a
         load, work = self._load, self._work
         with _on(load):
@@ -198,29 +192,7 @@ class DeviceAdamW:
             "working": torch.empty(n, dtype=self.store.compute_dtype, device=device),
         }
 
-    def synchronize(self) -> None:
-        """Block until every issued step is done (the store's write events say so too)."""
-        if self.cuda:
-            self._work.synchronize()
 
-
-def _owner(flat: Mapping[ParamSlot, torch.Tensor], at: int) -> ParamSlot:
-    for s in flat:
-        if s.offset <= at < s.offset + s.numel:
-            return s
-    raise AssertionError(f"no slot holds element {at}")
-
-
-class _on:
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     """``torch.cuda.stream(stream)``, or nothing for ``None`` (a CPU device)."""
-
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self._ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
