@@ -14,12 +14,7 @@ set -u
 export PYTHONUNBUFFERED=1
 O=/tmp/session4; mkdir -p "$O/a" "$O/b"
 END=$(( $(date +%s) + ${DEADLINE_S:-550} ))  # every run is planned to end by then
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
-{ nvidia-smi -L; nproc; free -g | head -2; python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count())'; } > "$O/machine.txt" 2>&1
+source bench/device_setup.sh
 OFFLOAD42=${OFFLOAD42-"persist=0,buffer=3,checkpoint=all persist=0,buffer=3,gpu_optim=4,checkpoint=all persist=0,buffer=3,gpu_optim=8,checkpoint=all persist=2,buffer=3,gpu_optim=4,checkpoint=all"}
 OFFLOAD67=${OFFLOAD67-"persist=0,buffer=3,gpu_optim=4,checkpoint=all"}
 PEERS=${PEERS-"fsdp2 deepspeed"}
