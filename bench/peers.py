@@ -266,15 +266,19 @@ def base_system(system: str) -> str:
     return "protrain_offload" if _OFFLOAD_SYSTEM.match(system) else system
 
 
-def parse_offload_spec(spec: str) -> tuple[int, int, str, int]:
-    """``"persist=2,buffer=3,gpu_optim=1,checkpoint=all"`` → ``(2, 3, "checkpoint=all", 1)``: the
-    chunks kept on the GPU, the GPU chunk buffers, the activation plan (``swap=``/``checkpoint=``
-    counts, as ``--plan``; empty: none) and the offloaded chunks stepped on the GPU. ``buffer`` is
-    required; ``persist`` and ``gpu_optim`` default to 0."""
-    counts, rest = {"persist": 0, "gpu_optim": 0}, []
+def parse_offload_spec(spec: str) -> tuple[int, int, str, int, int | str]:
+    """``"persist=2,buffer=3,gpu_optim=1,lean=4,checkpoint=all"`` → ``(2, 3, "checkpoint=all", 1, 4)``:
+    the chunks kept on the GPU, the GPU chunk buffers, the activation plan (``swap=``/``checkpoint=``
+    counts, as ``--plan``; empty: none), the offloaded chunks stepped on the GPU and the lean chunks
+    (no host bf16 copy; a number or ``auto``, the library's default). ``buffer`` is required;
+    ``persist`` and ``gpu_optim`` default to 0."""
+    counts: dict[str, int | str] = {"persist": 0, "gpu_optim": 0, "lean": "auto"}
+    rest = []
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
-        if key.strip() in ("persist", "buffer", "gpu_optim"):
+        if key.strip() == "lean" and value.strip() == "auto":
+            continue
+        if key.strip() in ("persist", "buffer", "gpu_optim", "lean"):
             if not value.strip().isdigit():
                 raise ValueError(f"offload spec {spec!r}: {key.strip()} needs a whole number, got {value!r}")
             counts[key.strip()] = int(value)
@@ -285,7 +289,7 @@ def parse_offload_spec(spec: str) -> tuple[int, int, str, int]:
     plan = ",".join(rest)
     if plan:
         parse_plan_spec(plan)  # raises on a bad plan
-    return counts["persist"], counts["buffer"], plan, counts["gpu_optim"]
+    return counts["persist"], counts["buffer"], plan, counts["gpu_optim"], counts["lean"]
 
 
 # ------------------------------------------------------------------------------------------ the worker
@@ -372,7 +376,7 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
     import protrain_fx
     from protrain_fx.backend import register
 
-    n_persist, n_buffer, plan_spec, n_gpu_optim = parse_offload_spec(spec)
+    n_persist, n_buffer, plan_spec, n_gpu_optim, n_lean = parse_offload_spec(spec)
     cuda = device == "cuda"
     cap = torch.cuda.get_device_properties(0).total_memory if cuda else 0
     fraction = torch.cuda.get_per_process_memory_fraction(0) if cuda else 0.0
@@ -394,14 +398,15 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
         available = int(limit) - rss
     handle = protrain_fx.offload(model, optimizer, n_persist=n_persist, n_buffer=n_buffer, device=device,
                                  compute_dtype=torch.bfloat16 if cuda else None, available_host_bytes=available,
-                                 init=model.init_parameter if where == "meta" else None, n_gpu_optim=n_gpu_optim)
+                                 init=model.init_parameter if where == "meta" else None, n_gpu_optim=n_gpu_optim,
+                                 n_lean=n_lean)
     if cuda:
         torch.cuda.empty_cache()  # the initial fp32 weights of the offloaded chunks are gone
         torch.cuda.reset_peak_memory_stats()
     register()
     options = {}
     info: dict = {"offload": {"n_persist": n_persist, "n_buffer": n_buffer, "n_gpu_optim": n_gpu_optim,
-                              "built_on": where,
+                              "n_lean": handle.n_lean, "n_lean_asked": n_lean, "built_on": where,
                               "chunks": len(handle.layout.chunks), "chunk_bytes": handle.layout.chunk_bytes,
                               "host_store_bytes": handle.store.host_bytes() if handle.store else 0,
                               "host_bytes_per_param": handle.host_bytes_per_param()},
@@ -418,6 +423,7 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
     last_busy = [worker.busy_s if worker else 0.0]
     device_adam = handle.device_adam
     last_wait = [device_adam.wait_s if device_adam else 0.0]
+    last_landing = [handle.landing_wait_s]
 
     def step(idx, targets):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
@@ -444,7 +450,10 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
                 "cpu_optimizer_busy_s": busy - last_busy[0],  # steps run since the last call's end
                 # backward's thread waiting for GPU optimizer steps in flight (runtime/device_adam.py)
                 "device_optimizer_wait_s": (device_adam.wait_s if device_adam else 0.0) - last_wait[0],
+                # backward's thread waiting for a lean chunk's gradient landing buffer
+                "landing_wait_s": handle.landing_wait_s - last_landing[0],
             })
+            last_landing[0] = handle.landing_wait_s
             last_busy[0] = busy
             last_wait[0] = device_adam.wait_s if device_adam else 0.0
         return loss

@@ -13,7 +13,8 @@ host memory, streamed in by the compiled graphs and updated on the CPU during ba
 
 The parameters are packed into equal-size chunks (``protrain_fx.chunks``). The first ``n_persist``
 chunks move to the device as ordinary parameters, stepped by ``optimizer`` there. The others live in
-a host chunk store (fp32 master, compute-dtype copy, Adam states; ``runtime/chunk_store.py``); the
+a host chunk store (fp32 master, compute-dtype copy unless the chunk is lean, Adam states;
+``runtime/chunk_store.py``); the
 model keeps them as device tensors *without memory* (storage of 0 bytes: shapes for tracing only),
 and the backend rewrites every captured graph to read them from ``n_buffer`` device chunk buffers
 (``passes/gather.py``). Their gradients go to the store, and a worker thread steps them with the
@@ -36,8 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -45,7 +47,7 @@ from torch import nn
 from protrain_fx.chunks import OUTSIDE, Chunk, ChunkLayout, ParamInfo, choose_layout, dedupe_tied, pack
 from protrain_fx.runtime import chunk_ops
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
-from protrain_fx.runtime.chunk_store import ChunkStore
+from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore
 from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
 
@@ -68,6 +70,8 @@ class OffloadHandle:
         available_host_bytes: int | None = None,
         init: Callable[[str, torch.Tensor], None] | None = None,
         n_gpu_optim: int = 0,
+        n_lean: int | Literal["auto"] = "auto",
+        grad_pool: int = GRAD_POOL,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -110,6 +114,8 @@ class OffloadHandle:
             pin_memory=self.device.type == "cuda",
             available_bytes=available_host_bytes,
             init=init,
+            n_lean=n_lean,
+            grad_pool=grad_pool,
         ) if offloaded else None
         self.optimizer = optimizer
         self.adam = ChunkAdamW(self.store, optimizer, named) if self.store else None
@@ -121,6 +127,9 @@ class OffloadHandle:
         self._accumulating = False
         self._submitted: set[int] = set()
         self._pending: set[int] = set()  # chunks holding gradients not yet queued for a step
+        self._landed_lean: list[int] = []  # lean chunks queued for a CPU step, oldest first
+        #: Seconds the landing thread waited for a lean chunk's landing buffer.
+        self.landing_wait_s = 0.0
         # Model state: persistent parameters and buffers to the device, host chunks to empty shells.
         shells: dict[int, tuple[torch.Tensor, int, int, str]] = {}
         for name, p in named.items():
@@ -167,6 +176,8 @@ class OffloadHandle:
             self.device_adam.step_chunk(chunk, dict(zip(names, grads)))  # its states stream through the GPU
             self._submitted.add(chunk)
             return
+        if self.store.is_lean(chunk) and not self.store.holds_grad(chunk):
+            self._wait_for_landing_buffer()
         self.store.write_grads(dict(zip(names, grads)), accumulate=True)
         if self._accumulating:
             self._pending.add(chunk)
@@ -174,6 +185,17 @@ class OffloadHandle:
             self._pending.discard(chunk)
             self._submitted.add(chunk)
             self.worker.submit(chunk)
+            if self.store.is_lean(chunk):
+                self._landed_lean.append(chunk)
+
+    def _wait_for_landing_buffer(self) -> None:
+        """While the lean chunks' landing pool is full, wait for the oldest queued CPU step to give
+        its buffer back. With none queued (accumulated gradients hold the buffers until
+        ``optimizer.step()``) the store makes one more, checking the host memory."""
+        start = time.perf_counter()
+        while self.store.landing_full() and self._landed_lean:
+            self.worker.wait(self._landed_lean.pop(0))
+        self.landing_wait_s += time.perf_counter() - start
 
     # ---- user API ----------------------------------------------------------------------------
 
@@ -196,11 +218,19 @@ class OffloadHandle:
     def _after_step(self) -> None:
         for chunk in sorted(self._pending):  # accumulated, never queued: step them now
             self.worker.submit(chunk)
+            if self.store.is_lean(chunk):
+                self._landed_lean.append(chunk)
         self._pending.clear()
         self._submitted.clear()
 
     def host_bytes_per_param(self) -> float:
+        """Host bytes per offloaded parameter (chunk buffers; see ``ChunkStore.bytes_per_param``)."""
         return self.store.bytes_per_param() if self.store else 0.0
+
+    @property
+    def n_lean(self) -> int:
+        """Offloaded chunks without a host working copy (fetched from their fp32 master)."""
+        return len(self.store.lean) if self.store else 0
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Model parameters and buffers as ordinary full CPU tensors (loads into a plain model)."""
@@ -257,6 +287,8 @@ def offload(
     available_host_bytes: int | None = None,
     init: Callable[[str, torch.Tensor], None] | None = None,
     n_gpu_optim: int = 0,
+    n_lean: int | Literal["auto"] = "auto",
+    grad_pool: int = GRAD_POOL,
 ) -> OffloadHandle:
     """Put ``model``'s parameters into chunks (see the module docstring); call before ``torch.compile``.
 
@@ -267,7 +299,13 @@ def offload(
 
     ``n_gpu_optim``: the first that many offloaded chunks (the last of backward, the first of the
     next forward) are stepped on the device instead of the CPU, their fp32 states streamed through
-    it (``runtime/device_adam.py``): the CPU steps fewer chunks and forward waits less."""
+    it (``runtime/device_adam.py``): the CPU steps fewer chunks and forward waits less.
+
+    ``n_lean``: the last that many offloaded chunks keep no compute-dtype copy on the host (12
+    instead of 14 bytes per parameter; the device fetches their fp32 master, twice the bytes) and
+    land their gradients in ``grad_pool`` shared host buffers. ``"auto"`` (default): none when the
+    store fits the host with 8 GiB to spare, else the fewest that fit (``handle.n_lean`` says how
+    many); a host too small even then is refused with the bytes needed."""
     return OffloadHandle(
         model,
         optimizer,
@@ -279,6 +317,8 @@ def offload(
         available_host_bytes=available_host_bytes,
         init=init,
         n_gpu_optim=n_gpu_optim,
+        n_lean=n_lean,
+        grad_pool=grad_pool,
     )
 
 

@@ -151,3 +151,14 @@ def test_cpu_dry_run_deadline_then_resume(tmp_path):
     results = json.loads((tmp_path / "peers.json").read_text())
     assert [(r["system"], r["status"]) for r in results] == [("eager", "ok")]
     assert all(r["wall_s"] > 0 and r["first_step_s"] > 0 for r in results)
+
+
+def test_offload_specs_read_every_count_and_refuse_bad_ones():
+    assert peers.parse_offload_spec("persist=2,buffer=3,gpu_optim=1,lean=4,checkpoint=all") == (
+        2, 3, "checkpoint=all", 1, 4)
+    assert peers.parse_offload_spec("buffer=3,lean=auto") == (0, 3, "", 0, "auto")
+    assert peers.parse_offload_spec("buffer=2")[4] == "auto"  # the library's default
+    with pytest.raises(ValueError, match="lean needs a whole number"):
+        peers.parse_offload_spec("buffer=2,lean=x")
+    with pytest.raises(ValueError, match="buffer=N"):
+        peers.parse_offload_spec("persist=1")

@@ -25,14 +25,16 @@ def _batch(step: int):
     return random_batch(CONFIG, 4, 64, device="cuda", generator=torch.Generator().manual_seed(step))
 
 
-def _setup(n_persist: int, n_buffer: int, *, compute_dtype=None, plan=None, codegen="inductor", n_gpu_optim=0):
+def _setup(n_persist: int, n_buffer: int, *, compute_dtype=None, plan=None, codegen="inductor", n_gpu_optim=0,
+           n_lean=0, grad_pool=4):
     torch.manual_seed(0)
     model = GPT(CONFIG)  # on the CPU: offload moves what it keeps on the GPU
     reference = copy.deepcopy(model).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cuda",
-                                 chunk_bytes=CHUNK, compute_dtype=compute_dtype, n_gpu_optim=n_gpu_optim)
+                                 chunk_bytes=CHUNK, compute_dtype=compute_dtype, n_gpu_optim=n_gpu_optim,
+                                 n_lean=n_lean, grad_pool=grad_pool)
     if handle.device_adam is not None:
         handle.device_adam.slice_elems = 4096  # many slices: the two staging sets are reused often
     options = {"codegen": codegen} if plan is None else {"codegen": codegen, "plan": plan}
@@ -65,14 +67,15 @@ def test_fp32_training_matches_eager_adamw_on_the_gpu(n_persist, plan_spec, n_gp
     handle.close()
 
 
-@pytest.mark.parametrize("n_gpu_optim", [0, 3])  # 3: every offloaded chunk
-def test_bf16_chunks_train_like_eager_autocast(n_gpu_optim):
+@pytest.mark.parametrize(("n_gpu_optim", "n_lean"), [(0, 0), (3, 0), (0, 3), (2, 2)])  # 3: every offloaded chunk
+def test_bf16_chunks_train_like_eager_autocast(n_gpu_optim, n_lean):
     model, reference, opt, ref_opt, handle, compiled = _setup(1, 8, compute_dtype=torch.bfloat16,
-                                                              n_gpu_optim=n_gpu_optim)
-    # bf16 copy + fp32 master + Adam states per chunk element (padding of these tiny chunks included;
-    # the per-parameter figure of a real model is measured by bench/peers.py), plus one fp32 scratch
+                                                              n_gpu_optim=n_gpu_optim, n_lean=n_lean, grad_pool=1)
+    # bf16 copy (not in lean chunks) + fp32 master + Adam states per chunk element (padding of these
+    # tiny chunks included; the per-parameter figure of a real model is measured by bench/peers.py),
+    # plus one fp32 scratch and the lean chunks' one landing buffer, once made
     store = handle.store
-    assert store.host_bytes() == store.chunk_numel * (14 * store.num_chunks + 4)
+    assert store.host_bytes() == store.chunk_numel * (14 * store.num_chunks - 2 * n_lean + 4)
     for step in range(20):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = compiled(*_batch(step % 4))
@@ -87,7 +90,41 @@ def test_bf16_chunks_train_like_eager_autocast(n_gpu_optim):
     # and it trained: at least 80% of eager's loss drop (first H200 run: 4.85 -> 4.43)
     first = _first_loss(handle, model)
     assert first - loss.item() > 0.8 * (first - ref_loss.item())
+    assert store.landing_buffers == (1 if n_lean and n_gpu_optim < 3 else 0)
     handle.close()
+
+
+def test_lean_chunks_fetch_the_bits_of_the_working_copy_and_the_analysis_counts_their_staging(monkeypatch):
+    # A lean chunk's fp32 master is fetched in slices (a small slice here: many) and cast on the
+    # GPU: the same bf16 values as the host's working copy, so training gives the same bits.
+    from protrain_fx.passes.memory import chunk_pool_bytes
+    from protrain_fx.runtime import buffer_pool
+
+    monkeypatch.setattr(buffer_pool, "FETCH_SLICE_ELEMS", 10_000)
+
+    def train(n_lean):
+        torch._dynamo.reset()
+        model, _, opt, _, handle, compiled = _setup(0, 3, compute_dtype=torch.bfloat16, n_lean=n_lean, grad_pool=1)
+        losses = []
+        for step in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(*_batch(step))
+            loss.backward()
+            opt.step(), opt.zero_grad()
+            losses.append(loss.item())
+        record = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
+        pool_bytes = chunk_pool_bytes(record.step)[handle.id]
+        state = handle.state_dict(model)
+        handle.close()
+        return losses, state, pool_bytes, handle
+
+    base_losses, base_state, base_pool, base = train(0)
+    losses, state, pool_bytes, lean = train(len(base.store.layout.chunks))
+    assert losses == base_losses
+    for name in base_state:
+        assert torch.equal(state[name], base_state[name]), name
+    assert lean.pool.staging_bytes == 10_000 * 4 and base.pool.staging_bytes == 0
+    assert pool_bytes - base_pool >= lean.pool.staging_bytes
 
 
 def _first_loss(handle, model) -> float:

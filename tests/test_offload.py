@@ -26,7 +26,7 @@ def _batch(step: int):
 
 
 def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str | None = None, plan=None,
-           n_gpu_optim: int = 0):
+           n_gpu_optim: int = 0, n_lean: int | str = "auto", grad_pool: int = 4):
     torch.manual_seed(0)
     model = GPT(CONFIG)
     if frozen:
@@ -35,7 +35,7 @@ def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, fused=True)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, fused=True)
     handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cpu", chunk_bytes=CHUNK,
-                                 n_gpu_optim=n_gpu_optim)
+                                 n_gpu_optim=n_gpu_optim, n_lean=n_lean, grad_pool=grad_pool)
     options = {"codegen": codegen} if plan is None else {"codegen": codegen, "plan": plan}
     compiled = torch.compile(model, backend="protrain", options=options)
     return model, reference, opt, ref_opt, handle, compiled
@@ -442,3 +442,125 @@ def test_an_offloaded_model_evaluates_under_no_grad():
     record = next(g for g in protrain_fx.captured_graphs() if g.inference is not None)
     assert record.gathered and {g.phase for g in record.gathered} == {"forward"}
     handle.close()
+
+
+# ---- lean chunks: no host working copy, fetched from the fp32 master --------------------------
+
+
+@pytest.mark.parametrize(("n_persist", "n_lean", "grad_pool", "n_gpu_optim"),
+                         [(0, "all", 1, 0), (1, 3, 2, 0), (0, "all", 1, 2), (2, 2, 4, 1)])
+def test_lean_chunks_train_exactly_like_eager_adamw(n_persist, n_lean, grad_pool, n_gpu_optim):
+    torch._dynamo.reset()
+    n_chunks = len(_setup(0, 2)[4].layout.chunks)
+    torch._dynamo.reset()
+    lean = n_chunks - n_persist if n_lean == "all" else n_lean
+    model, reference, opt, ref_opt, handle, compiled = _setup(n_persist, 2, n_lean=lean, grad_pool=grad_pool,
+                                                              n_gpu_optim=n_gpu_optim)
+    store = handle.store
+    assert handle.n_lean == lean and store.lean == frozenset(range(store.num_chunks - lean, store.num_chunks))
+    with pytest.raises(ValueError, match="lean"):
+        store.flat("working", store.num_chunks - 1)
+    _train_side_by_side(compiled, reference, opt, ref_opt, 3)
+    _assert_same_params(handle, model, reference)
+    # More lean chunks than landing buffers: backward waited for the CPU steps instead of making more.
+    assert store.landing_buffers <= min(grad_pool, lean)
+    # fp32 compute: a lean chunk keeps 4 + 8 bytes per element, the others 4 + 4 + 8.
+    per_chunk = [12 if c in store.lean else 16 for c in range(store.num_chunks)]
+    assert store.host_bytes() == store.chunk_numel * (sum(per_chunk) + 4 * store.landing_buffers)
+    handle.close()
+
+
+def test_lean_chunks_accumulate_past_the_pool_and_resume_exactly():
+    # Accumulated gradients hold their landing buffers across backward passes: the pool grows
+    # (nothing to wait for) and the sums are still exact; a checkpoint then resumes exactly.
+    torch._dynamo.reset()
+    model, reference, opt, ref_opt, handle, compiled = _setup(1, 2, n_lean=3, grad_pool=1)
+    for step in range(2):
+        with handle.accumulate():
+            compiled(*_batch(10 * step)).backward()
+        compiled(*_batch(10 * step + 1)).backward()
+        opt.step(), opt.zero_grad()
+        reference(*_batch(10 * step)).backward()
+        reference(*_batch(10 * step + 1)).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+    _assert_same_params(handle, model, reference)
+    assert handle.store.landing_buffers == 3  # one per lean chunk while accumulating
+    plain = GPT(CONFIG)
+    plain.load_state_dict(handle.state_dict(model))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    plain_opt.load_state_dict(copy.deepcopy(handle.optimizer_state_dict()))
+    handle.load_state_dict(model, handle.state_dict(model), handle.optimizer_state_dict())
+    for step in (5, 6):
+        compiled(*_batch(step)).backward()
+        opt.step(), opt.zero_grad()
+        plain(*_batch(step)).backward()
+        plain_opt.step(), plain_opt.zero_grad()
+    _assert_same_params(handle, model, plain)
+    handle.close()
+
+
+def test_lean_chunks_with_bf16_compute_give_the_working_copys_bits():
+    # The fetch casts the fp32 master as the working copy was cast from it: the same bf16 values,
+    # so the same losses and the same new masters, with host and device steps.
+    def train(n_lean, n_gpu_optim):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        handle = protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu", chunk_bytes=CHUNK,
+                                     compute_dtype=torch.bfloat16, n_gpu_optim=n_gpu_optim, n_lean=n_lean,
+                                     grad_pool=1)
+        compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
+        losses = []
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = compiled(*_batch(step))
+            loss.backward()
+            opt.step(), opt.zero_grad()
+            losses.append(loss.item())
+        result = losses, handle.state_dict(model), handle.host_bytes_per_param(), handle.store.num_chunks
+        handle.close()
+        return result
+
+    base_losses, base_state, base_bytes, n_chunks = train(0, 0)
+    assert base_bytes > 14  # chunk padding
+    for n_lean, n_gpu_optim in ((3, 0), (n_chunks, 2)):
+        losses, state, per_param, _ = train(n_lean, n_gpu_optim)
+        assert losses == base_losses, (n_lean, n_gpu_optim)
+        for name in base_state:
+            assert torch.equal(state[name], base_state[name]), (name, n_lean, n_gpu_optim)
+        if n_lean == n_chunks:
+            assert per_param == pytest.approx(base_bytes * 12 / 14)  # 12 bytes per chunk element, not 14
+
+
+def test_auto_makes_the_fewest_last_chunks_lean_that_fit_the_host():
+    from protrain_fx.runtime.chunk_store import AUTO_HOST_RESERVE, HostMemoryError
+
+    def handle_with(available, n_lean="auto"):
+        torch._dynamo.reset()
+        model = GPT(CONFIG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu", chunk_bytes=CHUNK,
+                                   compute_dtype=torch.bfloat16, available_host_bytes=available, grad_pool=2,
+                                   n_lean=n_lean)
+
+    full = handle_with(None)  # plenty: nothing lean
+    assert full.n_lean == 0
+    store = full.store
+    numel, n = store.chunk_numel, store.num_chunks
+    need0 = store.host_bytes()
+    # k lean chunks save 2 bytes per element each and add min(2, k) landing buffers of 2 bytes per
+    # element: one or two lean chunks save nothing, three save one chunk's bf16 copy
+    for k in (3, n):
+        need = need0 - 2 * numel * k + 2 * numel * min(2, k)
+        assert handle_with(need + AUTO_HOST_RESERVE).n_lean == k
+        if k < n:
+            assert handle_with(need + AUTO_HOST_RESERVE - 1).n_lean == k + 1
+    all_lean = need0 - 2 * numel * n + 4 * numel
+    with pytest.raises(HostMemoryError, match=rf"{n} of them lean\) needs {all_lean} bytes"):
+        handle_with(all_lean - 1)
+    with pytest.raises(HostMemoryError, match=rf"with every chunk lean \(n_lean={n}\) it would need {all_lean} bytes"):
+        handle_with(all_lean - 1, n_lean=0)
+    with pytest.raises(ValueError, match=r"n_lean must be 'auto' or in \[0, \d+\]"):
+        protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(GPT(CONFIG).parameters()), n_persist=0, n_buffer=2,
+                            device="cpu", chunk_bytes=CHUNK, n_lean=999)

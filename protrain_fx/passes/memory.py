@@ -241,6 +241,8 @@ def chunk_pool_bytes(step: StepGraphs) -> dict[int, int]:
         handle = chunk_ops.handle(hid)
         itemsize = torch.empty(0, dtype=handle.store.compute_dtype).element_size()
         out[hid] = handle.pool.n_buffer * handle.store.chunk_numel * itemsize
+        if handle.pool.staging_bytes:  # lean chunks' fp32 fetches (runtime/buffer_pool.py)
+            out[hid] += _round(handle.pool.staging_bytes, default_granule(handle.device))
         if handle.device_adam is not None:  # the device steps' staging slices (runtime/device_adam.py)
             out[hid] += _round(handle.device_adam.staging_bytes, default_granule(handle.device))
     return out

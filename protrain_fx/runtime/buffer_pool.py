@@ -9,6 +9,10 @@ error, because the plan promised the memory of ``n_buffer`` chunks and no more.
 A device copy is current while the store's :meth:`~ChunkStore.version` of its chunk is unchanged;
 the optimizer step bumps it, so the next acquire fetches the new values.
 
+A lean chunk (no host working copy, ``ChunkStore.lean``) is fetched from its fp32 master: on CUDA
+in slices of :data:`FETCH_SLICE_ELEMS` through one fp32 device staging buffer (made with the pool,
+:attr:`ChunkBufferPool.staging_bytes`), each cast into the chunk buffer on the copy stream.
+
 On CUDA, fetches run on a copy stream: :meth:`ChunkBufferPool.prefetch` starts one early,
 :meth:`ChunkBufferPool.acquire` makes the current stream wait for it, and
 :meth:`ChunkBufferPool.release` records where the current stream stops using the buffer so that the
@@ -24,6 +28,10 @@ import torch
 from protrain_fx.runtime.pinned import host_empty
 
 from protrain_fx.runtime.chunk_store import ChunkStore
+
+#: Elements per slice of a lean chunk's fp32 fetch: 64 MiB of staging, about 1.2 ms at the link's
+#: 55 GB/s, so the cast between two slices is noise.
+FETCH_SLICE_ELEMS = 1 << 24
 
 
 class ChunkBufferPool:
@@ -63,12 +71,24 @@ class ChunkBufferPool:
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._fetched: list[torch.cuda.Event | None] = [None] * n_buffer
         self._freed: list[torch.cuda.Event | None] = [None] * n_buffer
+        cast = self._cuda and bool(store.lean) and store.compute_dtype != torch.float32
+        self._fetch_staging = (
+            torch.empty(min(store.chunk_numel, FETCH_SLICE_ELEMS), dtype=torch.float32, device=self.device)
+            if cast
+            else None
+        )
         #: host -> device copies made so far (what "not fetched again" is measured by)
         self.fetches = 0
 
     @property
     def n_buffer(self) -> int:
         return len(self._buffers)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the fp32 staging lean chunks are fetched through (0 without any)."""
+        s = self._fetch_staging
+        return 0 if s is None else s.numel() * s.element_size()
 
     def resident(self, chunk_id: int) -> bool:
         """Whether a current copy of the chunk is on the device (or on its way there)."""
@@ -162,7 +182,10 @@ class ChunkBufferPool:
             if (write := self.store.pending_write(chunk_id)) is not None:
                 self._stream.wait_event(write)  # a device step is still writing the values
             with torch.cuda.stream(self._stream):
-                dst.copy_(source, non_blocking=True)
+                if source.dtype == dst.dtype:
+                    dst.copy_(source, non_blocking=True)
+                else:  # a lean chunk's fp32 master
+                    self._fetch_cast(dst, source)
             event = torch.cuda.Event()
             event.record(self._stream)
             self._fetched[i] = event
@@ -172,6 +195,16 @@ class ChunkBufferPool:
         self._chunk_in[i] = chunk_id
         self._version_in[i] = self.store.version(chunk_id)
         self.fetches += 1
+
+    def _fetch_cast(self, dst: torch.Tensor, source: torch.Tensor) -> None:
+        """``dst.copy_(source)`` for a host ``source`` of another dtype, slice by slice through the
+        device staging buffer (on the current stream, which orders each slice's reuse)."""
+        staging = self._fetch_staging
+        n = staging.numel()
+        for a in range(0, source.numel(), n):
+            b = min(a + n, source.numel())
+            staging[: b - a].copy_(source[a:b], non_blocking=True)
+            dst[a:b].copy_(staging[: b - a])
 
     def _staging_buffer(self, i: int) -> torch.Tensor:
         """Buffer ``i``'s host staging, free to refill (its last copy out of it is over)."""

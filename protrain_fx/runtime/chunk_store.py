@@ -16,6 +16,15 @@ exp_avg_sq fp32          Adam's second moment (idem)
 plus one fp32 scratch gradient of one chunk, shared by all chunks (none when the compute dtype is
 fp32). With bf16 compute that is 2 + 4 + 8 = 14 bytes per parameter.
 
+*Lean* chunks (``lean=`` chunk ids) have no working copy: 12 bytes per parameter. The device fetches
+their fp32 master and casts it on arrival (twice the bytes over the link), and their gradients land
+in a small pool of compute-dtype *landing buffers* shared by the lean chunks, taken when a chunk's
+gradient arrives and given back by its optimizer step (:meth:`ChunkStore.finish_step`). The pool
+holds ``grad_pool`` buffers (counted in the up-front memory check); a caller that cannot wait for a
+step to give one back (gradient accumulation holds them across backward passes) gets a new one,
+checked against the host memory then available. ``n_lean="auto"`` makes lean the fewest chunks
+(the last ones) that let the store fit the host, keeping :data:`AUTO_HOST_RESERVE` bytes free.
+
 There is no separate gradient buffer: the master is authoritative, so the working copy is dead from
 the moment the chunk's backward is done until its optimizer step writes the new values back
 (:meth:`ChunkStore.finish_step`); the gradient lands in those bytes and the optimizer converts it
@@ -35,6 +44,7 @@ a CPU-only machine every copy is a plain synchronous copy.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +56,11 @@ from protrain_fx.chunks import ChunkLayout
 from protrain_fx.runtime.pinned import host_empty
 
 GiB = 2**30
+#: Gradient landing buffers of the lean chunks (see the module docstring), unless told otherwise.
+GRAD_POOL = 4
+#: Host bytes ``n_lean="auto"`` leaves free for everything else the process needs (the Python
+#: process, CUDA's context, compile workers).
+AUTO_HOST_RESERVE = 8 * GiB
 #: What the store can show per parameter (see the module table).
 BufferKind = Literal["working", "master", "exp_avg", "exp_avg_sq"]
 
@@ -108,6 +123,8 @@ class ChunkStore:
     ``dict(model.named_parameters(remove_duplicate=False))``) to its tensor; the layout must
     name each of them exactly once. ``compute_dtype`` is the working copy's dtype (default: the
     parameters'). ``available_bytes`` overrides ``/proc/meminfo`` for the up-front memory check.
+    ``n_lean``: how many chunks, counted from the last, are lean (no working copy; see the module
+    docstring), or ``"auto"``: the fewest that fit. ``grad_pool``: landing buffers of the lean chunks.
     """
 
     def __init__(
@@ -119,6 +136,8 @@ class ChunkStore:
         pin_memory: bool = True,
         available_bytes: int | None = None,
         init: Callable[[str, torch.Tensor], None] | None = None,
+        n_lean: int | Literal["auto"] = 0,
+        grad_pool: int = GRAD_POOL,
     ) -> None:
         if [c.index for c in layout.chunks] != list(range(len(layout.chunks))):
             raise ValueError("chunk indices must be 0, 1, ... in layout order")
@@ -132,12 +151,24 @@ class ChunkStore:
         self._chunk_slots = tuple(
             tuple(s for s in self.slots if s.chunk == c.index) for c in layout.chunks
         )
-        needed = self._planned_bytes()
+        if grad_pool < 1:
+            raise ValueError(f"grad_pool must be at least 1, got {grad_pool}")
         if available_bytes is None:
             available_bytes = available_host_bytes()
-        check_host_memory(
-            needed, available_bytes, f"the chunk store ({len(layout.chunks)} chunks)"
-        )
+        n = len(layout.chunks)
+        if n_lean == "auto":
+            n_lean = self._auto_lean(available_bytes, grad_pool)
+        elif isinstance(n_lean, bool) or not isinstance(n_lean, int) or not 0 <= n_lean <= n:
+            raise ValueError(f"n_lean must be 'auto' or in [0, {n}] (the chunks), got {n_lean!r}")
+        #: Chunks without a host working copy (the last ``n_lean``).
+        self.lean = frozenset(range(n - n_lean, n))
+        self.grad_pool = min(grad_pool, n_lean)
+        needed = self._planned_bytes()
+        what = f"the chunk store ({n} chunks, {n_lean} of them lean)"
+        if n_lean < n and available_bytes is not None and needed > available_bytes:
+            lean_all = self._planned_bytes(frozenset(range(n)), min(grad_pool, n))
+            what += f"; with every chunk lean (n_lean={n}) it would need {lean_all} bytes ({lean_all / GiB:.2f} GiB)"
+        check_host_memory(needed, available_bytes, what)
         self._init = init
         self._buffers: dict[BufferKind, list[torch.Tensor | None]] = {
             "working": [],
@@ -145,8 +176,8 @@ class ChunkStore:
             "exp_avg": [],
             "exp_avg_sq": [],
         }
-        for slots in self._chunk_slots:
-            self._allocate_chunk(slots, params)
+        for c, slots in enumerate(self._chunk_slots):
+            self._allocate_chunk(slots, params, lean=c in self.lean)
         needs_scratch = self.compute_dtype != torch.float32 and self.has_trainable
         self._scratch = self._empty(torch.float32) if needs_scratch else None
         # which slots hold a gradient since the chunk's last step (empty: the working copy is valid)
@@ -157,6 +188,12 @@ class ChunkStore:
         # copies from the device into the chunk's host buffers still in flight (a device step)
         self._write_events: list[torch.cuda.Event | None] = [None] * len(layout.chunks)
         self._d2h_streams: dict[torch.device, torch.cuda.Stream] = {}
+        # gradient landing buffers of lean chunks: held (chunk -> buffer) and free; the optimizer's
+        # thread gives them back
+        self._landing: dict[int, torch.Tensor] = {}
+        self._free_landing: list[torch.Tensor] = []
+        self._landing_made = 0
+        self._landing_lock = threading.Lock()
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -181,27 +218,51 @@ class ChunkStore:
 
     def host_bytes(self) -> int:
         """Bytes of host memory the store holds (chunk padding and the scratch included)."""
-        buffers = [b for kind in self._buffers.values() for b in kind if b is not None]
-        if self._scratch is not None:
-            buffers.append(self._scratch)
-        return sum(b.numel() * b.element_size() for b in buffers)
+        return self._chunk_bytes() + self._fixed_bytes()
 
     def bytes_per_param(self) -> float:
-        """Host bytes per stored parameter element, padding included and the scratch excluded
-        (one chunk for the whole model, not a per-parameter cost): 14 for bf16 compute."""
-        scratch = 0 if self._scratch is None else self._scratch.numel() * 4
-        return (self.host_bytes() - scratch) / sum(s.numel for s in self.slots)
+        """Host bytes per stored parameter element, padding included and the buffers shared by all
+        chunks (scratch, landing buffers) excluded: 14 for bf16 compute, 12 for a lean chunk."""
+        return self._chunk_bytes() / sum(s.numel for s in self.slots)
 
-    def _planned_bytes(self) -> int:
-        """What ``host_bytes`` will be, computed before allocating anything."""
+    def _chunk_bytes(self) -> int:
+        buffers = [b for kind in self._buffers.values() for b in kind if b is not None]
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+    def _fixed_bytes(self) -> int:
+        """The scratch and the landing buffers made so far."""
+        itemsize = self.compute_dtype.itemsize
+        scratch = 0 if self._scratch is None else self._scratch.numel() * 4
+        return scratch + self._landing_made * self.chunk_numel * itemsize
+
+    def _planned_bytes(self, lean: frozenset[int] | None = None, grad_pool: int | None = None) -> int:
+        """What ``host_bytes`` will be, computed before allocating anything, with the pool's
+        landing buffers all made (default: this store's ``lean`` and ``grad_pool``)."""
+        lean = self.lean if lean is None else lean
+        grad_pool = self.grad_pool if grad_pool is None else grad_pool
+        itemsize = self.compute_dtype.itemsize
         per_chunk = [
-            self.compute_dtype.itemsize
+            (0 if c in lean else itemsize)
             + 4
             + (8 if any(s.trainable for s in slots) else 0)
-            for slots in self._chunk_slots
+            for c, slots in enumerate(self._chunk_slots)
         ]
         scratch = 4 if self.compute_dtype != torch.float32 and self.has_trainable else 0
-        return self.chunk_numel * (sum(per_chunk) + scratch)
+        landing = itemsize * grad_pool if lean else 0
+        return self.chunk_numel * (sum(per_chunk) + scratch + landing)
+
+    def _auto_lean(self, available: int | None, grad_pool: int) -> int:
+        """The fewest last chunks to make lean so the store leaves :data:`AUTO_HOST_RESERVE` bytes of
+        ``available`` free (0 when unknown or when it fits as is; all when nothing does: the
+        memory check then names the need)."""
+        n = self.num_chunks
+        if available is None:
+            return 0
+        for k in range(n + 1):
+            lean = frozenset(range(n - k, n))
+            if self._planned_bytes(lean, min(grad_pool, k)) + AUTO_HOST_RESERVE <= available:
+                return k
+        return n
 
     # ---- allocation --------------------------------------------------------------------------
 
@@ -209,7 +270,7 @@ class ChunkStore:
         return host_empty(self.chunk_numel, dtype, self.pinned)  # exact size: no power-of-two rounding
 
     def _allocate_chunk(
-        self, slots: tuple[ParamSlot, ...], params: Mapping[str, torch.Tensor]
+        self, slots: tuple[ParamSlot, ...], params: Mapping[str, torch.Tensor], *, lean: bool
     ) -> None:
         master = self._empty(torch.float32).zero_()  # zero padding: finite if ever read
         for s in slots:
@@ -219,8 +280,10 @@ class ChunkStore:
                 self._materialize(s, target)
             else:
                 target.copy_(source.detach().reshape(-1))
-        working = self._empty(self.compute_dtype)
-        working.copy_(master)
+        working = None
+        if not lean:
+            working = self._empty(self.compute_dtype)
+            working.copy_(master)
         trainable = any(s.trainable for s in slots)
         self._buffers["master"].append(master)
         self._buffers["working"].append(working)
@@ -247,6 +310,11 @@ class ChunkStore:
     def flat(self, kind: BufferKind, chunk_id: int) -> torch.Tensor:
         """The flat ``kind`` buffer of a chunk (``exp_avg*`` of a chunk with nothing to train: error)."""
         buffer = self._buffers[kind][chunk_id]
+        if buffer is None and kind == "working":
+            raise ValueError(
+                f"chunk {chunk_id} is lean: it has no host working copy (its values are the master's, "
+                "its gradient is in grad_flat)"
+            )
         if buffer is None:
             raise ValueError(
                 f"chunk {chunk_id} has no trainable parameter, so no {kind}"
@@ -285,6 +353,58 @@ class ChunkStore:
 
     # ---- gradients ---------------------------------------------------------------------------
 
+    def is_lean(self, chunk_id: int) -> bool:
+        """Whether the chunk has no host working copy (see the module docstring)."""
+        return chunk_id in self.lean
+
+    def grad_flat(self, chunk_id: int) -> torch.Tensor:
+        """The flat buffer holding the chunk's gradient (compute dtype): its working buffer, or a
+        lean chunk's landing buffer (which it must hold: see :meth:`holds_grad`)."""
+        if chunk_id not in self.lean:
+            return self.flat("working", chunk_id)
+        try:
+            return self._landing[chunk_id]
+        except KeyError:
+            raise ValueError(f"lean chunk {chunk_id} holds no gradient") from None
+
+    def landing_full(self) -> bool:
+        """Whether every landing buffer of the pool is held (the next lean chunk to take one would
+        get a new one: wait for an optimizer step first, if one is coming)."""
+        with self._landing_lock:
+            return not self._free_landing and self._landing_made >= self.grad_pool
+
+    @property
+    def landing_buffers(self) -> int:
+        """Landing buffers made so far (``grad_pool``, more only when a caller could not wait)."""
+        return self._landing_made
+
+    def _grad_target(self, chunk_id: int) -> torch.Tensor:
+        """Where the chunk's gradient lands: :meth:`grad_flat`, taking a landing buffer for a lean
+        chunk that holds none."""
+        if chunk_id not in self.lean or chunk_id in self._landing:
+            return self.grad_flat(chunk_id)
+        with self._landing_lock:
+            buffer = self._free_landing.pop() if self._free_landing else None
+            made = self._landing_made
+        if buffer is None:
+            if made >= self.grad_pool:  # past the planned pool: check what the host has now
+                check_host_memory(
+                    self.chunk_numel * self.compute_dtype.itemsize,
+                    available_host_bytes(),
+                    f"landing buffer {made + 1} of the lean chunks' gradients (the pool has {self.grad_pool})",
+                )
+            buffer = self._empty(self.compute_dtype)
+            with self._landing_lock:
+                self._landing_made += 1
+        self._landing[chunk_id] = buffer
+        return buffer
+
+    def _give_back_landing(self, chunk_id: int) -> None:
+        buffer = self._landing.pop(chunk_id, None)
+        if buffer is not None:
+            with self._landing_lock:
+                self._free_landing.append(buffer)
+
     def holds_grad(self, chunk_id: int) -> bool:
         """Whether the chunk's working buffer holds a gradient (its values are then in the master only)."""
         return bool(self._grad_slots[chunk_id])
@@ -316,12 +436,13 @@ class ChunkStore:
             )
         held = self._grad_slots[chunk_id]
         add = accumulate and bool(held)
+        target = self._grad_target(chunk_id)
         if add:
-            # parameters without a gradient yet still hold values there: start them from zero
+            # parameters without a gradient yet still hold values (or garbage) there: start them from zero
             self._before_host_write(chunk_id)
             for s in trainable - held:
-                self.view("working", s).zero_()
-        self._land(chunk_id, self.flat("working", chunk_id), flat, add=add)
+                _slot_view(target, s).zero_()
+        self._land(chunk_id, target, flat, add=add)
         held.update(trainable)
 
     def write_grads(
@@ -332,9 +453,8 @@ class ChunkStore:
         by_slot = self.grads_by_slot(grads)
         for s, grad in by_slot.items():
             held = self._grad_slots[s.chunk]
-            self._land(
-                s.chunk, self.view("working", s), grad, add=accumulate and s in held
-            )
+            target = _slot_view(self._grad_target(s.chunk), s)
+            self._land(s.chunk, target, grad, add=accumulate and s in held)
             held.add(s)
         return sorted({s.chunk for s in by_slot})
 
@@ -366,12 +486,12 @@ class ChunkStore:
 
     def grad_fp32(self, chunk_id: int) -> torch.Tensor:
         """The chunk's gradient as a flat fp32 tensor: the scratch (shared: valid until the next
-        call) or, with fp32 compute, the working buffer itself."""
+        call) or, with fp32 compute, the buffer holding it (:meth:`grad_flat`)."""
         self.wait_grad(chunk_id)
-        working = self.flat("working", chunk_id)
+        grad = self.grad_flat(chunk_id)
         if self._scratch is None:
-            return working
-        return self._scratch.copy_(working)
+            return grad
+        return self._scratch.copy_(grad)
 
     @property
     def scratch(self) -> torch.Tensor | None:
@@ -381,12 +501,15 @@ class ChunkStore:
     def finish_step(self, chunk_id: int, refreshed: Iterable[ParamSlot] = ()) -> None:
         """After the chunk's optimizer step: rebuild its working copy from the master (frozen and
         un-stepped parameters included) and forget its gradient. ``refreshed``: slots whose
-        working copy the optimizer already rewrote from the new master."""
+        working copy the optimizer already rewrote from the new master. A lean chunk gives its
+        landing buffer back instead."""
         if not self._grad_slots[chunk_id]:
             return
         self._before_host_write(chunk_id)
         done = set(refreshed)
-        if not done:
+        if chunk_id in self.lean:
+            self._give_back_landing(chunk_id)
+        elif not done:
             self.flat("working", chunk_id).copy_(self.flat("master", chunk_id))
         else:
             for s in self._chunk_slots[chunk_id]:  # a flat gradient covered frozen ones too
@@ -480,7 +603,9 @@ class ChunkStore:
     ) -> torch.Tensor:
         """The host tensor to copy the chunk's current values from: its working buffer, or, while
         that holds a gradient, a buffer from ``staging()`` (compute dtype, chunk size) filled
-        from the master."""
+        from the master; a lean chunk's fp32 master (the device casts it)."""
+        if chunk_id in self.lean:
+            return self.flat("master", chunk_id)
         if not self._grad_slots[chunk_id]:
             return self.flat("working", chunk_id)
         self.wait_writes(chunk_id)  # the CPU reads the master: a device step may still be writing it
@@ -516,7 +641,10 @@ class ChunkStore:
             self._before_host_write(s.chunk)
             self.view("master", s).copy_(value)
         for c in range(self.num_chunks):
-            self.flat("working", c).copy_(self.flat("master", c))
+            if c in self.lean:
+                self._give_back_landing(c)
+            else:
+                self.flat("working", c).copy_(self.flat("master", c))
             self._grad_slots[c].clear()
             self._versions[c] += 1
 

@@ -95,15 +95,16 @@ class ChunkAdamW:
         store = self.store
         steps = self.advance(slots)
         fused, hyper = self.kernel(g)
-        working, master = store.flat("working", chunk_id), store.flat("master", chunk_id)
+        grad, master = store.grad_flat(chunk_id), store.flat("master", chunk_id)
+        working = None if store.is_lean(chunk_id) else store.flat("working", chunk_id)  # == grad
         exp_avg, exp_avg_sq = store.flat("exp_avg", chunk_id), store.flat("exp_avg_sq", chunk_id)
         scratch = store.scratch
         for batch in _slices(slots, steps, self.slice_elems):
             ranges = [(a, b) for a, b, _ in batch]
-            if scratch is None:  # fp32 compute: the working buffer holds the fp32 gradient
-                grads = [working[a:b] for a, b in ranges]
+            if scratch is None:  # fp32 compute: the gradient is already fp32
+                grads = [grad[a:b] for a, b in ranges]
             else:
-                grads = [scratch[a:b].copy_(working[a:b]) for a, b in ranges]
+                grads = [scratch[a:b].copy_(grad[a:b]) for a, b in ranges]
             fused(
                 [master[a:b] for a, b in ranges],
                 grads,
@@ -113,8 +114,9 @@ class ChunkAdamW:
                 [step for _, _, step in batch],
                 **hyper,
             )
-            for a, b in ranges:
-                working[a:b].copy_(master[a:b])
+            if working is not None:  # a lean chunk has no working copy to refresh
+                for a, b in ranges:
+                    working[a:b].copy_(master[a:b])
 
     def group_of(self, slot: ParamSlot) -> int:
         """Index of the optimizer's param group holding ``slot``."""

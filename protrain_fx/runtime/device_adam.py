@@ -100,7 +100,8 @@ class DeviceAdamW:
             return
         if self._sets is None:
             self._sets = [self._new_set() for _ in range(N_SETS)]
-        host = {k: store.flat(k, chunk_id) for k in ("master", "exp_avg", "exp_avg_sq", "working")}
+        kinds = ("master", "exp_avg", "exp_avg_sq") + (() if store.is_lean(chunk_id) else ("working",))
+        host = {k: store.flat(k, chunk_id) for k in kinds}  # a lean chunk has no working copy
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
             self._load.wait_stream(current)  # the gradients are made there
@@ -161,9 +162,10 @@ class DeviceAdamW:
                 [self._device_step(s, step) for (_, _, step), (_, _, _, s) in zip(batch, ranges)],
                 **hyper,
             )
-            for a, b, p, _ in ranges:
-                st["working"][p : p + b - a].copy_(st["master"][p : p + b - a])
-            for kind in ("master", "exp_avg", "exp_avg_sq", "working"):
+            if "working" in host:
+                for a, b, p, _ in ranges:
+                    st["working"][p : p + b - a].copy_(st["master"][p : p + b - a])
+            for kind in host:
                 for a, b, p, _ in ranges:
                     host[kind][a:b].copy_(st[kind][p : p + b - a], non_blocking=self.cuda)
             if self.cuda:
