@@ -10,6 +10,8 @@ pass pipeline runs there. Code generation is Inductor (with our partitioner inst
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import logging
 from pathlib import Path
@@ -20,11 +22,19 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from protrain_fx.autoplan import choose_plan, specialize_shapes
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.passes.memory import StepGraphs
 from protrain_fx.passes.inductor_memory import read_inductor_plan
-from protrain_fx.pipeline import refine_memory_for_inductor, run_joint_passes, run_step_passes
+from protrain_fx.pipeline import (
+    check_budget,
+    refine_memory_for_inductor,
+    run_joint_passes,
+    run_step_passes,
+    wants_auto_plan,
+)
+from protrain_fx.plan import Plan
 
 log = logging.getLogger("protrain_fx")
 
@@ -75,16 +85,40 @@ class _Partitioner(CustomPartitionerFn):
         static = kwargs.get("static_lifetime_input_indices") or []
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         record = self.record
-        record.joint = joint
         primals = [n.name for n in joint.graph.nodes if n.op == "placeholder"]
         parameters = {primals[i] for i in static if i < len(primals)}
-        # The plan's tags, which the partitioner acts on.
-        run_joint_passes(record, parameter_names=parameters, num_fwd_outputs=num_fwd_outputs)
-        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        record.forward, record.backward = forward, backward
-        record.step = _step_graphs(forward, backward, num_fwd_outputs, set(static))
-        run_step_passes(record)
-        return forward, backward
+
+        def partition(graph: fx.GraphModule, *, check: bool = True) -> tuple[fx.GraphModule, fx.GraphModule]:
+            record.joint = graph
+            # The plan's tags, which the partitioner acts on.
+            run_joint_passes(record, parameter_names=parameters, num_fwd_outputs=num_fwd_outputs)
+            forward, backward = min_cut_rematerialization_partition(graph, joint_inputs, **kwargs)
+            record.forward, record.backward = forward, backward
+            record.step = _step_graphs(forward, backward, num_fwd_outputs, set(static))
+            run_step_passes(record, check=check)
+            return forward, backward
+
+        if not wants_auto_plan(record):
+            return partition(joint)
+        # The backend chooses the plan: each trial partitions its own copy of the joint graph (the
+        # partitioner rewrites the graph it is given, and the tags of one plan must not reach the next).
+        specialize_shapes(joint)  # the plan is sized for these shapes: a new shape compiles (and plans) again
+        user_config = record.config
+        graphs: list[tuple[fx.GraphModule, fx.GraphModule]] = []
+
+        def trial(plan: Plan | None) -> None:
+            record.config = dataclasses.replace(user_config, plan=plan)
+            record.swapped = []
+            graphs[:] = [partition(_copy_graph_module(joint), check=False)]
+
+        record.auto_plan = choose_plan(record, trial)
+        if record.auto_plan is None:
+            log.info("protrain_fx: graph %d has no transformer blocks: no activation plan to choose", record.index)
+        else:
+            log.info("protrain_fx: %s", record.auto_plan.table(record.index))
+        if record.config.codegen == "eager":
+            check_budget(record)  # with Inductor: once its allocation plan is known
+        return graphs[0]
 
     def uuid(self) -> Any:
         return _SOURCE_HASH
@@ -92,6 +126,13 @@ class _Partitioner(CustomPartitionerFn):
     def __reduce__(self):
         # Inductor pickles its config into cache keys; the uuid stands for this partitioner.
         return (str, (self.uuid(),))
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.meta = dict(getattr(gm, "meta", {}))
+    return copied
 
 
 def _step_graphs(forward: fx.GraphModule, backward: fx.GraphModule | None, num_user_outputs: int,

@@ -21,6 +21,7 @@ import torch.fx as fx
 from protrain_fx.config import ProtrainConfig
 
 if TYPE_CHECKING:
+    from protrain_fx.autoplan import AutoPlan
     from protrain_fx.passes.blocks import BlockInfo
     from protrain_fx.passes.inductor_memory import GraphPlan
     from protrain_fx.passes.memory import MemoryAnalysis, StepGraphs
@@ -70,6 +71,9 @@ class CapturedGraph:
     swapped: list["SwappedValue"] = field(default_factory=list)
     #: Chunks of offloaded parameters gathered per graph (``passes/gather.py``).
     gathered: list[Any] = field(default_factory=list)
+    #: The activation plan the backend chose from the memory budget, with its prediction
+    #: (``protrain_fx.autoplan``); ``None`` without a budget, with a plan by hand or offloaded parameters.
+    auto_plan: "AutoPlan | None" = None
 
     @property
     def has_backward(self) -> bool:

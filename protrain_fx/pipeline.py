@@ -28,6 +28,7 @@ the graphs after each pass into numbered files: ``<dir>/graph<N>/<NN>_<pass>_<fo
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -121,8 +122,9 @@ def run_joint_passes(record: CapturedGraph, *, parameter_names: set[str], num_fw
     )
 
 
-def run_step_passes(record: CapturedGraph) -> None:
-    """Run the pass list on a captured step (train graphs or an inference graph)."""
+def run_step_passes(record: CapturedGraph, *, check: bool = True) -> None:
+    """Run the pass list on a captured step (train graphs or an inference graph). ``check=False``
+    skips the budget check (a trial run of the automatic plan, ``protrain_fx.autoplan``)."""
     runner = PassRunner(record, os.environ.get(DUMP_DIR_ENV) or None)
     runner.count = len(record.passes)  # after the joint-graph passes' dumps
     runner.dump("capture")
@@ -167,13 +169,26 @@ def run_step_passes(record: CapturedGraph) -> None:
             f" (params {m.parameter_bytes / 2**20:.1f}, saved {m.saved_activation_bytes / 2**20:.1f} MiB)",
         )
     record.readable = readable_graphs(record)
-    if record.config.codegen == "eager" or record.step is None or record.step.backward is None:
+    if check and (record.config.codegen == "eager" or record.step is None or record.step.backward is None):
         check_budget(record)  # with Inductor: once its plan is known
 
 
 def _has_offloaded(record: CapturedGraph) -> bool:
     graph = record.forward if record.forward is not None else record.inference
-    return graph is not None and any(chunk_ops.offloaded(t) for t in record.real_inputs())
+    return graph is not None and _reads_offloaded(record)
+
+
+def _reads_offloaded(record: CapturedGraph) -> bool:
+    """Whether the graph's inputs include parameters offloaded with ``protrain_fx.offload``."""
+    return any(chunk_ops.offloaded(t) for t in record.real_inputs())
+
+
+def wants_auto_plan(record: CapturedGraph) -> bool:
+    """A memory budget, no plan by hand and no offloaded parameter (offloaded models take their
+    ``n_persist`` / ``n_buffer`` by hand and keep the path they had): the backend chooses the
+    activation plan (``protrain_fx.autoplan``). Asked before partitioning a train graph."""
+    config = record.config
+    return config.memory_budget_bytes is not None and config.plan is None and not _reads_offloaded(record)
 
 
 #: The caching allocator reserves more than the tensors it holds (block rounding, fragmentation);
@@ -189,6 +204,29 @@ def budget_verdict(peak_bytes: int, budget_bytes: int) -> str:
     if peak_bytes * (1 + ALLOCATOR_HEADROOM) <= budget_bytes:
         return "fits"
     return "tight" if peak_bytes <= budget_bytes else "over"
+
+
+def allocated_cap_bytes(budget_bytes: int) -> int:
+    """The largest allocated peak that :func:`budget_verdict` calls ``"fits"`` under ``budget_bytes``:
+    the budget caps what the allocator reserves, and reserved runs up to ``ALLOCATOR_HEADROOM`` above
+    allocated."""
+    cap = int(budget_bytes / (1 + ALLOCATOR_HEADROOM))
+    while cap > 0 and budget_verdict(cap, budget_bytes) != "fits":
+        cap -= 1
+    while budget_verdict(cap + 1, budget_bytes) == "fits":
+        cap += 1
+    return cap
+
+
+def budget_for_peak(peak_bytes: int) -> int:
+    """The smallest budget under which an allocated peak of ``peak_bytes`` ``"fits"`` (the inverse of
+    :func:`allocated_cap_bytes`)."""
+    budget = max(1, math.ceil(peak_bytes * (1 + ALLOCATOR_HEADROOM)))
+    while budget > 1 and budget_verdict(peak_bytes, budget - 1) == "fits":
+        budget -= 1
+    while budget_verdict(peak_bytes, budget) != "fits":
+        budget += 1
+    return budget
 
 
 def device_limit_bytes(device: str | torch.device) -> int | None:
@@ -217,10 +255,13 @@ def check_budget(record: CapturedGraph) -> None:
     verdict = budget_verdict(memory.peak_bytes, budget)
     if verdict == "fits":
         return
+    if getattr(record, "auto_plan", None) is not None:
+        advice = "the automatic plan was chosen from the graph-level prediction, which said it fits"
+    else:
+        advice = "choose a plan by hand with options={'plan': ...}"
     log.warning(
         "protrain_fx: graph %d is predicted to need %.2f GiB (%.2f GiB with %.0f%% allocator headroom), "
-        "%s %s of %.2f GiB (this release predicts and reports; choose a plan by hand "
-        "with options={'plan': ...})",
+        "%s %s of %.2f GiB (%s)",
         record.index,
         memory.peak_bytes / 2**30,
         memory.peak_bytes * (1 + ALLOCATOR_HEADROOM) / 2**30,
@@ -228,6 +269,7 @@ def check_budget(record: CapturedGraph) -> None:
         "over" if verdict == "over" else "at the edge of",
         what,
         budget / 2**30,
+        advice,
     )
 
 

@@ -24,6 +24,11 @@ Before that, a first pass simulates a few configs per ``n_persist`` (keep all, s
 all, least recompute) to start with a good incumbent; it changes what is simulated, not the result.
 
 ``prune=False`` simulates every fitting config instead (for tests and for checking the bounds).
+
+``persist_all=True`` restricts every pass above to ``n_persist = n_chunks`` (so ``n_buffer = 0``):
+the activation plan alone (``n_swap``, ``n_checkpoint``), for a model whose parameters all stay on
+the device. The bounds hold for any subset of ``n_persist`` values, so the result is the fastest
+fitting config of that subset.
 """
 
 from __future__ import annotations
@@ -60,12 +65,21 @@ class SearchResult:
     seconds: float
 
 
-def search(problem: Problem, budget_bytes: int, *, reserve_bytes: int = 0, prune: bool = True) -> SearchResult:
+def search(
+    problem: Problem,
+    budget_bytes: int,
+    *,
+    reserve_bytes: int = 0,
+    prune: bool = True,
+    persist_all: bool = False,
+) -> SearchResult:
     """The fastest config whose predicted peak is at most ``budget_bytes - reserve_bytes``.
 
     ``reserve_bytes`` is memory the model does not see (CUDA context, allocator fragmentation): the
-    caller's safety margin. Raises :class:`NoPlanFits` (a ``ValueError``) naming the smallest budget
-    that would fit, and ``ValueError`` for a negative budget or reserve.
+    caller's safety margin. ``persist_all``: only configs where every chunk persists
+    (``n_persist = n_chunks``, ``n_buffer = 0``; ``total`` and ``min_budget_bytes`` then count those
+    alone). Raises :class:`NoPlanFits` (a ``ValueError``) naming the smallest budget that would fit,
+    and ``ValueError`` for a negative budget or reserve.
     """
     for name, v in (("budget_bytes", budget_bytes), ("reserve_bytes", reserve_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -74,6 +88,7 @@ def search(problem: Problem, budget_bytes: int, *, reserve_bytes: int = 0, prune
     model = CostModel(problem)
     n, N = model.n_chunks, model.n_blocks
     cap_all = budget_bytes - reserve_bytes
+    persists = range(n, n - 1, -1) if persist_all else range(n, -1, -1)  # visited downwards
 
     pairs = [(s, c) for s in range(N + 1) for c in range(N + 1 - s)]
     act = {q: model.activation_peak(*q) for q in pairs}
@@ -83,9 +98,9 @@ def search(problem: Problem, budget_bytes: int, *, reserve_bytes: int = 0, prune
     rec = {q: sum(rc[i] for i, x in enumerate(model.policies(*q)) if x == 1) for q in pairs}
     bwd_compute = sum(model.cb)
     fwd_compute = sum(model.cf)
-    total = sum(len(model.buffer_range(p)) for p in range(n + 1)) * len(pairs)
+    total = sum(len(model.buffer_range(p)) for p in persists) * len(pairs)
 
-    min_peak = min(model.static_bytes(p, model.buffer_range(p).start) for p in range(n + 1)) + act_sorted[0]
+    min_peak = min(model.static_bytes(p, model.buffer_range(p).start) for p in persists) + act_sorted[0]
     if min_peak > cap_all:
         raise NoPlanFits(
             f"no plan fits a budget of {budget_bytes} bytes ({_mib(budget_bytes)}) with {reserve_bytes} reserved: "
@@ -106,7 +121,7 @@ def search(problem: Problem, budget_bytes: int, *, reserve_bytes: int = 0, prune
         # swap all, checkpoint all, least recompute that fits the most buffers), each with the most
         # buffers it fits with.
         probes = [(0, 0), (N, 0), (0, N)]
-        for p in range(n, -1, -1):
+        for p in persists:
             buffers = model.buffer_range(p)
             room = cap_all - model.static_bytes(p, 0)
             fits = [b for b in buffers if model.static_bytes(p, b) - model.static_bytes(p, 0) <= room - act_sorted[0]]
@@ -122,7 +137,7 @@ def search(problem: Problem, budget_bytes: int, *, reserve_bytes: int = 0, prune
                 if t < best_t:
                     best_t, best = t, (p, b, *q)
 
-    for p in range(n, -1, -1):
+    for p in persists:
         P = model._pp(p)
         p_lb = max(fwd_compute + bwd_compute + P.gpu_adam_s, P.cpu_adam_s)
         if prune and p_lb >= best_t:

@@ -75,12 +75,15 @@ def test_dump_dir_gets_numbered_graphs_after_each_pass(tmp_path, monkeypatch):
     assert "# blocks.0" in text  # the pass's annotations are visible in its dump
 
 
+#: A plan by hand (here: keep everything) turns off the automatic plan: the budget is checked only.
+HAND_PLAN = {"blocks": {}}
+
+
 def test_budget_below_prediction_warns(caplog):
     model, batch = example("tiny", batch_size=2, seq_len=16)
+    options = {"codegen": "eager", "memory_budget": "1MiB", "plan": HAND_PLAN}
     with caplog.at_level(logging.WARNING, logger="protrain_fx"):
-        torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": "1MiB"})(
-            *batch
-        ).backward()
+        torch.compile(model, backend="protrain", options=options)(*batch).backward()
     assert any("over its memory budget of" in r.getMessage() for r in caplog.records)
     table = protrain_fx.step_report().block_table()
     assert "budget 1.00 MiB: DOES NOT FIT" in table
@@ -113,9 +116,9 @@ def test_tight_budget_is_reported(caplog):
     torch._dynamo.reset()
     model, batch = example("tiny", batch_size=2, seq_len=16)
     with caplog.at_level(logging.WARNING, logger="protrain_fx"):
-        torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": peak + 1})(
-            *batch
-        ).backward()
+        torch.compile(
+            model, backend="protrain", options={"codegen": "eager", "memory_budget": peak + 1, "plan": HAND_PLAN}
+        )(*batch).backward()
     assert any("at the edge of its memory budget" in r.getMessage() for r in caplog.records)
     assert "TIGHT" in protrain_fx.step_report().block_table()
 

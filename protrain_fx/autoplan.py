@@ -1,0 +1,287 @@
+"""The automatic activation plan: from ``options={"memory_budget": ...}`` to a plan the step runs.
+
+For a train graph whose parameters all stay on the device (no ``protrain_fx.offload``), with a memory
+budget and no plan by hand (``pipeline.wants_auto_plan``), the backend's partitioner calls
+:func:`choose_plan` instead of partitioning once:
+
+1. The step is partitioned and analysed with no plan, as without a budget.
+2. If the analysed peak fits the budget (``pipeline.budget_verdict`` says ``"fits"``), that is the
+   plan: nothing is rewritten.
+3. Otherwise :func:`activation_problem` describes the step to the cost model and
+   :func:`search_activation_plan` (``search.search(..., persist_all=True)``) finds the fastest
+   ``(n_swap, n_checkpoint)`` whose predicted peak fits; the step is partitioned again with
+   ``cost.block_plan`` of it (checkpoint tags on the joint graph, swap after partitioning), so the
+   compiled function executes that plan.
+4. The rewritten step is analysed again. If the analysis is above the cap after all (the cost model
+   is an approximation), the search runs again with the cap lowered by the miss, a few times, and
+   last the config of least predicted memory is tried.
+5. When nothing fits, :class:`~protrain_fx.search.NoPlanFits` (a ``ValueError``) is raised while
+   compiling, before the step runs, naming the smallest budget in bytes and GiB.
+
+Budget and allocator headroom. The budget caps what the caching allocator *reserves*; reserved ran
+up to 7% above allocated on the H200 (``pipeline.ALLOCATOR_HEADROOM`` = 8%). Every comparison here is
+against ``pipeline.allocated_cap_bytes(budget)`` = the largest allocated peak with 8% headroom under
+the budget (``peak * 1.08 <= budget``), the same rule as the report's "fits". The search gets it as
+``reserve_bytes = budget - allocated_cap_bytes(budget)``, so its ``min_budget_bytes`` (``minimum
+predicted peak + reserve``) is close to, and is then replaced by, ``pipeline.budget_for_peak`` of
+the minimum predicted peak: the smallest budget under which that peak fits with the headroom.
+
+What the cost model is told (:func:`activation_problem`): ``profiler.problem_from_record`` with
+roofline block times (``passes/estimate.py``, with the ``machine`` option's constants), the swap
+threshold the swap pass will use on this device (``Machine.min_swap_bytes``), and all parameters in
+one chunk of exactly their size (every chunk persists: the padding a chunk layout adds would be
+counted as memory the model does not use). The cost model keeps gradients and optimizer state live
+for the whole step, where the analysis frees nothing but starts gradients in backward: its peak is
+above the analysis' for these models (on the test GPT by 10-30%), so a plan it calls fitting fits the
+analysis too, and the named minimum budget is one the backend can keep, not always the lowest one a
+hand plan could reach.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_int
+
+from protrain_fx import cost
+from protrain_fx.capture import CapturedGraph
+from protrain_fx.cost import Config, CostModel, Estimate, Problem, block_plan
+from protrain_fx.machine import Machine, machine_for
+from protrain_fx.passes.params import parameter_infos
+from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
+from protrain_fx.plan import Plan
+from protrain_fx.profiler import problem_from_record
+from protrain_fx.readable import human_bytes
+from protrain_fx.search import NoPlanFits, SearchResult, search
+
+log = logging.getLogger("protrain_fx")
+
+#: Searches after a rewritten step analysed above the cap, before the least-memory config is tried.
+MAX_SEARCHES = 3
+#: Bytes per parameter a fused AdamW step moves through device memory (fp32: reads parameter,
+#: gradient and two moments, writes parameter and two moments); gives the cost model a GPU Adam rate.
+ADAM_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One plan partitioned and analysed: its config, the cost model's peak, the analysis' peak."""
+
+    config: Config
+    predicted_peak_bytes: int
+    analysed_peak_bytes: int
+
+
+@dataclass
+class AutoPlan:
+    """The plan the backend chose for one graph, and why (``CapturedGraph.auto_plan``).
+
+    ``plan`` lists every block (all ``"none"`` when the step fits as it is). ``predicted_peak_bytes``
+    and ``estimate`` are the cost model's for ``config``; ``analysed_peak_bytes`` is the memory
+    analysis of the graphs as rewritten (``record.memory`` before Inductor refines it).
+    ``allocated_cap_bytes`` is what that peak had to stay under (the budget less the allocator's
+    headroom). ``how``: ``"fits as is"``, ``"searched"`` or ``"least memory"``. ``trials``: every
+    rewrite that was analysed, in order; ``search``: the last search's result.
+    """
+
+    plan: Plan
+    config: Config
+    estimate: Estimate
+    problem: Problem
+    budget_bytes: int
+    allocated_cap_bytes: int
+    predicted_peak_bytes: int
+    analysed_peak_bytes: int
+    empty_peak_bytes: int
+    empty_step_s: float
+    how: str
+    search: SearchResult | None = None
+    trials: list[Trial] = field(default_factory=list)
+
+    def table(self, index: int | None = None) -> str:
+        """The plan table with predicted step time and peak, for logs and reports."""
+        where = f" for graph {index}" if index is not None else ""
+        lines = [
+            f"automatic activation plan{where}: budget {human_bytes(self.budget_bytes)}, allocated peak at most "
+            f"{human_bytes(self.allocated_cap_bytes)} ({100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom)",
+            f"  {self.how}: n_swap={self.config.n_swap}, n_checkpoint={self.config.n_checkpoint}; predicted step "
+            f"{self.estimate.step_s * 1e3:.3f} ms (no plan: {self.empty_step_s * 1e3:.3f} ms); peak "
+            f"{human_bytes(self.analysed_peak_bytes)} analysed, {human_bytes(self.predicted_peak_bytes)} by the "
+            f"cost model (no plan: {human_bytes(self.empty_peak_bytes)} analysed)",
+        ]
+        if self.search is not None:
+            s = self.search
+            lines.append(f"  search: {s.evaluated} of {s.total} configs simulated in {s.seconds * 1e3:.1f} ms")
+        lines.append(self.plan.table([b.name for b in self.problem.blocks]))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def machine_profile(machine: Machine) -> cost.MachineProfile:
+    """The cost model's rates from the backend's machine constants (``protrain_fx.machine``, with the
+    ``machine`` option applied): copy bandwidths as they are; GPU Adam from the memory bandwidth
+    (:data:`ADAM_BYTES_PER_PARAM`). No chunk is stepped on the CPU when every chunk persists, so the
+    CPU Adam rate is a stand-in (the GPU one)."""
+    adam = machine.hbm_bytes * machine.hbm_efficiency / ADAM_BYTES_PER_PARAM
+    return cost.MachineProfile(
+        h2d_bytes_per_s=machine.h2d_bytes,
+        d2h_bytes_per_s=machine.d2h_bytes,
+        duplex_bytes_per_s=machine.duplex_bytes,
+        cpu_adam_params_per_s=adam,
+        gpu_adam_params_per_s=adam,
+    )
+
+
+def activation_problem(record: CapturedGraph) -> Problem:
+    """The cost model's :class:`~protrain_fx.cost.Problem` for a step analysed with no plan, as the
+    module docstring says: roofline times, this device's swap threshold, one unpadded chunk."""
+    device = torch.device(record.memory.device)
+    machine = machine_for(device, record.config.machine)
+    params = parameter_infos(record.step, record.dynamo_graph)
+    return problem_from_record(
+        record,
+        machine_profile(machine),
+        chunk_bytes=max(1, sum(p.nbytes for p in params)),
+        estimate_machine=machine,
+        min_swap_bytes=machine.min_swap_bytes,
+    )
+
+
+def search_activation_plan(problem: Problem, budget_bytes: int, *, reserve_bytes: int = 0) -> SearchResult:
+    """The fastest ``(n_swap, n_checkpoint)`` with every chunk persistent that fits
+    ``budget_bytes - reserve_bytes``: :func:`protrain_fx.search.search` with ``persist_all=True``."""
+    return search(problem, budget_bytes, reserve_bytes=reserve_bytes, persist_all=True)
+
+
+def least_memory_config(model: CostModel) -> Config:
+    """The all-persistent config of least predicted peak (the faster one among equals)."""
+    n, N = model.n_chunks, model.n_blocks
+    pairs = [(s, c) for s in range(N + 1) for c in range(N + 1 - s)]
+    act = {q: model.activation_peak(*q) for q in pairs}
+    low = min(act.values())
+    s, c = min((q for q in pairs if act[q] == low), key=lambda q: (model.step_time(n, 0, *q), q))
+    return Config(n, 0, s, c)
+
+
+def specialize_shapes(gm: fx.GraphModule) -> int:
+    """Guard on the value of every symbolic size of ``gm``'s inputs, so that a plan sized for these
+    shapes is never reused for others: Dynamo compiles again for a new shape (and the backend plans
+    again). Returns how many sizes were symbolic. (Dynamo's own recompile limit then bounds how many
+    shapes one function compiles for.)"""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        sizes = (*val.shape, *val.stride()) if isinstance(val, torch.Tensor) else (val,)
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                guard_int(size)
+                count += 1
+    return count
+
+
+def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> AutoPlan | None:
+    """Choose, apply and verify the activation plan of ``record`` (module docstring, steps 1-5).
+
+    ``trial(plan)`` partitions the step with ``plan`` (``None``: no plan) and runs the passes on it,
+    leaving ``record``'s graphs and ``record.memory`` as of that plan; on return the record holds the
+    chosen plan's graphs. Returns ``None`` for a step without transformer blocks (nothing to plan;
+    the record holds it as it is). Raises :class:`~protrain_fx.search.NoPlanFits` when nothing fits.
+    """
+    budget = record.config.memory_budget_bytes
+    assert budget is not None
+    cap = allocated_cap_bytes(budget)
+    reserve = budget - cap
+    trial(None)
+    assert record.memory is not None
+    empty_peak = record.memory.peak_bytes
+    if record.blocks is None or not record.blocks.labels:
+        return None  # no block to checkpoint or swap: the budget is only checked, as with a plan by hand
+    problem = activation_problem(record)
+    model = CostModel(problem)
+    n = model.n_chunks
+    empty = Config(n, 0, 0, 0)
+    empty_est = model.estimate(empty)
+
+    def result(config: Config, how: str, found: SearchResult | None, trials: list[Trial]) -> AutoPlan:
+        est = model.estimate(config)
+        return AutoPlan(
+            plan=block_plan(problem, config),
+            config=config,
+            estimate=est,
+            problem=problem,
+            budget_bytes=budget,
+            allocated_cap_bytes=cap,
+            predicted_peak_bytes=est.peak_bytes,
+            analysed_peak_bytes=record.memory.peak_bytes,
+            empty_peak_bytes=empty_peak,
+            empty_step_s=empty_est.step_s,
+            how=how,
+            search=found,
+            trials=trials,
+        )
+
+    if empty_peak <= cap:
+        return result(empty, "fits as is", None, [])
+
+    trials: list[Trial] = []
+
+    def run(config: Config) -> Trial:
+        plan = block_plan(problem, config)
+        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        t = Trial(config, model.estimate(config).peak_bytes, record.memory.peak_bytes)
+        trials.append(t)
+        return t
+
+    found: SearchResult | None = None
+    lowered = 0
+    for _ in range(MAX_SEARCHES):
+        try:
+            found = search_activation_plan(problem, budget, reserve_bytes=reserve + lowered)
+        except NoPlanFits:
+            break
+        if any(t.config == found.best for t in trials):
+            break
+        t = run(found.best)
+        if t.analysed_peak_bytes <= cap:
+            return result(t.config, "searched", found, trials)
+        lowered += max(1, t.analysed_peak_bytes - t.predicted_peak_bytes)
+
+    # Last the config of least predicted memory, analysed even when the cost model says it does not
+    # fit, so that the minimum named below is one this procedure keeps.
+    least = least_memory_config(model)
+    done = next((t for t in trials if t.config == least), None) or run(least)
+    need = max(done.predicted_peak_bytes, done.analysed_peak_bytes)
+    if need <= cap:
+        if trials[-1] is not done:
+            run(least)  # the record holds the graphs of the last trial
+        return result(least, "least memory", found, trials)
+    minimum = budget_for_peak(need)
+    raise NoPlanFits(
+        f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
+        f"for graph {record.index}: the plan of least memory (n_swap={least.n_swap}, n_checkpoint="
+        f"{least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} bytes, so the budget "
+        f"must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, {100 * ALLOCATOR_HEADROOM:.0f}% allocator "
+        "headroom included); raise memory_budget, use a smaller batch, or offload parameters with "
+        "protrain_fx.offload(...)",
+        min_budget_bytes=minimum,
+    )
+
+
+__all__ = [
+    "AutoPlan",
+    "specialize_shapes",
+    "Trial",
+    "activation_problem",
+    "choose_plan",
+    "least_memory_config",
+    "machine_profile",
+    "search_activation_plan",
+]
