@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8 if cuda else 4)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
     parser.add_argument("--codegen", choices=("inductor", "eager"), default="inductor")
-    parser.add_argument("--budget", default=None, help="memory budget, e.g. 24GiB (checked against the prediction)")
+    parser.add_argument("--budget", default=None, help="memory budget, e.g. 24GiB: the backend chooses the activation plan (with --plan: checked only)")
     parser.add_argument("--plan", default=None,
                         help="activation plan: 'swap=N,checkpoint=M' (ProTrain's interleaved layout), JSON text or a .json path")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")

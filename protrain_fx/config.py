@@ -75,8 +75,10 @@ class ProtrainConfig:
     """Everything the backend can be told through ``torch.compile(..., options={...})``.
 
     Attributes:
-        memory_budget_bytes: GPU bytes the training step may use (``None``: no budget). Until plans
-            exist (later releases) it is checked against the predicted peak and a warning names the gap.
+        memory_budget_bytes: GPU bytes the training step may use (``None``: no budget). Without a
+            ``plan``, for a model whose parameters stay on the device, the backend chooses the
+            activation plan that fits it (``protrain_fx.autoplan``); otherwise it is checked against
+            the predicted peak and a warning names the gap.
         codegen: ``"inductor"`` (default) compiles the captured graphs with Inductor keeping our node
             order; ``"eager"`` runs them as plain FX code (bit-exact with eager PyTorch; for debugging
             and fast tests).

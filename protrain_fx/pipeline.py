@@ -20,6 +20,9 @@ With Inductor, once it has compiled the graphs:
 
 4. ``analyze_inductor_memory`` — the same analysis from Inductor's own allocation plan.
 
+With a memory budget and no plan by hand (:func:`wants_auto_plan`), the backend runs steps 0-3 once per
+plan it tries (``protrain_fx.autoplan``) and keeps the graphs of the plan it chose.
+
 Parameter chunk rewrites join this list in later releases. The runner times each pass,
 logs one line per pass, wraps errors with the pass name and, when ``PROTRAIN_DUMP_DIR`` is set, writes
 the graphs after each pass into numbered files: ``<dir>/graph<N>/<NN>_<pass>_<forward|backward>.txt``.

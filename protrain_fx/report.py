@@ -119,6 +119,11 @@ class StepReport:
                 "over": "DOES NOT FIT (choose a plan with options={'plan': ...})",
             }[budget_verdict(memory.peak_bytes, budget)]
             lines.insert(1, f"  budget {human_bytes(budget)}: {verdict}")
+            auto = getattr(graph, "auto_plan", None)
+            if auto is not None:
+                lines.insert(2, f"  automatic activation plan ({auto.how}): swap {', '.join(auto.plan.blocks_with('swap')) or '-'}; "
+                                f"checkpoint {', '.join(auto.plan.blocks_with('checkpoint')) or '-'}; "
+                                f"predicted step {auto.estimate.step_s * 1e3:.3f} ms")
         return "\n".join(lines)
 
     def chunk_layout(self, index: int | None = None):

@@ -162,6 +162,7 @@ def test_tighter_budget_runs_a_plan_that_fits_exactly_as_eager(no_plan, capfd):
     err = capfd.readouterr().err
     assert "automatic activation plan for graph 0" in err and "predicted step" in err
     assert f"n_checkpoint={auto.config.n_checkpoint}" in err and "checkpoint" in auto.table()
+    assert "automatic activation plan (searched)" in protrain_fx.step_report().block_table()
 
 
 def test_below_the_minimum_raises_naming_it_and_the_minimum_works(no_plan):
