@@ -25,6 +25,7 @@ LOSS_PLAN=${LOSS_PLAN-"swap=2,checkpoint=4"}
 OFFLOAD10=${OFFLOAD10-"persist=2,buffer=3,gpu_optim=16,checkpoint=all"}
 OFFLOAD42=${OFFLOAD42-}
 PEER_LADDER=${PEER_LADDER-"deepspeed"}
+LADDER_SIZES=${LADDER_SIZES-"350M 760M 1.3B 2.7B"}
 
 lane_a() {
   if [ -n "$TESTS" ]; then
@@ -66,12 +67,12 @@ lane_b() {
     resume=()
     [ -f "$O/b/peers.json" ] && resume=(--resume "$O/b/peers.json")
     # shellcheck disable=SC2086
-    python3 bench/peers.py --ladder --sizes 350M 760M 1.3B 2.7B --systems $PEER_LADDER \
+    python3 bench/peers.py --ladder --sizes $LADDER_SIZES --systems $PEER_LADDER \
       "${common[@]}" "${resume[@]}" --deadline-s $((END - $(date +%s))) > "$O/b/ladder.log" 2>&1
   fi
 }
 
-vars="O=$O END=$END HOST_GIB='$HOST_GIB' TESTS='$TESTS' SWAP_SERIES='$SWAP_SERIES' PLANS20='$PLANS20' LOSS_PLAN='$LOSS_PLAN' OFFLOAD10='$OFFLOAD10' OFFLOAD42='$OFFLOAD42' PEER_LADDER='$PEER_LADDER'"
+vars="O=$O END=$END HOST_GIB='$HOST_GIB' TESTS='$TESTS' SWAP_SERIES='$SWAP_SERIES' PLANS20='$PLANS20' LOSS_PLAN='$LOSS_PLAN' OFFLOAD10='$OFFLOAD10' OFFLOAD42='$OFFLOAD42' PEER_LADDER='$PEER_LADDER' LADDER_SIZES='$LADDER_SIZES'"
 if [ "$LANES" = "b" ]; then  # the one-GPU machine
   bash -c "$(declare -f lane_b); $vars lane_b"
 else

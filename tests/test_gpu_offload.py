@@ -96,35 +96,37 @@ def test_bf16_chunks_train_like_eager_autocast(n_gpu_optim, n_lean):
 
 def test_lean_chunks_fetch_the_bits_of_the_working_copy_and_the_analysis_counts_their_staging(monkeypatch):
     # A lean chunk's fp32 master is fetched in slices (a small slice here: many) and cast on the
-    # GPU: the same bf16 values as the host's working copy, so training gives the same bits.
+    # GPU: every fetched chunk must hold exactly the master's bf16 rounding (what a working copy
+    # holds), before and after optimizer steps changed the masters. (Whole training runs are not
+    # compared bit for bit: the GPU's backward is not deterministic from run to run.)
     from protrain_fx.passes.memory import chunk_pool_bytes
     from protrain_fx.runtime import buffer_pool
 
     monkeypatch.setattr(buffer_pool, "FETCH_SLICE_ELEMS", 10_000)
+    n_chunks = len(protrain_fx.param_offload._layout(dict(GPT(CONFIG).named_parameters(remove_duplicate=False)),
+                                                     CHUNK).chunks)
+    model, _, opt, _, handle, compiled = _setup(0, 3, compute_dtype=torch.bfloat16, n_lean=n_chunks, grad_pool=1)
+    store, pool = handle.store, handle.pool
+    assert store.lean == frozenset(range(n_chunks)) and pool.staging_bytes == 10_000 * 4
 
-    def train(n_lean):
-        torch._dynamo.reset()
-        model, _, opt, _, handle, compiled = _setup(0, 3, compute_dtype=torch.bfloat16, n_lean=n_lean, grad_pool=1)
-        losses = []
-        for step in range(3):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = compiled(*_batch(step))
-            loss.backward()
-            opt.step(), opt.zero_grad()
-            losses.append(loss.item())
-        record = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
-        pool_bytes = chunk_pool_bytes(record.step)[handle.id]
-        state = handle.state_dict(model)
-        handle.close()
-        return losses, state, pool_bytes, handle
+    def check_fetches():
+        handle.synchronize()
+        for c in range(n_chunks):
+            fetched = pool.acquire(c).cpu()
+            pool.release(c)
+            assert torch.equal(fetched, store.flat("master", c).to(torch.bfloat16)), c
 
-    base_losses, base_state, base_pool, base = train(0)
-    losses, state, pool_bytes, lean = train(len(base.store.layout.chunks))
-    assert losses == base_losses
-    for name in base_state:
-        assert torch.equal(state[name], base_state[name]), name
-    assert lean.pool.staging_bytes == 10_000 * 4 and base.pool.staging_bytes == 0
-    assert pool_bytes - base_pool >= lean.pool.staging_bytes
+    check_fetches()
+    for step in range(2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(*_batch(step))
+        loss.backward()
+        opt.step(), opt.zero_grad()
+    check_fetches()
+    record = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
+    itemsize = 2
+    assert chunk_pool_bytes(record.step)[handle.id] >= 3 * store.chunk_numel * itemsize + pool.staging_bytes
+    handle.close()
 
 
 def _first_loss(handle, model) -> float:
