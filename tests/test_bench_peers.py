@@ -162,3 +162,30 @@ def test_offload_specs_read_every_count_and_refuse_bad_ones():
         peers.parse_offload_spec("buffer=2,lean=x")
     with pytest.raises(ValueError, match="buffer=N"):
         peers.parse_offload_spec("persist=1")
+
+
+def test_merged_results_take_reruns_keep_results_over_not_run_and_pick_the_best_hand_plan(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_merge", ROOT / "bench" / "merge_results.py")
+    merge_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_results)
+
+    def run(size, system, status="ok", tps=None, cap=24.0):
+        return {"size": size, "system": system, "status": status, "tokens_per_s": tps, "cap_gib": cap}
+
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps([run("350M", "deepspeed", tps=16.0), run("760M", "deepspeed", tps=12.0),
+                                 run("4.2B", "protrain_offload[buffer=3]", tps=3.0)]))
+    second = tmp_path / "second.json"
+    second.write_text(json.dumps({"calls": {"c1": {"a": [run("350M", "deepspeed", tps=13.0),
+                                                         run("760M", "deepspeed", "not_run"),
+                                                         run("6.7B", "eager_ac", tps=10.0, cap=0.0)],
+                                                   "b": [run("4.2B", "protrain_offload[persist=3,buffer=3]", tps=6.0),
+                                                         run("4.2B", "protrain_offload[persist=9,buffer=3]", "OOM")]}}}))
+    merged = {(r["size"], r["system"]): r for r in merge_results.merge([first, second], ["protrain_offload"], 24.0)}
+    assert merged[("350M", "deepspeed")]["tokens_per_s"] == 13.0  # the rerun
+    assert merged[("350M", "deepspeed")]["source"] == "second.json"
+    assert merged[("760M", "deepspeed")]["tokens_per_s"] == 12.0  # not_run is no result
+    assert ("6.7B", "eager_ac") not in merged  # another cap
+    best = merged[("4.2B", "protrain_offload[best hand plan]")]
+    assert best["tokens_per_s"] == 6.0 and best["settings"] == "protrain_offload[persist=3,buffer=3]"
+    assert not any(s.startswith("protrain_offload[") and "best" not in s for _, s in merged)
