@@ -2,7 +2,8 @@
 
     python bench/search_time.py
 
-Prints one row per budget: seconds, configurations simulated, bound-only and total. Uses the
+Prints two rows per budget (without and with the choice of n_gpu_optim): seconds, configurations
+simulated, bound-only and total, and the config chosen. Uses the
 synthetic problem factory of tests/test_cost_search.py (seeded), so rows are comparable across runs.
 """
 
@@ -22,17 +23,27 @@ from protrain_fx.search import search  # noqa: E402
 
 
 def main() -> None:
-    problem = make_problem(11, n_blocks=48, chunks_per_block=(2, 2))
+    for cpu in (None, 1e9):  # the factory's CPU Adam rate, then a CPU slow enough for device steps to pay
+        table(cpu)
+
+
+def table(cpu_adam_params_per_s: float | None) -> None:
+    extra = {} if cpu_adam_params_per_s is None else {"cpu_adam_params_per_s": cpu_adam_params_per_s}
+    problem = make_problem(11, n_blocks=48, chunks_per_block=(2, 2), **extra)
     model = CostModel(problem)
     n = len(problem.chunks)
     lo = min(model.static_bytes(p, model.buffer_range(p).start) for p in range(n + 1))
     hi = model.static_bytes(n, 0) + model.activation_peak(0, 0)
-    print(f"48 blocks, {n} chunks")
-    print("| budget (share of range) | search ms | simulated | bounds only | configs |")
-    print("|---|---|---|---|---|")
+    print(f"\n48 blocks, {n} chunks, CPU Adam {problem.machine.cpu_adam_params_per_s / 1e9:.1f} G params/s")
+    print("| budget (share of range) | n_gpu_optim searched | search ms | simulated | bounds only | configs | best | predicted step ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for frac in (0.1, 0.3, 0.5, 0.8, 1.2):
-        r = search(problem, int(lo + 2000 * MiB + frac * (hi - lo)))
-        print(f"| {frac:.0%} | {r.seconds * 1e3:.0f} | {r.evaluated} | {r.bound_evaluations} | {r.total} |")
+        for gpu_optim in (False, True):
+            r = search(problem, int(lo + 2000 * MiB + frac * (hi - lo)), gpu_optim=gpu_optim)
+            b = r.best
+            print(f"| {frac:.0%} | {'yes' if gpu_optim else 'no'} | {r.seconds * 1e3:.0f} | {r.evaluated} | "
+                  f"{r.bound_evaluations} | {r.total} | p={b.n_persist} b={b.n_buffer} s={b.n_swap} "
+                  f"c={b.n_checkpoint} g={b.n_gpu_optim} | {r.estimate.step_s * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,16 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   the end of GPU work (backward + GPU Adam), and the last term lets the next forward start while the
   CPU still updates chunks, waiting only for chunk ``c`` to be updated and fetched before the step
   that first uses it (``ref_start_c``: the compute-only time at which the next forward reaches it).
+* Device steps (``n_gpu_optim = g``, ``runtime/device_adam.py``): the first ``g`` non-persistent
+  chunks (``n_persist .. n_persist + g - 1``) are stepped on the GPU instead of the CPU. Their
+  gradients are not offloaded (their buffers are free when their backward step ends); when a chunk's
+  last gradient is made, its step is issued: ``n_params * (4 + adam_state_bytes_per_param)`` bytes
+  (fp32 master and moments) enter the H2D queue and, starting with them, the same plus the chunk's
+  working copy (``bytes``) the D2H queue, both at the shared rate (the two directions run at once);
+  the chunk is updated when both end (that is its ``adam_done``). At most
+  :data:`DEVICE_STEPS_IN_FLIGHT` steps run at once: issuing one more waits for the oldest, and the
+  GPU stream waits with it (the thread that issues GPU work is the one blocked). The link-sharing of
+  the other copies is still decided on the reference timeline without device steps.
 
 Every time is built from ``max`` and ``+`` of non-negative durations in a fixed order decided by the
 config alone (never by timing). Hence (and the tests check it on random problems):
@@ -54,7 +64,12 @@ config alone (never by timing). Hence (and the tests check it on random problems
 * ``T(p+1, b) <= T(p, b) + gpu_adam(chunk p)``: one more persistent chunk only adds its GPU Adam time,
   so the time never increases when GPU Adam is free;
 * ``T(p, b, s, c) >= T(p, b, 0, 0)`` and ``>= T_act(s, c)`` (all chunks persistent, no optimizer):
-  swap and checkpoint only add copies and compute. :mod:`protrain_fx.search` prunes with these.
+  swap and checkpoint only add copies and compute; and ``T >= cpu_adam`` of the chunks stepped on
+  the CPU. :mod:`protrain_fx.search` prunes with these.
+
+Memory: device steps add :attr:`Problem.device_step_bytes` (the staging slices) and
+:data:`DEVICE_STEPS_IN_FLIGHT` gradient buffers of the largest chunk to the static bytes when
+``g > 0``.
 """
 
 from __future__ import annotations
@@ -73,6 +88,8 @@ from protrain_fx.plan import Plan, _segment_starts, interleaved
 PROBLEM_VERSION = 1
 
 _NONE, _CKPT, _SWAP = 0, 1, 2
+#: Device steps in flight at most (``runtime/device_adam.MAX_IN_FLIGHT``; a test checks they agree).
+DEVICE_STEPS_IN_FLIGHT = 2
 _Forward = tuple[list[float], list[float], list[float], float, float, float]
 
 
@@ -182,7 +199,8 @@ class Problem:
     A persistent chunk costs ``2 * bytes + n_params * (master_bytes_per_param +
     adam_state_bytes_per_param)`` GPU bytes (:meth:`persistent_bytes`): working copy, gradient (same
     layout and dtype), fp32 master copy (4 B; 0 when the working copy is the master), Adam's two fp32
-    moments (8 B).
+    moments (8 B). ``device_step_bytes``: the device staging of chunks stepped on the GPU
+    (``n_gpu_optim > 0``; ``DeviceAdamW.staging_bytes``).
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -195,13 +213,15 @@ class Problem:
     fixed_bytes: int = 0
     master_bytes_per_param: int = 4
     adam_state_bytes_per_param: int = 8
+    device_step_bytes: int = 0
 
     def __post_init__(self) -> None:
         for n in ("blocks", "chunks", "outside_chunk_ids"):
             object.__setattr__(self, n, tuple(getattr(self, n)))
         for n in ("outside_fwd_s", "outside_bwd_s"):
             _check_seconds("Problem", n, getattr(self, n))
-        for n in ("outside_peak_bytes", "fixed_bytes", "master_bytes_per_param", "adam_state_bytes_per_param"):
+        for n in ("outside_peak_bytes", "fixed_bytes", "master_bytes_per_param", "adam_state_bytes_per_param",
+                  "device_step_bytes"):
             _check_count("Problem", n, getattr(self, n))
         names = [b.name for b in self.blocks]
         if len(set(names)) != len(names):
@@ -240,6 +260,7 @@ class Problem:
             "fixed_bytes": self.fixed_bytes,
             "master_bytes_per_param": self.master_bytes_per_param,
             "adam_state_bytes_per_param": self.adam_state_bytes_per_param,
+            "device_step_bytes": self.device_step_bytes,
         }
 
     @classmethod
@@ -267,13 +288,15 @@ class Problem:
 
 @dataclass(frozen=True, order=True)
 class Config:
-    """ProTrain's four counts. Not :class:`protrain_fx.plan.Plan`: :func:`block_plan` maps the two
+    """ProTrain's four counts, and ``n_gpu_optim``: the first non-persistent chunks stepped on the GPU
+    (ours; 0 is ProTrain). Not :class:`protrain_fx.plan.Plan`: :func:`block_plan` maps the two
     activation counts to per-block policies with :func:`protrain_fx.plan.interleaved`."""
 
     n_persist: int
     n_buffer: int
     n_swap: int
     n_checkpoint: int
+    n_gpu_optim: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -302,6 +325,7 @@ class Estimate:
     cpu_adam_s: float
     h2d_bytes: int
     d2h_bytes: int
+    device_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -362,6 +386,15 @@ class CostModel:
             self.adam_run.setdefault(self.run_chunk[r], r)
         self.adam_s = [c.n_params / m.cpu_adam_params_per_s for c in p.chunks]
         self.gpu_adam_s = [c.n_params / m.gpu_adam_params_per_s for c in p.chunks]
+        # device steps: fp32 master and moments in; the same and the working copy out (shared rates)
+        self.dev_in_bytes = [c.n_params * (4 + p.adam_state_bytes_per_param) for c in p.chunks]
+        self.dev_out_bytes = [x + c.bytes for x, c in zip(self.dev_in_bytes, p.chunks)]
+        self._cpu_after = [sum(self.adam_s[k:]) for k in range(len(p.chunks) + 1)]  # CPU Adam of chunks >= k
+        self._gpu_before = [sum(self.gpu_adam_s[:k]) for k in range(len(p.chunks) + 1)]  # GPU Adam of chunks < k
+        h2d_shared = min(m.h2d_bytes_per_s, m.duplex_bytes_per_s / 2)
+        d2h_shared = min(m.d2h_bytes_per_s, m.duplex_bytes_per_s / 2)
+        self.dev_in_s = [x / h2d_shared for x in self.dev_in_bytes]
+        self.dev_out_s = [x / d2h_shared for x in self.dev_out_bytes]
 
         # Static reference timeline (compute only, no recompute) and the copies' reference intervals.
         fs = [0.0] * (N + 1)
@@ -431,7 +464,7 @@ class CostModel:
         self._swap = swap
         self._transient = [b.transient_bytes for b in blocks]
 
-        self._per_p: dict[int, _PerPersist] = {}
+        self._per_p: dict[tuple[int, int], _PerPersist] = {}
         self._per_pb: dict[tuple[int, int], _PerBuffer] = {}
         self._policies: dict[tuple[int, int], tuple[int, ...]] = {}
         self._fwd_cache: dict[tuple[int, int, int], _Forward] = {}
@@ -444,9 +477,16 @@ class CostModel:
 
     # ------------------------------------------------------------------ memory
 
-    def static_bytes(self, n_persist: int, n_buffer: int) -> int:
-        """Model-state bytes resident all step: fixed + persistent chunks + chunk buffers."""
-        return self.problem.fixed_bytes + self._static_persist[n_persist] + n_buffer * self._buffer_bytes
+    def static_bytes(self, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> int:
+        """Model-state bytes resident all step: fixed + persistent chunks + chunk buffers (+ the
+        device steps' staging and gradients in flight)."""
+        device = self.device_step_bytes if n_gpu_optim else 0
+        return self.problem.fixed_bytes + self._static_persist[n_persist] + n_buffer * self._buffer_bytes + device
+
+    @property
+    def device_step_bytes(self) -> int:
+        """What ``n_gpu_optim > 0`` adds: staging and :data:`DEVICE_STEPS_IN_FLIGHT` gradient buffers."""
+        return self.problem.device_step_bytes + DEVICE_STEPS_IN_FLIGHT * self._buffer_bytes
 
     def activation_peak(self, n_swap: int, n_checkpoint: int) -> int:
         """Peak activation bytes of the per-block walk in the module docstring."""
@@ -502,7 +542,7 @@ class CostModel:
     # ------------------------------------------------------------------ time
 
     def validate(self, config: Config) -> Config:
-        p, b, s, c = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint
+        p, b, s, c, g = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint, config.n_gpu_optim
         for name, v in config.to_dict().items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Config: {name}={v!r} must be an int >= 0")
@@ -513,22 +553,44 @@ class CostModel:
             raise ValueError(f"Config: n_buffer={b} with n_persist={p}; accepted: {r.start}..{r.stop - 1}")
         if s + c > self.n_blocks:
             raise ValueError(f"Config: n_swap + n_checkpoint = {s + c} exceeds the {self.n_blocks} blocks")
+        if p + g > self.n_chunks:
+            raise ValueError(f"Config: n_gpu_optim={g} with n_persist={p}; accepted: 0..{self.n_chunks - p}")
         return config
 
     def estimate(self, config: Config) -> Estimate:
         self.validate(config)
-        p, b, s, c = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint
-        return self._simulate(p, b, s, c, optimizer=True, detail=True)  # type: ignore[return-value]
+        p, b, s, c, g = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint, config.n_gpu_optim
+        return self._simulate(p, b, s, c, g, optimizer=True, detail=True)  # type: ignore[return-value]
 
-    def step_time(self, p: int, b: int, s: int, c: int, *, optimizer: bool = True) -> float:
+    def step_time(self, p: int, b: int, s: int, c: int, g: int = 0, *, optimizer: bool = True) -> float:
         """:attr:`Estimate.step_s` without building the Estimate (no validation: the search's fast path)."""
-        return self._simulate(p, b, s, c, optimizer=optimizer, detail=False)[0]  # type: ignore[index]
+        return self._simulate(p, b, s, c, g, optimizer=optimizer, detail=False)[0]  # type: ignore[index]
 
-    def step_and_forward_time(self, p: int, b: int, s: int, c: int) -> tuple[float, float]:
+    def step_and_forward_time(self, p: int, b: int, s: int, c: int, g: int = 0) -> tuple[float, float]:
         """``(step_s, fwd_s)`` of a config, unvalidated. The forward does not depend on ``n_checkpoint``
-        (recompute happens in backward) and only slows down with ``n_swap``, so ``fwd_s`` of
-        ``(p, b, 0, 0)`` bounds the forward of every ``(p, b, s, c)`` from below."""
-        return self._simulate(p, b, s, c, optimizer=True, detail=False)  # type: ignore[return-value]
+        (recompute happens in backward) or ``n_gpu_optim`` and only slows down with ``n_swap``, so
+        ``fwd_s`` of ``(p, b, 0, 0)`` bounds the forward of every ``(p, b, s, c, g)`` from below."""
+        return self._simulate(p, b, s, c, g, optimizer=True, detail=False)  # type: ignore[return-value]
+
+    def cpu_adam_time(self, n_persist: int, n_gpu_optim: int = 0) -> float:
+        """Seconds of CPU Adam in a step: the chunks neither persistent nor stepped on the GPU."""
+        return self._cpu_after[n_persist + n_gpu_optim]
+
+    def gpu_adam_time(self, n_persist: int) -> float:
+        """Seconds of GPU Adam of the persistent chunks in a step."""
+        return self._gpu_before[n_persist]
+
+    def device_step_bound(self, n_persist: int, n_gpu_optim: int) -> float:
+        """A lower bound of the step time of every config with these two counts: the device steps'
+        copies queue one after another in each direction, so the last one issued ends no earlier
+        than all of one direction's; the next forward needs that chunk at its reference start
+        (at most the latest reference start of these chunks' first use)."""
+        if not n_gpu_optim:
+            return 0.0
+        chunks = range(n_persist, n_persist + n_gpu_optim)
+        copies = max(sum(self.dev_in_s[c] for c in chunks), sum(self.dev_out_s[c] for c in chunks))
+        ref = max(self.fwd_ref_start[self.run_first[self.adam_run[c]]] for c in chunks)
+        return max(copies - ref, 0.0)
 
     def _forward(self, p: int, b: int, s: int) -> _Forward:
         """Forward of ``(p, b, s, *)``; it does not depend on ``n_checkpoint``, so recent ones are kept.
@@ -571,10 +633,10 @@ class CostModel:
         return got
 
     def _simulate(
-        self, p: int, b: int, s: int, c: int, *, optimizer: bool, detail: bool
+        self, p: int, b: int, s: int, c: int, g: int = 0, *, optimizer: bool, detail: bool
     ) -> tuple[float, float] | Estimate:
         N = self.n_blocks
-        P = self._pp(p)
+        P = self._pp(p, g if optimizer else 0)
         PB = self._pb(p, b)
         pol = self.policies(s, c)
         cb, rc = self.cb, self.rc
@@ -590,6 +652,8 @@ class CostModel:
         prev_start = gpu
         rl_d1, rl_d2, rl_thr = self.rl_d1, self.rl_d2, P.rl_thr
         adam_s = P.adam_s if optimizer else P.no_adam
+        device, dev_trigger = P.device, P.dev_trigger
+        dev_done: list[float] = []
         for j in range(N, -1, -1):
             for r, freed_by in PB.refetch_at[j]:
                 ready = done[freed_by]  # its gradient offload (stored in done[] when it finished)
@@ -610,6 +674,21 @@ class CostModel:
                 gpu += rc[j]
                 recompute += rc[j]
             for r in P.offload_at[j]:
+                if device[r]:  # stepped on the GPU: its gradient stays, its buffer is free now
+                    done[r] = gpu
+                    if dev_trigger[r]:
+                        k = len(dev_done)
+                        if k >= DEVICE_STEPS_IN_FLIGHT and dev_done[k - DEVICE_STEPS_IN_FLIGHT] > gpu:
+                            gpu = dev_done[k - DEVICE_STEPS_IN_FLIGHT]  # the issuing thread waits
+                        ch = self.run_chunk[r]
+                        h_start = h2d if h2d > gpu else gpu
+                        h2d = h_start + self.dev_in_s[ch]
+                        d2h = (d2h if d2h > h_start else h_start) + self.dev_out_s[ch]
+                        if h2d > d2h:
+                            d2h = h2d
+                        dev_done.append(d2h)
+                        adam_done.append((r, d2h))
+                    continue
                 d2h = (d2h if d2h > gpu else gpu) + (g_d2[r] if s > go_thr[r] else g_d1[r])
                 done[r] = d2h  # the run's buffer is free again
                 if adam_s[r]:
@@ -629,10 +708,12 @@ class CostModel:
                 step = x
         if not detail:
             return step, fwd_end
-        static = self.static_bytes(p, b)
+        static = self.static_bytes(p, b, g)
         act = self.activation_peak(s, c)
         refetched = sum(self.run_bytes[r] for r in P.runs if PB.refetch[r])
         fetched = sum(self.run_bytes[r] for r in P.runs)
+        offloaded = sum(self.run_bytes[r] for r in P.runs if not device[r])
+        stepped = [ch for ch in range(p, p + g)] if optimizer else []
         swapped = sum(self._swap[:s])
         return Estimate(
             step_s=step,
@@ -646,16 +727,17 @@ class CostModel:
             recompute_s=recompute,
             gpu_adam_s=gpu_adam,
             cpu_adam_s=cpu_adam,
-            h2d_bytes=fetched + refetched + swapped,
-            d2h_bytes=fetched + swapped,
+            h2d_bytes=fetched + refetched + swapped + sum(self.dev_in_bytes[ch] for ch in stepped),
+            d2h_bytes=offloaded + swapped + sum(self.dev_out_bytes[ch] for ch in stepped),
+            device_steps=len(stepped),
         )
 
     # ------------------------------------------------------------------ per-config tables
 
-    def _pp(self, p: int) -> _PerPersist:
-        got = self._per_p.get(p)
+    def _pp(self, p: int, g: int = 0) -> _PerPersist:
+        got = self._per_p.get((p, g))
         if got is None:
-            got = self._per_p[p] = _PerPersist.build(self, p)
+            got = self._per_p[(p, g)] = _PerPersist.build(self, p, g)
         return got
 
     def _pb(self, p: int, b: int) -> _PerBuffer:
@@ -667,8 +749,8 @@ class CostModel:
 
 @dataclass
 class _PerPersist:
-    """Tables that depend on ``n_persist`` only: the runs of non-persistent chunks, and when each
-    H2D copy shares the link (it does iff ``n_swap > thr``)."""
+    """Tables that depend on ``n_persist`` (and ``n_gpu_optim``: which runs are stepped on the GPU):
+    the runs of non-persistent chunks, and when each H2D copy shares the link (iff ``n_swap > thr``)."""
 
     p: int
     runs: list[int]  # forward order (first, chunk)
@@ -685,9 +767,11 @@ class _PerPersist:
     ff_thr: list[float]
     bf_thr: list[float]
     rl_thr: list[float]
+    device: list[bool]  # run -> its chunk is stepped on the GPU
+    dev_trigger: list[bool]  # run -> its gradient completes a GPU-stepped chunk: issue the step
 
     @classmethod
-    def build(cls, m: CostModel, p: int) -> _PerPersist:
+    def build(cls, m: CostModel, p: int, g: int = 0) -> _PerPersist:
         N = m.n_blocks
         R = len(m.run_chunk)
         runs = [r for r in range(R) if m.run_chunk[r] >= p]
@@ -697,9 +781,12 @@ class _PerPersist:
         offload_at: list[list[int]] = [[] for _ in range(N + 1)]
         for r in reversed(runs):  # backward release order: (first desc, run desc)
             offload_at[m.run_first[r]].append(r)
+        device = [p <= m.run_chunk[r] < p + g for r in range(R)]
         adam_trigger = [False] * R
+        dev_trigger = [False] * R
         for ch, r in m.adam_run.items():
-            adam_trigger[r] = ch >= p
+            adam_trigger[r] = ch >= p + g
+            dev_trigger[r] = p <= ch < p + g
         step_runs = [[r for r in rs if m.run_chunk[r] >= p] for rs in m.step_runs]
 
         def thr(key: tuple[float, int]) -> float:  # shared iff a swap block < n_swap or a chunk >= p overlaps
@@ -717,10 +804,12 @@ class _PerPersist:
             no_adam=[0.0] * R,
             min_buffers=max((len(rs) for rs in step_runs), default=0),
             gpu_adam_s=sum(m.gpu_adam_s[:p]),
-            cpu_adam_s=sum(m.adam_s[p:]),
+            cpu_adam_s=sum(m.adam_s[p + g :]),
             ff_thr=[thr(k) for k in m.ff_key],
             bf_thr=[thr(k) for k in m.bf_key],
             rl_thr=[thr(k) for k in m.rl_key],
+            device=device,
+            dev_trigger=dev_trigger,
         )
 
 

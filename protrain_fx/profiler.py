@@ -281,7 +281,8 @@ def problem_from_record(
     head activations are counted as working memory at the end of forward). ``fixed_bytes`` = the
     step's inputs (``memory.input_bytes``). ``master_bytes_per_param`` is 0 when the parameters are
     fp32 (the working copy is the master), else 4; ``adam_state_bytes_per_param`` is 4 bytes per state
-    the configured optimizer keeps (8 for Adam/AdamW).
+    the configured optimizer keeps (8 for Adam/AdamW); ``device_step_bytes`` is the device staging of
+    chunks stepped on the GPU (``runtime/device_adam.py``).
     """
     if record.forward is None or record.backward is None or record.step is None:
         raise ValueError(f"graph {record.index} has no backward graph: nothing to train")
@@ -351,7 +352,16 @@ def problem_from_record(
         fixed_bytes=analysis.input_bytes,
         master_bytes_per_param=0 if elem >= 4 else 4,
         adam_state_bytes_per_param=_STATE_BYTES * n_states,
+        device_step_bytes=_device_step_staging_bytes(round(elem)),
     )
+
+
+def _device_step_staging_bytes(itemsize: int) -> int:
+    """Device staging of chunks stepped on the GPU (``DeviceAdamW.staging_bytes`` for this working-copy
+    element size): what a config with ``n_gpu_optim > 0`` adds besides its gradients in flight."""
+    from protrain_fx.runtime.device_adam import DEVICE_SLICE_ELEMS, N_SETS
+
+    return N_SETS * DEVICE_SLICE_ELEMS * (4 * 4 + itemsize)
 
 
 def _label(node: fx.Node) -> str:

@@ -75,24 +75,27 @@ def make_problem(seed: int, n_blocks: int = 5, *, chunks_per_block: tuple[int, i
         outside_peak_bytes=rng.randint(0, 500) * MiB,
         outside_chunk_ids=(0,),
         fixed_bytes=rng.randint(0, 100) * MiB,
+        device_step_bytes=rng.randint(0, 300) * MiB,
     )
 
 
-def all_configs(problem: Problem):
-    """Every valid config, enumerated independently of the search (minimum buffers included)."""
+def all_configs(problem: Problem, *, gpu_optim: bool = False):
+    """Every valid config, enumerated independently of the search (minimum buffers included); with
+    ``gpu_optim``, every ``n_gpu_optim`` too."""
     n, N = len(problem.chunks), len(problem.blocks)
     steps = [set(b.chunk_ids) for b in problem.blocks] + [set(problem.outside_chunk_ids)]
     for p in range(n + 1):
         need = max(len({c for c in s if c >= p}) for s in steps)
         for b in [0] if p == n else range(max(1, need), n - p + 1):
-            for s in range(N + 1):
-                for c in range(N + 1 - s):
-                    yield Config(p, b, s, c)
+            for g in range(n - p + 1) if gpu_optim else (0,):
+                for s in range(N + 1):
+                    for c in range(N + 1 - s):
+                        yield Config(p, b, s, c, g)
 
 
-def brute_force(problem: Problem) -> list[tuple[Config, float, int]]:
+def brute_force(problem: Problem, *, gpu_optim: bool = False) -> list[tuple[Config, float, int]]:
     model = CostModel(problem)
-    return [(cfg, (e := model.estimate(cfg)).step_s, e.peak_bytes) for cfg in all_configs(problem)]
+    return [(cfg, (e := model.estimate(cfg)).step_s, e.peak_bytes) for cfg in all_configs(problem, gpu_optim=gpu_optim)]
 
 
 def best_under(table: list[tuple[Config, float, int]], cap: int) -> float:
@@ -260,13 +263,15 @@ def test_lower_bounds_the_search_prunes_with() -> None:
     for seed in range(600, 610):
         model = CostModel(make_problem(seed, n_blocks=5))
         n = model.n_chunks
-        for cfg in all_configs(model.problem):
-            p, b, s, c = astuple(cfg)
-            t = model.step_time(p, b, s, c)
-            assert t >= model.step_time(p, b, 0, 0)
+        for cfg in all_configs(model.problem, gpu_optim=True):
+            p, b, s, c, g = astuple(cfg)
+            t = model.step_time(p, b, s, c, g)
+            assert t >= model.step_time(p, b, 0, 0, g)
             assert t >= model.step_time(n, 0, s, c, optimizer=False)
+            assert t >= model.cpu_adam_time(p, g)
+            assert t >= model.device_step_bound(p, g) - 1e-12
             e = model.estimate(cfg)
-            assert e.peak_bytes == model.static_bytes(p, b) + model.activation_peak(s, c)
+            assert e.peak_bytes == model.static_bytes(p, b, g) + model.activation_peak(s, c)
             assert t >= e.compute_s + e.recompute_s + e.gpu_adam_s - 1e-12
             assert e.step_s == pytest.approx(e.fwd_s + e.bwd_s + e.opt_s, rel=1e-12)
 
@@ -354,5 +359,77 @@ def test_problem_json_refuses_unknown_keys_and_versions() -> None:
         Problem.from_dict({**d, "blocks": d["blocks"][:0], "outside_chunk_ids": [0], "chunks": d["chunks"][:2]})
 
 
-def astuple(cfg: Config) -> tuple[int, int, int, int]:
-    return (cfg.n_persist, cfg.n_buffer, cfg.n_swap, cfg.n_checkpoint)
+def astuple(cfg: Config) -> tuple[int, int, int, int, int]:
+    return (cfg.n_persist, cfg.n_buffer, cfg.n_swap, cfg.n_checkpoint, cfg.n_gpu_optim)
+
+
+# --------------------------------------------------------------------------- chunks stepped on the GPU
+
+
+def test_search_with_device_steps_equals_brute_force() -> None:
+    checked = chose_device = 0
+    for seed in range(700, 712):
+        # half the problems with a slow CPU, where stepping on the GPU should pay
+        cpu = {"cpu_adam_params_per_s": 0.5e9} if seed % 2 else {}
+        problem = make_problem(seed, n_blocks=2 + seed % 3, **cpu)
+        table = brute_force(problem, gpu_optim=True)
+        for budget in budgets(table, 5):
+            got = search(problem, budget, gpu_optim=True)
+            assert got.estimate.step_s == best_under(table, budget), (seed, budget, got.best)
+            assert got.estimate.peak_bytes <= budget
+            assert got.evaluated + got.pruned == got.total == len(table)
+            assert search(problem, budget, gpu_optim=True, prune=False).estimate.step_s == got.estimate.step_s
+            chose_device += got.best.n_gpu_optim > 0
+            checked += 1
+    assert checked == 60 and chose_device > 0
+
+
+def test_device_steps_win_when_the_cpu_is_slow_and_lose_when_the_link_is():
+    # Plenty of memory, no persistent chunk allowed to help (GPU Adam slow): the chunks must stream.
+    slow_cpu = make_problem(9, n_blocks=4, cpu_adam_params_per_s=0.2e9, h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9,
+                            duplex_bytes_per_s=100e9)
+    slow_link = make_problem(9, n_blocks=4, cpu_adam_params_per_s=50e9, h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9,
+                             duplex_bytes_per_s=3e9)
+    for problem, wins in ((slow_cpu, True), (slow_link, False)):
+        model = CostModel(problem)
+        n = model.n_chunks
+        b = model.buffer_range(0).start
+        none, every = model.step_time(0, b, 0, 0, 0), model.step_time(0, b, 0, 0, n)
+        assert (every < none) == wins, (none, every)
+        e = model.estimate(Config(0, b, 0, 0, n))
+        assert e.device_steps == n and e.cpu_adam_s == 0
+        # master and moments in, the same and the working copy out, per chunk
+        per_param = 4 + problem.adam_state_bytes_per_param
+        assert e.h2d_bytes - model.estimate(Config(0, b, 0, 0)).h2d_bytes == per_param * sum(
+            c.n_params for c in problem.chunks)
+        assert e.static_bytes == model.static_bytes(0, b) + problem.device_step_bytes + 2 * problem.buffer_bytes
+
+
+def test_device_step_bookkeeping_agrees_with_the_runtime() -> None:
+    from protrain_fx.cost import DEVICE_STEPS_IN_FLIGHT
+    from protrain_fx.runtime.device_adam import MAX_IN_FLIGHT
+
+    assert DEVICE_STEPS_IN_FLIGHT == MAX_IN_FLIGHT
+
+
+def test_device_steps_keep_the_cost_model_monotone_in_bandwidth_and_buffers() -> None:
+    for seed in range(800, 806):
+        problem = make_problem(seed, n_blocks=4)
+        m = problem.machine
+        faster = dataclasses.replace(problem, machine=dataclasses.replace(
+            m, h2d_bytes_per_s=2 * m.h2d_bytes_per_s, d2h_bytes_per_s=2 * m.d2h_bytes_per_s,
+            duplex_bytes_per_s=2 * m.duplex_bytes_per_s))
+        slow, fast = CostModel(problem), CostModel(faster)
+        for cfg in all_configs(problem, gpu_optim=True):
+            t = slow.step_time(*astuple(cfg))
+            assert fast.step_time(*astuple(cfg)) <= t, (seed, cfg)
+            if cfg.n_buffer + 1 in slow.buffer_range(cfg.n_persist) and cfg.n_persist + cfg.n_gpu_optim <= slow.n_chunks:
+                more = dataclasses.replace(cfg, n_buffer=cfg.n_buffer + 1)
+                assert slow.step_time(*astuple(more)) <= t, (seed, cfg)
+
+
+def test_invalid_device_step_counts_are_refused() -> None:
+    problem = make_problem(3, n_blocks=3)
+    n = len(problem.chunks)
+    with pytest.raises(ValueError, match=rf"n_gpu_optim={n} with n_persist=1; accepted: 0..{n - 1}"):
+        estimate(problem, Config(1, CostModel(problem).buffer_range(1).start, 0, 0, n))

@@ -46,6 +46,10 @@ def test_problem_from_gpt_record(record, tmp_path):
         assert b.swap_bytes == 0  # every saved value of a tiny GPT is under 1 MiB
         assert b.fwd_s > 0 and b.bwd_s > 0 and b.recompute_s == b.fwd_s
     assert problem.blocks[1].checkpoint_saved_bytes == 2 * 16 * 64 * 4
+    # device-step staging of an fp32 model: master, moments, gradient (4 x fp32) and the fp32 copy
+    from protrain_fx.runtime.device_adam import DEVICE_SLICE_ELEMS, N_SETS
+
+    assert problem.device_step_bytes == N_SETS * DEVICE_SLICE_ELEMS * (16 + 4)
     # chunks: every chunk used, each block's chunks hold its parameters
     params = parameter_infos(record.step, record.dynamo_graph)
     layout = pack(params, CHUNK_BYTES)
