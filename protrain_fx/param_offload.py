@@ -221,6 +221,8 @@ class OffloadHandle:
             if self.store.is_lean(chunk):
                 self._landed_lean.append(chunk)
         self._pending.clear()
+        if self.store is not None:  # forget lean chunks whose steps are over (else it grows every step)
+            self._landed_lean = [c for c in self._landed_lean if self.store.holds_grad(c)]
         self._submitted.clear()
 
     def host_bytes_per_param(self) -> float:

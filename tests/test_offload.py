@@ -464,6 +464,7 @@ def test_lean_chunks_train_exactly_like_eager_adamw(n_persist, n_lean, grad_pool
     _assert_same_params(handle, model, reference)
     # More lean chunks than landing buffers: backward waited for the CPU steps instead of making more.
     assert store.landing_buffers <= min(grad_pool, lean)
+    assert len(handle._landed_lean) <= lean  # the queue of steps to wait for does not grow with the steps
     # fp32 compute: a lean chunk keeps 4 + 8 bytes per element, the others 4 + 4 + 8.
     per_chunk = [12 if c in store.lean else 16 for c in range(store.num_chunks)]
     assert store.host_bytes() == store.chunk_numel * (sum(per_chunk) + 4 * store.landing_buffers)
