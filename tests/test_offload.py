@@ -54,6 +54,48 @@ def _train_side_by_side(compiled, reference, opt, ref_opt, steps: int, schedules
             schedule.step()
 
 
+def _train_accumulating(compiled, reference, handle, opt, ref_opt, steps: int = 2):
+    """``steps`` optimizer steps of two micro-batches each (the first under ``handle.accumulate()``)
+    against the reference's summed gradients."""
+    for step in range(steps):
+        with handle.accumulate():
+            compiled(*_batch(10 * step)).backward()
+        compiled(*_batch(10 * step + 1)).backward()
+        opt.step(), opt.zero_grad()
+        reference(*_batch(10 * step)).backward()
+        reference(*_batch(10 * step + 1)).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+
+
+def _assert_resumes_in_a_plain_model(handle, model, compiled, opt, frozen: str | None = None):
+    """A plain GPT and AdamW loaded from the handle's checkpoint train on exactly like the offloaded model."""
+    plain = GPT(CONFIG)
+    plain.load_state_dict(handle.state_dict(model))
+    plain_opt = torch.optim.AdamW([p for n, p in plain.named_parameters() if n != frozen],
+                                  lr=1e-3, weight_decay=0.1, fused=True)
+    plain_opt.load_state_dict(copy.deepcopy(handle.optimizer_state_dict()))
+    if frozen:
+        plain.get_parameter(frozen).requires_grad_(False)
+    for step in (5, 6):
+        compiled(*_batch(step)).backward()
+        opt.step(), opt.zero_grad()
+        plain(*_batch(step)).backward()
+        plain_opt.step(), plain_opt.zero_grad()
+    _assert_same_params(handle, model, plain)
+
+
+def _bf16_losses(compiled, opt, steps: int = 3) -> list[float]:
+    """``steps`` training steps under CPU bf16 autocast; their losses."""
+    losses = []
+    for step in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(*_batch(step))
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _assert_same_params(handle, model, reference, exact=True):
     state = handle.state_dict(model)
     for name, p in reference.named_parameters():
@@ -143,31 +185,13 @@ def test_device_stepped_chunks_accumulate_resume_and_keep_frozen_parameters():
     # parameter in a device-stepped chunk stays; a checkpoint resumes exactly.
     model, reference, opt, ref_opt, handle, compiled = _setup(0, 2, frozen="blocks.0.attn.qkv.weight", n_gpu_optim=3)
     frozen_before = reference.get_parameter("blocks.0.attn.qkv.weight").detach().clone()
-    for step in range(2):
-        with handle.accumulate():
-            compiled(*_batch(10 * step)).backward()
-        compiled(*_batch(10 * step + 1)).backward()
-        opt.step(), opt.zero_grad()
-        reference(*_batch(10 * step)).backward()
-        reference(*_batch(10 * step + 1)).backward()
-        ref_opt.step(), ref_opt.zero_grad()
+    _train_accumulating(compiled, reference, handle, opt, ref_opt)
     assert handle.device_adam.chunk_steps == 0  # every chunk held an accumulated gradient
     _train_side_by_side(compiled, reference, opt, ref_opt, 2)
     assert handle.device_adam.chunk_steps == 2 * 3
     _assert_same_params(handle, model, reference)
     assert torch.equal(handle.state_dict(model)["blocks.0.attn.qkv.weight"], frozen_before)
-    plain = GPT(CONFIG)
-    plain.load_state_dict(handle.state_dict(model))
-    plain_opt = torch.optim.AdamW([p for n, p in plain.named_parameters() if n != "blocks.0.attn.qkv.weight"],
-                                  lr=1e-3, weight_decay=0.1, fused=True)
-    plain_opt.load_state_dict(copy.deepcopy(handle.optimizer_state_dict()))
-    plain.get_parameter("blocks.0.attn.qkv.weight").requires_grad_(False)
-    for step in (5, 6):
-        compiled(*_batch(step)).backward()
-        opt.step(), opt.zero_grad()
-        plain(*_batch(step)).backward()
-        plain_opt.step(), plain_opt.zero_grad()
-    _assert_same_params(handle, model, plain)
+    _assert_resumes_in_a_plain_model(handle, model, compiled, opt, frozen="blocks.0.attn.qkv.weight")
     handle.close()
 
 
@@ -194,16 +218,7 @@ def test_a_plan_needing_more_buffers_than_the_offload_has_is_refused_before_runn
 
 def test_gradient_accumulation_equals_the_summed_gradients():
     model, reference, opt, ref_opt, handle, compiled = _setup(1, 2)
-    for step in range(2):
-        with handle.accumulate():
-            compiled(*_batch(10 * step)).backward()
-        compiled(*_batch(10 * step + 1)).backward()
-        opt.step()
-        opt.zero_grad()
-        reference(*_batch(10 * step)).backward()
-        reference(*_batch(10 * step + 1)).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _train_accumulating(compiled, reference, handle, opt, ref_opt)
     _assert_same_params(handle, model, reference)
 
 
@@ -387,13 +402,7 @@ def test_device_steps_with_bf16_compute_give_the_host_paths_bits():
         if handle.device_adam is not None:
             handle.device_adam.slice_elems = 1000
         compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
-        losses = []
-        for step in range(3):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = compiled(*_batch(step))
-            loss.backward()
-            opt.step(), opt.zero_grad()
-            losses.append(loss.item())
+        losses = _bf16_losses(compiled, opt)
         state = handle.state_dict(model)
         working = {n: t.clone() for n, t in handle.store.views("working").items()}
         steps = handle.device_adam.chunk_steps if handle.device_adam else 0
@@ -476,27 +485,11 @@ def test_lean_chunks_accumulate_past_the_pool_and_resume_exactly():
     # (nothing to wait for) and the sums are still exact; a checkpoint then resumes exactly.
     torch._dynamo.reset()
     model, reference, opt, ref_opt, handle, compiled = _setup(1, 2, n_lean=3, grad_pool=1)
-    for step in range(2):
-        with handle.accumulate():
-            compiled(*_batch(10 * step)).backward()
-        compiled(*_batch(10 * step + 1)).backward()
-        opt.step(), opt.zero_grad()
-        reference(*_batch(10 * step)).backward()
-        reference(*_batch(10 * step + 1)).backward()
-        ref_opt.step(), ref_opt.zero_grad()
+    _train_accumulating(compiled, reference, handle, opt, ref_opt)
     _assert_same_params(handle, model, reference)
     assert handle.store.landing_buffers == 3  # one per lean chunk while accumulating
-    plain = GPT(CONFIG)
-    plain.load_state_dict(handle.state_dict(model))
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-    plain_opt.load_state_dict(copy.deepcopy(handle.optimizer_state_dict()))
     handle.load_state_dict(model, handle.state_dict(model), handle.optimizer_state_dict())
-    for step in (5, 6):
-        compiled(*_batch(step)).backward()
-        opt.step(), opt.zero_grad()
-        plain(*_batch(step)).backward()
-        plain_opt.step(), plain_opt.zero_grad()
-    _assert_same_params(handle, model, plain)
+    _assert_resumes_in_a_plain_model(handle, model, compiled, opt)
     handle.close()
 
 
@@ -512,13 +505,7 @@ def test_lean_chunks_with_bf16_compute_give_the_working_copys_bits():
                                      compute_dtype=torch.bfloat16, n_gpu_optim=n_gpu_optim, n_lean=n_lean,
                                      grad_pool=1)
         compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
-        losses = []
-        for step in range(3):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = compiled(*_batch(step))
-            loss.backward()
-            opt.step(), opt.zero_grad()
-            losses.append(loss.item())
+        losses = _bf16_losses(compiled, opt)
         result = losses, handle.state_dict(model), handle.host_bytes_per_param(), handle.store.num_chunks
         handle.close()
         return result
