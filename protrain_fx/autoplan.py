@@ -26,6 +26,27 @@ the budget (``peak * 1.08 <= budget``), the same rule as the report's "fits". Th
 predicted peak + reserve``) is close to, and is then replaced by, ``pipeline.budget_for_peak`` of
 the minimum predicted peak: the smallest budget under which that peak fits with the headroom.
 
+Where the budget comes from (``AutoPlan.budget_source``): the user's ``memory_budget`` (``"user"``),
+or, with none and the step on a CUDA device, what this process can still reach there when the step is
+compiled (``"device"``: ``pipeline.device_budget_bytes``, the per-process cap bounded by the free
+memory plus what the caching allocator already holds). ``auto_plan=False`` turns both off.
+
+Measured against predicted (CUDA, :func:`watch_first_step`). The first training call of a planned
+graph is measured: ``torch.cuda.max_memory_allocated`` from the start of its forward to the end of
+the backward pass it joins, against the analysis' peak (:class:`PeakCheck`, logged, kept in
+``AutoPlan.peak_check``). The allocator's peak statistics are never reset here: benchmarks and users
+read them over their own spans, and a reset inside their step would lower what they see. So the peak
+is known only when the step raises the process' peak (the usual first step; call
+``torch.cuda.reset_peak_memory_stats()`` before it after other work peaked higher), and is otherwise
+logged as not measured. The first step starts without optimizer state (made at the first
+``step()``), and memory outside the step (other tensors, cuBLAS workspaces) is not the plan's: the
+step's measured rise above its start is put on the predicted start (parameters, optimizer state,
+inputs) before comparing. The first step also compiles the backward graph, so it can only measure
+high. A measured peak above the plan's allocated cap is a miss: a warning names it, and later plans
+on that device in this process (a new input shape, or after ``torch._dynamo.reset()``) lower their
+cap by the miss; the graph already compiled keeps its plan (Dynamo has no clean way to make a
+compiled graph recompile from inside its backward).
+
 What the cost model is told (:func:`activation_problem`): ``profiler.problem_from_record`` with
 roofline block times (``passes/estimate.py``, with the ``machine`` option's constants), the swap
 threshold the swap pass will use on this device (``Machine.min_swap_bytes``), and all parameters in
@@ -40,11 +61,13 @@ hand plan could reach.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from protrain_fx import cost
@@ -76,6 +99,58 @@ class Trial:
     analysed_peak_bytes: int
 
 
+#: Largest relative miss (measured step peak / predicted - 1) of a planned step over its allocated
+#: cap, per device, in this process (:func:`record_first_step`); later plans on that device lower
+#: their cap by it. Cleared by ``protrain_fx.reset()``.
+_PEAK_MISSES: dict[str, float] = {}
+
+
+@dataclass(frozen=True)
+class PeakCheck:
+    """The first training step of a planned graph, measured on the GPU, against its prediction.
+
+    ``measured_peak_bytes`` is ``torch.cuda.max_memory_allocated`` over the step (forward start to the
+    end of its backward pass), ``measured_start_bytes`` ``torch.cuda.memory_allocated`` when the forward
+    began; ``predicted_peak_bytes`` the analysis' peak and ``predicted_start_bytes`` what it has live
+    before the step's first node (parameters, optimizer state, inputs). ``step_peak_bytes`` puts the
+    measured rise on the predicted start (module docstring: the first step has no optimizer state yet,
+    and memory outside the step is not the plan's); ``error_pct`` compares it with the prediction.
+    ``over``: it is above ``allocated_cap_bytes``, the most the plan was allowed.
+    """
+
+    predicted_peak_bytes: int
+    predicted_start_bytes: int
+    measured_peak_bytes: int
+    measured_start_bytes: int
+    allocated_cap_bytes: int
+
+    @property
+    def step_peak_bytes(self) -> int:
+        return self.predicted_start_bytes + self.measured_peak_bytes - self.measured_start_bytes
+
+    @property
+    def error_pct(self) -> float:
+        """Measured step peak against the prediction, in % of the prediction (positive: above)."""
+        return 100 * (self.step_peak_bytes - self.predicted_peak_bytes) / max(1, self.predicted_peak_bytes)
+
+    @property
+    def over(self) -> bool:
+        return self.step_peak_bytes > self.allocated_cap_bytes
+
+    @property
+    def miss(self) -> float:
+        """How much later caps are lowered by (``cap / (1 + miss)``); 0 when not :attr:`over`."""
+        return self.step_peak_bytes / max(1, self.predicted_peak_bytes) - 1 if self.over else 0.0
+
+    def line(self) -> str:
+        return (
+            f"first step measured peak {human_bytes(self.step_peak_bytes)} against {human_bytes(self.predicted_peak_bytes)} "
+            f"predicted ({self.error_pct:+.1f}%; max_memory_allocated {human_bytes(self.measured_peak_bytes)}, "
+            f"{human_bytes(self.measured_start_bytes)} allocated at the start, "
+            f"{human_bytes(self.predicted_start_bytes)} predicted there); allocated cap {human_bytes(self.allocated_cap_bytes)}"
+        )
+
+
 @dataclass
 class AutoPlan:
     """The plan the backend chose for one graph, and why (``CapturedGraph.auto_plan``).
@@ -84,8 +159,11 @@ class AutoPlan:
     and ``estimate`` are the cost model's for ``config``; ``analysed_peak_bytes`` is the memory
     analysis of the graphs as rewritten (``record.memory`` before Inductor refines it).
     ``allocated_cap_bytes`` is what that peak had to stay under (the budget less the allocator's
-    headroom). ``how``: ``"fits as is"``, ``"searched"`` or ``"least memory"``. ``trials``: every
-    rewrite that was analysed, in order; ``search``: the last search's result.
+    headroom, and by an earlier measured miss on this device: ``cap_lowered_by``). ``how``: ``"fits as
+    is"``, ``"searched"`` or ``"least memory"``. ``trials``: every rewrite that was analysed, in order;
+    ``search``: the last search's result. ``budget_source``: ``"user"`` (``memory_budget``) or
+    ``"device"`` (none given: what the process could reach on its CUDA device). ``peak_check``: the
+    first step measured on the GPU (:func:`watch_first_step`; ``None`` until then, and on the CPU).
     """
 
     plan: Plan
@@ -101,13 +179,28 @@ class AutoPlan:
     how: str
     search: SearchResult | None = None
     trials: list[Trial] = field(default_factory=list)
+    budget_source: str = "user"
+    cap_lowered_by: float = 0.0
+    peak_check: PeakCheck | None = None
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The first step's measured peak on the prediction's terms (``PeakCheck.step_peak_bytes``)."""
+        return self.peak_check.step_peak_bytes if self.peak_check is not None else None
+
+    @property
+    def replan(self) -> bool:
+        """The first step measured above the allocated cap: later plans lower their cap."""
+        return self.peak_check is not None and self.peak_check.over
 
     def table(self, index: int | None = None) -> str:
         """The plan table with predicted step time and peak, for logs and reports."""
         where = f" for graph {index}" if index is not None else ""
+        source = {"user": "memory_budget", "device": "reachable on the device"}.get(self.budget_source, self.budget_source)
+        lowered = f", lowered {100 * self.cap_lowered_by:.1f}% after a measured miss" if self.cap_lowered_by else ""
         lines = [
-            f"automatic activation plan{where}: budget {human_bytes(self.budget_bytes)}, allocated peak at most "
-            f"{human_bytes(self.allocated_cap_bytes)} ({100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom)",
+            f"automatic activation plan{where}: budget {human_bytes(self.budget_bytes)} ({source}), allocated peak "
+            f"at most {human_bytes(self.allocated_cap_bytes)} ({100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom{lowered})",
             f"  {self.how}: n_swap={self.config.n_swap}, n_checkpoint={self.config.n_checkpoint}; predicted step "
             f"{self.estimate.step_s * 1e3:.3f} ms (no plan: {self.empty_step_s * 1e3:.3f} ms); peak "
             f"{human_bytes(self.analysed_peak_bytes)} analysed, {human_bytes(self.predicted_peak_bytes)} by the "
@@ -116,6 +209,8 @@ class AutoPlan:
         if self.search is not None:
             s = self.search
             lines.append(f"  search: {s.evaluated} of {s.total} configs simulated in {s.seconds * 1e3:.1f} ms")
+        if self.peak_check is not None:
+            lines.append(f"  {self.peak_check.line()}")
         lines.append(self.plan.table([b.name for b in self.problem.blocks]))
         return "\n".join(lines)
 
@@ -197,10 +292,11 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     """
     budget = record.config.memory_budget_bytes
     assert budget is not None
-    cap = allocated_cap_bytes(budget)
-    reserve = budget - cap
     trial(None)
     assert record.memory is not None
+    miss = _PEAK_MISSES.get(record.memory.device, 0.0)
+    cap = int(allocated_cap_bytes(budget) / (1 + miss))
+    reserve = budget - cap
     empty_peak = record.memory.peak_bytes
     if record.blocks is None or not record.blocks.labels:
         return None  # no block to checkpoint or swap: the budget is only checked, as with a plan by hand
@@ -226,6 +322,8 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
             how=how,
             search=found,
             trials=trials,
+            budget_source=record.budget_source or "user",
+            cap_lowered_by=miss,
         )
 
     if empty_peak <= cap:
@@ -263,7 +361,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
         if trials[-1] is not done:
             run(least)  # the record holds the graphs of the last trial
         return result(least, "least memory", found, trials)
-    minimum = budget_for_peak(need)
+    minimum = budget_for_peak(math.ceil(need * (1 + miss)))
     raise NoPlanFits(
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
         f"for graph {record.index}: the plan of least memory (n_swap={least.n_swap}, n_checkpoint="
@@ -275,8 +373,119 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     )
 
 
+def memory_counters(device: torch.device) -> tuple[int, int] | None:
+    """``(memory_allocated, max_memory_allocated)`` of a CUDA ``device``; ``None`` for any other
+    device (nothing to measure). Tests replace it to drive :func:`watch_first_step` on the CPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+
+def watch_first_step(record: CapturedGraph, compiled: Callable) -> Callable:
+    """``compiled`` (the backend's callable for ``record``), measuring the first call made with grad
+    enabled when ``record`` has an automatic plan: the memory counters when its forward starts, and
+    again when the backward pass that its outputs join ends (a callback queued on the autograd
+    engine from a hook on those outputs), handed to :func:`record_first_step`. Later calls go
+    straight through. Dynamo's calling convention (``_boxed_call``) is kept."""
+    if record.auto_plan is None or record.memory is None:
+        return compiled
+    armed = True
+
+    def call(*args: Any) -> Any:
+        nonlocal armed
+        if not armed or not torch.is_grad_enabled():
+            return compiled(*args)
+        armed = False
+        device = torch.device(record.memory.device)
+        start = memory_counters(device)
+        out = compiled(*args)
+        if start is None:
+            return out
+        queued = False
+
+        def finish() -> None:
+            end = memory_counters(device)
+            if end is not None:
+                record_first_step(record, start, end)
+
+        def on_grad(_grad: torch.Tensor) -> None:
+            nonlocal queued
+            if not queued:
+                queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(on_grad)
+        return out
+
+    if getattr(compiled, "_boxed_call", False):
+        call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[int, int]) -> PeakCheck | None:
+    """The bookkeeping of :func:`watch_first_step`, from plain numbers: ``start`` and ``end`` are
+    ``(memory_allocated, max_memory_allocated)`` at the forward's start and the backward's end.
+    Stores a :class:`PeakCheck` on ``record.auto_plan`` and logs it; a step above its allocated cap
+    logs a warning naming the numbers and lowers the cap of later plans on this device. Returns
+    ``None`` (logged) when the step did not raise the process' peak, whose value is then unknown."""
+    auto, memory = record.auto_plan, record.memory
+    assert auto is not None and memory is not None
+    (start_allocated, start_max), (_end_allocated, end_max) = start, end
+    if end_max <= start_max:
+        log.info(
+            "protrain_fx: graph %d: first step's peak not measured: it stayed under this process' earlier peak "
+            "of %s (call torch.cuda.reset_peak_memory_stats() before the first step to measure it)",
+            record.index,
+            human_bytes(start_max),
+        )
+        return None
+    check = PeakCheck(
+        predicted_peak_bytes=memory.peak_bytes,
+        predicted_start_bytes=sum(memory.timeline.baseline_bytes.values()),
+        measured_peak_bytes=end_max,
+        measured_start_bytes=start_allocated,
+        allocated_cap_bytes=auto.allocated_cap_bytes,
+    )
+    auto.peak_check = check
+    log.info("protrain_fx: graph %d: %s", record.index, check.line())
+    if check.over:
+        _PEAK_MISSES[memory.device] = max(_PEAK_MISSES.get(memory.device, 0.0), check.miss)
+        log.warning(
+            "protrain_fx: graph %d: the first step peaked at %d bytes (%s), %.1f%% above the predicted %d bytes "
+            "(%s) and over the allocated cap of %d bytes (%s) that the plan (n_swap=%d, n_checkpoint=%d) was "
+            "chosen for under a budget of %d bytes; this graph keeps its plan, and the next plan on %s (a new "
+            "input shape, or after torch._dynamo.reset()) is chosen with its cap lowered by %.1f%%",
+            record.index,
+            check.step_peak_bytes,
+            human_bytes(check.step_peak_bytes),
+            check.error_pct,
+            check.predicted_peak_bytes,
+            human_bytes(check.predicted_peak_bytes),
+            check.allocated_cap_bytes,
+            human_bytes(check.allocated_cap_bytes),
+            auto.config.n_swap,
+            auto.config.n_checkpoint,
+            auto.budget_bytes,
+            memory.device,
+            100 * check.miss,
+        )
+    return check
+
+
+def clear_peak_misses() -> None:
+    """Forget measured misses (``protrain_fx.reset()``): later plans use the full allocated cap."""
+    _PEAK_MISSES.clear()
+
+
 __all__ = [
     "AutoPlan",
+    "PeakCheck",
+    "clear_peak_misses",
+    "memory_counters",
+    "record_first_step",
+    "watch_first_step",
     "specialize_shapes",
     "Trial",
     "activation_problem",

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from protrain_fx.autoplan import choose_plan, specialize_shapes
+from protrain_fx.autoplan import choose_plan, specialize_shapes, watch_first_step
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.passes.memory import StepGraphs
@@ -30,6 +30,7 @@ from protrain_fx.passes.inductor_memory import read_inductor_plan
 from protrain_fx.pipeline import (
     check_budget,
     refine_memory_for_inductor,
+    resolve_budget,
     run_joint_passes,
     run_step_passes,
     wants_auto_plan,
@@ -59,8 +60,10 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = N
     if config.verbose:
         _log_to_stderr()
     if config.codegen == "eager":
-        return _compile_eager(gm, example_inputs, record)
-    return _compile_inductor(gm, example_inputs, record)
+        compiled = _compile_eager(gm, example_inputs, record)
+    else:
+        compiled = _compile_inductor(gm, example_inputs, record)
+    return watch_first_step(record, compiled)  # measured against predicted when a plan was chosen
 
 
 def _log_to_stderr() -> None:
@@ -98,6 +101,7 @@ class _Partitioner(CustomPartitionerFn):
             run_step_passes(record, check=check)
             return forward, backward
 
+        resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
         if not wants_auto_plan(record):
             return partition(joint)
         # The backend chooses the plan: each trial partitions its own copy of the joint graph (the

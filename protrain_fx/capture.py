@@ -74,6 +74,10 @@ class CapturedGraph:
     #: The activation plan the backend chose from the memory budget, with its prediction
     #: (``protrain_fx.autoplan``); ``None`` without a budget, with a plan by hand or offloaded parameters.
     auto_plan: "AutoPlan | None" = None
+    #: Where ``config.memory_budget_bytes`` came from: ``"user"`` (``memory_budget``), ``"device"``
+    #: (none given: what the process could reach on the step's CUDA device when it was compiled,
+    #: ``pipeline.resolve_budget``) or ``None`` (no budget).
+    budget_source: str | None = None
 
     @property
     def has_backward(self) -> bool:
@@ -138,6 +142,8 @@ def reset() -> None:
         _records.clear()
         _breaks_seen.clear()
         _breaks_seen.update(counters["graph_break"])
+    from protrain_fx.autoplan import clear_peak_misses
     from protrain_fx.runtime.swap import POOL
 
     POOL.clear()  # host buffers of swapped values of the forgotten graphs
+    clear_peak_misses()  # measured misses lowered the caps of later plans

@@ -91,6 +91,12 @@ class ProtrainConfig:
             every captured graph; see ``protrain_fx.plan``.
         machine: overrides of the machine constants the rewrites place copies with (e.g.
             ``{"h2d_bytes": 25e9, "d2h_bytes": 25e9}`` for a PCIe Gen4 card); see ``protrain_fx.machine``.
+        auto_plan: ``True`` (default): the backend chooses the activation plan when it has a budget:
+            ``memory_budget``, or without one, for a step on a CUDA device, the memory this process can
+            still reach there (``pipeline.device_budget_bytes``). ``False``: it never chooses one; no
+            budget is taken from the device, and a ``memory_budget`` is only checked against the
+            prediction (as with a ``plan`` by hand). For runs that must compile exactly as written
+            (the automatic plan specialises the graph to its input shapes).
     """
 
     memory_budget_bytes: int | None = None
@@ -100,6 +106,7 @@ class ProtrainConfig:
     verbose: bool = False
     plan: "Plan | None" = None
     machine: Mapping[str, float] | None = None
+    auto_plan: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes is not None:  # "24GiB" given to the class directly
@@ -108,7 +115,7 @@ class ProtrainConfig:
     def validate(self) -> "ProtrainConfig":
         _check_choice("codegen", self.codegen, ("inductor", "eager"))
         _check_choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATES_PER_PARAM))
-        for name in ("keep_node_order", "verbose"):
+        for name in ("keep_node_order", "verbose", "auto_plan"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name!r}: got {getattr(self, name)!r}; accepted: True or False")
         if self.machine is not None:
@@ -139,6 +146,7 @@ _OPTION_FIELDS = {
     "verbose": "verbose",
     "plan": "plan",
     "machine": "machine",
+    "auto_plan": "auto_plan",
 }
 
 

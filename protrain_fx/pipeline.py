@@ -21,7 +21,9 @@ With Inductor, once it has compiled the graphs:
 4. ``analyze_inductor_memory`` — the same analysis from Inductor's own allocation plan.
 
 With a memory budget and no plan by hand (:func:`wants_auto_plan`), the backend runs steps 0-3 once per
-plan it tries (``protrain_fx.autoplan``) and keeps the graphs of the plan it chose.
+plan it tries (``protrain_fx.autoplan``) and keeps the graphs of the plan it chose. Without a
+``memory_budget``, a step on a CUDA device gets the memory the process can reach there as its budget
+(:func:`resolve_budget`, :func:`device_budget_bytes`); ``auto_plan=False`` turns both off.
 
 Parameter chunk rewrites join this list in later releases. The runner times each pass,
 logs one line per pass, wraps errors with the pass name and, when ``PROTRAIN_DUMP_DIR`` is set, writes
@@ -30,6 +32,7 @@ the graphs after each pass into numbered files: ``<dir>/graph<N>/<NN>_<pass>_<fo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -40,6 +43,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from protrain_fx import meta
 from protrain_fx.capture import CapturedGraph, PassRecord
 from protrain_fx.machine import machine_for
 from protrain_fx.passes.annotate import annotate_plan
@@ -187,11 +191,69 @@ def _reads_offloaded(record: CapturedGraph) -> bool:
 
 
 def wants_auto_plan(record: CapturedGraph) -> bool:
-    """A memory budget, no plan by hand and no offloaded parameter (offloaded models take their
-    ``n_persist`` / ``n_buffer`` by hand and keep the path they had): the backend chooses the
-    activation plan (``protrain_fx.autoplan``). Asked before partitioning a train graph."""
+    """A memory budget (the user's or, after :func:`resolve_budget`, the device's), ``auto_plan`` on,
+    no plan by hand and no offloaded parameter (offloaded models take their ``n_persist`` /
+    ``n_buffer`` by hand and keep the path they had): the backend chooses the activation plan
+    (``protrain_fx.autoplan``). Asked before partitioning a train graph."""
     config = record.config
-    return config.memory_budget_bytes is not None and config.plan is None and not _reads_offloaded(record)
+    return (
+        config.memory_budget_bytes is not None
+        and config.auto_plan
+        and config.plan is None
+        and not _reads_offloaded(record)
+    )
+
+
+def reachable_bytes(total_bytes: int, fraction: float, free_bytes: int, reserved_bytes: int) -> int:
+    """What a process can still hold on a GPU: its per-process cap (``fraction`` of ``total_bytes``,
+    which bounds what its caching allocator reserves), but no more than is physically there: the
+    device's free bytes plus what this allocator already reserves (its cached blocks are free to it,
+    not to ``cudaMemGetInfo``)."""
+    return min(int(total_bytes * fraction), free_bytes + reserved_bytes)
+
+
+def device_budget_bytes(device: str | torch.device) -> int | None:
+    """The budget a step on ``device`` gets when the user gives none: :func:`reachable_bytes` from the
+    CUDA runtime, read when the step is compiled; ``None`` for a device that is not CUDA (no budget:
+    nothing is planned). Tests replace this function to plan a CPU step for a budget of their own."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, _total = torch.cuda.mem_get_info(index)
+    return reachable_bytes(
+        torch.cuda.get_device_properties(index).total_memory,
+        torch.cuda.get_per_process_memory_fraction(index),
+        free,
+        torch.cuda.memory_reserved(index),
+    )
+
+
+def graph_device(gm: fx.GraphModule) -> torch.device:
+    """The device holding most of the bytes of ``gm``'s inputs (parameters, batch); CPU if none."""
+    weight: dict[torch.device, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            for t in meta.tensor_values(node):
+                weight[t.device] = weight.get(t.device, 0) + meta.tensor_nbytes(t)
+    return max(weight, key=weight.get) if weight else torch.device("cpu")
+
+
+def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
+    """Say where the step's budget comes from (``record.budget_source``), before partitioning: the
+    user's ``memory_budget`` (``"user"``), else, when the backend would choose the plan (``auto_plan``
+    on, no plan by hand, nothing offloaded), :func:`device_budget_bytes` of the device the step runs
+    on (``"device"``; ``record.config`` then carries it as ``memory_budget_bytes``), else none."""
+    config = record.config
+    if config.memory_budget_bytes is not None:
+        record.budget_source = "user"
+        return
+    if not config.auto_plan or config.plan is not None or _reads_offloaded(record):
+        return
+    budget = device_budget_bytes(graph_device(joint))
+    if budget is not None:
+        record.config = dataclasses.replace(config, memory_budget_bytes=budget)
+        record.budget_source = "device"
 
 
 #: The caching allocator reserves more than the tensors it holds (block rounding, fragmentation);
@@ -250,6 +312,8 @@ def check_budget(record: CapturedGraph) -> None:
     if memory is None:
         return
     what = "its memory budget"
+    if getattr(record, "budget_source", None) == "device":
+        what = f"the memory this process can reach on {memory.device}"
     if budget is None:
         budget = device_limit_bytes(memory.device)
         what = f"the memory this process may use on {memory.device}"

@@ -118,7 +118,8 @@ class StepReport:
                 "tight": f"TIGHT: the peak fits, the allocator's usual {100 * ALLOCATOR_HEADROOM:.0f}% headroom does not",
                 "over": "DOES NOT FIT (choose a plan with options={'plan': ...})",
             }[budget_verdict(memory.peak_bytes, budget)]
-            lines.insert(1, f"  budget {human_bytes(budget)}: {verdict}")
+            source = " (what this process can reach on the device)" if graph.budget_source == "device" else ""
+            lines.insert(1, f"  budget {human_bytes(budget)}{source}: {verdict}")
             auto = getattr(graph, "auto_plan", None)
             if auto is not None:
                 lines.insert(2, f"  automatic activation plan ({auto.how}): swap {', '.join(auto.plan.blocks_with('swap')) or '-'}; "

@@ -10,6 +10,7 @@ brute force on synthetic problems (``tests/test_cost_search.py``'s generator).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 
@@ -18,9 +19,16 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx.autoplan import AutoPlan, least_memory_config, search_activation_plan
+from protrain_fx import autoplan, pipeline
+from protrain_fx.autoplan import AutoPlan, PeakCheck, least_memory_config, record_first_step, search_activation_plan
 from protrain_fx.cost import CostModel, block_plan
-from protrain_fx.pipeline import allocated_cap_bytes, budget_for_peak, budget_verdict
+from protrain_fx.pipeline import (
+    allocated_cap_bytes,
+    budget_for_peak,
+    budget_verdict,
+    device_budget_bytes,
+    reachable_bytes,
+)
 from protrain_fx.search import NoPlanFits, search
 from tests.test_cost_search import brute_force, budgets, make_problem
 
@@ -59,7 +67,9 @@ def _compile_and_step(budget, *, verbose: bool = False, steps: int = 2):
     torch.manual_seed(0)
     model = GPT(CONFIG)
     reference = copy.deepcopy(model)
-    options = {"codegen": "eager", "memory_budget": budget, "verbose": verbose}
+    options = {"codegen": "eager", "verbose": verbose}
+    if budget is not None:
+        options["memory_budget"] = budget
     compiled = torch.compile(model, backend="protrain", options=options)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference))
     exact = True
@@ -74,6 +84,22 @@ def _compile_and_step(budget, *, verbose: bool = False, steps: int = 2):
         opt.zero_grad(), ref_opt.zero_grad()
     (record,) = _train_graphs()
     return record, exact
+
+
+@pytest.fixture
+def logged():
+    """Records logged to ``protrain_fx`` at INFO and above, through a handler of our own (the suite
+    also runs with ``-p no:logging``, which takes pytest's ``caplog`` away)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("protrain_fx")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def _no_plan_fits(exc: BaseException | None) -> NoPlanFits | None:
@@ -121,11 +147,13 @@ def test_activation_only_search_equals_brute_force():
 # --------------------------------------------------------------------------- the backend
 
 
-def test_budget_the_step_fits_keeps_no_plan(no_plan, caplog):
+def test_budget_the_step_fits_keeps_no_plan(no_plan, logged, monkeypatch):
+    asked = _device_budget(monkeypatch, 1)  # a device budget nothing fits: the user's budget wins
     budget = budget_for_peak(no_plan["peak"])
-    with caplog.at_level(logging.INFO, logger="protrain_fx"):
-        record, exact = _compile_and_step(budget, steps=1)
-    assert exact
+    record, exact = _compile_and_step(budget, steps=1)
+    assert exact and asked == []
+    assert record.budget_source == record.auto_plan.budget_source == "user"
+    assert "(memory_budget)" in record.auto_plan.table()
     auto = record.auto_plan
     assert isinstance(auto, AutoPlan) and auto.how == "fits as is"
     assert set(auto.plan.blocks) == set(LABELS) and not auto.plan.blocks_with("checkpoint")
@@ -133,7 +161,7 @@ def test_budget_the_step_fits_keeps_no_plan(no_plan, caplog):
     assert record.config.plan is None and record.swapped == []
     assert record.memory.peak_bytes == auto.analysed_peak_bytes == no_plan["peak"]
     assert budget_verdict(record.memory.peak_bytes, budget) == "fits"
-    assert any("automatic activation plan for graph 0" in r.getMessage() for r in caplog.records)
+    assert any("automatic activation plan for graph 0" in r.getMessage() for r in logged)
 
 
 def test_tighter_budget_runs_a_plan_that_fits_exactly_as_eager(no_plan, capfd):
@@ -232,3 +260,153 @@ def test_offloaded_model_keeps_its_hand_settings():
     compiled(*_batch()).backward()  # far below any plan's minimum: no NoPlanFits
     (record,) = _train_graphs()
     assert record.auto_plan is None and record.config.plan is None and record.gathered
+
+
+# --------------------------------------------------------------------------- no options: the device's budget
+
+
+def test_reachable_bytes_is_the_cap_bounded_by_what_is_there():
+    gib = 2**30
+    assert reachable_bytes(100 * gib, 1.0, 30 * gib, 10 * gib) == 40 * gib  # free + own cache
+    assert reachable_bytes(100 * gib, 0.25, 30 * gib, 10 * gib) == 25 * gib  # the per-process cap
+    assert reachable_bytes(100 * gib, 0.5, 0, 0) == 0
+    assert device_budget_bytes("cpu") is None and device_budget_bytes(torch.device("meta")) is None
+
+
+def _device_budget(monkeypatch, budget):
+    """Make ``pipeline.device_budget_bytes`` report ``budget`` for any device; returns the devices
+    it was asked about."""
+    asked = []
+
+    def fake(device):
+        asked.append(torch.device(device))
+        return budget
+
+    monkeypatch.setattr(pipeline, "device_budget_bytes", fake)
+    return asked
+
+
+def test_device_budget_below_the_peak_chooses_a_plan(no_plan, monkeypatch):
+    """With no memory_budget, the step is planned for what the device reports (faked here)."""
+    budget = budget_for_peak(no_plan["peak"]) - 1
+    asked = _device_budget(monkeypatch, budget)
+    record, exact = _compile_and_step(None, steps=1)
+    assert exact and asked == [torch.device("cpu")]
+    auto = record.auto_plan
+    assert auto.how == "searched" and auto.budget_source == record.budget_source == "device"
+    assert auto.budget_bytes == record.config.memory_budget_bytes == budget
+    assert record.memory.peak_bytes <= auto.allocated_cap_bytes == allocated_cap_bytes(budget)
+    assert "(reachable on the device)" in auto.table()
+    assert "what this process can reach on the device" in protrain_fx.step_report().block_table()
+
+
+def test_auto_plan_false_turns_planning_off(no_plan, monkeypatch, logged):
+    asked = _device_budget(monkeypatch, 1)  # a device budget nothing fits: must not be used
+    budget = budget_for_peak(no_plan["peak"])
+    for options in ({"auto_plan": False}, {"auto_plan": False, "memory_budget": budget - 1}):
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        torch.manual_seed(0)
+        torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager", **options})(*_batch()).backward()
+        (record,) = _train_graphs()
+        assert asked == [] and record.auto_plan is None and record.config.plan is None
+        assert record.memory.peak_bytes == no_plan["peak"]  # compiled as written
+    assert any("its memory budget" in r.getMessage() for r in logged)  # the user's budget is checked
+
+
+# --------------------------------------------------------------------------- measured against predicted
+
+
+def test_peak_check_arithmetic():
+    check = PeakCheck(
+        predicted_peak_bytes=1000,
+        predicted_start_bytes=300,
+        measured_peak_bytes=5000 + 800,  # the step rose 800 above its start: 1100 on the predicted start
+        measured_start_bytes=5000,  # with 5000 of other memory (no optimizer state yet, workspaces, ...)
+        allocated_cap_bytes=1050,
+    )
+    assert check.step_peak_bytes == 1100 and check.error_pct == pytest.approx(10.0)
+    assert check.over and check.miss == pytest.approx(0.1)
+    under = dataclasses.replace(check, allocated_cap_bytes=1100)
+    assert not under.over and under.miss == 0.0
+    low = dataclasses.replace(check, measured_peak_bytes=5000 + 650)
+    assert low.step_peak_bytes == 950 and low.error_pct == pytest.approx(-5.0) and not low.over
+
+
+def test_first_step_bookkeeping_and_a_miss_lowers_later_caps(no_plan, monkeypatch, logged):
+    budget = budget_for_peak(no_plan["peak"]) - 1
+    _device_budget(monkeypatch, budget)
+    record, _ = _compile_and_step(None, steps=1)
+    auto, memory = record.auto_plan, record.memory
+    start = sum(memory.timeline.baseline_bytes.values())
+    rise = memory.peak_bytes - start
+    del logged[:]
+
+    # the step did not raise the process' peak: unknown, nothing stored
+    assert record_first_step(record, (10_000, 10**9), (10_000, 10**9)) is None
+    assert auto.peak_check is None and auto.measured_peak_bytes is None
+    assert any("not measured" in r.getMessage() for r in logged)
+
+    # as predicted: stored, logged, no warning
+    check = record_first_step(record, (10_000, 20_000), (10_000, 10_000 + rise))
+    assert auto.peak_check is check and auto.measured_peak_bytes == memory.peak_bytes
+    assert check.error_pct == 0 and not auto.replan
+    assert not [r for r in logged if r.levelno >= logging.WARNING]
+    assert "first step measured peak" in auto.table()
+
+    # above the cap: a warning naming the numbers, the flag, and the next plan's cap is lowered
+    over = auto.allocated_cap_bytes + 4096
+    check = record_first_step(record, (10_000, 20_000), (10_000, 10_000 + over - start))
+    assert check.over and auto.replan and auto.measured_peak_bytes == over
+    (warning,) = [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
+    assert str(over) in warning and str(memory.peak_bytes) in warning and "lowered" in warning
+    miss = check.miss
+    assert miss == pytest.approx(over / memory.peak_bytes - 1)
+
+    # a device with room for the empty step once the miss is taken off: planned again, not as is
+    budget = int(budget_for_peak(no_plan["peak"]) * (1 + miss) * 0.97)
+    assert allocated_cap_bytes(budget) / (1 + miss) < no_plan["peak"]
+    _device_budget(monkeypatch, budget)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager"})(*_batch()).backward()
+    (later,) = [g for g in _train_graphs() if g is not record]
+    assert later.auto_plan.cap_lowered_by == pytest.approx(miss)
+    assert later.auto_plan.allocated_cap_bytes == int(allocated_cap_bytes(budget) / (1 + miss))
+    assert later.auto_plan.how == "searched"  # without the miss the step fits as is under this budget
+    assert budget_verdict(no_plan["peak"], budget) == "fits"
+    assert later.memory.peak_bytes <= later.auto_plan.allocated_cap_bytes
+    assert "after a measured miss" in later.auto_plan.table()
+    protrain_fx.reset()
+    assert autoplan._PEAK_MISSES == {}
+
+
+def test_the_first_training_call_is_measured_once_after_its_backward(no_plan, monkeypatch):
+    """``watch_first_step`` driven on the CPU: the counters are read when the first forward starts
+    and when its backward pass ends, and never again."""
+    _device_budget(monkeypatch, budget_for_peak(no_plan["peak"]))  # fits as is: planned, measured
+    reads = []
+    phase = {"now": "before"}
+
+    def counters(device):
+        reads.append((device, phase["now"]))
+        return (1000, 2000) if len(reads) == 1 else (1000, 1000 + 12345)
+
+    monkeypatch.setattr(autoplan, "memory_counters", counters)
+    torch.manual_seed(0)
+    compiled = torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager"})
+    phase["now"] = "forward"
+    loss = compiled(*_batch())
+    phase["now"] = "backward"
+    loss.backward()
+    phase["now"] = "after"
+    (record,) = _train_graphs()
+    assert reads == [(torch.device("cpu"), "forward"), (torch.device("cpu"), "backward")]
+    assert record.auto_plan.how == "fits as is"
+    check = record.auto_plan.peak_check
+    assert check.measured_start_bytes == 1000 and check.measured_peak_bytes == 1000 + 12345
+    assert check.predicted_peak_bytes == record.memory.peak_bytes
+    with torch.no_grad():
+        compiled(*_batch())
+    compiled(*_batch()).backward()
+    assert len(reads) == 2

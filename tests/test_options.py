@@ -10,7 +10,7 @@ import torch
 from protrain_fx import ProtrainConfig, parse_bytes, parse_options
 from protrain_fx.config import config_as_options
 
-ACCEPTED_OPTIONS = ("codegen", "keep_node_order", "memory_budget", "optimizer", "verbose")
+ACCEPTED_OPTIONS = ("auto_plan", "codegen", "keep_node_order", "memory_budget", "optimizer", "verbose")
 
 
 # --------------------------------------------------------------------------- parse_bytes
@@ -83,13 +83,15 @@ def test_defaults() -> None:
         assert cfg.codegen == "inductor"
         assert cfg.optimizer == "adamw"
         assert cfg.keep_node_order is True and cfg.verbose is False
+        assert cfg.auto_plan is True
 
 
 def test_parse_options_all_fields() -> None:
     cfg = parse_options(
         {"memory_budget": "24GiB", "codegen": "eager", "optimizer": "sgd_momentum", "keep_node_order": False,
-         "verbose": True}
+         "verbose": True, "auto_plan": False}
     )
+    assert cfg.auto_plan is False
     assert cfg.memory_budget_bytes == 24 * 2**30
     assert cfg.codegen == "eager"
     assert cfg.optimizer == "sgd_momentum" and cfg.optimizer_states_per_param == 1
@@ -137,6 +139,8 @@ def test_unknown_option_is_named_and_accepted_ones_listed() -> None:
         ({"optimizer": "AdamW"}, "optimizer", ("'adamw'",)),
         ({"keep_node_order": "yes"}, "keep_node_order", ("True or False",)),
         ({"verbose": 1}, "verbose", ("True or False",)),
+        ({"auto_plan": "none"}, "auto_plan", ("True or False",)),
+        ({"auto_plan": None}, "auto_plan", ("True or False",)),
     ],
 )
 def test_bad_choice_values(options, name, accepted) -> None:

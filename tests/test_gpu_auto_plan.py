@@ -1,0 +1,91 @@
+"""On a GPU: the automatic plan with no options (the budget is what the process can reach on the
+device) and with a budget the step does not fit as is, each measured against its prediction after
+the first step (``AutoPlan.peak_check``). Skipped without CUDA; run on the GPU machine with
+``python -m pytest -q tests/test_gpu_auto_plan.py``.
+
+The process' memory cap is never changed here (``set_per_process_memory_fraction`` would outlive the
+test): the tight case passes a ``memory_budget`` below the empty plan's predicted peak instead. The
+allocator's peak statistics are reset before each first step, as the README tells users to when
+earlier work peaked higher (``autoplan`` never resets them itself).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain_fx
+from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx.pipeline import budget_for_peak
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CONFIG = gpt_config("tiny", n_layer=4)
+
+
+def _batch():
+    return random_batch(CONFIG, 64, CONFIG.block_size, device="cuda", generator=torch.Generator().manual_seed(0))
+
+
+def _train(model, step_fn, batch, steps):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    losses = []
+    for i in range(steps):
+        if i == 0:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(*batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _run(options, steps=3):
+    """Eager bf16 losses first (which also makes cuBLAS's workspaces, as any earlier step would),
+    then the compiled model's from the same weights; returns both and the train graph's record."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG).cuda()
+    reference = copy.deepcopy(model)
+    batch = _batch()
+    eager = _train(reference, reference, batch, steps)
+    del reference
+    compiled = torch.compile(model, backend="protrain", options=options)
+    losses = _train(model, compiled, batch, steps)
+    (record,) = [g for g in protrain_fx.captured_graphs() if g.has_backward]
+    return losses, eager, record
+
+
+def test_no_options_plans_for_the_device_and_measures_the_first_step():
+    losses, eager, record = _run(None)
+    auto = record.auto_plan
+    assert auto is not None and auto.budget_source == record.budget_source == "device"
+    assert auto.how == "fits as is"
+    assert not auto.plan.blocks_with("checkpoint") and not auto.plan.blocks_with("swap")
+    _free, total = torch.cuda.mem_get_info()
+    assert 0 < auto.budget_bytes <= total
+    check = auto.peak_check
+    assert check is not None and check.measured_peak_bytes > check.measured_start_bytes > 0
+    assert check.predicted_peak_bytes == record.memory.peak_bytes and not auto.replan
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=0)
+
+
+def test_budget_below_the_empty_step_runs_a_plan_measured_within_10_percent():
+    _, _, record = _run(None, steps=1)
+    empty = record.auto_plan.empty_peak_bytes  # what the plan choice compares with the cap
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    budget = budget_for_peak(empty) - 1
+    losses, eager, record = _run({"memory_budget": budget})
+    auto = record.auto_plan
+    assert auto.budget_source == "user" and auto.budget_bytes == budget
+    assert auto.how in ("searched", "least memory")
+    assert auto.plan.blocks_with("checkpoint") or auto.plan.blocks_with("swap")
+    check = auto.peak_check
+    assert check is not None, "first step not measured"
+    assert abs(check.error_pct) < 10, check.line()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=0)
