@@ -36,7 +36,7 @@ into the git-ignored ``.whl/`` as ``../shared/anchors.md`` says, carry ``.whl`` 
 and start the command with ``python3 -m pip install -q --no-index --no-deps --target /tmp/site
 .whl/*.whl && export PYTHONPATH=/tmp/site``; without it the ``deepspeed`` run records the import error.
 
-Systems: protrain (``torch.compile(backend="protrain")``, no plan), protrain_plan (the same with a
+Systems: protrain (``torch.compile(backend="protrain")``, no plan: ``auto_plan=False``), protrain_plan (the same with a
 hand-written activation plan, ``--plan``; the system is named ``protrain_plan[SPEC]``), eager,
 eager_ac (every block checkpointed), compile, compile_amb0 / compile_amb05
 (``activation_memory_budget`` 0 and 0.5), fsdp2 (FSDP2 ``CPUOffloadPolicy`` + AC, world size 1),
@@ -330,7 +330,8 @@ def build(system: str, size: str, device: str) -> tuple:
         from protrain_fx.backend import register
 
         register()
-        options = {}
+        # "protrain" is the step as written (the empty plan): no plan chosen from the capped device
+        options: dict = {"auto_plan": False}
         if plan_spec:
             labels = block_labels(size)
             plan = plan_from_spec(plan_spec.group(1), labels)
