@@ -18,6 +18,14 @@ def offload(model, optimizer, **kwargs):
     return _offload(model, optimizer, **kwargs)
 
 
+def what_fits(model, *args, **kwargs):
+    """The plan and the smallest memory budget of ``model`` on these inputs, without training; see
+    :mod:`protrain_fx.fit`."""
+    from protrain_fx.fit import what_fits as _what_fits
+
+    return _what_fits(model, *args, **kwargs)
+
+
 def step_report():
     """A :class:`~protrain_fx.report.StepReport` of every graph captured so far (print it for the
     per-block tables, predicted peaks and graph breaks)."""
@@ -29,6 +37,7 @@ def step_report():
 __all__ = [
     "offload",
     "step_report",
+    "what_fits",
     "CapturedGraph",
     "ProtrainConfig",
     "BufferEvent",

@@ -23,6 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from protrain_fx.autoplan import choose_plan, specialize_shapes, watch_first_step
+from protrain_fx.fit import answer
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.passes.memory import StepGraphs
@@ -102,7 +103,8 @@ class _Partitioner(CustomPartitionerFn):
             return forward, backward
 
         resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
-        if not wants_auto_plan(record):
+        dry_run = record.config.dry_run and wants_auto_plan(record, budget_needed=False)  # protrain_fx.what_fits
+        if not dry_run and not wants_auto_plan(record):
             return partition(joint)
         # The backend chooses the plan: each trial partitions its own copy of the joint graph (the
         # partitioner rewrites the graph it is given, and the tags of one plan must not reach the next).
@@ -115,6 +117,8 @@ class _Partitioner(CustomPartitionerFn):
             record.swapped = []
             graphs[:] = [partition(_copy_graph_module(joint), check=False)]
 
+        if dry_run:
+            answer(record, trial)  # stops the compile with the report: nothing runs
         record.auto_plan = choose_plan(record, trial)
         if record.auto_plan is None:
             log.info("protrain_fx: graph %d has no transformer blocks: no activation plan to choose", record.index)

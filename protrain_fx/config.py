@@ -97,6 +97,8 @@ class ProtrainConfig:
             budget is taken from the device, and a ``memory_budget`` is only checked against the
             prediction (as with a ``plan`` by hand). For runs that must compile exactly as written
             (the automatic plan specialises the graph to its input shapes).
+        dry_run: set by :func:`protrain_fx.what_fits`: the backend plans the step and stops the compile
+            with its report; nothing runs.
     """
 
     memory_budget_bytes: int | None = None
@@ -107,6 +109,7 @@ class ProtrainConfig:
     plan: "Plan | None" = None
     machine: Mapping[str, float] | None = None
     auto_plan: bool = True
+    dry_run: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes is not None:  # "24GiB" given to the class directly
@@ -115,7 +118,7 @@ class ProtrainConfig:
     def validate(self) -> "ProtrainConfig":
         _check_choice("codegen", self.codegen, ("inductor", "eager"))
         _check_choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATES_PER_PARAM))
-        for name in ("keep_node_order", "verbose", "auto_plan"):
+        for name in ("keep_node_order", "verbose", "auto_plan", "dry_run"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name!r}: got {getattr(self, name)!r}; accepted: True or False")
         if self.machine is not None:
@@ -147,6 +150,7 @@ _OPTION_FIELDS = {
     "plan": "plan",
     "machine": "machine",
     "auto_plan": "auto_plan",
+    "dry_run": "dry_run",
 }
 
 

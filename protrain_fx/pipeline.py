@@ -190,14 +190,15 @@ def _reads_offloaded(record: CapturedGraph) -> bool:
     return any(chunk_ops.offloaded(t) for t in record.real_inputs())
 
 
-def wants_auto_plan(record: CapturedGraph) -> bool:
+def wants_auto_plan(record: CapturedGraph, *, budget_needed: bool = True) -> bool:
     """A memory budget (the user's or, after :func:`resolve_budget`, the device's), ``auto_plan`` on,
     no plan by hand and no offloaded parameter (offloaded models take their ``n_persist`` /
     ``n_buffer`` by hand and keep the path they had): the backend chooses the activation plan
-    (``protrain_fx.autoplan``). Asked before partitioning a train graph."""
+    (``protrain_fx.autoplan``). Asked before partitioning a train graph. ``budget_needed=False``: the
+    same without the budget (``protrain_fx.what_fits`` also answers without one)."""
     config = record.config
     return (
-        config.memory_budget_bytes is not None
+        (config.memory_budget_bytes is not None or not budget_needed)
         and config.auto_plan
         and config.plan is None
         and not _reads_offloaded(record)

@@ -410,3 +410,51 @@ def test_the_first_training_call_is_measured_once_after_its_backward(no_plan, mo
         compiled(*_batch())
     compiled(*_batch()).backward()
     assert len(reads) == 2
+
+
+# --------------------------------------------------------------------------- what fits, without training
+
+
+def test_what_fits_answers_like_training_would_and_runs_nothing(no_plan):
+    """The report's plan is the one training runs under the same budget; its minimum is the smallest
+    budget training accepts; and nothing ran: no gradient, no parameter changed."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    before = [p.detach().clone() for p in model.parameters()]
+    tight = budget_for_peak(no_plan["peak"]) - 1  # the step as it is does not fit
+    report = protrain_fx.what_fits(model, *_batch(), memory_budget=tight, options={"codegen": "eager"})
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert report.fits and report.budget_bytes == tight and report.budget_source == "user"
+    assert report.plan.blocks_with("checkpoint") or report.plan.blocks_with("swap")
+    assert report.min_budget_bytes < tight
+    assert str(report).startswith(f"graph {report.graph}: budget")
+    protrain_fx.reset()
+    record, exact = _compile_and_step(tight, steps=1)
+    assert exact and record.auto_plan.plan == report.plan
+    # the minimum trains; one byte less is refused, naming the same minimum
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    record, exact = _compile_and_step(report.min_budget_bytes, steps=1)
+    assert exact and record.auto_plan is not None
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    short = protrain_fx.what_fits(GPT(CONFIG), *_batch(), memory_budget=report.min_budget_bytes - 1,
+                                  options={"codegen": "eager"})
+    assert not short.fits and short.plan is None and short.min_budget_bytes == report.min_budget_bytes
+    with pytest.raises(Exception) as info:
+        _compile_and_step(report.min_budget_bytes - 1, steps=1)
+    assert _no_plan_fits(info.value).min_budget_bytes == report.min_budget_bytes
+
+
+def test_what_fits_without_a_budget_names_the_minimum_and_refuses_plans_by_hand(no_plan):
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    report = protrain_fx.what_fits(GPT(CONFIG), *_batch(), options={"codegen": "eager"})
+    assert report.budget_bytes is None and report.fits
+    assert not report.plan.blocks_with("checkpoint") and not report.plan.blocks_with("swap")  # the step as it is
+    assert report.least_memory_plan.blocks_with("checkpoint")
+    assert report.min_budget_bytes < budget_for_peak(no_plan["peak"])  # checkpointing saves memory
+    assert "no memory budget given" in str(report)
+    with pytest.raises(ValueError, match="must choose the plan"):
+        protrain_fx.what_fits(GPT(CONFIG), *_batch(), options={"auto_plan": False})
