@@ -149,9 +149,9 @@ def what_fits(
         with torch.enable_grad():
             compiled(*args, **kwargs)
     except _Answered as answered:
+        # The compile stopped before Dynamo cached anything for this frame: a later torch.compile of
+        # the model compiles afresh, and other compiled models keep their graphs (tested).
         return answered.report
-    finally:
-        torch._dynamo.reset()  # nothing half-compiled stays behind for the training run
     raise ValueError(
         "what_fits: no training step was captured: no parameter requires grad, or the model is offloaded "
         "(protrain_fx.offload: its n_persist / n_buffer are chosen by hand)"

@@ -450,7 +450,12 @@ def test_what_fits_answers_like_training_would_and_runs_nothing(no_plan):
 def test_what_fits_without_a_budget_names_the_minimum_and_refuses_plans_by_hand(no_plan):
     torch._dynamo.reset()
     protrain_fx.reset()
+    torch.manual_seed(0)
+    trained = torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager"})
+    trained(*_batch()).backward()
     report = protrain_fx.what_fits(GPT(CONFIG), *_batch(), options={"codegen": "eager"})
+    trained(*_batch()).backward()  # another compiled model keeps its graph: nothing captured again
+    assert len(_train_graphs()) == 2  # its own and the query's
     assert report.budget_bytes is None and report.fits
     assert not report.plan.blocks_with("checkpoint") and not report.plan.blocks_with("swap")  # the step as it is
     assert report.least_memory_plan.blocks_with("checkpoint")
