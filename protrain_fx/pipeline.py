@@ -217,17 +217,12 @@ def device_budget_bytes(device: str | torch.device) -> int | None:
     """The budget a step on ``device`` gets when the user gives none: :func:`reachable_bytes` from the
     CUDA runtime, read when the step is compiled; ``None`` for a device that is not CUDA (no budget:
     nothing is planned). Tests replace this function to plan a CPU step for a budget of their own."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    limit = device_limit_bytes(device)
+    if limit is None:
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     free, _total = torch.cuda.mem_get_info(index)
-    return reachable_bytes(
-        torch.cuda.get_device_properties(index).total_memory,
-        torch.cuda.get_per_process_memory_fraction(index),
-        free,
-        torch.cuda.memory_reserved(index),
-    )
+    return reachable_bytes(limit, 1.0, free, torch.cuda.memory_reserved(index))
 
 
 def graph_device(gm: fx.GraphModule) -> torch.device:
@@ -298,12 +293,16 @@ def budget_for_peak(peak_bytes: int) -> int:
 def device_limit_bytes(device: str | torch.device) -> int | None:
     """Bytes this process may allocate on a CUDA ``device``: its memory times the per-process
     fraction (``torch.cuda.set_per_process_memory_fraction``); None for other devices."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     total = torch.cuda.get_device_properties(index).total_memory
     return int(total * torch.cuda.get_per_process_memory_fraction(index))
+
+
+def _cuda_index(device: str | torch.device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def check_budget(record: CapturedGraph) -> None:
