@@ -298,6 +298,8 @@ def test_bad_settings_are_refused_with_the_numbers():
         protrain_fx.offload(model, opt, n_persist=999, n_buffer=1, device="cpu", chunk_bytes=CHUNK)
     with pytest.raises(ValueError, match=r"n_gpu_optim must be in \[0, \d+\]"):
         protrain_fx.offload(model, opt, n_persist=1, n_buffer=1, device="cpu", chunk_bytes=CHUNK, n_gpu_optim=999)
+    with pytest.raises(ValueError, match="grad_pool must be at least 1, got 0"):
+        protrain_fx.offload(model, opt, n_persist=0, n_buffer=1, device="cpu", chunk_bytes=CHUNK, grad_pool=0)
     with pytest.raises(ValueError, match="n_buffer >= 1"):
         protrain_fx.offload(model, opt, n_persist=0, n_buffer=0, device="cpu", chunk_bytes=CHUNK)
     with pytest.raises(MemoryError, match="bytes"):
