@@ -266,12 +266,15 @@ def base_system(system: str) -> str:
     return "protrain_offload" if _OFFLOAD_SYSTEM.match(system) else system
 
 
-def parse_offload_spec(spec: str) -> tuple[int, int, str, int, int | str]:
-    """``"persist=2,buffer=3,gpu_optim=1,lean=4,checkpoint=all"`` → ``(2, 3, "checkpoint=all", 1, 4)``:
+def parse_offload_spec(spec: str) -> tuple[int | str, int | str, str, int | str, int | str]:
+    """``"persist=2,buffer=3,gpu_optim=1,lean=4,checkpoint=all"`` → ``(2, 3, "checkpoint=all", 1, 4)``;
+    ``"auto"`` → ``("auto", "auto", "", "auto", "auto")`` (the backend chooses, for the device's cap):
     the chunks kept on the GPU, the GPU chunk buffers, the activation plan (``swap=``/``checkpoint=``
     counts, as ``--plan``; empty: none), the offloaded chunks stepped on the GPU and the lean chunks
     (no host bf16 copy; a number or ``auto``, the library's default). ``buffer`` is required;
     ``persist`` and ``gpu_optim`` default to 0."""
+    if spec.strip() == "auto":  # the backend chooses the counts and the plan (protrain_fx/autooffload.py)
+        return "auto", "auto", "", "auto", "auto"
     counts: dict[str, int | str] = {"persist": 0, "gpu_optim": 0, "lean": "auto"}
     rest = []
     for part in filter(None, spec.split(",")):
@@ -397,10 +400,10 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
     if limit:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         available = int(limit) - rss
-    handle = protrain_fx.offload(model, optimizer, n_persist=n_persist, n_buffer=n_buffer, device=device,
+    counts = {} if n_persist == "auto" else {"n_persist": n_persist, "n_buffer": n_buffer, "n_gpu_optim": n_gpu_optim}
+    handle = protrain_fx.offload(model, optimizer, device=device, **counts,
                                  compute_dtype=torch.bfloat16 if cuda else None, available_host_bytes=available,
-                                 init=model.init_parameter if where == "meta" else None, n_gpu_optim=n_gpu_optim,
-                                 n_lean=n_lean)
+                                 init=model.init_parameter if where == "meta" else None, n_lean=n_lean)
     if cuda:
         torch.cuda.empty_cache()  # the initial fp32 weights of the offloaded chunks are gone
         torch.cuda.reset_peak_memory_stats()
@@ -420,11 +423,7 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
         info["plan_blocks"] = {p: sum(plan.policy(b) == p for b in labels) for p in ("swap", "checkpoint", "none")}
     run = torch.compile(model, backend="protrain", options=options)
     loss_fn = _loss_fn(run, size)
-    worker = handle.worker
-    last_busy = [worker.busy_s if worker else 0.0]
-    device_adam = handle.device_adam
-    last_wait = [device_adam.wait_s if device_adam else 0.0]
-    last_landing = [handle.landing_wait_s]
+    last_busy, last_wait, last_landing = [0.0], [0.0], [handle.landing_wait_s]
 
     def step(idx, targets):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
@@ -433,6 +432,12 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
         ctx = torch.autocast(device, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
         with ctx:
             loss = loss_fn(idx, targets)
+        if info["offload"]["n_persist"] == "auto":  # automatic counts: chosen by the compile just done
+            info["offload"].update(n_persist=handle.n_persist, n_buffer=handle.n_buffer,
+                                   n_gpu_optim=handle.n_gpu_optim, n_lean=handle.n_lean,
+                                   host_store_bytes=handle.store.host_bytes() if handle.store else 0,
+                                   host_bytes_per_param=handle.host_bytes_per_param())
+        worker, device_adam = handle.worker, handle.device_adam
         if events:
             events[1].record()
         loss.backward()
@@ -607,7 +612,19 @@ def _protrain_prediction() -> dict:
     if not records:
         return {}
     record = records[-1]
+    auto = {}
+    if record.auto_plan is not None:  # chosen by the backend: what it chose and predicted
+        a = record.auto_plan
+        auto = {"auto_plan": {
+            "config": a.config.to_dict(), "how": a.how, "offload": a.offload, "budget_bytes": a.budget_bytes,
+            "budget_source": a.budget_source, "allocated_cap_bytes": a.allocated_cap_bytes,
+            "predicted_step_s": a.estimate.step_s, "cost_model_peak_bytes": a.predicted_peak_bytes,
+            "analysed_peak_bytes": a.analysed_peak_bytes, "search_s": a.search.seconds if a.search else None,
+            "trials": len(a.trials), "first_step_peak_bytes": a.measured_peak_bytes,
+            "problem": a.problem.to_dict(),
+        }}
     return {
+        **auto,
         "predicted_peak_bytes": record.memory.peak_bytes,
         "swapped_bytes": sum(s.nbytes for s in record.swapped),
         "swapped_values": len(record.swapped),

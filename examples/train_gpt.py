@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                 # GPU if present (125M GPT), else CPU (small GPT)
     python examples/train_gpt.py --size 350M --steps 20 --out out/train
+    python examples/train_gpt.py --offload --budget 1GiB   # parameters in chunks, counts chosen for 1 GiB
 
 Prints the per-block table (parameters, saved activations, transient peak, node counts), the
 predicted memory timeline of one step as text, loss and throughput per step, and the measured peak
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default=None, help="memory budget, e.g. 24GiB: the backend chooses the activation plan (with --plan: checked only)")
     parser.add_argument("--plan", default=None,
                         help="activation plan: 'swap=N,checkpoint=M' (ProTrain's interleaved layout), JSON text or a .json path")
+    parser.add_argument("--offload", action="store_true",
+                        help="parameters in chunks (protrain_fx.offload) with the counts left to the backend: "
+                             "it chooses them with the plan for --budget (on a GPU without --budget: its free memory)")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--out", type=Path, default=Path("out/train_gpt"))
     args = parser.parse_args(argv)
@@ -51,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = GPT(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    if args.offload:
+        if args.plan or (device.type != "cuda" and not args.budget):
+            raise SystemExit("--offload: the backend chooses the plan with the counts (no --plan), and needs "
+                             "--budget on a device without its own memory size")
+        handle = protrain_fx.offload(model, optimizer, device=device,
+                                     compute_dtype=torch.bfloat16 if device.type == "cuda" else None)
     options = {"codegen": args.codegen}
     if args.budget:
         options["memory_budget"] = args.budget
@@ -79,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     loss = step()
     print(f"step 1 (compiles): loss {loss.item():.4f}, {time.perf_counter() - start:.1f} s")
+    if args.offload:
+        print(f"chunks: {handle.n_persist} of {len(handle.layout.chunks)} on the {device.type}, "
+              f"{handle.n_buffer} buffers, {handle.n_gpu_optim} offloaded chunks stepped there")
     report = StepReport(graphs=protrain_fx.captured_graphs())
     print()
     print(report.summary())

@@ -182,6 +182,9 @@ class AutoPlan:
     budget_source: str = "user"
     cap_lowered_by: float = 0.0
     peak_check: PeakCheck | None = None
+    #: The chunk counts were chosen too (``protrain_fx.autooffload``); ``empty_*`` are then the step
+    #: with every parameter on the device and no plan.
+    offload: bool = False
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -198,14 +201,22 @@ class AutoPlan:
         where = f" for graph {index}" if index is not None else ""
         source = {"user": "memory_budget", "device": "reachable on the device"}.get(self.budget_source, self.budget_source)
         lowered = f", lowered {100 * self.cap_lowered_by:.1f}% after a measured miss" if self.cap_lowered_by else ""
+        what = "offload and activation plan" if self.offload else "activation plan"
         lines = [
-            f"automatic activation plan{where}: budget {human_bytes(self.budget_bytes)} ({source}), allocated peak "
+            f"automatic {what}{where}: budget {human_bytes(self.budget_bytes)} ({source}), allocated peak "
             f"at most {human_bytes(self.allocated_cap_bytes)} ({100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom{lowered})",
             f"  {self.how}: n_swap={self.config.n_swap}, n_checkpoint={self.config.n_checkpoint}; predicted step "
             f"{self.estimate.step_s * 1e3:.3f} ms (no plan: {self.empty_step_s * 1e3:.3f} ms); peak "
             f"{human_bytes(self.analysed_peak_bytes)} analysed, {human_bytes(self.predicted_peak_bytes)} by the "
             f"cost model (no plan: {human_bytes(self.empty_peak_bytes)} analysed)",
         ]
+        if self.offload:
+            c, p = self.config, self.problem
+            lines.insert(2, (
+                f"  chunks: n_persist={c.n_persist}, n_buffer={c.n_buffer}, n_gpu_optim={c.n_gpu_optim} of "
+                f"{len(p.chunks)} chunks ({human_bytes(p.buffer_bytes)} buffers); every parameter on the device "
+                "would be the 'no plan' above"
+            ))
         if self.search is not None:
             s = self.search
             lines.append(f"  search: {s.evaluated} of {s.total} configs simulated in {s.seconds * 1e3:.1f} ms")

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from protrain_fx.autooffload import choose_offload, deferred_handle
 from protrain_fx.autoplan import choose_plan, specialize_shapes, watch_first_step
 from protrain_fx.fit import answer
 from protrain_fx.capture import CapturedGraph, new_record
@@ -103,8 +104,11 @@ class _Partitioner(CustomPartitionerFn):
             return forward, backward
 
         resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
+        handle = deferred_handle(record)  # offload(...) without counts: chosen here (autooffload.py)
+        if handle is not None:
+            _check_automatic_offload(record)
         dry_run = record.config.dry_run and wants_auto_plan(record, budget_needed=False)  # protrain_fx.what_fits
-        if not dry_run and not wants_auto_plan(record):
+        if handle is None and not dry_run and not wants_auto_plan(record):
             return partition(joint)
         # The backend chooses the plan: each trial partitions its own copy of the joint graph (the
         # partitioner rewrites the graph it is given, and the tags of one plan must not reach the next).
@@ -119,7 +123,10 @@ class _Partitioner(CustomPartitionerFn):
 
         if dry_run:
             answer(record, trial)  # stops the compile with the report: nothing runs
-        record.auto_plan = choose_plan(record, trial)
+        if handle is not None:
+            record.auto_plan = choose_offload(record, handle, trial)
+        else:
+            record.auto_plan = choose_plan(record, trial)
         if record.auto_plan is None:
             log.info("protrain_fx: graph %d has no transformer blocks: no activation plan to choose", record.index)
         else:
@@ -134,6 +141,26 @@ class _Partitioner(CustomPartitionerFn):
     def __reduce__(self):
         # Inductor pickles its config into cache keys; the uuid stands for this partitioner.
         return (str, (self.uuid(),))
+
+
+def _check_automatic_offload(record: CapturedGraph) -> None:
+    """What an offload with automatic counts needs from the options (``autooffload.choose_offload``)."""
+    config = record.config
+    fix = "give n_persist / n_buffer to offload(...) by hand"
+    if config.dry_run:
+        raise ValueError(f"protrain_fx.what_fits does not answer for an offloaded model yet; {fix}")
+    if not config.auto_plan:
+        raise ValueError(f"protrain_fx: auto_plan=False, but offload(...) left its counts to the backend; {fix}")
+    if config.plan is not None:
+        raise ValueError(
+            "protrain_fx: a plan by hand, but offload(...) left its counts to the backend, which chooses them "
+            f"with the activation plan; leave the plan out, or {fix}"
+        )
+    if config.memory_budget_bytes is None:
+        raise ValueError(
+            "protrain_fx: offload(...) without n_persist / n_buffer needs a memory budget to choose them: pass "
+            f"options={{'memory_budget': ...}} (a CUDA device gives its own when none is given), or {fix}"
+        )
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -12,8 +12,9 @@ Memory (bytes), exactly ``peak = static(n_persist, n_buffer) + activations(n_swa
 
 * static = ``fixed_bytes`` + per persistent chunk ``2 * bytes + n_params * (master_bytes_per_param +
   adam_state_bytes_per_param)`` (working copy, its gradient in the same layout and dtype, fp32 master,
-  two Adam moments) + ``n_buffer * max(chunk bytes)`` (the staging buffers; a non-persistent chunk's
-  gradient is produced in its buffer and offloaded from there, so it costs nothing more).
+  two Adam moments; ``2 * n_params * persistent_param_bytes`` for the first two when that is set)
+  + ``n_buffer * max(chunk bytes)`` (the staging buffers; a non-persistent chunk's gradient is
+  produced in its buffer and offloaded from there, so it costs nothing more).
 * activations: a per-block walk. ``keep_i`` = what block ``i`` leaves on the GPU after its forward:
   ``saved_bytes`` (none), ``checkpoint_saved_bytes`` (checkpoint), ``saved_bytes - swap_bytes`` (swap).
   Forward of block ``i``: ``Σ_{j<i} keep_j + swap_{i-1} + transient_i + (checkpoint_saved_i if
@@ -199,8 +200,12 @@ class Problem:
     A persistent chunk costs ``2 * bytes + n_params * (master_bytes_per_param +
     adam_state_bytes_per_param)`` GPU bytes (:meth:`persistent_bytes`): working copy, gradient (same
     layout and dtype), fp32 master copy (4 B; 0 when the working copy is the master), Adam's two fp32
-    moments (8 B). ``device_step_bytes``: the device staging of chunks stepped on the GPU
-    (``n_gpu_optim > 0``; ``DeviceAdamW.staging_bytes``).
+    moments (8 B). ``persistent_param_bytes``: when above 0, a persistent chunk keeps its parameters
+    in a dtype of that many bytes (and its gradient alike) instead of the chunk's: ``protrain_fx.offload``
+    keeps persistent parameters fp32 (the user's optimizer steps them, autocast makes the compute
+    copies) while the chunk buffers hold the compute dtype; ``bytes`` stays the buffer's size.
+    ``device_step_bytes``: the device staging of chunks stepped on the GPU (``n_gpu_optim > 0``;
+    ``DeviceAdamW.staging_bytes``).
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -214,6 +219,7 @@ class Problem:
     master_bytes_per_param: int = 4
     adam_state_bytes_per_param: int = 8
     device_step_bytes: int = 0
+    persistent_param_bytes: int = 0
 
     def __post_init__(self) -> None:
         for n in ("blocks", "chunks", "outside_chunk_ids"):
@@ -221,7 +227,7 @@ class Problem:
         for n in ("outside_fwd_s", "outside_bwd_s"):
             _check_seconds("Problem", n, getattr(self, n))
         for n in ("outside_peak_bytes", "fixed_bytes", "master_bytes_per_param", "adam_state_bytes_per_param",
-                  "device_step_bytes"):
+                  "device_step_bytes", "persistent_param_bytes"):
             _check_count("Problem", n, getattr(self, n))
         names = [b.name for b in self.blocks]
         if len(set(names)) != len(names):
@@ -240,7 +246,8 @@ class Problem:
     def persistent_bytes(self, chunk_id: int) -> int:
         """GPU bytes of chunk ``chunk_id`` when persistent (see the class docstring)."""
         c = self.chunks[chunk_id]
-        return 2 * c.bytes + c.n_params * (self.master_bytes_per_param + self.adam_state_bytes_per_param)
+        working = 2 * c.n_params * self.persistent_param_bytes if self.persistent_param_bytes else 2 * c.bytes
+        return working + c.n_params * (self.master_bytes_per_param + self.adam_state_bytes_per_param)
 
     @property
     def buffer_bytes(self) -> int:
@@ -261,6 +268,7 @@ class Problem:
             "master_bytes_per_param": self.master_bytes_per_param,
             "adam_state_bytes_per_param": self.adam_state_bytes_per_param,
             "device_step_bytes": self.device_step_bytes,
+            "persistent_param_bytes": self.persistent_param_bytes,
         }
 
     @classmethod

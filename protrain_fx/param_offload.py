@@ -36,6 +36,7 @@ all parameters (the CPU steps start before every gradient exists).
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +53,8 @@ from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
+#: ``offload(..., n_persist=AUTO, n_buffer=AUTO)``: the backend chooses the counts.
+AUTO = "auto"
 
 
 class OffloadHandle:
@@ -62,14 +65,14 @@ class OffloadHandle:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        n_persist: int,
-        n_buffer: int,
+        n_persist: int | Literal["auto"] = AUTO,
+        n_buffer: int | Literal["auto"] = AUTO,
         device: torch.device | str,
         chunk_bytes: int | None = None,
         compute_dtype: torch.dtype | None = None,
         available_host_bytes: int | None = None,
         init: Callable[[str, torch.Tensor], None] | None = None,
-        n_gpu_optim: int = 0,
+        n_gpu_optim: int | Literal["auto"] | None = None,
         n_lean: int | Literal["auto"] = "auto",
         grad_pool: int = GRAD_POOL,
     ) -> None:
@@ -91,7 +94,120 @@ class OffloadHandle:
                 f"offload: buffer {meta_buffers[0]!r} is on the meta device; materialise buffers before "
                 "offload (only parameters are materialised into chunks)"
             )
+        auto = [c == AUTO for c in (n_persist, n_buffer)]
+        if any(auto) and not all(auto):
+            raise ValueError(
+                f"offload: n_persist and n_buffer are chosen together: give both, or neither (\"auto\": chosen "
+                f"by the backend for its memory_budget); got n_persist={n_persist!r}, n_buffer={n_buffer!r}"
+            )
+        if all(auto) and n_gpu_optim not in (None, AUTO):
+            raise ValueError(
+                f"offload: n_gpu_optim={n_gpu_optim!r} with automatic n_persist and n_buffer; the backend "
+                "chooses it with them (leave it out), or give all three"
+            )
+        if not all(auto) and n_gpu_optim == AUTO:
+            raise ValueError("offload: n_gpu_optim='auto' needs n_persist and n_buffer 'auto' too")
         self.layout = _layout(named, chunk_bytes)
+        self.optimizer = optimizer
+        self._named = named
+        self._settings = {
+            "compute_dtype": compute_dtype,
+            "available_host_bytes": available_host_bytes,
+            "init": init,
+            "n_lean": n_lean,
+            "grad_pool": grad_pool,
+        }
+        self.n_persist: int | None = None
+        self.n_buffer: int | None = None
+        self.n_gpu_optim: int = 0
+        self.store: ChunkStore | None = None
+        self.adam: ChunkAdamW | None = None
+        self.worker: OptimizerWorker | None = None
+        self.device_adam: DeviceAdamW | None = None
+        self.pool: ChunkBufferPool | None = None
+        self.id: int | None = None
+        self._sources: dict[str, torch.Tensor] | None = None  # automatic counts: the values to build from
+        self._built = False
+        self._accumulating = False
+        self._submitted: set[int] = set()
+        self._pending: set[int] = set()  # chunks holding gradients not yet queued for a step
+        self._landed_lean: list[int] = []  # lean chunks queued for a CPU step, oldest first
+        #: Seconds the landing thread waited for a lean chunk's landing buffer.
+        self.landing_wait_s = 0.0
+        for b in model.buffers():
+            b.data = b.data.to(self.device)
+        self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+        if all(auto):
+            self._defer()
+        else:
+            self._build(n_persist, n_buffer, n_gpu_optim or 0)
+
+    # ---- automatic counts: chosen by the backend when it compiles the first training graph ---------
+
+    @property
+    def automatic(self) -> bool:
+        """The counts are the backend's to choose (``offload`` without ``n_persist`` / ``n_buffer``)."""
+        return self._sources is not None
+
+    @property
+    def configured(self) -> bool:
+        """The chunks are placed: given by hand, or chosen by the backend."""
+        return self._built
+
+    def _defer(self) -> None:
+        """Every parameter becomes a device tensor without bytes (what Dynamo traces); its values are
+        kept aside (moved to host memory, or still on ``meta`` to be initialised) until :meth:`configure`."""
+        sources: dict[int, torch.Tensor] = {}
+        for p in self._named.values():
+            if id(p) in sources:
+                continue
+            value = torch.empty_like(p, device="meta") if p.is_meta else p.data.to("cpu")
+            sources[id(p)] = value.requires_grad_(p.requires_grad)  # the store tells frozen ones by it
+            _set_data(p, _shell(p, self.device))
+        self._sources = {name: sources[id(p)] for name, p in self._named.items()}
+        chunk_ops.register_deferred(self, list(dict.fromkeys(self._named.values())))
+
+    def configure(self, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> None:
+        """Place the chunks with these counts (the backend calls this, before any step of the model
+        runs; again to place them otherwise, until :meth:`finalize`)."""
+        if self._sources is None:
+            raise RuntimeError("offload: the counts were given to offload(...); they cannot be chosen again")
+        if self._built:
+            self._teardown()
+        chunk_ops.unregister_deferred(self)
+        self._build(n_persist, n_buffer, n_gpu_optim)
+
+    def unplace(self) -> None:
+        """Back to no placement (a compile that chose the counts failed): the next compile chooses again."""
+        if self._sources is None:
+            return
+        if self._built:
+            self._teardown()
+        chunk_ops.register_deferred(self, list(dict.fromkeys(self._named.values())))
+
+    def finalize(self) -> None:
+        """The counts are final: forget the values kept to place the chunks again."""
+        if self._built:
+            self._sources = None
+
+    def _teardown(self) -> None:
+        """Undo :meth:`_build` (before any step ran): free the store, persistent parameters back to shells."""
+        if self.worker is not None:
+            self.worker.close()
+        if self.id is not None:
+            chunk_ops.unregister(self.id)
+        for name in self._persistent_names:
+            p = self._named[name]
+            if p.untyped_storage().nbytes():
+                _set_data(p, _shell(p, self.device))
+        self.store = self.adam = self.worker = self.device_adam = self.pool = None
+        self.id = None
+        self._built = False
+        gc.collect()  # the store's pinned buffers go back before the next one is allocated
+
+    def _build(self, n_persist: int, n_buffer: int, n_gpu_optim: int) -> None:
+        named, sources = self._named, self._sources
+        source = (lambda name: sources[name]) if sources is not None else (lambda name: named[name])
         n_chunks = len(self.layout.chunks)
         if not 0 <= n_persist <= n_chunks:
             raise ValueError(f"offload: n_persist must be in [0, {n_chunks}] ({n_chunks} chunks), got {n_persist}")
@@ -102,53 +218,51 @@ class OffloadHandle:
             raise ValueError(
                 f"offload: n_gpu_optim must be in [0, {len(offloaded)}] (the offloaded chunks), got {n_gpu_optim}"
             )
-        self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         host_layout = ChunkLayout(
             self.layout.chunk_bytes, tuple(Chunk(i, c.slots) for i, c in enumerate(offloaded))
         )
         host_names = {n for c in offloaded for s in c.slots for n in s.param.names}
+        settings = self._settings
         self.store = ChunkStore(
             host_layout,
-            {n: p for n, p in named.items() if n in host_names},
-            compute_dtype=compute_dtype,
+            {n: source(n) for n in named if n in host_names},
+            compute_dtype=settings["compute_dtype"],
             pin_memory=self.device.type == "cuda",
-            available_bytes=available_host_bytes,
-            init=init,
-            n_lean=n_lean,
-            grad_pool=grad_pool,
+            available_bytes=settings["available_host_bytes"],
+            init=settings["init"],
+            n_lean=settings["n_lean"],
+            grad_pool=settings["grad_pool"],
         ) if offloaded else None
-        self.optimizer = optimizer
-        self.adam = ChunkAdamW(self.store, optimizer, named) if self.store else None
+        self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
+        self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
         self.worker = OptimizerWorker(self.adam.step_chunk) if self.adam else None
         self.device_adam = DeviceAdamW(self.adam, self.device) if self.adam and n_gpu_optim else None
         self.pool = (
             ChunkBufferPool(self.store, n_buffer, self.device, wait_host=self.worker.wait) if self.store else None
         )
-        self._accumulating = False
-        self._submitted: set[int] = set()
-        self._pending: set[int] = set()  # chunks holding gradients not yet queued for a step
-        self._landed_lean: list[int] = []  # lean chunks queued for a CPU step, oldest first
-        #: Seconds the landing thread waited for a lean chunk's landing buffer.
-        self.landing_wait_s = 0.0
-        # Model state: persistent parameters and buffers to the device, host chunks to empty shells.
+        # Model state: persistent parameters to the device, host chunks to empty shells.
         shells: dict[int, tuple[torch.Tensor, int, int, str]] = {}
+        self._persistent_names = [n for n in named if n not in host_names]
+        placed: set[int] = set()  # tied parameters: placed at their first name
         for name, p in named.items():
+            if id(p) in placed:
+                continue
+            placed.add(id(p))
+            src = source(name)
             if name in host_names:
-                if id(p) not in shells:
-                    slot = self.store.slot(name)
-                    shells[id(p)] = (p, slot.chunk, slot.offset, slot.name)
+                slot = self.store.slot(name)
+                shells[id(p)] = (p, slot.chunk, slot.offset, slot.name)
+                if not _is_shell(p, self.device):
                     _set_data(p, _shell(p, self.device))
-            elif p.is_meta:  # a persistent parameter of a meta model: materialised on the device
-                value = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            elif src.is_meta:  # a persistent parameter of a meta model: materialised on the device
+                value = torch.empty(src.shape, dtype=src.dtype, device=self.device)
                 with torch.no_grad():
-                    init(name, value)
+                    settings["init"](name, value)
                 _set_data(p, value)
-            elif p.device != self.device:
-                p.data = p.data.to(self.device)
-        for b in model.buffers():
-            b.data = b.data.to(self.device)
+            elif src is not p or p.device != self.device:
+                _set_data(p, src.detach().to(self.device))
         self.id = chunk_ops.register(self, list(shells.values()))
-        self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+        self._built = True
 
     # ---- what the rewritten graphs call ------------------------------------------------------
 
@@ -238,6 +352,9 @@ class OffloadHandle:
         """Model parameters and buffers as ordinary full CPU tensors (loads into a plain model)."""
         self.synchronize()
         host = self.store.param_state_dict() if self.store else {}
+        if not self._built:  # automatic counts not chosen yet: the values kept aside
+            self._require_values("state_dict")
+            host = {n: t.to("cpu", copy=True) for n, t in self._sources.items()}
         out: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             out[name] = host[name] if name in host else p.detach().to("cpu", copy=True)
@@ -255,6 +372,20 @@ class OffloadHandle:
     ) -> None:
         """Set parameters (and optionally the optimizer state) from ordinary full tensors."""
         self.synchronize()
+        if not self._built:  # automatic counts not chosen yet: into the values kept aside
+            self._require_values("load_state_dict")
+            if optimizer_state is not None:
+                raise RuntimeError(
+                    "offload: load_state_dict(..., optimizer_state) before the model's first compile: the "
+                    "optimizer state goes where the chunks are, chosen at that compile; load it after the "
+                    "first compile (or give n_persist / n_buffer by hand)"
+                )
+            with torch.no_grad():
+                for name, t in self._sources.items():
+                    t.copy_(state_dict[name])
+                for name, b in model.named_buffers():
+                    b.copy_(state_dict[name])
+            return
         if self.store:
             self.store.load_param_state_dict(state_dict)
         host = {n for s in (self.store.slots if self.store else ()) for n in s.names}
@@ -274,25 +405,41 @@ class OffloadHandle:
         if self.worker is not None:
             self.worker.close()
         self._hook.remove()
-        chunk_ops.unregister(self.id)
+        if self.id is not None:
+            chunk_ops.unregister(self.id)
+        chunk_ops.unregister_deferred(self)
+
+    def _require_values(self, what: str) -> None:
+        if any(t.is_meta for t in self._sources.values()):
+            raise RuntimeError(
+                f"offload: {what} before the model's first compile: its parameters are still on the meta "
+                "device (they are initialised when the backend places the chunks, at the first compile)"
+            )
 
 
 def offload(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
-    n_persist: int,
-    n_buffer: int,
+    n_persist: int | Literal["auto"] = AUTO,
+    n_buffer: int | Literal["auto"] = AUTO,
     device: torch.device | str = "cuda",
     chunk_bytes: int | None = None,
     compute_dtype: torch.dtype | None = None,
     available_host_bytes: int | None = None,
     init: Callable[[str, torch.Tensor], None] | None = None,
-    n_gpu_optim: int = 0,
+    n_gpu_optim: int | Literal["auto"] | None = None,
     n_lean: int | Literal["auto"] = "auto",
     grad_pool: int = GRAD_POOL,
 ) -> OffloadHandle:
     """Put ``model``'s parameters into chunks (see the module docstring); call before ``torch.compile``.
+
+    ``n_persist``, ``n_buffer`` and ``n_gpu_optim`` left out (``"auto"``): the backend chooses them,
+    with the activation plan, when it compiles the model's first training graph: the fastest counts
+    whose predicted peak fits the ``memory_budget`` option (or, on a CUDA device without one, what
+    the process can reach there; ``protrain_fx/autooffload.py``). Until then every parameter is a
+    device tensor without bytes and its values wait in host memory (or on ``meta``, for ``init``).
+    Given by hand: ``n_persist`` and ``n_buffer`` together (``n_gpu_optim`` then defaults to 0).
 
     A model built on the ``meta`` device is materialised straight into the chunks: ``init(name,
     tensor)`` fills each parameter (first of its names when tied) in place, in the host chunk for
@@ -360,6 +507,11 @@ def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:
         torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
     else:
         torch.utils.swap_tensors(p, value.requires_grad_(p.requires_grad))
+
+
+def _is_shell(p: torch.Tensor, device: torch.device) -> bool:
+    """``p`` is on ``device`` with a storage of 0 bytes (a shell, or not yet materialised)."""
+    return not p.is_meta and p.device == device and p.untyped_storage().nbytes() == 0
 
 
 def _shell(p: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -132,6 +132,12 @@ def run_joint_passes(record: CapturedGraph, *, parameter_names: set[str], num_fw
 def run_step_passes(record: CapturedGraph, *, check: bool = True) -> None:
     """Run the pass list on a captured step (train graphs or an inference graph). ``check=False``
     skips the budget check (a trial run of the automatic plan, ``protrain_fx.autoplan``)."""
+    if record.backward is None and any(chunk_ops.deferred(t) for t in record.real_inputs()):
+        raise RuntimeError(
+            f"protrain_fx: graph {record.index} (no backward: inference or no_grad) reads an offloaded model whose "
+            "chunk counts are not chosen yet; they are chosen with the first training graph: run a training "
+            "step first, or give n_persist / n_buffer to offload(...) by hand"
+        )
     runner = PassRunner(record, os.environ.get(DUMP_DIR_ENV) or None)
     runner.count = len(record.passes)  # after the joint-graph passes' dumps
     runner.dump("capture")

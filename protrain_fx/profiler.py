@@ -121,6 +121,7 @@ def measure_machine(
         h2d, d2h, duplex = _cuda_copy_rates(device, copy_bytes, repeat)
         gpu_adam = _adam_params_per_s(device, adam_params, repeat)
         gpu_bytes = int(torch.cuda.get_device_properties(device).total_memory)
+        torch.cuda.empty_cache()  # the measurement's blocks go back (a compile may be measuring under a budget)
     else:
         h2d = d2h = duplex = _host_copy_rate(copy_bytes, repeat)
         gpu_adam = cpu_adam
@@ -240,6 +241,9 @@ def problem_from_record(
     chunk_bytes: int | None = None,
     estimate_machine: Machine | None = None,
     min_swap_bytes: int | None = None,
+    layout: chunks_mod.ChunkLayout | None = None,
+    buffer_bytes_per_byte: float = 1.0,
+    persistent_param_bytes: int = 0,
 ) -> cost.Problem:
     """The search's :class:`~protrain_fx.cost.Problem` for a captured training step.
 
@@ -270,9 +274,11 @@ def problem_from_record(
     * ``chunk_ids``: the chunks holding the block's parameters.
 
     Chunks: the parameters (``passes/params.parameter_infos``, tied ones once, buffers included)
-    packed by ``chunks.choose_layout`` (or ``chunks.pack`` with ``chunk_bytes``). A chunk's ``bytes``
-    is the chunk size (padding included), ``n_params`` its used bytes over the parameters' mean
-    element size. Chunks holding ``"outside"`` parameters (or of a block the forward graph does not
+    packed by ``chunks.choose_layout`` (or ``chunks.pack`` with ``chunk_bytes``), or ``layout`` when
+    given (an offload handle's, whose chunks are the ones the runtime will move). A chunk's ``bytes``
+    is the chunk size (padding included) times ``buffer_bytes_per_byte`` (the chunk buffers' element
+    size over the parameters': 0.5 for fp32 parameters fetched as bf16), ``n_params`` its used bytes
+    over the parameters' mean element size; ``persistent_param_bytes`` is passed to the Problem. Chunks holding ``"outside"`` parameters (or of a block the forward graph does not
     show) are ``outside_chunk_ids``.
 
     Outside: ``outside_fwd_s`` / ``outside_bwd_s`` as for blocks over the ``"outside"`` nodes (label
@@ -309,11 +315,13 @@ def problem_from_record(
         min_swap_bytes = Machine.__dataclass_fields__["min_swap_bytes"].default
     small_saved = _small_saved_bytes(record, device, min_swap_bytes)
 
-    params = parameter_infos(record.step, record.dynamo_graph)
-    layout = chunks_mod.pack(params, chunk_bytes) if chunk_bytes else chunks_mod.choose_layout(params)
+    if layout is None:
+        params = parameter_infos(record.step, record.dynamo_graph)
+        layout = chunks_mod.pack(params, chunk_bytes) if chunk_bytes else chunks_mod.choose_layout(params)
     elem = _mean_param_element_size(record)
+    buffer_bytes = round(layout.chunk_bytes * buffer_bytes_per_byte)
     chunk_profiles = [
-        cost.ChunkProfile(bytes=layout.chunk_bytes, n_params=round(c.used_bytes / elem)) for c in layout.chunks
+        cost.ChunkProfile(bytes=buffer_bytes, n_params=round(c.used_bytes / elem)) for c in layout.chunks
     ]
     chunks_of: dict[str, list[int]] = defaultdict(list)
     for c in layout.chunks:
@@ -352,7 +360,8 @@ def problem_from_record(
         fixed_bytes=analysis.input_bytes,
         master_bytes_per_param=0 if elem >= 4 else 4,
         adam_state_bytes_per_param=_STATE_BYTES * n_states,
-        device_step_bytes=_device_step_staging_bytes(round(elem)),
+        device_step_bytes=_device_step_staging_bytes(round(elem * buffer_bytes_per_byte)),
+        persistent_param_bytes=persistent_param_bytes,
     )
 
 

@@ -122,7 +122,11 @@ class StepReport:
             lines.insert(1, f"  budget {human_bytes(budget)}{source}: {verdict}")
             auto = getattr(graph, "auto_plan", None)
             if auto is not None:
-                lines.insert(2, f"  automatic activation plan ({auto.how}): swap {', '.join(auto.plan.blocks_with('swap')) or '-'}; "
+                c = auto.config
+                chunks = (f"n_persist={c.n_persist}, n_buffer={c.n_buffer}, n_gpu_optim={c.n_gpu_optim} of "
+                          f"{len(auto.problem.chunks)} chunks; ") if auto.offload else ""
+                lines.insert(2, f"  automatic {'offload and ' if auto.offload else ''}activation plan ({auto.how}): "
+                                f"{chunks}swap {', '.join(auto.plan.blocks_with('swap')) or '-'}; "
                                 f"checkpoint {', '.join(auto.plan.blocks_with('checkpoint')) or '-'}; "
                                 f"predicted step {auto.estimate.step_s * 1e3:.3f} ms")
         return "\n".join(lines)

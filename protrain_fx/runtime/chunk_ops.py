@@ -57,6 +57,31 @@ def unregister(hid: int) -> None:
         del _params[key]
 
 
+#: id(parameter) -> (the parameter, weakly; its handle, weakly), for handles whose counts the
+#: backend has not chosen yet (``offload`` with automatic counts; ``autooffload.py``).
+_deferred: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def register_deferred(handle: OffloadHandle, params: list[torch.Tensor]) -> None:
+    """``params`` wait for ``handle.configure`` (the backend places their chunks at the first compile)."""
+    ref = weakref.ref(handle)
+    for p in params:
+        _deferred[id(p)] = (weakref.ref(p), ref)
+
+
+def unregister_deferred(handle: OffloadHandle) -> None:
+    for key in [k for k, (_, ref) in _deferred.items() if ref() is handle or ref() is None]:
+        del _deferred[key]
+
+
+def deferred(t: Any) -> OffloadHandle | None:
+    """The handle of ``t`` when it is a parameter of an offload whose counts are not chosen yet."""
+    entry = _deferred.get(id(t)) if isinstance(t, torch.Tensor) else None
+    if entry is None or entry[0]() is not t:
+        return None
+    return entry[1]()
+
+
 def handle(hid: int) -> OffloadHandle:
     ref = _handles.get(hid)
     h = ref() if ref is not None else None

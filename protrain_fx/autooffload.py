@@ -1,0 +1,223 @@
+"""The automatic offload: ProTrain's chunk counts and the activation plan from one memory budget.
+
+    handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="protrain", options={"memory_budget": "24GiB"})
+
+``offload`` without ``n_persist`` / ``n_buffer`` packs the parameters into chunks but places none:
+every parameter is a device tensor without bytes (what Dynamo traces) and its values wait in host
+memory (``OffloadHandle.automatic``). When the backend's partitioner gets the model's first training
+graph, :func:`choose_offload` runs instead of partitioning once:
+
+1. The step is partitioned and analysed with no plan, as if every parameter stayed on the device:
+   the memory analysis gives each block's saved and transient bytes (``trial(None)``).
+2. :func:`offload_problem` describes the step to the cost model with the handle's own chunks (the
+   ones the runtime will move): chunk buffers in the compute dtype, persistent chunks as the runtime
+   keeps them (fp32 parameter and gradient, two fp32 Adam moments: ``persistent_param_bytes``),
+   block times from the roofline (``passes/estimate.py``), the machine's copy and Adam rates
+   measured once and cached (``profiler.measure_machine``; on a device that is not CUDA the
+   backend's ``machine`` constants stand in, see :func:`offload_machine`).
+3. :func:`protrain_fx.search.search` finds the fastest ``(n_persist, n_buffer, n_swap,
+   n_checkpoint, n_gpu_optim)`` whose predicted peak fits the budget less the allocator's headroom
+   (``pipeline.allocated_cap_bytes``); ``n_gpu_optim`` only on CUDA (on the CPU there is no second
+   device to step on).
+4. The handle places its chunks with those counts (``OffloadHandle.configure``: the host store,
+   the chunk buffers, persistent parameters on the device), the step is partitioned again with the
+   activation plan (``cost.block_plan``) and rewritten to read the chunks (``passes/gather.py``),
+   and the memory analysis checks the rewritten step, chunk buffers and staging included. Above the
+   cap, the search runs again with the cap lowered by the miss (the handle is placed again; nothing
+   has run yet), a few times; last the config of least predicted memory.
+5. Nothing fits: :class:`~protrain_fx.search.NoPlanFits` names the smallest budget with a plan.
+   A host too small for the chunk store is refused by the store, naming its bytes.
+
+Then the handle forgets the values it kept (``OffloadHandle.finalize``): the counts are final for
+the life of the model; another input shape gets its own activation plan but keeps the chunks.
+
+Not modelled by the cost model (the analysis of step 4 counts them): the fp32 fetch staging of
+lean chunks (``runtime/buffer_pool.py``) and their doubled fetch bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from protrain_fx.autoplan import _PEAK_MISSES, MAX_SEARCHES, AutoPlan, Trial, machine_profile
+from protrain_fx.capture import CapturedGraph
+from protrain_fx.cost import Config, CostModel, MachineProfile, Problem, block_plan
+from protrain_fx.machine import machine_for
+from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
+from protrain_fx.plan import Plan
+from protrain_fx.profiler import measure_machine, problem_from_record
+from protrain_fx.runtime import chunk_ops
+from protrain_fx.search import NoPlanFits, SearchResult, search
+
+if TYPE_CHECKING:
+    from protrain_fx.param_offload import OffloadHandle
+
+log = logging.getLogger("protrain_fx")
+
+
+def deferred_handle(record: CapturedGraph) -> OffloadHandle | None:
+    """The offload handle whose counts this graph's first compile chooses, if its inputs hold one."""
+    found = {}
+    for t in record.real_inputs():
+        h = chunk_ops.deferred(t)
+        if h is not None:
+            found[id(h)] = h
+    if len(found) > 1:
+        raise ValueError(
+            f"protrain_fx: graph {record.index} reads the parameters of {len(found)} offloaded models with "
+            "automatic counts; one budget cannot be split among them: give n_persist / n_buffer by hand"
+        )
+    return next(iter(found.values()), None)
+
+
+def offload_machine(device: torch.device, record: CapturedGraph) -> MachineProfile:
+    """The machine's rates: measured on CUDA (``profiler.measure_machine``, once per device and torch
+    version, cached); elsewhere the backend's ``machine`` constants (``autoplan.machine_profile``)
+    with the CPU Adam rate measured the same way (the one rate a CPU step depends on)."""
+    if device.type == "cuda":
+        return measure_machine(device)
+    base = machine_profile(machine_for(device, record.config.machine))
+    measured = measure_machine(device)
+    return MachineProfile(
+        h2d_bytes_per_s=base.h2d_bytes_per_s,
+        d2h_bytes_per_s=base.d2h_bytes_per_s,
+        duplex_bytes_per_s=base.duplex_bytes_per_s,
+        cpu_adam_params_per_s=measured.cpu_adam_params_per_s,
+        gpu_adam_params_per_s=base.gpu_adam_params_per_s,
+        gpu_bytes=base.gpu_bytes,
+    )
+
+
+def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: MachineProfile) -> Problem:
+    """The cost model's Problem of a step analysed with every parameter on the device, with
+    ``handle``'s chunks (module docstring, step 2)."""
+    device = torch.device(record.memory.device)
+    estimate_machine = machine_for(device, record.config.machine)
+    param_dtype = next(iter(handle._named.values())).dtype
+    compute_dtype = handle._settings["compute_dtype"] or param_dtype
+    param_size = torch.empty(0, dtype=param_dtype).element_size()
+    compute_size = torch.empty(0, dtype=compute_dtype).element_size()
+    return problem_from_record(
+        record,
+        machine,
+        layout=handle.layout,
+        buffer_bytes_per_byte=compute_size / param_size,
+        persistent_param_bytes=param_size if compute_size != param_size else 0,
+        estimate_machine=estimate_machine,
+        min_swap_bytes=estimate_machine.min_swap_bytes,
+    )
+
+
+def least_memory_config(model: CostModel) -> Config:
+    """The config of least predicted peak: no persistent chunk, the fewest buffers, no device step,
+    the activation counts of least memory (the faster among equals)."""
+    b = model.min_buffers(0) if model.n_chunks else 0
+    N = model.n_blocks
+    pairs = [(s, c) for s in range(N + 1) for c in range(N + 1 - s)]
+    act = {q: model.activation_peak(*q) for q in pairs}
+    low = min(act.values())
+    s, c = min((q for q in pairs if act[q] == low), key=lambda q: (model.step_time(0, b, *q), q))
+    return Config(0, b, s, c)
+
+
+def choose_offload(record: CapturedGraph, handle: OffloadHandle, trial: Callable[[Plan | None], None]) -> AutoPlan:
+    """Choose the counts and the activation plan, place ``handle``'s chunks and verify (module
+    docstring). ``trial`` is :func:`protrain_fx.autoplan.choose_plan`'s: it partitions and analyses
+    the step with a plan, leaving ``record`` as of that plan."""
+    budget = record.config.memory_budget_bytes
+    assert budget is not None  # the backend refuses the compile before (backend._check_automatic_offload)
+    trial(None)
+    assert record.memory is not None
+    if record.blocks is None or not record.blocks.labels:
+        raise ValueError(
+            f"protrain_fx: graph {record.index} has no transformer blocks, so the offload counts cannot be "
+            "chosen; give n_persist / n_buffer to offload(...) by hand"
+        )
+    device = torch.device(record.memory.device)
+    miss = _PEAK_MISSES.get(record.memory.device, 0.0)
+    cap = int(allocated_cap_bytes(budget) / (1 + miss))
+    reserve = budget - cap
+    all_on_device_peak = record.memory.peak_bytes
+    with unset_fake_temporarily():  # measured on real tensors (the first time; cached after)
+        machine = offload_machine(device, record)
+    problem = offload_problem(record, handle, machine)
+    model = CostModel(problem)
+    everything = Config(model.n_chunks, 0, 0, 0)
+    trials: list[Trial] = []  # every placement analysed, in order
+
+    def run(config: Config) -> Trial:
+        with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
+            handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim)
+        plan = block_plan(problem, config)
+        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        t = Trial(config, model.estimate(config).peak_bytes, record.memory.peak_bytes)
+        trials.append(t)
+        return t
+
+    def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+        handle.finalize()
+        est = model.estimate(config)
+        return AutoPlan(
+            plan=block_plan(problem, config),
+            config=config,
+            estimate=est,
+            problem=problem,
+            budget_bytes=budget,
+            allocated_cap_bytes=cap,
+            predicted_peak_bytes=est.peak_bytes,
+            analysed_peak_bytes=record.memory.peak_bytes,
+            empty_peak_bytes=all_on_device_peak,
+            empty_step_s=model.estimate(everything).step_s,
+            how=how,
+            search=found,
+            trials=trials,
+            budget_source=record.budget_source or "user",
+            cap_lowered_by=miss,
+            offload=True,
+        )
+
+    try:
+        found: SearchResult | None = None
+        lowered = 0
+        for _ in range(MAX_SEARCHES):
+            try:
+                found = search(problem, budget, reserve_bytes=reserve + lowered, gpu_optim=device.type == "cuda")
+            except NoPlanFits:
+                break
+            if any(t.config == found.best for t in trials):
+                break
+            t = run(found.best)
+            if t.analysed_peak_bytes <= cap:
+                return result(t.config, "searched", found)
+            lowered += max(1, t.analysed_peak_bytes - t.predicted_peak_bytes)
+
+        # Last the config of least predicted memory, analysed even when the cost model says it does
+        # not fit, so that the minimum named below is one this procedure keeps.
+        least = least_memory_config(model)
+        done = next((t for t in trials if t.config == least), None)
+        if done is None or trials[-1] is not done:
+            done = run(least)  # the handle and the record as of the least-memory config
+        need = max(done.predicted_peak_bytes, done.analysed_peak_bytes)
+        if need <= cap:
+            return result(least, "least memory", found)
+        minimum = budget_for_peak(math.ceil(need * (1 + miss)))
+        raise NoPlanFits(
+            f"protrain_fx: no offload plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
+            f"for graph {record.index}: the plan of least memory (n_persist=0, n_buffer={least.n_buffer} of "
+            f"{model.n_chunks} chunks of {problem.buffer_bytes / 2**20:.4g} MiB, n_swap={least.n_swap}, "
+            f"n_checkpoint={least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} "
+            f"bytes, so the budget must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, "
+            f"{100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom included); raise memory_budget, use a smaller "
+            "batch, or smaller chunks (offload(..., chunk_bytes=...))",
+            min_budget_bytes=minimum,
+        )
+    except BaseException:
+        with unset_fake_temporarily():
+            handle.unplace()  # nothing stays placed: a later compile (another budget) chooses again
+        raise

@@ -1,0 +1,188 @@
+"""Offload with automatic counts (``protrain_fx/autooffload.py``): ``offload`` without ``n_persist`` /
+``n_buffer`` and a ``memory_budget``; the backend chooses the counts and the activation plan at the
+first compile, places the chunks, and the model trains exactly like eager AdamW.
+
+CPU stands in for the GPU (``device="cpu"``), fp32, eager codegen, as in ``tests/test_offload.py``.
+The machine's rates are fixed to a GPU-like profile (link 25 GB/s each way, CPU Adam 1 G params/s,
+device Adam 100 G params/s) instead of measured, so that the chosen counts do not depend on the
+machine running the tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import protrain_fx
+from protrain_fx import autooffload
+from protrain_fx.cost import MachineProfile
+from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx.pipeline import allocated_cap_bytes
+from protrain_fx.plan import from_counts
+from tests.test_auto_plan import _no_plan_fits
+
+CONFIG = gpt_config("tiny", n_layer=4)
+CHUNK = 64 * 1024
+#: The tiny GPT's step (batch 2 x 32) peaks at 3.6 MiB with every parameter on the device, no plan.
+TIGHT = 3_000_000
+
+
+GPU_LIKE = MachineProfile(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_bytes_per_s=40e9,
+                          cpu_adam_params_per_s=1e9, gpu_adam_params_per_s=1e11)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_like_machine(monkeypatch):
+    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record: GPU_LIKE)
+
+
+def _batch(step: int):
+    return random_batch(CONFIG, 2, 32, generator=torch.Generator().manual_seed(step))
+
+
+def _setup(budget: int | None, **options):
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK)
+    if budget is not None:
+        options["memory_budget"] = budget
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", **options})
+    return model, reference, opt, ref_opt, handle, compiled
+
+
+def _train_side_by_side(compiled, reference, opt, ref_opt, steps: int = 3):
+    for step in range(steps):
+        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
+        assert torch.equal(loss, ref_loss), step
+        loss.backward()
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+
+def _train_record():
+    """The last training graph captured (an earlier compile may have failed)."""
+    return [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
+
+
+def _assert_same_params(handle, model, reference):
+    state = handle.state_dict(model)
+    for name, p in reference.named_parameters():
+        assert torch.equal(state[name], p.detach()), name
+
+
+def test_chosen_counts_stream_some_chunks_and_train_exactly_like_eager():
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
+    assert handle.automatic and not handle.configured
+    # Before the first compile every parameter is a shell; its values wait aside (state_dict sees them).
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    _assert_same_params(handle, model, reference)
+    _train_side_by_side(compiled, reference, opt, ref_opt)
+    _assert_same_params(handle, model, reference)
+    assert handle.configured and not handle.automatic
+    auto = _train_record().auto_plan
+    c = auto.config
+    n = len(handle.layout.chunks)
+    assert auto.offload and 0 < c.n_persist < n and c.n_gpu_optim == 0  # no GPU: no device steps
+    assert (handle.n_persist, handle.n_buffer) == (c.n_persist, c.n_buffer)
+    assert c.n_buffer < n - c.n_persist  # chunks really stream through fewer buffers
+    # The analysis of the rewritten step (chunk buffers included) is under the cap the budget gives.
+    assert auto.analysed_peak_bytes <= allocated_cap_bytes(TIGHT) == auto.allocated_cap_bytes
+    assert auto.empty_peak_bytes > allocated_cap_bytes(TIGHT)  # all on the device would not fit
+    assert "n_persist=" in auto.table()
+    host = {name for s in handle.store.slots for name in s.names}
+    for name, p in model.named_parameters():
+        assert (p.untyped_storage().nbytes() == 0) == (name in host), name
+
+
+def test_more_budget_keeps_more_chunks_and_enough_keeps_all(monkeypatch):
+    # A CPU Adam far slower than the step: a chunk is offloaded only when the budget needs it.
+    slow_cpu = dataclasses.replace(GPU_LIKE, cpu_adam_params_per_s=1e4)
+    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record: slow_cpu)
+    persist, step_s = [], []
+    for budget in (TIGHT, TIGHT + 400_000, 64 * 2**20):
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        model, reference, opt, ref_opt, handle, compiled = _setup(budget)
+        _train_side_by_side(compiled, reference, opt, ref_opt, steps=2)
+        _assert_same_params(handle, model, reference)
+        persist.append(handle.n_persist)
+        auto = _train_record().auto_plan
+        assert auto.analysed_peak_bytes <= auto.allocated_cap_bytes
+        step_s.append(auto.estimate.step_s)
+    assert step_s == sorted(step_s, reverse=True) and step_s[0] > step_s[-1]  # more budget, never slower
+    assert persist == sorted(persist)
+    assert persist[-1] == len(handle.layout.chunks) and handle.store is None  # nothing left to stream
+
+
+def test_budget_too_small_names_a_minimum_that_then_trains():
+    model, reference, opt, ref_opt, handle, compiled = _setup(600_000)
+    with pytest.raises(Exception) as info:
+        compiled(*_batch(0))
+    error = _no_plan_fits(info.value)
+    assert error is not None and "no offload plan fits" in str(error)
+    minimum = error.min_budget_bytes
+    assert minimum > 600_000 and f"{minimum} bytes" in str(error)
+    # Nothing stays placed: the handle waits for the next compile, and the named minimum trains.
+    assert handle.automatic and not handle.configured and handle.store is None
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": minimum})
+    _train_side_by_side(compiled, reference, opt, ref_opt, steps=2)
+    _assert_same_params(handle, model, reference)
+    auto = _train_record().auto_plan
+    assert auto.analysed_peak_bytes <= auto.allocated_cap_bytes
+
+
+def test_a_meta_model_is_initialised_when_the_chunks_are_placed():
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, init=model.init_parameter)
+    with pytest.raises(RuntimeError, match="still on the meta device"):
+        handle.state_dict(model)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
+    losses = []
+    for step in range(3):
+        loss = compiled(*_batch(0))  # one batch again and again: the loss must fall
+        if step == 0:  # compiled and placed, not stepped yet: init's values, in both kinds of chunk
+            assert 0 < handle.n_persist < len(handle.layout.chunks)
+            state = handle.state_dict(model)
+            persistent = {n for n in state if n not in {m for s in handle.store.slots for m in s.names}}
+            assert "wte.weight" in persistent and "blocks.3.ln_1.weight" not in persistent
+            for name in ("wte.weight", "blocks.3.ln_1.weight", "blocks.3.attn.qkv.weight"):
+                assert name in state
+            assert state["blocks.3.ln_1.weight"].eq(1).all() and state["blocks.3.ln_1.bias"].eq(0).all()
+            assert 0.015 < state["wte.weight"].std() < 0.025  # normal(0, 0.02)
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_what_the_automatic_counts_refuse():
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="chosen together"):
+        protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(GPT(CONFIG).parameters()), n_persist=1, device="cpu")
+    with pytest.raises(ValueError, match="n_gpu_optim=2 with automatic"):
+        model = GPT(CONFIG)
+        protrain_fx.offload(model, torch.optim.AdamW(model.parameters()), n_gpu_optim=2, device="cpu")
+    # On the CPU there is no device budget: one must be given.
+    *_, compiled = _setup(None)
+    with pytest.raises(Exception, match="needs a memory budget"):
+        compiled(*_batch(0))
+    torch._dynamo.reset()
+    plan = from_counts("checkpoint=all", [f"blocks.{i}" for i in range(CONFIG.n_layer)])
+    *_, compiled = _setup(TIGHT, plan=plan)
+    with pytest.raises(Exception, match="plan by hand"):
+        compiled(*_batch(0))
+    torch._dynamo.reset()
+    # An inference graph first: the counts are chosen with a training graph.
+    *_, compiled = _setup(TIGHT)
+    with torch.no_grad(), pytest.raises(Exception, match="run a training step first"):
+        compiled(*_batch(0))

@@ -1,0 +1,74 @@
+"""On a GPU: ``offload`` with automatic counts under a budget the model does not fit as it is. The
+backend chooses the chunk counts and the activation plan, the first step is measured against the
+prediction, and the bf16 losses follow eager's. Skipped without CUDA; run on the GPU machine with
+``python -m pytest -q tests/test_gpu_auto_offload.py``.
+
+The machine's rates are measured on the first compile (``profiler.measure_machine``, cached in a
+temporary directory here, so the test also covers the measurement).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain_fx
+from examples.gpt import GPT, gpt_config, random_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CONFIG = gpt_config("125M", n_layer=8)
+CHUNK = 16 * 2**20
+
+
+def _train(model, step_fn, batch, optimizer, steps):
+    losses = []
+    for i in range(steps):
+        if i == 0:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(*batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_counts_chosen_for_a_budget_stream_chunks_and_train_within_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = GPT(CONFIG).cuda()
+    batch = random_batch(CONFIG, 4, 512, device="cuda", generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=True)
+    eager = _train(reference, reference, batch, ref_opt, 3)
+    all_on_device = torch.cuda.max_memory_allocated()
+    del reference, ref_opt
+    torch.cuda.empty_cache()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16, chunk_bytes=CHUNK)
+    torch.cuda.empty_cache()
+    budget = int(0.6 * all_on_device)
+    compiled = torch.compile(model, backend="protrain", options={"memory_budget": budget})
+    losses = _train(model, compiled, batch, optimizer, 3)
+    handle.synchronize()
+
+    (record,) = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
+    auto = record.auto_plan
+    assert auto is not None and auto.offload and auto.budget_bytes == budget
+    n = len(handle.layout.chunks)
+    assert (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == (
+        auto.config.n_persist, auto.config.n_buffer, auto.config.n_gpu_optim)
+    assert handle.n_persist < n  # the budget made some chunks stream
+    check = auto.peak_check
+    assert check is not None, "first step not measured"
+    assert not check.over, check.line()
+    assert torch.cuda.max_memory_reserved() <= budget * 1.02  # the allocator stayed within the budget
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=2e-2, atol=0)
+    print(auto.table(record.index))
+    print(check.line())
