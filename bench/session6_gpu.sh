@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sixth session: the automatic plans on the GPU, in one call.
-#   lane a: the GPU tests (TESTS: the automatic offload, the automatic activation plan, the predicted
+#   lane a: where the roofline estimate of a block goes (ROOF: a size for bench/roofline_ops.py), the GPU tests (TESTS: the automatic offload, the automatic activation plan, the predicted
 #     peak), the README's main job (MAIN=1: examples/train_gpt.py, plain and --offload), then B24 at
 #     the CAP_GIB cap: PEERS at PEER_SIZES (compile at 350M: the 0.98x target) and the automatic
 #     offload (protrain_offload[auto]: offload without counts, no options, so the backend chooses
@@ -17,6 +17,7 @@ source bench/device_setup.sh
 LANES=${LANES-"a b"}
 TESTS=${TESTS-"tests/test_gpu_auto_offload.py tests/test_gpu_auto_plan.py tests/test_gpu_memory.py"}
 MAIN=${MAIN-1}
+ROOF=${ROOF-350M}
 CAP_GIB=${CAP_GIB-24}
 PEERS=${PEERS-"compile"}
 PEER_SIZES=${PEER_SIZES-"350M"}
@@ -28,6 +29,9 @@ HOST_GIB=${HOST_GIB-120}
 lane_a() {
   export PROTRAIN_CACHE_DIR=$O/a/cache  # the measured machine rates land in the tarball
   left() { echo $((END - $(date +%s))); }
+  if [ -n "$ROOF" ]; then
+    timeout 90 python3 bench/roofline_ops.py --size "$ROOF" > "$O/a/roofline.log" 2>&1
+  fi
   if [ -n "$TESTS" ]; then
     # shellcheck disable=SC2086
     timeout 240 python3 -m pytest -q -s -p no:cacheprovider $TESTS > "$O/a/pytest.log" 2>&1
@@ -35,7 +39,7 @@ lane_a() {
   fi
   if [ -n "$MAIN" ]; then
     timeout 100 python3 examples/train_gpt.py --out "$O/a/main" > "$O/a/main.log" 2>&1; echo "exit $?" >> "$O/a/main.log"
-    timeout 100 python3 examples/train_gpt.py --offload --budget 2GiB --out "$O/a/main_offload" \
+    timeout 100 python3 examples/train_gpt.py --offload --budget 9GiB --out "$O/a/main_offload" \
       > "$O/a/main_offload.log" 2>&1; echo "exit $?" >> "$O/a/main_offload.log"
   fi
   local common=(--cap-gib "$CAP_GIB" --host-ram-gib "$HOST_GIB" --out "$O/a/b24")
@@ -67,7 +71,7 @@ lane_b() {
   done
 }
 
-vars="O=$O END=$END HOST_GIB='$HOST_GIB' TESTS='$TESTS' MAIN='$MAIN' CAP_GIB='$CAP_GIB' PEERS='$PEERS' PEER_SIZES='$PEER_SIZES' SIZES_A='$SIZES_A' SIZES_B='$SIZES_B' HAND='$HAND'"
+vars="O=$O END=$END HOST_GIB='$HOST_GIB' TESTS='$TESTS' MAIN='$MAIN' ROOF='$ROOF' CAP_GIB='$CAP_GIB' PEERS='$PEERS' PEER_SIZES='$PEER_SIZES' SIZES_A='$SIZES_A' SIZES_B='$SIZES_B' HAND='$HAND'"
 if [ "$LANES" = "ab" ]; then  # the one-GPU machine
   bash -c "$(declare -f lane_a lane_b); $vars lane_a; $vars lane_b"
 else
@@ -77,7 +81,7 @@ else
 fi
 free -g | head -2 >> "$O/machine.txt"
 tar czf "$OUT/session6.tgz" -C "$O" .
-cat "$O/machine.txt"; tail -n 30 "$O/a/pytest.log" 2>/dev/null
+cat "$O/machine.txt"; grep -v "Warn\|warn" "$O/a/roofline.log" 2>/dev/null | tail -n 40; tail -n 30 "$O/a/pytest.log" 2>/dev/null
 grep -h "exit\|tok\|peak\|chunks:\|Error" "$O"/a/main*.log 2>/dev/null | tail -n 12
 for f in "$O"/a/b24/peers.md "$O"/b/b24/peers.md; do echo "== $f"; tail -n 12 "$f" 2>/dev/null; done
 for f in "$O"/*/*.log; do echo "== $f"; grep -hE "tok/s|OOM|crash|not_run|refused|Error" "$f" | tail -n 8; done

@@ -20,7 +20,6 @@ from examples.gpt import GPT, gpt_config, random_batch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 CONFIG = gpt_config("125M", n_layer=8)
-CHUNK = 16 * 2**20
 
 
 def _train(model, step_fn, batch, optimizer, steps):
@@ -51,7 +50,7 @@ def test_counts_chosen_for_a_budget_stream_chunks_and_train_within_it(tmp_path, 
     torch.cuda.empty_cache()
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16, chunk_bytes=CHUNK)
+    handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
     torch.cuda.empty_cache()
     budget = int(0.6 * all_on_device)
     compiled = torch.compile(model, backend="protrain", options={"memory_budget": budget})

@@ -118,7 +118,7 @@ def test_measure_machine_cpu_is_cached(tmp_path, monkeypatch, capsys):
     assert path.exists() and path.parent == tmp_path
     assert "measuring" in capsys.readouterr().err
     calls = []
-    monkeypatch.setattr(profiler, "_adam_params_per_s", lambda *a: calls.append(a) or 1.0)
+    monkeypatch.setattr(profiler, "_chunk_adam_params_per_s", lambda *a: calls.append(a) or 1.0)
     assert profiler.measure_machine("cpu", cache=tmp_path, **kw) == first
     assert calls == [] and capsys.readouterr().err == ""
     # the environment variable picks the directory when no argument does
