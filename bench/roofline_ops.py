@@ -35,12 +35,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--block", default="blocks.3")
+    parser.add_argument("--auto", action="store_true", help="offload without counts under a 24 GiB budget, "
+                        "and print the cost model's block times next to the sums below")
     args = parser.parse_args()
     register()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = peers.build_model(args.size)
-    run = torch.compile(model, backend="protrain", options={"codegen": "eager", "auto_plan": False})
+    options = {"codegen": "eager", "auto_plan": False}
+    if args.auto:
+        protrain_fx.offload(model, torch.optim.AdamW(model.parameters()), device=device,
+                            compute_dtype=torch.bfloat16 if device == "cuda" else None)
+        options = {"codegen": "eager", "memory_budget": "24GiB"}
+    run = torch.compile(model, backend="protrain", options=options)
     idx, targets = peers.make_batch(args.size, args.batch, args.seq, device)
     with torch.autocast(device, dtype=torch.bfloat16):
         loss = run(idx, targets)
@@ -48,6 +55,12 @@ def main() -> None:
     record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
     machine = machine_for(torch.device(device))
     print(f"{args.size} on {device} ({machine.name}), batch {args.batch} x {args.seq}")
+    if record.auto_plan is not None:
+        p = record.auto_plan.problem
+        b = next(b for b in p.blocks if b.name == args.block)
+        print(f"cost model's {args.block}: forward {b.fwd_s * 1e3:.3f} ms, backward {b.bwd_s * 1e3:.3f} ms; "
+              f"outside {p.outside_fwd_s * 1e3:.3f} / {p.outside_bwd_s * 1e3:.3f} ms; record.memory.device "
+              f"{record.memory.device}; machine {machine_for(torch.device(record.memory.device)).name}")
     print("flash", torch.backends.cuda.flash_sdp_enabled(), "mem_efficient",
           torch.backends.cuda.mem_efficient_sdp_enabled(), "cudnn", torch.backends.cuda.cudnn_sdp_enabled())
     for name, gm in (("forward", record.forward), ("backward", record.backward)):
