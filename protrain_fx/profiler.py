@@ -35,7 +35,7 @@ from protrain_fx import chunks as chunks_mod
 from protrain_fx import cost, meta
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
-from protrain_fx.passes.estimate import node_time
+from protrain_fx.passes.estimate import fused_node_times, node_time
 from protrain_fx.passes.memory import _output_args, default_granule
 from protrain_fx.passes.params import parameter_infos
 
@@ -329,7 +329,9 @@ def problem_from_record(
       ``estimate_machine``, default ``machine_for`` the analysed device). ``block_times`` maps a
       label to ``(fwd_s, bwd_s)``, or to one number (fwd + bwd, as ``profile.profile_block_times``
       returns), split 1 : 2 between forward and backward (backward computes two products per
-      forward product). A block missing from ``block_times`` falls back to the roofline.
+      forward product). A block missing from ``block_times`` falls back to the roofline. With
+      Inductor codegen the roofline fuses memory-bound nodes as Inductor does
+      (``passes/estimate.fused_node_times``); with eager codegen every node is its own kernel.
     * ``recompute_s`` = ``fwd_s``: a checkpointed block reruns its whole forward.
     * ``chunk_ids``: the chunks holding the block's parameters.
 
@@ -364,7 +366,7 @@ def problem_from_record(
 
     device = torch.device(analysis.device)
     est = estimate_machine or machine_for(device, record.config.machine)
-    times = _phase_times(fw_nodes, bw_nodes, est)
+    times = _phase_times(fw_nodes, bw_nodes, est, fused=record.config.codegen == "inductor")
     if block_times:
         for label, value in block_times.items():
             times[label] = _split(value)
@@ -447,15 +449,16 @@ def _split(value: Any) -> tuple[float, float]:
 
 
 def _phase_times(
-    fw_nodes: list[fx.Node], bw_nodes: list[fx.Node], machine: Machine
+    fw_nodes: list[fx.Node], bw_nodes: list[fx.Node], machine: Machine, *, fused: bool = False
 ) -> dict[str, tuple[float, float]]:
-    """Roofline seconds per label and phase (``passes/estimate.node_time`` summed)."""
+    """Roofline seconds per label and phase (``passes/estimate.node_time`` summed, or with ``fused``
+    ``passes/estimate.fused_node_times``: memory-bound nodes fused as Inductor fuses them)."""
     fwd: dict[str, float] = defaultdict(float)
     bwd: dict[str, float] = defaultdict(float)
-    for n in fw_nodes:
-        fwd[_label(n)] += node_time(n, machine)
-    for n in bw_nodes:
-        bwd[_label(n)] += node_time(n, machine)
+    for nodes, out in ((fw_nodes, fwd), (bw_nodes, bwd)):
+        times = fused_node_times(nodes, machine) if fused else {n: node_time(n, machine) for n in nodes}
+        for n in nodes:
+            out[_label(n)] += times[n]
     return {label: (fwd[label], bwd[label]) for label in {*fwd, *bwd}}
 
 

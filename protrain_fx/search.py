@@ -88,13 +88,15 @@ def search(
     prune: bool = True,
     persist_all: bool = False,
     gpu_optim: bool = False,
+    n_persist: int | None = None,
 ) -> SearchResult:
     """The fastest config whose predicted peak is at most ``budget_bytes - reserve_bytes``.
 
     ``reserve_bytes`` is memory the model does not see (CUDA context, allocator fragmentation): the
     caller's safety margin. ``persist_all``: only configs where every chunk persists
     (``n_persist = n_chunks``, ``n_buffer = 0``; ``total`` and ``min_budget_bytes`` then count those
-    alone). ``gpu_optim``: also choose ``n_gpu_optim`` (see the module docstring). Raises
+    alone). ``n_persist``: only configs with that many persistent chunks (the same restriction for
+    one other value). ``gpu_optim``: also choose ``n_gpu_optim`` (see the module docstring). Raises
     :class:`NoPlanFits` (a ``ValueError``) naming the smallest budget that would fit, and
     ``ValueError`` for a negative budget or reserve.
     """
@@ -105,7 +107,12 @@ def search(
     model = CostModel(problem)
     n, N = model.n_chunks, model.n_blocks
     cap_all = budget_bytes - reserve_bytes
-    persists = range(n, n - 1, -1) if persist_all else range(n, -1, -1)  # visited downwards
+    if n_persist is not None and not 0 <= n_persist <= n:
+        raise ValueError(f"search: n_persist={n_persist} must be in 0..{n}")
+    if persist_all:
+        n_persist = n
+    # visited downwards
+    persists = range(n_persist, n_persist - 1, -1) if n_persist is not None else range(n, -1, -1)
 
     pairs = [(s, c) for s in range(N + 1) for c in range(N + 1 - s)]
     act = {q: model.activation_peak(*q) for q in pairs}

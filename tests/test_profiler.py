@@ -125,3 +125,27 @@ def test_measure_machine_cpu_is_cached(tmp_path, monkeypatch, capsys):
     assert profiler.cache_path("cpu").parent == tmp_path / "env"
     again = profiler.measure_machine("cpu", refresh=True, **kw)
     assert calls and again.cpu_adam_params_per_s == 1.0 and profiler.cache_path("cpu").exists()
+
+
+def test_fused_times_count_only_what_enters_and_leaves_a_pointwise_chain():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from protrain_fx.machine import H200
+    from protrain_fx.passes.estimate import LAUNCH_S, fused_node_times, node_time
+
+    def step(x, w):
+        y = torch.mm(x, w)
+        return (y * 2 + 1).relu().sum(0)  # pointwise ops and a reduction: one fused kernel
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(256, 128), torch.randn(128, 512))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    fused = fused_node_times(nodes, H200)
+    plain = {n: node_time(n, H200) for n in nodes}
+    (mm,) = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert fused[mm] == plain[mm] > 0
+    chain = [n for n in nodes if n is not mm]
+    assert len(chain) == 4
+    # One kernel: it reads the product (256 x 512 fp32) and writes the sum (512 fp32).
+    expected = LAUNCH_S + (256 * 512 * 4 + 512 * 4) / (H200.hbm_bytes * H200.hbm_efficiency)
+    assert sum(fused[n] for n in chain) == pytest.approx(expected)
+    assert sum(plain[n] for n in chain) > 3 * expected  # unfused: every intermediate goes through memory
