@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from protrain_fx.autoplan import _PEAK_MISSES, MAX_SEARCHES, AutoPlan, Trial, machine_profile
+from protrain_fx.autoplan import _PEAK_MISSES, AutoPlan, Trial, machine_profile, verified_choice
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.cost import Config, CostModel, MachineProfile, Problem, block_plan
 from protrain_fx.machine import machine_for
@@ -210,29 +210,14 @@ def choose_offload(record: CapturedGraph, handle: OffloadHandle, trial: Callable
         )
 
     try:
-        found: SearchResult | None = None
-        lowered = 0
-        for _ in range(MAX_SEARCHES):
-            try:
-                found = prefer_persistent(problem, budget, reserve + lowered, gpu_optim=device.type == "cuda")
-            except NoPlanFits:
-                break
-            if any(t.config == found.best for t in trials):
-                break
-            t = run(found.best)
-            if t.analysed_peak_bytes <= cap:
-                return result(t.config, "searched", found)
-            lowered += max(1, t.analysed_peak_bytes - t.predicted_peak_bytes)
-
-        # Last the config of least predicted memory, analysed even when the cost model says it does
-        # not fit, so that the minimum named below is one this procedure keeps.
         least = least_memory_config(model)
-        done = next((t for t in trials if t.config == least), None)
-        if done is None or trials[-1] is not done:
-            done = run(least)  # the handle and the record as of the least-memory config
-        need = max(done.predicted_peak_bytes, done.analysed_peak_bytes)
-        if need <= cap:
-            return result(least, "least memory", found)
+        gpu_optim = device.type == "cuda"
+        config, how, found, need = verified_choice(
+            lambda lowered: prefer_persistent(problem, budget, reserve + lowered, gpu_optim=gpu_optim),
+            run, least, trials, cap,
+        )
+        if config is not None:
+            return result(config, how, found)
         minimum = budget_for_peak(math.ceil(need * (1 + miss)))
         raise NoPlanFits(
             f"protrain_fx: no offload plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "

@@ -349,29 +349,12 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
         trials.append(t)
         return t
 
-    found: SearchResult | None = None
-    lowered = 0
-    for _ in range(MAX_SEARCHES):
-        try:
-            found = search_activation_plan(problem, budget, reserve_bytes=reserve + lowered)
-        except NoPlanFits:
-            break
-        if any(t.config == found.best for t in trials):
-            break
-        t = run(found.best)
-        if t.analysed_peak_bytes <= cap:
-            return result(t.config, "searched", found, trials)
-        lowered += max(1, t.analysed_peak_bytes - t.predicted_peak_bytes)
-
-    # Last the config of least predicted memory, analysed even when the cost model says it does not
-    # fit, so that the minimum named below is one this procedure keeps.
     least = least_memory_config(model)
-    done = next((t for t in trials if t.config == least), None) or run(least)
-    need = max(done.predicted_peak_bytes, done.analysed_peak_bytes)
-    if need <= cap:
-        if trials[-1] is not done:
-            run(least)  # the record holds the graphs of the last trial
-        return result(least, "least memory", found, trials)
+    config, how, found, need = verified_choice(
+        lambda lowered: search_activation_plan(problem, budget, reserve_bytes=reserve + lowered), run, least, trials, cap
+    )
+    if config is not None:
+        return result(config, how, found, trials)
     minimum = budget_for_peak(math.ceil(need * (1 + miss)))
     raise NoPlanFits(
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
@@ -382,6 +365,42 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
         "protrain_fx.offload(...)",
         min_budget_bytes=minimum,
     )
+
+
+def verified_choice(
+    search_at: Callable[[int], SearchResult],
+    run: Callable[[Config], Trial],
+    least: Config,
+    trials: list[Trial],
+    cap: int,
+) -> tuple[Config | None, str, SearchResult | None, int]:
+    """Steps 3 and 4 of the module docstring, shared with ``autooffload``: ``search_at(lowered)``
+    searches with the cap lowered by ``lowered`` bytes, ``run(config)`` applies a config and returns
+    its analysed :class:`Trial` (appending it to ``trials``). Returns ``(config, how, last search,
+    peak needed)``: the first searched config analysed under ``cap`` (``"searched"``), else
+    ``least`` when it fits (``"least memory"``; analysed even when the cost model says it does not
+    fit, so that the minimum a caller names is one this procedure keeps), else ``None`` with the
+    peak ``least`` needs. On return the last ``run`` is of the returned config."""
+    found: SearchResult | None = None
+    lowered = 0
+    for _ in range(MAX_SEARCHES):
+        try:
+            found = search_at(lowered)
+        except NoPlanFits:
+            break
+        if any(t.config == found.best for t in trials):
+            break
+        t = run(found.best)
+        if t.analysed_peak_bytes <= cap:
+            return t.config, "searched", found, t.analysed_peak_bytes
+        lowered += max(1, t.analysed_peak_bytes - t.predicted_peak_bytes)
+    done = next((t for t in trials if t.config == least), None) or run(least)
+    need = max(done.predicted_peak_bytes, done.analysed_peak_bytes)
+    if need > cap:
+        return None, "", found, need
+    if trials[-1] is not done:
+        run(least)  # the record holds the graphs of the last trial
+    return least, "least memory", found, need
 
 
 def memory_counters(device: torch.device) -> tuple[int, int] | None:

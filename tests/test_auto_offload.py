@@ -19,13 +19,12 @@ import torch
 import protrain_fx
 from protrain_fx import autooffload
 from protrain_fx.cost import MachineProfile
-from examples.gpt import GPT, gpt_config, random_batch
+from examples.gpt import GPT
 from protrain_fx.pipeline import allocated_cap_bytes
 from protrain_fx.plan import from_counts
 from tests.test_auto_plan import _no_plan_fits
+from tests.test_offload import CHUNK, CONFIG, _assert_same_params, _batch, _train_side_by_side
 
-CONFIG = gpt_config("tiny", n_layer=4)
-CHUNK = 64 * 1024
 #: The tiny GPT's step (batch 2 x 32) peaks at 3.6 MiB with every parameter on the device, no plan.
 TIGHT = 3_000_000
 
@@ -37,10 +36,6 @@ GPU_LIKE = MachineProfile(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_byt
 @pytest.fixture(autouse=True)
 def _gpu_like_machine(monkeypatch):
     monkeypatch.setattr(autooffload, "offload_machine", lambda device, record: GPU_LIKE)
-
-
-def _batch(step: int):
-    return random_batch(CONFIG, 2, 32, generator=torch.Generator().manual_seed(step))
 
 
 def _setup(budget: int | None, **options):
@@ -56,25 +51,9 @@ def _setup(budget: int | None, **options):
     return model, reference, opt, ref_opt, handle, compiled
 
 
-def _train_side_by_side(compiled, reference, opt, ref_opt, steps: int = 3):
-    for step in range(steps):
-        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
-        assert torch.equal(loss, ref_loss), step
-        loss.backward()
-        ref_loss.backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-
-
 def _train_record():
     """The last training graph captured (an earlier compile may have failed)."""
     return [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
-
-
-def _assert_same_params(handle, model, reference):
-    state = handle.state_dict(model)
-    for name, p in reference.named_parameters():
-        assert torch.equal(state[name], p.detach()), name
 
 
 def test_chosen_counts_stream_some_chunks_and_train_exactly_like_eager():
@@ -83,7 +62,7 @@ def test_chosen_counts_stream_some_chunks_and_train_exactly_like_eager():
     # Before the first compile every parameter is a shell; its values wait aside (state_dict sees them).
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     _assert_same_params(handle, model, reference)
-    _train_side_by_side(compiled, reference, opt, ref_opt)
+    _train_side_by_side(compiled, reference, opt, ref_opt, 3)
     _assert_same_params(handle, model, reference)
     assert handle.configured and not handle.automatic
     auto = _train_record().auto_plan

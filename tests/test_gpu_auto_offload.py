@@ -16,25 +16,11 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
+from tests.test_gpu_auto_plan import _train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 CONFIG = gpt_config("125M", n_layer=8)
-
-
-def _train(model, step_fn, batch, optimizer, steps):
-    losses = []
-    for i in range(steps):
-        if i == 0:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step_fn(*batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 def test_counts_chosen_for_a_budget_stream_chunks_and_train_within_it(tmp_path, monkeypatch):
@@ -44,7 +30,7 @@ def test_counts_chosen_for_a_budget_stream_chunks_and_train_within_it(tmp_path, 
     batch = random_batch(CONFIG, 4, 512, device="cuda", generator=torch.Generator().manual_seed(0))
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=True)
-    eager = _train(reference, reference, batch, ref_opt, 3)
+    eager = _train(reference, reference, batch, 3, ref_opt)
     all_on_device = torch.cuda.max_memory_allocated()
     del reference, ref_opt
     torch.cuda.empty_cache()
@@ -54,7 +40,7 @@ def test_counts_chosen_for_a_budget_stream_chunks_and_train_within_it(tmp_path, 
     torch.cuda.empty_cache()
     budget = int(0.6 * all_on_device)
     compiled = torch.compile(model, backend="protrain", options={"memory_budget": budget})
-    losses = _train(model, compiled, batch, optimizer, 3)
+    losses = _train(model, compiled, batch, 3, optimizer)
     handle.synchronize()
 
     (record,) = [g for g in protrain_fx.captured_graphs() if g.backward is not None]

@@ -31,8 +31,10 @@ def _batch():
     return random_batch(CONFIG, 8, CONFIG.block_size, device="cuda", generator=torch.Generator().manual_seed(0))
 
 
-def _train(model, step_fn, batch, steps):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+def _train(model, step_fn, batch, steps, optimizer=None):
+    """``steps`` bf16 training steps (AdamW, fused, unless ``optimizer`` is given); the losses. The
+    allocator's peak statistics are reset before the first."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     losses = []
     for i in range(steps):
         if i == 0:
