@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from protrain_fx.autoplan import _PEAK_MISSES, AutoPlan, Trial, machine_profile, verified_choice
+from protrain_fx.autoplan import _PEAK_MISSES, AutoPlan, Trial, chosen, machine_profile, verified_choice
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.cost import Config, CostModel, MachineProfile, Problem, block_plan
 from protrain_fx.machine import machine_for
@@ -189,25 +189,9 @@ def choose_offload(record: CapturedGraph, handle: OffloadHandle, trial: Callable
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
         handle.finalize()
-        est = model.estimate(config)
-        return AutoPlan(
-            plan=block_plan(problem, config),
-            config=config,
-            estimate=est,
-            problem=problem,
-            budget_bytes=budget,
-            allocated_cap_bytes=cap,
-            predicted_peak_bytes=est.peak_bytes,
-            analysed_peak_bytes=record.memory.peak_bytes,
-            empty_peak_bytes=all_on_device_peak,
-            empty_step_s=model.estimate(everything).step_s,
-            how=how,
-            search=found,
-            trials=trials,
-            budget_source=record.budget_source or "user",
-            cap_lowered_by=miss,
-            offload=True,
-        )
+        return chosen(record, model, config, how, found, trials, cap=cap, miss=miss,
+                      empty_peak_bytes=all_on_device_peak, empty_step_s=model.estimate(everything).step_s,
+                      offload=True)
 
     try:
         least = least_memory_config(model)

@@ -318,24 +318,8 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     empty_est = model.estimate(empty)
 
     def result(config: Config, how: str, found: SearchResult | None, trials: list[Trial]) -> AutoPlan:
-        est = model.estimate(config)
-        return AutoPlan(
-            plan=block_plan(problem, config),
-            config=config,
-            estimate=est,
-            problem=problem,
-            budget_bytes=budget,
-            allocated_cap_bytes=cap,
-            predicted_peak_bytes=est.peak_bytes,
-            analysed_peak_bytes=record.memory.peak_bytes,
-            empty_peak_bytes=empty_peak,
-            empty_step_s=empty_est.step_s,
-            how=how,
-            search=found,
-            trials=trials,
-            budget_source=record.budget_source or "user",
-            cap_lowered_by=miss,
-        )
+        return chosen(record, model, config, how, found, trials, cap=cap, miss=miss, empty_peak_bytes=empty_peak,
+                      empty_step_s=empty_est.step_s)
 
     if empty_peak <= cap:
         return result(empty, "fits as is", None, [])
@@ -364,6 +348,42 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
         "headroom included); raise memory_budget, use a smaller batch, or offload parameters with "
         "protrain_fx.offload(...)",
         min_budget_bytes=minimum,
+    )
+
+
+def chosen(
+    record: CapturedGraph,
+    model: CostModel,
+    config: Config,
+    how: str,
+    found: SearchResult | None,
+    trials: list[Trial],
+    *,
+    cap: int,
+    miss: float,
+    empty_peak_bytes: int,
+    empty_step_s: float,
+    offload: bool = False,
+) -> AutoPlan:
+    """The :class:`AutoPlan` of ``config`` for ``record`` (as rewritten for it) under its budget."""
+    est = model.estimate(config)
+    return AutoPlan(
+        plan=block_plan(model.problem, config),
+        config=config,
+        estimate=est,
+        problem=model.problem,
+        budget_bytes=record.config.memory_budget_bytes,
+        allocated_cap_bytes=cap,
+        predicted_peak_bytes=est.peak_bytes,
+        analysed_peak_bytes=record.memory.peak_bytes,
+        empty_peak_bytes=empty_peak_bytes,
+        empty_step_s=empty_step_s,
+        how=how,
+        search=found,
+        trials=trials,
+        budget_source=record.budget_source or "user",
+        cap_lowered_by=miss,
+        offload=offload,
     )
 
 
