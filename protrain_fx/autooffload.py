@@ -31,7 +31,8 @@ graph, :func:`choose_offload` runs instead of partitioning once:
    A host too small for the chunk store is refused by the store, naming its bytes.
 
 Then the handle forgets the values it kept (``OffloadHandle.finalize``): the counts are final for
-the life of the model; another input shape gets its own activation plan but keeps the chunks.
+the life of the model. Another input shape compiles again (the plan guards on the shapes) and gets
+its own activation plan for the chunks as placed (:func:`choose_for_placed`).
 
 Not modelled by the cost model (the analysis of step 4 counts them): the fp32 fetch staging of
 lean chunks (``runtime/buffer_pool.py``) and their doubled fetch bytes.
@@ -42,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -76,6 +78,81 @@ def deferred_handle(record: CapturedGraph) -> OffloadHandle | None:
             "automatic counts; one budget cannot be split among them: give n_persist / n_buffer by hand"
         )
     return next(iter(found.values()), None)
+
+
+def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
+    """The offload handle whose counts the backend chose at an earlier compile, if this graph reads it."""
+    for t in record.real_inputs():
+        found = chunk_ops.offloaded(t)
+        if found is not None and chunk_ops.handle(found[0]).counts_chosen:
+            return chunk_ops.handle(found[0])
+    return None
+
+
+def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Callable[[Plan | None], None]) -> AutoPlan:
+    """The activation plan of a later graph (another input shape) of a model whose chunk counts the
+    backend chose at its first compile: the counts stay, the fastest ``(n_swap, n_checkpoint)`` whose
+    predicted peak fits with them is searched (every pair simulated), applied and verified as in
+    :func:`choose_offload`. ``"fits as is"`` when the step analyses under the cap without a plan."""
+    budget = record.config.memory_budget_bytes
+    assert budget is not None
+    trial(None)
+    assert record.memory is not None
+    if record.blocks is None or not record.blocks.labels:
+        raise ValueError(
+            f"protrain_fx: graph {record.index} reads an offloaded model's chunks but has no transformer blocks "
+            "to plan; give n_persist / n_buffer to offload(...) by hand"
+        )
+    miss = _PEAK_MISSES.get(record.memory.device, 0.0)
+    cap = int(allocated_cap_bytes(budget) / (1 + miss))
+    device = torch.device(record.memory.device)
+    with unset_fake_temporarily():
+        machine = offload_machine(device, record)
+    model = CostModel(offload_problem(record, handle, machine))
+    p, b, g = handle.n_persist, handle.n_buffer, handle.n_gpu_optim
+    N = model.n_blocks
+    configs = [Config(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
+    empty = configs[0]
+    empty_peak = record.memory.peak_bytes
+    trials: list[Trial] = []
+
+    def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+        return chosen(record, model, config, how, found, trials, cap=cap, miss=miss, empty_peak_bytes=empty_peak,
+                      empty_step_s=model.estimate(empty).step_s, offload=True)
+
+    if empty_peak <= cap:
+        return result(empty, "fits as is", None)
+
+    def search_at(lowered: int) -> SearchResult:
+        t0 = time.perf_counter()
+        estimates = [(model.estimate(c), c) for c in configs]
+        fitting = [(e.step_s, c, e) for e, c in estimates if e.peak_bytes <= cap - lowered]
+        if not fitting:
+            raise NoPlanFits("no activation plan fits with these chunks",
+                             min_budget_bytes=min(e.peak_bytes for e, _ in estimates) + budget - cap)
+        _, best, est = min(fitting, key=lambda x: (x[0], x[1]))
+        return SearchResult(best, est, len(configs), 0, 0, len(configs), time.perf_counter() - t0)
+
+    def run(config: Config) -> Trial:
+        plan = block_plan(model.problem, config)
+        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        t = Trial(config, model.estimate(config).peak_bytes, record.memory.peak_bytes)
+        trials.append(t)
+        return t
+
+    least = min(configs, key=lambda c: (model.activation_peak(c.n_swap, c.n_checkpoint), model.estimate(c).step_s))
+    config, how, found, need = verified_choice(search_at, run, least, trials, cap)
+    if config is not None:
+        return result(config, how, found)
+    minimum = budget_for_peak(math.ceil(need * (1 + miss)))
+    raise NoPlanFits(
+        f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) for "
+        f"graph {record.index} with the chunks placed at the model's first compile (n_persist={p}, n_buffer={b}, "
+        f"n_gpu_optim={g}): the plan of least memory needs an allocated peak of {need} bytes, so the budget must "
+        f"be at least {minimum} bytes ({minimum / 2**30:.4g} GiB); use the first shape's batch, or compile the "
+        "largest shape first (the counts are chosen for the first)",
+        min_budget_bytes=minimum,
+    )
 
 
 def offload_machine(device: torch.device, record: CapturedGraph) -> MachineProfile:

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from protrain_fx.autooffload import choose_offload, deferred_handle
+from protrain_fx.autooffload import choose_for_placed, choose_offload, deferred_handle, placed_handle
 from protrain_fx.autoplan import choose_plan, specialize_shapes, watch_first_step
 from protrain_fx.fit import answer
 from protrain_fx.capture import CapturedGraph, new_record
@@ -105,7 +105,8 @@ class _Partitioner(CustomPartitionerFn):
 
         resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
         handle = deferred_handle(record)  # offload(...) without counts: chosen here (autooffload.py)
-        if handle is not None:
+        placed = placed_handle(record) if handle is None else None  # ... or at an earlier compile
+        if handle is not None or placed is not None:
             _check_automatic_offload(record)
         dry_run = record.config.dry_run and wants_auto_plan(record, budget_needed=False)  # protrain_fx.what_fits
         if handle is None and not dry_run and not wants_auto_plan(record):
@@ -125,6 +126,8 @@ class _Partitioner(CustomPartitionerFn):
             answer(record, trial)  # stops the compile with the report: nothing runs
         if handle is not None:
             record.auto_plan = choose_offload(record, handle, trial)
+        elif placed is not None:
+            record.auto_plan = choose_for_placed(record, placed, trial)
         else:
             record.auto_plan = choose_plan(record, trial)
         if record.auto_plan is None:

@@ -127,6 +127,8 @@ class OffloadHandle:
         self.pool: ChunkBufferPool | None = None
         self.id: int | None = None
         self._sources: dict[str, torch.Tensor] | None = None  # automatic counts: the values to build from
+        #: The backend chose the counts (``offload`` without them): later graphs get activation plans.
+        self.counts_chosen = False
         self._built = False
         self._accumulating = False
         self._submitted: set[int] = set()
@@ -187,8 +189,9 @@ class OffloadHandle:
 
     def finalize(self) -> None:
         """The counts are final: forget the values kept to place the chunks again."""
-        if self._built:
+        if self._built and self._sources is not None:
             self._sources = None
+            self.counts_chosen = True
 
     def _teardown(self) -> None:
         """Undo :meth:`_build` (before any step ran): free the store, persistent parameters back to shells."""

@@ -196,10 +196,20 @@ def _reads_offloaded(record: CapturedGraph) -> bool:
     return any(chunk_ops.offloaded(t) for t in record.real_inputs())
 
 
+def _reads_hand_offloaded(record: CapturedGraph) -> bool:
+    """Whether the graph reads parameters offloaded with counts given by hand (the backend plans
+    the activations of a model whose counts it chose itself: ``autooffload.choose_for_placed``)."""
+    return any(
+        found is not None and not chunk_ops.handle(found[0]).counts_chosen
+        for found in map(chunk_ops.offloaded, record.real_inputs())
+    )
+
+
 def wants_auto_plan(record: CapturedGraph, *, budget_needed: bool = True) -> bool:
     """A memory budget (the user's or, after :func:`resolve_budget`, the device's), ``auto_plan`` on,
-    no plan by hand and no offloaded parameter (offloaded models take their ``n_persist`` /
-    ``n_buffer`` by hand and keep the path they had): the backend chooses the activation plan
+    no plan by hand and no parameter offloaded with counts by hand (those models keep the path they
+    had; an offload whose counts the backend chose gets an activation plan for its chunks,
+    ``autooffload.choose_for_placed``): the backend chooses the activation plan
     (``protrain_fx.autoplan``). Asked before partitioning a train graph. ``budget_needed=False``: the
     same without the budget (``protrain_fx.what_fits`` also answers without one)."""
     config = record.config
@@ -207,7 +217,7 @@ def wants_auto_plan(record: CapturedGraph, *, budget_needed: bool = True) -> boo
         (config.memory_budget_bytes is not None or not budget_needed)
         and config.auto_plan
         and config.plan is None
-        and not _reads_offloaded(record)
+        and not _reads_hand_offloaded(record)
     )
 
 
@@ -250,7 +260,7 @@ def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
     if config.memory_budget_bytes is not None:
         record.budget_source = "user"
         return
-    if not config.auto_plan or config.plan is not None or _reads_offloaded(record):
+    if not config.auto_plan or config.plan is not None or _reads_hand_offloaded(record):
         return
     budget = device_budget_bytes(graph_device(joint))
     if budget is not None:

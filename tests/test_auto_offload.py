@@ -19,7 +19,7 @@ import torch
 import protrain_fx
 from protrain_fx import autooffload
 from protrain_fx.cost import MachineProfile
-from examples.gpt import GPT
+from examples.gpt import GPT, random_batch
 from protrain_fx.pipeline import allocated_cap_bytes
 from protrain_fx.plan import from_counts
 from tests.test_auto_plan import _no_plan_fits
@@ -165,3 +165,30 @@ def test_what_the_automatic_counts_refuse():
     *_, compiled = _setup(TIGHT)
     with torch.no_grad(), pytest.raises(Exception, match="run a training step first"):
         compiled(*_batch(0))
+
+
+def test_another_input_shape_gets_its_own_plan_for_the_chunks_as_placed():
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
+    _train_side_by_side(compiled, reference, opt, ref_opt, 2)
+    counts = (handle.n_persist, handle.n_buffer, handle.n_gpu_optim)
+    first = _train_record()
+    longer = random_batch(CONFIG, 1, 48, generator=torch.Generator().manual_seed(7))
+    for _ in range(2):
+        loss, ref_loss = compiled(*longer), reference(*longer)
+        assert torch.equal(loss, ref_loss)
+        loss.backward(), ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    _assert_same_params(handle, model, reference)
+    second = _train_record()
+    assert second is not first and (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == counts
+    auto = second.auto_plan
+    assert auto is not None and auto.offload and auto.config.n_persist == counts[0]
+    assert auto.analysed_peak_bytes <= auto.allocated_cap_bytes
+    assert auto.how == "searched" and (auto.plan.blocks_with("swap") or auto.plan.blocks_with("checkpoint"))
+    # A shape that does not fit with the chunks as placed is refused, naming the budget it would need.
+    with pytest.raises(Exception) as info:
+        compiled(*random_batch(CONFIG, 3, 32, generator=torch.Generator().manual_seed(8)))
+    error = _no_plan_fits(info.value)
+    assert error is not None and "placed at the model's first compile" in str(error)
+    assert error.min_budget_bytes > TIGHT
