@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         recorder = record_cpu_memory()
         how = "CPU allocations of one step (profiler) over the tensors alive before it"
+        if args.offload:  # the "device" is the host: the chunk store's steps allocate there too
+            how += "; with --offload on the CPU this counts the chunk store's optimizer steps, not predicted"
     with recorder:  # one more step, with the allocator's history recorded and its phases marked
         step(mark_phase)
         if device.type == "cuda":
