@@ -24,7 +24,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from protrain_fx.autooffload import choose_for_placed, choose_offload, deferred_handle, placed_handle
 from protrain_fx.autoplan import choose_plan, specialize_shapes, watch_first_step
-from protrain_fx.fit import answer
+from protrain_fx.fit import answer, answer_offload
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.passes.memory import StepGraphs
@@ -107,7 +107,7 @@ class _Partitioner(CustomPartitionerFn):
         handle = deferred_handle(record)  # offload(...) without counts: chosen here (autooffload.py)
         placed = placed_handle(record) if handle is None else None  # ... or at an earlier compile
         if handle is not None or placed is not None:
-            _check_automatic_offload(record)
+            _check_automatic_offload(record, answering=handle is not None)
         dry_run = record.config.dry_run and wants_auto_plan(record, budget_needed=False)  # protrain_fx.what_fits
         if handle is None and not dry_run and not wants_auto_plan(record):
             return partition(joint)
@@ -122,6 +122,8 @@ class _Partitioner(CustomPartitionerFn):
             record.swapped = []
             graphs[:] = [partition(_copy_graph_module(joint), check=False)]
 
+        if dry_run and handle is not None:
+            answer_offload(record, handle, trial)  # the cost model's answer: no chunk is placed
         if dry_run:
             answer(record, trial)  # stops the compile with the report: nothing runs
         if handle is not None:
@@ -146,12 +148,18 @@ class _Partitioner(CustomPartitionerFn):
         return (str, (self.uuid(),))
 
 
-def _check_automatic_offload(record: CapturedGraph) -> None:
-    """What an offload with automatic counts needs from the options (``autooffload.choose_offload``)."""
+def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:
+    """What an offload with automatic counts needs from the options (``autooffload.choose_offload``).
+    ``answering``: ``what_fits`` may ask (the counts are not chosen yet), no budget needed."""
     config = record.config
     fix = "give n_persist / n_buffer to offload(...) by hand"
     if config.dry_run:
-        raise ValueError(f"protrain_fx.what_fits does not answer for an offloaded model yet; {fix}")
+        if answering:
+            return
+        raise ValueError(
+            "protrain_fx.what_fits: this offloaded model's chunk counts were chosen at its first training "
+            "compile and stay; what_fits answers for an offload whose counts are not chosen yet"
+        )
     if not config.auto_plan:
         raise ValueError(f"protrain_fx: auto_plan=False, but offload(...) left its counts to the backend; {fix}")
     if config.plan is not None:

@@ -11,8 +11,10 @@ device (their bytes exist), ``requires_grad`` parameters (a training step), and 
 as training (``codegen``, ``optimizer``, ``machine``...).
 
 The report is the first captured training graph's (a model with graph breaks is planned per graph;
-its later graphs are not reached). Offloaded models (``protrain_fx.offload``) are not planned
-automatically: they are refused here.
+its later graphs are not reached). A model offloaded without counts (``protrain_fx.offload(model,
+optimizer)``, before its first training compile) gets the chunk counts too, from the cost model
+alone (:func:`answer_offload`: placing chunks to check them would allocate the host store). A
+model offloaded with counts by hand is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.cost import CostModel, block_plan
@@ -40,7 +43,15 @@ class FitReport:
     allocator's headroom (``pipeline.allocated_cap_bytes``); ``plan``: the plan the backend would run
     (``None`` when nothing fits); ``min_budget_bytes``: the smallest budget with which the backend
     finds a plan (that of least memory, allocator headroom included); ``host_swap_bytes``: pinned host
-    memory the plan's swaps need (0 without swaps)."""
+    memory the plan's swaps need (0 without swaps).
+
+    For ``protrain_fx.offload`` without counts (:func:`answer_offload`): ``counts`` are the chunk
+    counts (``n_persist``, ``n_buffer``, ``n_gpu_optim`` of ``n_chunks``), ``host_chunk_bytes`` the
+    host store they need (fp32 master, two Adam moments and the compute-dtype copy of each offloaded
+    chunk, before any chunk is made lean), and ``verified`` is ``False``: the answer is the cost
+    model's alone, since checking it with the memory analysis means placing the chunks (the training
+    compile does; its peaks read 16-49% under the cost model's on the H200, so the minimum named
+    here is one the training compile can keep, not always the lowest)."""
 
     graph: int
     budget_bytes: int | None
@@ -52,6 +63,9 @@ class FitReport:
     min_budget_bytes: int
     least_memory_plan: Plan | None
     host_swap_bytes: int
+    counts: dict[str, int] | None = None
+    host_chunk_bytes: int = 0
+    verified: bool = True
 
     def __str__(self) -> str:
         if self.budget_bytes is None:
@@ -68,6 +82,13 @@ class FitReport:
                 f"  plan: {counts['swap']} swapped, {counts['checkpoint']} checkpointed block(s); predicted peak "
                 f"{human_bytes(self.predicted_peak_bytes or 0)}, step {1e3 * (self.predicted_step_s or 0):.3f} ms; "
                 f"pinned host memory for swaps {human_bytes(self.host_swap_bytes)}"
+            )
+        if self.counts is not None:
+            c = self.counts
+            lines.append(
+                f"  chunks: n_persist={c['n_persist']}, n_buffer={c['n_buffer']}, n_gpu_optim={c['n_gpu_optim']} of "
+                f"{c['n_chunks']}; host store {human_bytes(self.host_chunk_bytes)}"
+                + ("" if self.verified else " (the cost model's answer; the training compile checks it)")
             )
         return "\n".join(lines)
 
@@ -127,6 +148,60 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
     )
 
 
+def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | None], None]) -> None:
+    """The backend's side for an offload without counts (``config.dry_run``): the counts and plan the
+    training compile would try first (``autooffload.prefer_persistent``) and the least-memory
+    config's budget, from the cost model alone, without placing a chunk; stops the compile."""
+    from protrain_fx import autooffload
+    from protrain_fx.pipeline import allocated_cap_bytes, budget_for_peak
+    from protrain_fx.search import NoPlanFits
+
+    given = record.config.memory_budget_bytes
+    budget = given or UNBOUNDED
+    trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
+    assert record.memory is not None
+    if record.blocks is None or not record.blocks.labels:
+        raise ValueError(f"what_fits: graph {record.index} has no transformer blocks to place chunks by")
+    device = torch.device(record.memory.device)
+    with unset_fake_temporarily():
+        machine = autooffload.offload_machine(device, record)
+    problem = autooffload.offload_problem(record, handle, machine)
+    model = CostModel(problem)
+    cap = allocated_cap_bytes(budget)
+    least = autooffload.least_memory_config(model)
+    minimum = budget_for_peak(model.estimate(least).peak_bytes)
+    try:
+        found = autooffload.prefer_persistent(problem, budget, budget - cap, gpu_optim=device.type == "cuda")
+        config, fits = found.best, True
+    except NoPlanFits:
+        config, fits = least, False
+    est = model.estimate(config)
+    plan = block_plan(problem, config)
+    swapped = set(plan.blocks_with("swap")) if fits else set()
+    param_size = next(iter(handle._named.values())).element_size()
+    numel = handle.layout.chunk_bytes // param_size
+    compute_size = problem.buffer_bytes // max(1, numel)
+    offloaded = model.n_chunks - config.n_persist
+    raise _Answered(
+        FitReport(
+            graph=record.index,
+            budget_bytes=given,
+            budget_source=record.budget_source if given is not None else None,
+            fits=fits,
+            plan=plan if fits else None,
+            predicted_peak_bytes=est.peak_bytes if fits else None,
+            predicted_step_s=est.step_s if fits else None,
+            min_budget_bytes=minimum,
+            least_memory_plan=block_plan(problem, least),
+            host_swap_bytes=sum(b.swap_bytes for b in problem.blocks if b.name in swapped),
+            counts={"n_persist": config.n_persist, "n_buffer": config.n_buffer, "n_gpu_optim": config.n_gpu_optim,
+                    "n_chunks": model.n_chunks},
+            host_chunk_bytes=offloaded * numel * (4 + problem.adam_state_bytes_per_param + compute_size),
+            verified=False,
+        )
+    )
+
+
 def what_fits(
     model: torch.nn.Module,
     *args: Any,
@@ -154,5 +229,5 @@ def what_fits(
         return answered.report
     raise ValueError(
         "what_fits: no training step was captured: no parameter requires grad, or the model is offloaded "
-        "(protrain_fx.offload: its n_persist / n_buffer are chosen by hand)"
+        "with n_persist / n_buffer given by hand"
     )

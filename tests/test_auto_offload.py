@@ -144,6 +144,25 @@ def test_a_meta_model_is_initialised_when_the_chunks_are_placed():
     assert losses[-1] < losses[0]
 
 
+def test_what_fits_answers_without_placing_a_chunk_and_matches_the_first_trial():
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
+    report = protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
+    assert report.fits and not report.verified and report.counts["n_chunks"] == len(handle.layout.chunks)
+    assert 0 < report.counts["n_persist"] < report.counts["n_chunks"] and report.host_chunk_bytes > 0
+    assert report.min_budget_bytes < TIGHT and "n_persist=" in str(report)
+    assert handle.automatic and not handle.configured and handle.store is None  # nothing placed
+    # Too small: no plan, and the smallest budget the cost model keeps.
+    small = protrain_fx.what_fits(model, *_batch(0), memory_budget=600_000, options={"codegen": "eager"})
+    assert not small.fits and small.plan is None and small.min_budget_bytes > 600_000
+    # Training under the first budget tries the same config first.
+    _train_side_by_side(compiled, reference, opt, ref_opt, 1)
+    first = _train_record().auto_plan.trials[0].config
+    assert (first.n_persist, first.n_buffer, first.n_gpu_optim) == (
+        report.counts["n_persist"], report.counts["n_buffer"], report.counts["n_gpu_optim"])
+    with pytest.raises(Exception, match="chosen at its first training compile"):
+        protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
+
+
 def test_what_the_automatic_counts_refuse():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="chosen together"):
