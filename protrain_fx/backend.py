@@ -31,6 +31,7 @@ from protrain_fx.passes.memory import StepGraphs
 from protrain_fx.passes.inductor_memory import read_inductor_plan
 from protrain_fx.pipeline import (
     check_budget,
+    reads_hand_offloaded,
     refine_memory_for_inductor,
     resolve_budget,
     run_joint_passes,
@@ -103,6 +104,11 @@ class _Partitioner(CustomPartitionerFn):
             run_step_passes(record, check=check)
             return forward, backward
 
+        if record.config.dry_run and reads_hand_offloaded(record):  # stop before anything can run
+            raise ValueError(
+                "protrain_fx.what_fits: the model is offloaded with n_persist / n_buffer given by hand; what_fits "
+                "answers for a model whose parameters stay on the device, or one offloaded without counts"
+            )
         resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
         handle = deferred_handle(record)  # offload(...) without counts: chosen here (autooffload.py)
         placed = placed_handle(record) if handle is None else None  # ... or at an earlier compile

@@ -196,7 +196,7 @@ def _reads_offloaded(record: CapturedGraph) -> bool:
     return any(chunk_ops.offloaded(t) for t in record.real_inputs())
 
 
-def _reads_hand_offloaded(record: CapturedGraph) -> bool:
+def reads_hand_offloaded(record: CapturedGraph) -> bool:
     """Whether the graph reads parameters offloaded with counts given by hand (the backend plans
     the activations of a model whose counts it chose itself: ``autooffload.choose_for_placed``)."""
     return any(
@@ -217,7 +217,7 @@ def wants_auto_plan(record: CapturedGraph, *, budget_needed: bool = True) -> boo
         (config.memory_budget_bytes is not None or not budget_needed)
         and config.auto_plan
         and config.plan is None
-        and not _reads_hand_offloaded(record)
+        and not reads_hand_offloaded(record)
     )
 
 
@@ -260,7 +260,7 @@ def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
     if config.memory_budget_bytes is not None:
         record.budget_source = "user"
         return
-    if not config.auto_plan or config.plan is not None or _reads_hand_offloaded(record):
+    if not config.auto_plan or config.plan is not None or reads_hand_offloaded(record):
         return
     budget = device_budget_bytes(graph_device(joint))
     if budget is not None:

@@ -163,6 +163,19 @@ def test_what_fits_answers_without_placing_a_chunk_and_matches_the_first_trial()
         protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
 
 
+def test_what_fits_refuses_counts_by_hand_before_anything_runs():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    handle = protrain_fx.offload(model, opt, n_persist=1, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
+    gathered = []
+    original = handle.gather
+    handle.gather = lambda chunk: gathered.append(chunk) or original(chunk)
+    with pytest.raises(Exception, match="given by hand"):
+        protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
+    assert gathered == []  # no graph ran: no chunk was fetched
+
+
 def test_what_the_automatic_counts_refuse():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="chosen together"):
