@@ -50,7 +50,7 @@ class FitReport:
     host store they need (fp32 master, two Adam moments and the compute-dtype copy of each offloaded
     chunk, before any chunk is made lean), and ``verified`` is ``False``: the answer is the cost
     model's alone, since checking it with the memory analysis means placing the chunks (the training
-    compile does; its peaks read 16-49% under the cost model's on the H200, so the minimum named
+    compile does; measured peaks were 20-33% under the cost model's on the H200, so the minimum named
     here is one the training compile can keep, not always the lowest)."""
 
     graph: int

@@ -94,9 +94,9 @@ def measure_machine(
       both directions at once on two streams (``duplex``: total bytes over the wall time of both);
       the CPU step of one offloaded chunk of ``adam_params`` parameters as the offload runtime runs
       it (:func:`_chunk_adam_params_per_s`: fused AdamW on the fp32 master plus the new bf16 working
-      copy; a plain fused AdamW step on one tensor read 3x faster than this path on the H200, so the
-      cost model used to think the CPU kept up with the GPU when it did not), on CUDA while pinned
-      copies run both ways (:class:`_CopyLoad`, the traffic of training); a
+      copy; a plain fused AdamW step on one tensor read about 2x this path's rate on the H200, and
+      up to 5x what the steps reached in training, so the cost model used to think the CPU kept up
+      with the GPU when it did not), on CUDA while pinned copies run both ways (:class:`_CopyLoad`, the traffic of training); a
       ``torch.optim.AdamW(fused=True)`` step of ``adam_params`` elements on the GPU; ``gpu_bytes`` =
       the device's total memory.
     * CPU only (no GPU to copy to): the CPU chunk step is measured as above (fp32, not pinned). The GPU numbers are
