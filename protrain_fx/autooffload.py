@@ -97,18 +97,9 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     budget = record.config.memory_budget_bytes
     assert budget is not None
     trial(None)
-    assert record.memory is not None
-    if record.blocks is None or not record.blocks.labels:
-        raise ValueError(
-            f"protrain_fx: graph {record.index} reads an offloaded model's chunks but has no transformer blocks "
-            "to plan; give n_persist / n_buffer to offload(...) by hand"
-        )
+    model = offload_cost_model(record, handle, "its activations cannot be planned for the placed chunks")
     miss = _PEAK_MISSES.get(record.memory.device, 0.0)
     cap = int(allocated_cap_bytes(budget) / (1 + miss))
-    device = torch.device(record.memory.device)
-    with unset_fake_temporarily():
-        machine = offload_machine(device, record)
-    model = CostModel(offload_problem(record, handle, machine))
     p, b, g = handle.n_persist, handle.n_buffer, handle.n_gpu_optim
     N = model.n_blocks
     configs = [Config(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
@@ -155,6 +146,21 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     )
 
 
+def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) -> CostModel:
+    """After ``trial(None)`` left ``record`` analysed: the cost model of its step with ``handle``'s
+    chunks (the machine measured on the first call, cached after). ``what`` ends the refusal of a
+    step without transformer blocks ("... cannot be chosen")."""
+    assert record.memory is not None
+    if record.blocks is None or not record.blocks.labels:
+        raise ValueError(
+            f"protrain_fx: graph {record.index} has no transformer blocks, so {what}; give n_persist / n_buffer "
+            "to offload(...) by hand"
+        )
+    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
+        machine = offload_machine(torch.device(record.memory.device), record)
+    return CostModel(offload_problem(record, handle, machine))
+
+
 def offload_machine(device: torch.device, record: CapturedGraph) -> MachineProfile:
     """The machine's rates: measured on CUDA (``profiler.measure_machine``, once per device and torch
     version, cached); elsewhere the backend's ``machine`` constants (``autoplan.machine_profile``)
@@ -178,10 +184,8 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
     ``handle``'s chunks (module docstring, step 2)."""
     device = torch.device(record.memory.device)
     estimate_machine = machine_for(device, record.config.machine)
-    param_dtype = next(iter(handle._named.values())).dtype
-    compute_dtype = handle._settings["compute_dtype"] or param_dtype
-    param_size = torch.empty(0, dtype=param_dtype).element_size()
-    compute_size = torch.empty(0, dtype=compute_dtype).element_size()
+    param_size = torch.empty(0, dtype=handle.param_dtype).element_size()
+    compute_size = torch.empty(0, dtype=handle.compute_dtype).element_size()
     return problem_from_record(
         record,
         machine,
@@ -237,21 +241,13 @@ def choose_offload(record: CapturedGraph, handle: OffloadHandle, trial: Callable
     budget = record.config.memory_budget_bytes
     assert budget is not None  # the backend refuses the compile before (backend._check_automatic_offload)
     trial(None)
-    assert record.memory is not None
-    if record.blocks is None or not record.blocks.labels:
-        raise ValueError(
-            f"protrain_fx: graph {record.index} has no transformer blocks, so the offload counts cannot be "
-            "chosen; give n_persist / n_buffer to offload(...) by hand"
-        )
+    model = offload_cost_model(record, handle, "the offload counts cannot be chosen")
+    problem = model.problem
     device = torch.device(record.memory.device)
     miss = _PEAK_MISSES.get(record.memory.device, 0.0)
     cap = int(allocated_cap_bytes(budget) / (1 + miss))
     reserve = budget - cap
     all_on_device_peak = record.memory.peak_bytes
-    with unset_fake_temporarily():  # measured on real tensors (the first time; cached after)
-        machine = offload_machine(device, record)
-    problem = offload_problem(record, handle, machine)
-    model = CostModel(problem)
     everything = Config(model.n_chunks, 0, 0, 0)
     trials: list[Trial] = []  # every placement analysed, in order
 

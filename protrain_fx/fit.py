@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.cost import CostModel, block_plan
@@ -159,14 +158,9 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     given = record.config.memory_budget_bytes
     budget = given or UNBOUNDED
     trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
-    assert record.memory is not None
-    if record.blocks is None or not record.blocks.labels:
-        raise ValueError(f"what_fits: graph {record.index} has no transformer blocks to place chunks by")
+    model = autooffload.offload_cost_model(record, handle, "what_fits cannot choose its offload counts")
+    problem = model.problem
     device = torch.device(record.memory.device)
-    with unset_fake_temporarily():
-        machine = autooffload.offload_machine(device, record)
-    problem = autooffload.offload_problem(record, handle, machine)
-    model = CostModel(problem)
     cap = allocated_cap_bytes(budget)
     least = autooffload.least_memory_config(model)
     minimum = budget_for_peak(model.estimate(least).peak_bytes)
@@ -178,9 +172,8 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     est = model.estimate(config)
     plan = block_plan(problem, config)
     swapped = set(plan.blocks_with("swap")) if fits else set()
-    param_size = next(iter(handle._named.values())).element_size()
-    numel = handle.layout.chunk_bytes // param_size
-    compute_size = problem.buffer_bytes // max(1, numel)
+    numel = handle.layout.chunk_bytes // torch.empty(0, dtype=handle.param_dtype).element_size()
+    compute_size = torch.empty(0, dtype=handle.compute_dtype).element_size()
     offloaded = model.n_chunks - config.n_persist
     raise _Answered(
         FitReport(

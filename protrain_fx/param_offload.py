@@ -152,6 +152,16 @@ class OffloadHandle:
         return self._sources is not None
 
     @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' dtype (the fp32 master's and the persistent chunks')."""
+        return next(iter(self._named.values())).dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the chunk buffers the graphs read (``compute_dtype``, else the parameters')."""
+        return self._settings["compute_dtype"] or self.param_dtype
+
+    @property
     def configured(self) -> bool:
         """The chunks are placed: given by hand, or chosen by the backend."""
         return self._built
