@@ -26,7 +26,9 @@ graph, :func:`choose_offload` runs instead of partitioning once:
    activation plan (``cost.block_plan``) and rewritten to read the chunks (``passes/gather.py``),
    and the memory analysis checks the rewritten step, chunk buffers and staging included. Above the
    cap, the search runs again with the cap lowered by the miss (the handle is placed again; nothing
-   has run yet), a few times; last the config of least predicted memory.
+   has run yet), a few times; last the config of least predicted memory. Under the cap, the search
+   runs again with the cap raised by the cost model's margin over the analysis, and a faster config
+   it finds is placed and kept if it analyses under the cap (``autoplan.raised_choice``).
 5. Nothing fits: :class:`~protrain_fx.search.NoPlanFits` names the smallest budget with a plan.
    A host too small for the chunk store is refused by the store, naming its bytes.
 
@@ -49,7 +51,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from protrain_fx.autoplan import _PEAK_MISSES, AutoPlan, Trial, chosen, machine_profile, verified_choice
+from protrain_fx.autoplan import _PEAK_MISSES, AutoPlan, Trial, chosen, machine_profile, verified_choice, widened
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.cost import Config, CostModel, MachineProfile, Problem, block_plan
 from protrain_fx.machine import machine_for
@@ -270,7 +272,7 @@ def choose_offload(record: CapturedGraph, handle: OffloadHandle, trial: Callable
         least = least_memory_config(model)
         gpu_optim = device.type == "cuda"
         config, how, found, need = verified_choice(
-            lambda lowered: prefer_persistent(problem, budget, reserve + lowered, gpu_optim=gpu_optim),
+            lambda lowered: prefer_persistent(problem, *widened(budget, reserve + lowered), gpu_optim=gpu_optim),
             run, least, trials, cap,
         )
         if config is not None:

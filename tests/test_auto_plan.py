@@ -463,3 +463,55 @@ def test_what_fits_without_a_budget_names_the_minimum_and_refuses_plans_by_hand(
     assert "no memory budget given" in str(report)
     with pytest.raises(ValueError, match="must choose the plan"):
         protrain_fx.what_fits(GPT(CONFIG), *_batch(), options={"auto_plan": False})
+
+
+def _raise_fixture(outcomes: dict, steps: dict):
+    """``search_at`` and ``run`` over plain numbers for :func:`autoplan.raised_choice`: a cap of 100,
+    the search returns config ``"fast"`` when the cap is raised by at least 10, else ``"slow"``;
+    ``outcomes`` maps a config's n_persist to (predicted, analysed) peaks; ``steps`` to its step."""
+    from protrain_fx.cost import Config, Estimate
+    from protrain_fx.search import SearchResult
+
+    def result(p: int) -> SearchResult:
+        est = Estimate(steps[p], outcomes[p][0], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return SearchResult(Config(p, 0, 0, 0), est, 1, 0, 0, 1, 0.0)
+
+    runs: list[int] = []
+    trials: list[autoplan.Trial] = []
+
+    def search_at(lowered: int) -> SearchResult:
+        return result(2 if lowered <= -10 else 1)
+
+    def run(config) -> autoplan.Trial:
+        runs.append(config.n_persist)
+        t = autoplan.Trial(config, *outcomes[config.n_persist])
+        trials.append(t)
+        return t
+
+    first = result(1)
+    return first, run(first.best), search_at, run, runs, trials
+
+
+def test_raised_search_keeps_a_faster_plan_only_when_the_analysis_fits():
+    # The config that fitted was predicted at 100 but analysed at 80: the search runs again with the
+    # cap raised by 20 and finds a faster config, analysed under the cap: it is kept.
+    first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 80), 2: (115, 95)}, {1: 1.0, 2: 0.5})
+    kept = autoplan.raised_choice(search_at, run, first, fitted, trials, 100)
+    assert kept.best.n_persist == 2 and runs == [1, 2]  # no third try: the same config comes back
+    # Analysed above the cap: the config that fitted is applied again (the record holds its graphs).
+    first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 80), 2: (115, 101)}, {1: 1.0, 2: 0.5})
+    kept = autoplan.raised_choice(search_at, run, first, fitted, trials, 100)
+    assert kept.best.n_persist == 1 and runs == [1, 2, 1]
+    # Predicted less than RAISE_MIN_GAIN faster: not worth a rewrite and an analysis.
+    first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 80), 2: (115, 95)}, {1: 1.0, 2: 0.99})
+    kept = autoplan.raised_choice(search_at, run, first, fitted, trials, 100)
+    assert kept.best.n_persist == 1 and runs == [1]
+    # No margin (the analysis at or above the cost model): no raise.
+    first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 100), 2: (115, 95)}, {1: 1.0, 2: 0.5})
+    assert autoplan.raised_choice(search_at, run, first, fitted, trials, 100).best.n_persist == 1 and runs == [1]
+
+
+def test_widened_moves_a_negative_reserve_into_the_budget():
+    assert autoplan.widened(100, 10) == (100, 10)
+    assert autoplan.widened(100, -10) == (110, 0)
+    assert autoplan.widened(100, 0) == (100, 0)
