@@ -13,7 +13,8 @@ graph, :func:`choose_offload` runs instead of partitioning once:
 2. :func:`offload_problem` describes the step to the cost model with the handle's own chunks (the
    ones the runtime will move): chunk buffers in the compute dtype, persistent chunks as the runtime
    keeps them (fp32 parameter and gradient, two fp32 Adam moments: ``persistent_param_bytes``),
-   block times from the roofline (``passes/estimate.py``), the machine's copy and Adam rates
+   block times from the roofline (``passes/estimate.py``) with the matrix and attention nodes
+   measured on CUDA (``profiler.device_op_times``), the machine's copy and Adam rates
    measured once and cached (``profiler.measure_machine``; on a device that is not CUDA the
    backend's ``machine`` constants stand in, see :func:`offload_machine`).
 3. :func:`protrain_fx.search.search` finds the fastest ``(n_persist, n_buffer, n_swap,
@@ -57,7 +58,7 @@ from protrain_fx.cost import Config, CostModel, MachineProfile, Problem, block_p
 from protrain_fx.machine import machine_for
 from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
 from protrain_fx.plan import Plan
-from protrain_fx.profiler import measure_machine, problem_from_record
+from protrain_fx.profiler import device_op_times, measure_machine, problem_from_record
 from protrain_fx.runtime import chunk_ops
 from protrain_fx.search import NoPlanFits, SearchResult, search
 
@@ -196,6 +197,7 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
         persistent_param_bytes=param_size if compute_size != param_size else 0,
         estimate_machine=estimate_machine,
         min_swap_bytes=estimate_machine.min_swap_bytes,
+        op_times=device_op_times(record),
     )
 
 

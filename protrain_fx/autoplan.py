@@ -50,7 +50,8 @@ cap by the miss; the graph already compiled keeps its plan (Dynamo has no clean 
 compiled graph recompile from inside its backward).
 
 What the cost model is told (:func:`activation_problem`): ``profiler.problem_from_record`` with
-roofline block times (``passes/estimate.py``, with the ``machine`` option's constants), the swap
+roofline block times (``passes/estimate.py``, with the ``machine`` option's constants; on CUDA the
+matrix, convolution and attention nodes measured, ``profiler.device_op_times``), the swap
 threshold the swap pass will use on this device (``Machine.min_swap_bytes``), and all parameters in
 one chunk of exactly their size (every chunk persists: the padding a chunk layout adds would be
 counted as memory the model does not use). The cost model keeps gradients and optimizer state live
@@ -79,7 +80,7 @@ from protrain_fx.machine import Machine, machine_for
 from protrain_fx.passes.params import parameter_infos
 from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
 from protrain_fx.plan import Plan
-from protrain_fx.profiler import problem_from_record
+from protrain_fx.profiler import device_op_times, problem_from_record
 from protrain_fx.readable import human_bytes
 from protrain_fx.search import NoPlanFits, SearchResult, search
 
@@ -258,6 +259,7 @@ def activation_problem(record: CapturedGraph) -> Problem:
         chunk_bytes=max(1, sum(p.nbytes for p in params)),
         estimate_machine=machine,
         min_swap_bytes=machine.min_swap_bytes,
+        op_times=device_op_times(record),
     )
 
 

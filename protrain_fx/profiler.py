@@ -35,6 +35,7 @@ from protrain_fx import chunks as chunks_mod
 from protrain_fx import cost, meta
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
+from protrain_fx.opprofile import measure_op_times, op_signature
 from protrain_fx.passes.estimate import fused_node_times, node_time
 from protrain_fx.passes.memory import _output_args, default_granule
 from protrain_fx.passes.params import parameter_infos
@@ -304,6 +305,7 @@ def problem_from_record(
     layout: chunks_mod.ChunkLayout | None = None,
     buffer_bytes_per_byte: float = 1.0,
     persistent_param_bytes: int = 0,
+    op_times: Mapping[str, float] | None = None,
 ) -> cost.Problem:
     """The search's :class:`~protrain_fx.cost.Problem` for a captured training step.
 
@@ -332,6 +334,9 @@ def problem_from_record(
       forward product). A block missing from ``block_times`` falls back to the roofline. With
       Inductor codegen the roofline fuses memory-bound nodes as Inductor does
       (``passes/estimate.fused_node_times``); with eager codegen every node is its own kernel.
+      ``op_times`` (``opprofile.op_signature`` -> seconds, as ``opprofile.measure_op_times``
+      returns) replaces the roofline of the nodes it has a time for: the matrix products,
+      convolutions and attention ops measured on the device; the other nodes keep the roofline.
     * ``recompute_s`` = ``fwd_s``: a checkpointed block reruns its whole forward.
     * ``chunk_ids``: the chunks holding the block's parameters.
 
@@ -366,7 +371,8 @@ def problem_from_record(
 
     device = torch.device(analysis.device)
     est = estimate_machine or machine_for(device, record.config.machine)
-    times = _phase_times(fw_nodes, bw_nodes, est, fused=record.config.codegen == "inductor")
+    fused = record.config.codegen == "inductor"
+    times = _phase_times(fw_nodes, bw_nodes, est, fused=fused, op_times=op_times)
     if block_times:
         for label, value in block_times.items():
             times[label] = _split(value)
@@ -427,6 +433,18 @@ def problem_from_record(
     )
 
 
+def device_op_times(record: CapturedGraph) -> dict[str, float] | None:
+    """Measured seconds of the matrix, convolution and attention nodes of ``record``'s forward and
+    backward graphs (``opprofile.measure_op_times``: once per distinct call, device and torch
+    version, cached), for :func:`problem_from_record`'s ``op_times``; ``None`` off CUDA (the CPU
+    "device" plans with relative numbers, and its tests stay deterministic)."""
+    device = torch.device(record.memory.device) if record.memory is not None else None
+    if device is None or device.type != "cuda" or record.forward is None or record.backward is None:
+        return None
+    nodes = [*record.forward.graph.nodes, *record.backward.graph.nodes]
+    return measure_op_times(nodes, device)
+
+
 def _device_step_staging_bytes(itemsize: int) -> int:
     """Device staging of chunks stepped on the GPU (``DeviceAdamW.staging_bytes`` for this working-copy
     element size): what a config with ``n_gpu_optim > 0`` adds besides its gradients in flight."""
@@ -449,14 +467,25 @@ def _split(value: Any) -> tuple[float, float]:
 
 
 def _phase_times(
-    fw_nodes: list[fx.Node], bw_nodes: list[fx.Node], machine: Machine, *, fused: bool = False
+    fw_nodes: list[fx.Node],
+    bw_nodes: list[fx.Node],
+    machine: Machine,
+    *,
+    fused: bool = False,
+    op_times: Mapping[str, float] | None = None,
 ) -> dict[str, tuple[float, float]]:
-    """Roofline seconds per label and phase (``passes/estimate.node_time`` summed, or with ``fused``
-    ``passes/estimate.fused_node_times``: memory-bound nodes fused as Inductor fuses them)."""
+    """Seconds per label and phase: the roofline (``passes/estimate.node_time`` summed, or with
+    ``fused`` ``passes/estimate.fused_node_times``: memory-bound nodes fused as Inductor fuses them),
+    except for nodes whose ``opprofile.op_signature`` has a measured time in ``op_times``."""
     fwd: dict[str, float] = defaultdict(float)
     bwd: dict[str, float] = defaultdict(float)
     for nodes, out in ((fw_nodes, fwd), (bw_nodes, bwd)):
         times = fused_node_times(nodes, machine) if fused else {n: node_time(n, machine) for n in nodes}
+        if op_times:
+            for n in nodes:
+                sig = op_signature(n)
+                if sig is not None and sig in op_times:
+                    times[n] = op_times[sig]
         for n in nodes:
             out[_label(n)] += times[n]
     return {label: (fwd[label], bwd[label]) for label in {*fwd, *bwd}}
@@ -524,4 +553,4 @@ def _mean_param_element_size(record: CapturedGraph) -> float:
     return nbytes / numel if numel else 4.0
 
 
-__all__ = ["cache_dir", "cache_path", "device_name", "measure_machine", "problem_from_record"]
+__all__ = ["cache_dir", "cache_path", "device_name", "device_op_times", "measure_machine", "problem_from_record"]

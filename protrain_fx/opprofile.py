@@ -1,0 +1,234 @@
+"""Measured times of the compute-bound nodes of a graph (matrix products, convolutions, attention).
+
+The roofline (``passes/estimate.py``) prices a matrix product at its FLOPs over the machine's peak
+rate times one assumed efficiency (``Machine.flops_efficiency``). What a GEMM or attention kernel
+reaches depends on its shapes, strides and dtype; on an H200 the fused roofline of a B8x1024 350M GPT
+read about 52 ms for forward + backward against 39-42 ms measured. So these nodes are timed instead:
+each distinct call (:func:`op_signature`) once per device and torch version, on inputs of the traced
+shapes, and the result is cached as JSON next to the machine profile (``profiler.cache_dir``).
+Memory-bound nodes (the pointwise groups Inductor fuses) keep the roofline: what they cost depends
+on the fusion Inductor will choose, which a single op's timing does not show.
+
+The signature captures everything a kernel choice can depend on: the op overload, and per argument
+(args and kwargs, through lists and tuples) a tensor's shape, stride, dtype and device type (from
+the input node's ``meta["val"]``), or a plain value's ``repr``. Two nodes with one signature cost the
+same; a 24-layer model has a handful of distinct signatures, not 24 times that.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.flop_counter import flop_registry
+
+from protrain_fx import meta
+
+log = logging.getLogger(__name__)
+
+#: Version of the op-time cache file; a file of another version is measured again.
+CACHE_VERSION = 1
+
+
+def op_signature(node: fx.Node) -> str | None:
+    """The key of ``node``'s cost: op name and its arguments' shapes, strides, dtypes and values.
+
+    None unless ``node`` calls an ATen ``OpOverload`` with a FLOP formula
+    (``torch.utils.flop_counter.flop_registry``); None too when an input node has no ``meta["val"]``.
+    """
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if node.target.namespace == "protrain" or flop_registry.get(node.target.overloadpacket) is None:
+        return None
+    try:
+        args = ", ".join(_describe(a) for a in node.args)
+        kwargs = ", ".join(f"{k}={_describe(v)}" for k, v in node.kwargs.items())
+    except _NoValue:
+        return None
+    return f"{node.target}({args}{'; ' + kwargs if kwargs else ''})"
+
+
+class _NoValue(Exception):
+    """An input node without a traced value: its cost cannot be keyed (nor measured)."""
+
+
+def _describe(arg: Any) -> str:
+    if isinstance(arg, fx.Node):
+        if "val" not in arg.meta:
+            raise _NoValue(arg.name)
+        return _describe(arg.meta["val"])
+    if isinstance(arg, torch.Tensor):
+        shape = ",".join(str(meta.concrete(s)) for s in arg.shape)
+        stride = ",".join(str(meta.concrete(s)) for s in arg.stride())
+        return f"T[{shape}]({stride}){str(arg.dtype).removeprefix('torch.')}@{arg.device.type}"
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_describe(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return repr(_concrete_scalar(arg))
+    return repr(arg)
+
+
+def _concrete_scalar(v: Any) -> Any:
+    """A SymInt/SymFloat/SymBool's hint (the value seen when tracing), adding no guard."""
+    return meta.concrete(v) if isinstance(v, torch.SymInt) else v.node.hint
+
+
+def ops_cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None = None) -> Path:
+    """The JSON file of ``device``'s op times: ``ops-<device name>-torch<version>.json`` next to the
+    machine profile (``profiler.cache_path``)."""
+    from protrain_fx.profiler import cache_path
+
+    machine_file = cache_path(device, cache)
+    return machine_file.with_name("ops-" + machine_file.name.removeprefix("machine-"))
+
+
+def measure_op_times(
+    nodes: Iterable[fx.Node],
+    device: torch.device | str,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+    repeat: int = 5,
+) -> dict[str, float]:
+    """Seconds per :func:`op_signature` of ``nodes`` (those that have one) on ``device``, cached.
+
+    Signatures already in ``ops_cache_path(device, cache)`` are read from it (``refresh=True``
+    measures them again); the others are measured, with one progress line to stderr, and added to the
+    file. A measurement: real inputs of the traced shapes and strides on ``device`` (small normal
+    values for floating dtypes, zeros otherwise; tensors traced on the CPU, such as attention's RNG
+    seed and offset, stay there), one warm-up call, then the median of ``repeat`` calls (CUDA events
+    on CUDA, ``time.perf_counter`` on the CPU), outside any fake mode, autocast and autograd. An op
+    that raises (shapes it cannot take, out of memory) is logged at debug level and left out: its
+    nodes keep the roofline.
+    """
+    device = torch.device(device)
+    first: dict[str, fx.Node] = {}
+    for node in nodes:
+        sig = op_signature(node)
+        if sig is not None:
+            first.setdefault(sig, node)
+    path = ops_cache_path(device, cache)
+    cached = {} if refresh else _read(path)
+    known = {sig: cached[sig] for sig in first if sig in cached}
+    missing = [sig for sig in first if sig not in known]
+    if not missing:
+        return known
+    from protrain_fx.profiler import device_name
+
+    print(
+        f"protrain_fx: timing {len(missing)} matrix/attention ops on {device_name(device)} "
+        f"(once, cached in {path})",
+        file=sys.stderr,
+        flush=True,
+    )
+    measured: dict[str, float] = {}
+    with unset_fake_temporarily(), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        for sig in missing:
+            try:
+                measured[sig] = _time_node(first[sig], device, repeat)
+            except Exception as exc:  # noqa: BLE001 - any failure: the roofline stays for this op
+                log.debug("protrain_fx: could not time %s: %s: %s", sig, type(exc).__name__, exc)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the inputs' blocks go back (a compile may measure under a budget)
+    if measured:
+        _write(path, {**_read(path), **measured}, device)
+    return {**known, **measured}
+
+
+def _time_node(node: fx.Node, device: torch.device, repeat: int) -> float:
+    """Median seconds of ``repeat`` calls of ``node``'s op on fresh inputs of its traced shapes."""
+    args, kwargs = _real_args((node.args, dict(node.kwargs)), device)
+    op = node.target
+    out = op(*args, **kwargs)  # warm-up (kernel selection, lazy initialisation)
+    times = []
+    try:
+        for _ in range(repeat):
+            out = None
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = op(*args, **kwargs)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                out = op(*args, **kwargs)
+                times.append(time.perf_counter() - t0)
+    finally:
+        del out, args, kwargs
+    return statistics.median(times)
+
+
+def _real_args(value: Any, device: torch.device) -> Any:
+    """``value`` with every node replaced by a real tensor (or number) like its traced value."""
+    if isinstance(value, fx.Node):
+        return _real_args(value.meta["val"], device)
+    if isinstance(value, torch.Tensor):
+        return _real_tensor(value, device)
+    if isinstance(value, (list, tuple)):  # plain lists and tuples (fx keeps immutable ones)
+        items = [_real_args(v, device) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        return {k: _real_args(v, device) for k, v in value.items()}
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _concrete_scalar(value)
+    return value
+
+
+def _real_tensor(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
+    shape = [meta.concrete(s) for s in fake.shape]
+    stride = [meta.concrete(s) for s in fake.stride()]
+    dev = torch.device("cpu") if fake.device.type == "cpu" else device
+    dtype = fake.dtype
+    # One flat buffer covering the strided extent, then a strided view: fills stride-0 (expanded)
+    # tensors too, which an in-place fill of the view itself refuses.
+    extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    if dtype.is_floating_point or dtype.is_complex:
+        if dtype.itemsize >= 2:
+            flat = torch.empty(extent, dtype=dtype, device=dev).normal_().mul_(0.02)
+        else:  # float8: no normal_ kernel
+            flat = torch.empty(extent, device=dev).normal_().mul_(0.02).to(dtype)
+    else:
+        flat = torch.zeros(extent, dtype=dtype, device=dev)
+    return flat.as_strided(shape, stride)
+
+
+def _read(path: Path) -> dict[str, float]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("version") == CACHE_VERSION:
+            return {str(k): float(v) for k, v in data["times"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # missing, unreadable or stale: measure again
+    return {}
+
+
+def _write(path: Path, times: dict[str, float], device: torch.device) -> None:
+    from protrain_fx.profiler import device_name
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "version": CACHE_VERSION,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "times": dict(sorted(times.items())),
+    }
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+
+
+__all__ = ["measure_op_times", "op_signature", "ops_cache_path"]

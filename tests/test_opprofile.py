@@ -1,0 +1,95 @@
+"""Measured op times (CPU): signatures of compute-bound nodes, the cached measurement, use in block times."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from protrain_fx import meta, opprofile, profiler
+from protrain_fx.machine import H200
+
+
+def _graph():
+    """Two mm of one shape, one of another, pointwise ops; every node labelled ``blocks.0``."""
+
+    def f(x, w, v):
+        a = torch.mm(x, w)
+        b = torch.mm(x, w + 1)  # same shapes as ``a``
+        c = torch.mm(x, v)
+        return (a + b).sum() + c.sum()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(64, 32), torch.randn(32, 48), torch.randn(32, 16))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for n in nodes:
+        n.meta[meta.BLOCK] = "blocks.0"
+    mms = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    return nodes, mms
+
+
+def test_signatures_key_shapes_not_nodes():
+    nodes, (a, b, c) = _graph()
+    sig = opprofile.op_signature(a)
+    assert sig is not None and sig.startswith("aten.mm.default(")
+    assert "64,32" in sig and "float32" in sig and "@cpu" in sig
+    assert opprofile.op_signature(b) == sig
+    assert opprofile.op_signature(c) not in (None, sig)
+    (add,) = [n for n in nodes if n.target is torch.ops.aten.add.Tensor and n.args[0] in (a, b)]
+    assert opprofile.op_signature(add) is None
+    placeholder = next(iter(a.graph.nodes))
+    assert opprofile.op_signature(placeholder) is None
+
+
+def test_measured_once_then_read_from_the_cache(tmp_path, capsys, monkeypatch):
+    nodes, (a, _, c) = _graph()
+    times = opprofile.measure_op_times(nodes, "cpu", cache=tmp_path, repeat=2)
+    assert set(times) == {opprofile.op_signature(a), opprofile.op_signature(c)}
+    assert all(t > 0 for t in times.values())
+    err = capsys.readouterr().err
+    assert err.count("protrain_fx: timing 2 matrix/attention ops") == 1
+    path = opprofile.ops_cache_path("cpu", tmp_path)
+    assert path.parent == tmp_path and path.name.startswith("ops-") and path.exists()
+    data = json.loads(path.read_text())
+    assert data["version"] == opprofile.CACHE_VERSION and data["times"] == times
+
+    calls = []
+    monkeypatch.setattr(opprofile, "_time_node", lambda *a: calls.append(a) or 1.0)
+    assert opprofile.measure_op_times(nodes, "cpu", cache=tmp_path) == times
+    assert calls == [] and capsys.readouterr().err == ""
+    # refresh measures again and rewrites the file
+    again = opprofile.measure_op_times(nodes, "cpu", cache=tmp_path, refresh=True)
+    assert len(calls) == 2 and set(again.values()) == {1.0}
+    assert json.loads(path.read_text())["times"] == again
+
+
+def test_an_op_that_fails_is_left_out(tmp_path, caplog):
+    _, (a, _, c) = _graph()
+    v = c.args[1]
+    # an input without a traced value: no signature, nothing to measure
+    val = v.meta.pop("val")
+    assert opprofile.op_signature(c) is None
+    # c's traced inputs disagree (64 x 32 @ 5 x 16): the call raises, and a's timing stands
+    v.meta["val"] = val.new_empty(5, 16)
+    assert opprofile.op_signature(c) is not None
+    with caplog.at_level("DEBUG", logger="protrain_fx.opprofile"):
+        times = opprofile.measure_op_times([a, c], "cpu", cache=tmp_path, repeat=1)
+    assert set(times) == {opprofile.op_signature(a)}
+    assert "could not time aten.mm.default" in caplog.text
+
+
+def test_phase_times_use_measured_op_times():
+    nodes, (a, b, c) = _graph()
+    base = profiler._phase_times(nodes, [], H200)["blocks.0"][0]
+    big = 1.0
+    measured = profiler._phase_times(nodes, [], H200, op_times={opprofile.op_signature(a): big})
+    measured = measured["blocks.0"][0]
+    from protrain_fx.passes.estimate import node_time
+
+    # a and b share the signature: both take the measured second instead of their roofline
+    assert measured == pytest.approx(base + 2 * big - node_time(a, H200) - node_time(b, H200))
+    fused = profiler._phase_times(nodes, [], H200, fused=True)["blocks.0"][0]
+    c_measured = {opprofile.op_signature(c): big}
+    fused_measured = profiler._phase_times(nodes, [], H200, fused=True, op_times=c_measured)
+    assert fused_measured["blocks.0"][0] == pytest.approx(fused + big - node_time(c, H200))
