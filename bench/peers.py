@@ -705,12 +705,18 @@ class Ledger:
 
     def estimate_s(self, system: str, size: str, default: float) -> tuple[float, str]:
         """(seconds, basis) a run of ``system`` is expected to take: the longest wall time of the
-        system so far on this model (a run cut off counts with the time it had), else ``default``."""
-        walls = [r.get("wall_s") or r.get("cut_off_after_s") or 0.0 for r in self.results.values()
-                 if r["system"] == system and family(r["size"]) == family(size)]
-        walls = [w for w in walls if w > 0]
-        if walls:
-            return max(walls), f"longest wall time of {system} so far"
+        system so far on this model at this size or a smaller one (a run cut off counts with the time
+        it had), else the shortest at a larger size, else ``default``. (The longest at any size
+        skipped a 350M run of a minute behind a 4.2B run of three and a half.)"""
+        params = num_params(size)
+        runs = [(num_params(r["size"]), r.get("wall_s") or r.get("cut_off_after_s") or 0.0)
+                for r in self.results.values() if r["system"] == system and family(r["size"]) == family(size)]
+        runs = [(n, w) for n, w in runs if w > 0]
+        smaller = [w for n, w in runs if n <= params]
+        if smaller:
+            return max(smaller), f"longest wall time of {system} so far at this size or smaller"
+        if runs:
+            return min(w for _, w in runs), f"shortest wall time of {system} so far at a larger size"
         return default, "--default-estimate-s"
 
     def ordered(self) -> list[dict]:

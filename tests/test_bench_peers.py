@@ -112,6 +112,12 @@ def test_ledger_ladder_and_resume(tmp_path):
     assert ledger.estimate_s("compile", "1.3B", 90.0)[0] == 70.0
     assert ledger.estimate_s("eager", "1.3B", 90.0)[0] == 120.0
     assert ledger.estimate_s("protrain", "1.3B", 90.0) == (90.0, "--default-estimate-s")
+    # a smaller size is estimated from its own size or smaller ones, else the shortest larger run
+    assert ledger.estimate_s("compile", "350M", 90.0)[0] == 50.0
+    assert ledger.estimate_s("eager", "350M", 90.0)[0] == 120.0
+    big_first = peers.Ledger(tmp_path, [_r("4.2B", "compile", "ok", wall_s=210.0), _r("1.3B", "compile", "ok", wall_s=95.0)])
+    assert big_first.estimate_s("compile", "350M", 90.0)[0] == 95.0
+    assert big_first.estimate_s("compile", "1.3B", 90.0)[0] == 95.0
     forced = peers.Ledger(tmp_path, previous, force_host_ram=True)
     assert not forced.done("760M", "deepspeed") and forced.stopped("1.3B", "deepspeed") is None
     ledger.add(_r("1.3B", "fsdp2", "ok", wall_s=40.0))
