@@ -34,7 +34,7 @@ lane() {  # lane NAME JOBS
   left() { echo $((END - $(date +%s))); }
   if [ "$name" = a ] && [ -n "$TESTS" ]; then
     # shellcheck disable=SC2086
-    timeout 300 python3 -m pytest -q -s -p no:cacheprovider $TESTS > "$O/a/pytest.log" 2>&1
+    timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider $TESTS > "$O/a/pytest.log" 2>&1
     echo "pytest exit $?" >> "$O/a/pytest.log"
   fi
   if [ "$name" = a ] && [ -n "$MAIN" ]; then

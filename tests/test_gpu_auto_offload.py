@@ -57,3 +57,45 @@ def test_counts_chosen_for_a_budget_stream_chunks_and_train_within_it(tmp_path, 
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=2e-2, atol=0)
     print(auto.table(record.index))
     print(check.line())
+
+
+def test_what_fits_places_nothing_and_a_second_shape_keeps_the_counts(tmp_path, monkeypatch):
+    """``what_fits`` on an offload without counts answers from the cost model and places no chunk;
+    training then chooses and places the counts, and a second input shape compiles its own
+    activation plan for the chunks as placed (both are CPU-tested; this is the GPU run)."""
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = GPT(CONFIG).cuda()
+    batch = random_batch(CONFIG, 4, 512, device="cuda", generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=True)
+    _train(reference, reference, batch, 1, ref_opt)
+    all_on_device = torch.cuda.max_memory_allocated()
+    del reference, ref_opt
+    torch.cuda.empty_cache()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
+    budget = int(0.6 * all_on_device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # as the training steps run
+        report = protrain_fx.what_fits(model, *batch, memory_budget=budget)
+    assert report.fits and not report.verified and report.counts is not None
+    assert report.counts["n_persist"] < len(handle.layout.chunks) and report.min_budget_bytes <= budget
+    assert not handle.configured  # the answer placed no chunk
+    print(report)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="protrain", options={"memory_budget": budget})
+    torch.cuda.reset_peak_memory_stats()
+    losses = _train(model, compiled, batch, 2, optimizer)
+    shorter = random_batch(CONFIG, 2, 256, device="cuda", generator=torch.Generator().manual_seed(1))
+    losses += _train(model, compiled, shorter, 2, optimizer)
+    handle.synchronize()
+    first, second = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-2:]
+    assert first.auto_plan is not None and second.auto_plan is not None and second.auto_plan.offload
+    assert second.auto_plan.config.n_persist == first.auto_plan.config.n_persist == handle.n_persist
+    assert second.memory.peak_bytes <= second.auto_plan.allocated_cap_bytes
+    assert torch.cuda.max_memory_reserved() <= budget * 1.02
+    assert all(torch.isfinite(torch.tensor(losses)))
+    print(first.auto_plan.table(first.index))
+    print(second.auto_plan.table(second.index))
