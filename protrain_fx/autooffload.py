@@ -15,7 +15,8 @@ graph, :func:`choose_offload` runs instead of partitioning once:
    keeps them (fp32 parameter and gradient, two fp32 Adam moments: ``persistent_param_bytes``),
    block times from the roofline (``passes/estimate.py``) with the matrix and attention nodes
    measured on CUDA (``profiler.device_op_times``), the machine's copy and Adam rates
-   measured once and cached (``profiler.measure_machine``; on a device that is not CUDA the
+   measured once and cached (``profiler.measure_machine``, the CPU step at the handle's chunk size:
+   ``profiler.chunk_adam_rate``; on a device that is not CUDA the
    backend's ``machine`` constants stand in, see :func:`offload_machine`).
 3. :func:`protrain_fx.search.search` finds the fastest ``(n_persist, n_buffer, n_swap,
    n_checkpoint, n_gpu_optim)`` whose predicted peak fits the budget less the allocator's headroom
@@ -58,7 +59,7 @@ from protrain_fx.cost import Config, CostModel, MachineProfile, Problem, block_p
 from protrain_fx.machine import machine_for
 from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
 from protrain_fx.plan import Plan
-from protrain_fx.profiler import device_op_times, measure_machine, problem_from_record
+from protrain_fx.profiler import chunk_adam_rate, device_op_times, measure_machine, problem_from_record
 from protrain_fx.runtime import chunk_ops
 from protrain_fx.search import NoPlanFits, SearchResult, search
 
@@ -160,18 +161,23 @@ def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) 
             "to offload(...) by hand"
         )
     with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
-        machine = offload_machine(torch.device(record.memory.device), record)
+        chunk_params = handle.layout.chunk_bytes // torch.empty(0, dtype=handle.param_dtype).element_size()
+        machine = offload_machine(torch.device(record.memory.device), record, chunk_params)
     return CostModel(offload_problem(record, handle, machine))
 
 
-def offload_machine(device: torch.device, record: CapturedGraph) -> MachineProfile:
+def offload_machine(device: torch.device, record: CapturedGraph, chunk_params: int | None = None) -> MachineProfile:
     """The machine's rates: measured on CUDA (``profiler.measure_machine``, once per device and torch
     version, cached); elsewhere the backend's ``machine`` constants (``autoplan.machine_profile``)
-    with the CPU Adam rate measured the same way (the one rate a CPU step depends on)."""
-    if device.type == "cuda":
-        return measure_machine(device)
-    base = machine_profile(machine_for(device, record.config.machine))
+    with the CPU Adam rate measured the same way (the one rate a CPU step depends on). With
+    ``chunk_params``, the CPU Adam rate is that of chunks of this size (``profiler.chunk_adam_rate``,
+    cached per size): the rate fell with the chunk's size."""
     measured = measure_machine(device)
+    if chunk_params:
+        measured = dataclasses.replace(measured, cpu_adam_params_per_s=chunk_adam_rate(device, chunk_params))
+    if device.type == "cuda":
+        return measured
+    base = machine_profile(machine_for(device, record.config.machine))
     return MachineProfile(
         h2d_bytes_per_s=base.h2d_bytes_per_s,
         d2h_bytes_per_s=base.d2h_bytes_per_s,

@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -89,7 +90,7 @@ def measure_machine(
     stderr and writes ``cache_path(device, cache)``; later calls (even after a restart) read that
     file. ``refresh=True`` measures again.
 
-    What is measured (best of ``repeat`` after a warm-up):
+    What is measured (best of ``repeat`` after a warm-up; the CPU chunk step: their median):
 
     * CUDA: pinned host <-> device copies of ``copy_bytes`` timed with CUDA events (``h2d``, ``d2h``),
       both directions at once on two streams (``duplex``: total bytes over the wall time of both);
@@ -141,7 +142,6 @@ def measure_machine(
         gpu_adam_params_per_s=gpu_adam,
         gpu_bytes=gpu_bytes,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "version": CACHE_VERSION,
         "device": device_name(device),
@@ -152,10 +152,59 @@ def measure_machine(
         "stand_ins": stand_ins,
         "profile": profile.to_dict(),
     }
-    tmp = path.with_suffix(".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json(path, data)
+    return profile
+
+
+#: The CPU chunk step is measured per chunk size rounded up to a multiple of this many parameters.
+CHUNK_RATE_GRANULE = 16 * 2**20
+
+
+def chunk_adam_rate(
+    device: torch.device | str,
+    chunk_params: int,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+    repeat: int = 3,
+) -> float:
+    """Parameters per second of the offload runtime's CPU step of chunks of ``chunk_params``
+    parameters (:func:`_chunk_adam_params_per_s`, under copy traffic on CUDA), at that size rounded
+    up to :data:`CHUNK_RATE_GRANULE`; measured once per size, with one progress line, and kept in
+    ``device``'s profile file (``"cpu_adam_by_chunk"``), which :func:`measure_machine` makes first.
+
+    Why the chunk's own size: a step streams the chunk's master, moments, gradient and working copy
+    through host memory, and the rate fell with the size. On the development CPU (32 MiB L3,
+    2026-11-30) 16M parameters stepped at 0.52 G/s and 64M or 128M at 0.42; on the H200's host, B24
+    chunks of 100M-230M parameters stepped at 0.51-0.87x the rate measured on 16M (1.0 against
+    1.3-2.0 G/s; ``docs/results.md``, seventh session)."""
+    device = torch.device(device)
+    measure_machine(device, cache=cache)  # the file this rate is kept in
+    path = cache_path(device, cache)
+    n = max(1, -(-chunk_params // CHUNK_RATE_GRANULE)) * CHUNK_RATE_GRANULE
+    data = json.loads(path.read_text(encoding="utf-8"))
+    rates = data.setdefault("cpu_adam_by_chunk", {})
+    if not refresh and str(n) in rates:
+        return float(rates[str(n)])
+    print(
+        f"protrain_fx: measuring the CPU step of a {n / 2**20:.0f}M-parameter chunk on {device_name(device)} "
+        f"(once, cached in {path})",
+        file=sys.stderr,
+        flush=True,
+    )
+    rate = _chunk_adam_params_per_s(device.type == "cuda", n, repeat)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rates[str(n)] = rate
+    _write_json(path, data)
+    return rate
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
-    return profile
 
 
 def _cuda_copy_rates(device: torch.device, nbytes: int, repeat: int) -> tuple[float, float, float]:
@@ -212,7 +261,8 @@ def _chunk_adam_params_per_s(cuda: bool, n: int, repeat: int) -> float:
     """Parameters per second of the offload runtime's CPU step of one chunk of ``n`` fp32 parameters
     (``runtime/cpu_adam.ChunkAdamW.step_chunk``: AdamW on the fp32 master, then the chunk's new
     compute-dtype working copy; bf16 and pinned when a GPU will fetch it): what the chunks stepped on
-    the CPU cost, measured on the code path that steps them."""
+    the CPU cost, measured on the code path that steps them. The median of ``repeat`` steps after a
+    warm-up (training pays every step, not the best one)."""
     from protrain_fx.chunks import ParamInfo, pack
     from protrain_fx.runtime.chunk_store import ChunkStore
     from protrain_fx.runtime.cpu_adam import ChunkAdamW
@@ -223,21 +273,26 @@ def _chunk_adam_params_per_s(cuda: bool, n: int, repeat: int) -> float:
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True)
     adam = ChunkAdamW(store, opt, {"w": p})
     grad = torch.full((n,), 1e-3, dtype=store.compute_dtype)
-    load = _CopyLoad(nbytes=8 * n) if cuda else None
-    best = float("inf")
+    load = _CopyLoad(nbytes=min(8 * n, _COPY_LOAD_BYTES)) if cuda else None
+    rounds = max(8, -(-64 * n // _COPY_LOAD_BYTES))  # 64 bytes per parameter each way: about the step's length
+    times = []
     for i in range(repeat + 1):  # the first step allocates nothing new but warms the pages
         store.write_grads({"w": grad})
         store.wait_grad(0)
         if load is not None:
-            load.start()
+            load.start(rounds)
         t0 = time.perf_counter()
         adam.step_chunk(0)
         elapsed = time.perf_counter() - t0
         if load is not None:
             load.stop()
         if i:
-            best = min(best, elapsed)
-    return n / max(best, 1e-9)
+            times.append(elapsed)
+    return n / max(statistics.median(times), 1e-9)
+
+
+#: Largest buffer of the copy traffic laid under a measured CPU chunk step (:class:`_CopyLoad`).
+_COPY_LOAD_BYTES = 256 * MiB
 
 
 class _CopyLoad:
@@ -564,4 +619,6 @@ def _mean_param_element_size(record: CapturedGraph) -> float:
     return nbytes / numel if numel else 4.0
 
 
-__all__ = ["cache_dir", "cache_path", "device_name", "device_op_times", "measure_machine", "problem_from_record"]
+__all__ = [
+    "cache_dir", "cache_path", "chunk_adam_rate", "device_name", "device_op_times", "measure_machine", "problem_from_record"
+]

@@ -35,7 +35,7 @@ GPU_LIKE = MachineProfile(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_byt
 
 @pytest.fixture(autouse=True)
 def _gpu_like_machine(monkeypatch):
-    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record: GPU_LIKE)
+    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: GPU_LIKE)
 
 
 def _setup(budget: int | None, **options):
@@ -83,7 +83,7 @@ def test_chosen_counts_stream_some_chunks_and_train_exactly_like_eager():
 def test_more_budget_keeps_more_chunks_and_enough_keeps_all(monkeypatch):
     # A CPU Adam far slower than the step: a chunk is offloaded only when the budget needs it.
     slow_cpu = dataclasses.replace(GPU_LIKE, cpu_adam_params_per_s=1e4)
-    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record: slow_cpu)
+    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: slow_cpu)
     persist, step_s = [], []
     for budget in (TIGHT, TIGHT + 400_000, 64 * 2**20):
         torch._dynamo.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pytest
 import torch
 
@@ -149,3 +150,28 @@ def test_fused_times_count_only_what_enters_and_leaves_a_pointwise_chain():
     expected = LAUNCH_S + (256 * 512 * 4 + 512 * 4) / (H200.hbm_bytes * H200.hbm_efficiency)
     assert sum(fused[n] for n in chain) == pytest.approx(expected)
     assert sum(plain[n] for n in chain) > 3 * expected  # unfused: every intermediate goes through memory
+
+
+def test_cpu_chunk_rate_is_measured_per_chunk_size_and_cached(tmp_path, monkeypatch, capsys):
+    kw = {"copy_bytes": 8 * 2**20, "adam_params": 2**20, "repeat": 1}
+    profiler.measure_machine("cpu", cache=tmp_path, **kw)
+    capsys.readouterr()
+    sizes = []
+    monkeypatch.setattr(profiler, "_chunk_adam_params_per_s", lambda cuda, n, repeat: sizes.append(n) or n / 1e9)
+    granule = profiler.CHUNK_RATE_GRANULE
+    # measured at the size rounded up to the granule, once per size
+    assert profiler.chunk_adam_rate("cpu", granule + 1, cache=tmp_path) == 2 * granule / 1e9
+    assert sizes == [2 * granule] and "measuring the CPU step" in capsys.readouterr().err
+    assert profiler.chunk_adam_rate("cpu", 2 * granule, cache=tmp_path) == 2 * granule / 1e9
+    assert sizes == [2 * granule] and capsys.readouterr().err == ""
+    assert profiler.chunk_adam_rate("cpu", 1, cache=tmp_path) == granule / 1e9 and sizes[-1] == granule
+    # the profile itself is untouched, and the rates live in its file
+    data = json.loads(profiler.cache_path("cpu", tmp_path).read_text())
+    assert set(data["cpu_adam_by_chunk"]) == {str(granule), str(2 * granule)}
+    assert profiler.measure_machine("cpu", cache=tmp_path, **kw).cpu_adam_params_per_s == data["profile"]["cpu_adam_params_per_s"]
+
+
+def test_the_chunk_step_rate_is_the_median_of_its_steps(monkeypatch):
+    ticks = iter([0.0, 9.0, 10.0, 11.0, 20.0, 22.0, 30.0, 33.0])  # warm-up 9 s, then 1, 2, 3 s
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(ticks))
+    assert profiler._chunk_adam_params_per_s(False, 1024, 3) == 1024 / 2.0
