@@ -37,7 +37,7 @@ from protrain_fx import meta
 log = logging.getLogger(__name__)
 
 #: Version of the op-time cache file; a file of another version is measured again.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def op_signature(node: fx.Node) -> str | None:
@@ -107,8 +107,10 @@ def measure_op_times(
     measures them again); the others are measured, with one progress line to stderr, and added to the
     file. A measurement: real inputs of the traced shapes and strides on ``device`` (small normal
     values for floating dtypes, zeros otherwise; tensors traced on the CPU, such as attention's RNG
-    seed and offset, stay there), one warm-up call, then the median of ``repeat`` calls (CUDA events
-    on CUDA, ``time.perf_counter`` on the CPU), outside any fake mode, autocast and autograd. An op
+    seed and offset, stay there), one warm-up call, then on CUDA (after :data:`CLOCK_WARMUP_S` of
+    matrix products) ``repeat`` calls back to back between CUDA events, three times, the median of
+    the means; on the CPU the median of ``repeat`` calls (``time.perf_counter``); outside any fake
+    mode, autocast and autograd. An op
     that raises (shapes it cannot take, out of memory) is logged at debug level and left out: its
     nodes keep the roofline.
     """
@@ -134,6 +136,8 @@ def measure_op_times(
     )
     measured: dict[str, float] = {}
     with unset_fake_temporarily(), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        if device.type == "cuda":
+            _warm_clocks(device)
         for sig in missing:
             try:
                 measured[sig] = _time_node(first[sig], device, repeat)
@@ -147,28 +151,50 @@ def measure_op_times(
 
 
 def _time_node(node: fx.Node, device: torch.device, repeat: int) -> float:
-    """Median seconds of ``repeat`` calls of ``node``'s op on fresh inputs of its traced shapes."""
+    """Seconds of one call of ``node``'s op on fresh inputs of its traced shapes.
+
+    CUDA: ``repeat`` calls back to back between two events (as the kernels of a step run: queued, no
+    host round trip between them), three times; the median of the three means. CPU: the median of
+    ``repeat`` calls timed one by one."""
     args, kwargs = _real_args((node.args, dict(node.kwargs)), device)
     op = node.target
     out = op(*args, **kwargs)  # warm-up (kernel selection, lazy initialisation)
     times = []
     try:
-        for _ in range(repeat):
-            out = None
-            if device.type == "cuda":
+        if device.type == "cuda":
+            for _ in range(3):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                out = op(*args, **kwargs)
+                for _ in range(repeat):
+                    out = op(*args, **kwargs)
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
+                times.append(start.elapsed_time(end) / 1e3 / repeat)
+        else:
+            for _ in range(repeat):
+                out = None
                 t0 = time.perf_counter()
                 out = op(*args, **kwargs)
                 times.append(time.perf_counter() - t0)
     finally:
         del out, args, kwargs
     return statistics.median(times)
+
+
+#: Seconds of matrix products run before timing on CUDA, so that the ops are timed at the clocks a
+#: training step runs at: an idle H200 sat at 345 MHz and ran at 1980 MHz just after a burst of
+#: products (KINDS.md of the device library), and the compile that measures has left it idle.
+CLOCK_WARMUP_S = 0.2
+
+
+def _warm_clocks(device: torch.device) -> None:
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    deadline = time.perf_counter() + CLOCK_WARMUP_S
+    while time.perf_counter() < deadline:
+        for _ in range(8):
+            a @ a
+        torch.cuda.synchronize(device)
+    del a
 
 
 def _real_args(value: Any, device: torch.device) -> Any:
