@@ -33,8 +33,9 @@ lane() {  # lane NAME JOBS
   export PROTRAIN_CACHE_DIR=$O/$name/cache  # the measured machine rates and op times land in the tarball
   left() { echo $((END - $(date +%s))); }
   if [ "$name" = a ] && [ -n "$TESTS" ]; then
+    # SIGINT at the timeout: pytest still prints the failures so far.
     # shellcheck disable=SC2086
-    timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider $TESTS > "$O/a/pytest.log" 2>&1
+    timeout -s INT -k 30 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider $TESTS > "$O/a/pytest.log" 2>&1
     echo "pytest exit $?" >> "$O/a/pytest.log"
   fi
   if [ "$name" = a ] && [ -n "$MAIN" ]; then

@@ -49,7 +49,10 @@ def test_counts_chosen_for_a_budget_stream_chunks_and_train_within_it(tmp_path, 
     n = len(handle.layout.chunks)
     assert (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == (
         auto.config.n_persist, auto.config.n_buffer, auto.config.n_gpu_optim)
-    assert handle.n_persist < n  # the budget made some chunks stream
+    # The budget changed the plan: some chunks stream, or (the search raised past the cost model's
+    # margin, autoplan.raised_choice) all stay and blocks are checkpointed or swapped.
+    assert handle.n_persist < n or auto.plan.blocks_with("checkpoint") or auto.plan.blocks_with("swap")
+    print("trials:", auto.trials)
     check = auto.peak_check
     assert check is not None, "first step not measured"
     assert not check.over, check.line()
@@ -80,7 +83,8 @@ def test_what_fits_places_nothing_and_a_second_shape_keeps_the_counts(tmp_path, 
     with torch.autocast("cuda", dtype=torch.bfloat16):  # as the training steps run
         report = protrain_fx.what_fits(model, *batch, memory_budget=budget)
     assert report.fits and not report.verified and report.counts is not None
-    assert report.counts["n_persist"] < len(handle.layout.chunks) and report.min_budget_bytes <= budget
+    assert report.min_budget_bytes <= budget
+    assert report.counts["n_persist"] < len(handle.layout.chunks) or report.plan.blocks_with("checkpoint")
     assert not handle.configured  # the answer placed no chunk
     print(report)
 
