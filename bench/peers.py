@@ -621,6 +621,7 @@ def _protrain_prediction() -> dict:
             "predicted_step_s": a.estimate.step_s, "cost_model_peak_bytes": a.predicted_peak_bytes,
             "analysed_peak_bytes": a.analysed_peak_bytes, "search_s": a.search.seconds if a.search else None,
             "trials": len(a.trials), "first_step_peak_bytes": a.measured_peak_bytes,
+            "problem_s": a.problem_s, "choose_s": a.choose_s,
             "problem": a.problem.to_dict(),
         }}
     return {

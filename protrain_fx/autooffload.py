@@ -98,10 +98,13 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     backend chose at its first compile: the counts stay, the fastest ``(n_swap, n_checkpoint)`` whose
     predicted peak fits with them is searched (every pair simulated), applied and verified as in
     :func:`choose_offload`. ``"fits as is"`` when the step analyses under the cap without a plan."""
+    started = time.perf_counter()
     budget = record.config.memory_budget_bytes
     assert budget is not None
     trial(None)
+    t0 = time.perf_counter()
     model = offload_cost_model(record, handle, "its activations cannot be planned for the placed chunks")
+    problem_s = time.perf_counter() - t0
     miss = _PEAK_MISSES.get(record.memory.device, 0.0)
     cap = int(allocated_cap_bytes(budget) / (1 + miss))
     p, b, g = handle.n_persist, handle.n_buffer, handle.n_gpu_optim
@@ -113,7 +116,7 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
         return chosen(record, model, config, how, found, trials, cap=cap, miss=miss, empty_peak_bytes=empty_peak,
-                      empty_step_s=model.estimate(empty).step_s, offload=True)
+                      empty_step_s=model.estimate(empty).step_s, offload=True, problem_s=problem_s, started=started)
 
     if empty_peak <= cap:
         return result(empty, "fits as is", None)
@@ -248,10 +251,13 @@ def choose_offload(record: CapturedGraph, handle: OffloadHandle, trial: Callable
     """Choose the counts and the activation plan, place ``handle``'s chunks and verify (module
     docstring). ``trial`` is :func:`protrain_fx.autoplan.choose_plan`'s: it partitions and analyses
     the step with a plan, leaving ``record`` as of that plan."""
+    started = time.perf_counter()
     budget = record.config.memory_budget_bytes
     assert budget is not None  # the backend refuses the compile before (backend._check_automatic_offload)
     trial(None)
+    t0 = time.perf_counter()
     model = offload_cost_model(record, handle, "the offload counts cannot be chosen")
+    problem_s = time.perf_counter() - t0
     problem = model.problem
     device = torch.device(record.memory.device)
     miss = _PEAK_MISSES.get(record.memory.device, 0.0)
@@ -274,7 +280,7 @@ def choose_offload(record: CapturedGraph, handle: OffloadHandle, trial: Callable
         handle.finalize()
         return chosen(record, model, config, how, found, trials, cap=cap, miss=miss,
                       empty_peak_bytes=all_on_device_peak, empty_step_s=model.estimate(everything).step_s,
-                      offload=True)
+                      offload=True, problem_s=problem_s, started=started)
 
     try:
         least = least_memory_config(model)

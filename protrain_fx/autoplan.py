@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -188,6 +189,12 @@ class AutoPlan:
     #: The chunk counts were chosen too (``protrain_fx.autooffload``); ``empty_*`` are then the step
     #: with every parameter on the device and no plan.
     offload: bool = False
+    #: Seconds spent describing the step to the cost model: the machine's rates and the matrix and
+    #: attention ops measured on the device (once per device and signature; read from the cache
+    #: after), and the block tables read from the analysis.
+    problem_s: float = 0.0
+    #: Seconds of the whole choice, from the first partition to the plan applied and verified.
+    choose_s: float = 0.0
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -223,6 +230,9 @@ class AutoPlan:
         if self.search is not None:
             s = self.search
             lines.append(f"  search: {s.evaluated} of {s.total} configs simulated in {s.seconds * 1e3:.1f} ms")
+        if self.choose_s:
+            lines.append(f"  chosen in {self.choose_s:.2f} s: {self.problem_s:.2f} s profiling and describing the step, "
+                         f"{len(self.trials)} rewrite(s) analysed")
         if self.peak_check is not None:
             lines.append(f"  {self.peak_check.line()}")
         lines.append(self.plan.table([b.name for b in self.problem.blocks]))
@@ -305,6 +315,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     chosen plan's graphs. Returns ``None`` for a step without transformer blocks (nothing to plan;
     the record holds it as it is). Raises :class:`~protrain_fx.search.NoPlanFits` when nothing fits.
     """
+    started = time.perf_counter()
     budget = record.config.memory_budget_bytes
     assert budget is not None
     trial(None)
@@ -315,7 +326,9 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     empty_peak = record.memory.peak_bytes
     if record.blocks is None or not record.blocks.labels:
         return None  # no block to checkpoint or swap: the budget is only checked, as with a plan by hand
+    t0 = time.perf_counter()
     problem = activation_problem(record)
+    problem_s = time.perf_counter() - t0
     model = CostModel(problem)
     n = model.n_chunks
     empty = Config(n, 0, 0, 0)
@@ -323,7 +336,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
 
     def result(config: Config, how: str, found: SearchResult | None, trials: list[Trial]) -> AutoPlan:
         return chosen(record, model, config, how, found, trials, cap=cap, miss=miss, empty_peak_bytes=empty_peak,
-                      empty_step_s=empty_est.step_s)
+                      empty_step_s=empty_est.step_s, problem_s=problem_s, started=started)
 
     if empty_peak <= cap:
         return result(empty, "fits as is", None, [])
@@ -370,8 +383,11 @@ def chosen(
     empty_peak_bytes: int,
     empty_step_s: float,
     offload: bool = False,
+    problem_s: float = 0.0,
+    started: float | None = None,
 ) -> AutoPlan:
-    """The :class:`AutoPlan` of ``config`` for ``record`` (as rewritten for it) under its budget."""
+    """The :class:`AutoPlan` of ``config`` for ``record`` (as rewritten for it) under its budget;
+    ``started``: ``time.perf_counter()`` when the choice began (for ``choose_s``)."""
     est = model.estimate(config)
     return AutoPlan(
         plan=block_plan(model.problem, config),
@@ -390,6 +406,8 @@ def chosen(
         budget_source=record.budget_source or "user",
         cap_lowered_by=miss,
         offload=offload,
+        problem_s=problem_s,
+        choose_s=time.perf_counter() - started if started is not None else 0.0,
     )
 
 

@@ -75,6 +75,8 @@ def test_chosen_counts_stream_some_chunks_and_train_exactly_like_eager():
     assert auto.analysed_peak_bytes <= allocated_cap_bytes(TIGHT) == auto.allocated_cap_bytes
     assert auto.empty_peak_bytes > allocated_cap_bytes(TIGHT)  # all on the device would not fit
     assert "n_persist=" in auto.table()
+    # the chunk step's rate measured on this CPU was part of describing the step, within the choice
+    assert auto.choose_s >= auto.problem_s > 0 and "chosen in" in auto.table()
     host = {name for s in handle.store.slots for name in s.names}
     for name, p in model.named_parameters():
         assert (p.untyped_storage().nbytes() == 0) == (name in host), name

@@ -191,6 +191,8 @@ def test_tighter_budget_runs_a_plan_that_fits_exactly_as_eager(no_plan, capfd):
     assert "automatic activation plan for graph 0" in err and "predicted step" in err
     assert f"n_checkpoint={auto.config.n_checkpoint}" in err and "checkpoint" in auto.table()
     assert "automatic activation plan (searched)" in protrain_fx.step_report().block_table()
+    # the time it took: describing the step (no device to profile on the CPU) within the whole choice
+    assert auto.choose_s >= auto.problem_s > 0 and "chosen in" in auto.table()
 
 
 def test_below_the_minimum_raises_naming_it_and_the_minimum_works(no_plan):
