@@ -23,18 +23,25 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CONFIG = gpt_config("125M", n_layer=8)
 
 
-def test_counts_chosen_for_a_budget_stream_chunks_and_train_within_it(tmp_path, monkeypatch):
+def _model_and_eager(tmp_path, monkeypatch, steps: int):
+    """The test GPT on the GPU, a batch, the losses of ``steps`` eager steps of a copy of it and
+    their allocated peak (every parameter on the device). Machine rates are measured into
+    ``tmp_path``."""
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
     batch = random_batch(CONFIG, 4, 512, device="cuda", generator=torch.Generator().manual_seed(0))
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=True)
-    eager = _train(reference, reference, batch, 3, ref_opt)
+    eager = _train(reference, reference, batch, steps, ref_opt)
     all_on_device = torch.cuda.max_memory_allocated()
     del reference, ref_opt
     torch.cuda.empty_cache()
+    return model, batch, eager, all_on_device
 
+
+def test_counts_chosen_for_a_budget_train_within_it(tmp_path, monkeypatch):
+    model, batch, eager, all_on_device = _model_and_eager(tmp_path, monkeypatch, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
     torch.cuda.empty_cache()
@@ -66,17 +73,7 @@ def test_what_fits_places_nothing_and_a_second_shape_keeps_the_counts(tmp_path, 
     """``what_fits`` on an offload without counts answers from the cost model and places no chunk;
     training then chooses and places the counts, and a second input shape compiles its own
     activation plan for the chunks as placed (both are CPU-tested; this is the GPU run)."""
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
-    torch.manual_seed(0)
-    model = GPT(CONFIG).cuda()
-    batch = random_batch(CONFIG, 4, 512, device="cuda", generator=torch.Generator().manual_seed(0))
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=True)
-    _train(reference, reference, batch, 1, ref_opt)
-    all_on_device = torch.cuda.max_memory_allocated()
-    del reference, ref_opt
-    torch.cuda.empty_cache()
-
+    model, batch, _, all_on_device = _model_and_eager(tmp_path, monkeypatch, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
     budget = int(0.6 * all_on_device)
