@@ -1,0 +1,70 @@
+"""Replay the automatic plans of benchmark runs against what was measured (no GPU needed).
+
+    python bench/auto_replay.py docs/raw/session7_call*_peers.json [--search]
+
+For each ``protrain_offload[auto]`` run in the given ``bench/peers.py`` JSON files: the cost model's
+step (replayed from the run's dumped ``Problem``) against the measured median step, per phase
+(forward, backward from CUDA events; the CPU worker's busy time), and the CPU Adam rate the worker
+reached in training (the parameters the config steps on the CPU over its median busy time) against
+the rate the profile measured. Then the step replayed with that in-training rate. With
+``--search``, also the config the search picks with the in-training rate (same budget and cap, and
+with the cap raised by 3 GiB as ``autoplan.raised_choice`` could). Every replay is a prediction:
+nothing here was measured with the replayed config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from protrain_fx.autooffload import prefer_persistent  # noqa: E402
+from protrain_fx.autoplan import widened  # noqa: E402
+from protrain_fx.cost import Config, CostModel, Problem  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--search", action="store_true", help="search again with the in-training CPU rate")
+    args = parser.parse_args()
+    for f in args.files:
+        for r in json.loads(Path(f).read_text()):
+            ap = r.get("auto_plan")
+            if not ap or not r.get("breakdown") or not r.get("step_s"):
+                continue
+            problem, config = Problem.from_dict(ap["problem"]), Config.from_dict(ap["config"])
+            est = CostModel(problem).estimate(config)
+            steps = r["breakdown"][1:] or r["breakdown"]  # the first step compiles
+            med = {k: statistics.median(s[k] for s in steps) for k in ("forward_s", "backward_s", "cpu_optimizer_busy_s")}
+            step = r["step_s"]
+            c = config
+            print(f"{Path(f).name} {r['size']} cap {r['cap_gib']:g} GiB, {c.n_persist}/{c.n_buffer}/{c.n_swap}/"
+                  f"{c.n_checkpoint}/{c.n_gpu_optim} of {len(problem.chunks)}: step {est.step_s * 1e3:.0f} ms predicted, "
+                  f"{step * 1e3:.0f} measured ({100 * (est.step_s / step - 1):+.1f}%); forward {est.fwd_s * 1e3:.0f} / "
+                  f"{med['forward_s'] * 1e3:.0f}, backward {est.bwd_s * 1e3:.0f} / {med['backward_s'] * 1e3:.0f} ms")
+            cpu_params = est.cpu_adam_s * problem.machine.cpu_adam_params_per_s
+            if not cpu_params or not med["cpu_optimizer_busy_s"]:
+                continue
+            rate = cpu_params / med["cpu_optimizer_busy_s"]
+            trained = dataclasses.replace(problem, machine=dataclasses.replace(problem.machine, cpu_adam_params_per_s=rate))
+            again = CostModel(trained).estimate(config)
+            print(f"    CPU Adam: {cpu_params / 1e9:.2f} G params, profile {problem.machine.cpu_adam_params_per_s / 1e9:.2f} "
+                  f"G/s, training {rate / 1e9:.2f} G/s; step replayed at the training rate {again.step_s * 1e3:.0f} ms "
+                  f"({100 * (again.step_s / step - 1):+.1f}%)")
+            if args.search:
+                budget, cap = ap["budget_bytes"], ap["allocated_cap_bytes"]
+                for raised in (0, 3 * 2**30):
+                    found = prefer_persistent(trained, *widened(budget, budget - cap - raised), gpu_optim=True)
+                    b = found.best
+                    print(f"    search at the training rate, cap +{raised >> 30} GiB: {b.n_persist}/{b.n_buffer}/"
+                          f"{b.n_swap}/{b.n_checkpoint}/{b.n_gpu_optim}, {found.estimate.step_s * 1e3:.0f} ms predicted")
+
+
+if __name__ == "__main__":
+    main()
