@@ -351,6 +351,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
         return t
 
     least = least_memory_config(model)
+
     def search_at(lowered: int) -> SearchResult:
         b, r = widened(budget, reserve + lowered)
         return search_activation_plan(problem, b, reserve_bytes=r)

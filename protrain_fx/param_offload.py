@@ -216,12 +216,12 @@ class OffloadHandle:
         self.store = self.adam = self.worker = self.device_adam = self.pool = None
         self.id = None
         self._built = False
-        if self.device.type == "cuda":
-            # The placement's blocks go back to the device: the next placement (the backend trying
-            # other counts) has other sizes and would take new segments beside the cached ones, and
-            # the reserved memory would add both up above the budget.
-            torch.cuda.empty_cache()
         gc.collect()  # the store's pinned buffers go back before the next one is allocated
+        if self.device.type == "cuda":
+            # The placement's blocks (freed above) go back to the device: the next placement (the
+            # backend trying other counts) has other sizes and would take new segments beside the
+            # cached ones, and the reserved memory would add both up above the budget.
+            torch.cuda.empty_cache()
 
     def _build(self, n_persist: int, n_buffer: int, n_gpu_optim: int) -> None:
         named, sources = self._named, self._sources
