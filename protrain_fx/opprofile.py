@@ -242,19 +242,16 @@ def _read(path: Path) -> dict[str, float]:
 
 
 def _write(path: Path, times: dict[str, float], device: torch.device) -> None:
-    from protrain_fx.profiler import device_name
+    from protrain_fx.profiler import _write_json, device_name
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {
+    _write_json(path, {
         "version": CACHE_VERSION,
         "device": device_name(device),
         "torch": torch.__version__,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "times": dict(sorted(times.items())),
-    }
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    })
 
 
 __all__ = ["measure_op_times", "op_signature", "ops_cache_path"]
