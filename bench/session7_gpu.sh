@@ -4,6 +4,8 @@
 #     "auto" = protrain_offload with --offload auto: offload without counts and no options, so the
 #     backend chooses everything for the capped device). Lane a runs JOBS_A, lane b JOBS_B.
 #   TESTS: GPU test files run first in lane a (empty: none). MAIN=1: the README's main job.
+#   EXTRA: a command run in lane a after the tests, its output in $O/a/extra.log (its files: write
+#     them under $O/a/extra).
 # LANES="a b" runs the lanes side by side on the 2-GPU machine (each its GPU and 16 cores; they share
 # the host's memory bandwidth, so offloaded steps run slower than alone); LANES=ab runs lane a then
 # lane b on the one-GPU machine. Writes $OUT/session7.tgz (logs, JSON, tables, measured rates).
@@ -24,6 +26,7 @@ echo "TORCHINDUCTOR_COMPILE_THREADS=$TORCHINDUCTOR_COMPILE_THREADS" >> "$O/machi
 LANES=${LANES-"ab"}
 TESTS=${TESTS-}
 MAIN=${MAIN-}
+EXTRA=${EXTRA-}
 HOST_GIB=${HOST_GIB-120}
 JOBS_A=${JOBS_A-"24|compile|350M;24|auto|350M 760M 1.3B 4.2B"}
 JOBS_B=${JOBS_B-}
@@ -35,8 +38,11 @@ lane() {  # lane NAME JOBS
   if [ "$name" = a ] && [ -n "$TESTS" ]; then
     # SIGINT at the timeout: pytest still prints the failures so far.
     # shellcheck disable=SC2086
-    timeout -s INT -k 30 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider $TESTS > "$O/a/pytest.log" 2>&1
+    timeout -s INT -k 30 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -rfE --tb=short --durations=0 -p no:cacheprovider $TESTS > "$O/a/pytest.log" 2>&1
     echo "pytest exit $?" >> "$O/a/pytest.log"
+  fi
+  if [ "$name" = a ] && [ -n "$EXTRA" ]; then
+    mkdir -p "$O/a/extra"; bash -c "$EXTRA" > "$O/a/extra.log" 2>&1; echo "extra exit $?" >> "$O/a/extra.log"
   fi
   if [ "$name" = a ] && [ -n "$MAIN" ]; then
     timeout 100 python3 examples/train_gpt.py --out "$O/a/main" > "$O/a/main.log" 2>&1; echo "exit $?" >> "$O/a/main.log"
@@ -55,7 +61,7 @@ lane() {  # lane NAME JOBS
   done
 }
 
-vars="O=$O END=$END HOST_GIB='$HOST_GIB' TESTS='$TESTS' MAIN='$MAIN'"
+vars="O=$O END=$END HOST_GIB='$HOST_GIB' TESTS='$TESTS' MAIN='$MAIN' EXTRA='$EXTRA'"
 if [ "$LANES" = "ab" ]; then  # the one-GPU machine
   bash -c "$(declare -f lane); $vars lane a '$JOBS_A'; $vars lane b '$JOBS_B'"
 else
@@ -65,6 +71,6 @@ else
 fi
 free -g | head -2 >> "$O/machine.txt"
 tar czf "$OUT/session7.tgz" -C "$O" .
-cat "$O/machine.txt"; tail -n 30 "$O/a/pytest.log" 2>/dev/null; grep -h "exit\|tok\|peak" "$O"/a/main.log 2>/dev/null | tail -n 6
+cat "$O/machine.txt"; tail -n 60 "$O/a/pytest.log" 2>/dev/null; cat "$O/a/extra.log" 2>/dev/null; grep -h "exit\|tok\|peak" "$O"/a/main.log 2>/dev/null | tail -n 6
 for f in "$O"/*/cap*/peers.md; do echo "== $f"; tail -n 12 "$f"; done
 for f in "$O"/*/*.log; do echo "== $f"; grep -hE "OOM|crash|not_run|refused|Error" "$f" | tail -n 8; done
