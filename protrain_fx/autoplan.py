@@ -36,11 +36,12 @@ memory plus what the caching allocator already holds). ``auto_plan=False`` turns
 Measured against predicted (CUDA, :func:`watch_first_step`). The first training call of a planned
 graph is measured: ``torch.cuda.max_memory_allocated`` from the start of its forward to the end of
 the backward pass it joins, against the analysis' peak (:class:`PeakCheck`, logged, kept in
-``AutoPlan.peak_check``). The allocator's peak statistics are never reset here: benchmarks and users
-read them over their own spans, and a reset inside their step would lower what they see. So the peak
-is known only when the step raises the process' peak (the usual first step; call
-``torch.cuda.reset_peak_memory_stats()`` before it after other work peaked higher), and is otherwise
-logged as not measured. The first step starts without optimizer state (made at the first
+``AutoPlan.peak_check``). The allocator's peak statistics are reset only when the compile itself
+raised them (its measurements and trial placements run inside the user's first call, where no reset
+of theirs can follow them); otherwise benchmarks and users read them over their own spans, and a
+reset inside their step would lower what they see. So the peak is known only when the step raises
+the process' peak (the usual first step; call ``torch.cuda.reset_peak_memory_stats()`` before it
+after other work peaked higher), and is otherwise logged as not measured. The first step starts without optimizer state (made at the first
 ``step()``), and memory outside the step (other tensors, cuBLAS workspaces) is not the plan's: the
 step's measured rise above its start is put on the predicted start (parameters, optimizer state,
 inputs) before comparing. The first step also compiles the backward graph, so it can only measure
@@ -67,6 +68,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -516,14 +518,48 @@ def memory_counters(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
 
 
-def watch_first_step(record: CapturedGraph, compiled: Callable) -> Callable:
+def peaks_at_compile_start() -> dict[torch.device, int]:
+    """``max_memory_allocated`` of each CUDA device this process has initialized, taken when the
+    backend starts compiling a graph (for :func:`watch_first_step`); empty before CUDA is
+    initialized (nothing allocated yet)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {torch.device("cuda", i): torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())}
+
+
+def reset_peak(device: torch.device) -> None:
+    """``torch.cuda.reset_peak_memory_stats(device)``; tests replace it on the CPU."""
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def watch_first_step(
+    record: CapturedGraph, compiled: Callable, peaks_before: Mapping[torch.device, int] | None = None
+) -> Callable:
     """``compiled`` (the backend's callable for ``record``), measuring the first call made with grad
     enabled when ``record`` has an automatic plan: the memory counters when its forward starts, and
     again when the backward pass that its outputs join ends (a callback queued on the autograd
     engine from a hook on those outputs), handed to :func:`record_first_step`. Later calls go
-    straight through. Dynamo's calling convention (``_boxed_call``) is kept."""
+    straight through. Dynamo's calling convention (``_boxed_call``) is kept.
+
+    ``peaks_before`` (:func:`peaks_at_compile_start`): when the compile itself raised the device's
+    peak above it (the machine's rates and ops measured, chunks placed for trial plans: gigabytes on
+    a cold cache), the peak statistics are reset here, once, before the first step. The compile runs
+    inside the user's first call, so no reset of theirs can come between it and the step, and
+    without this the step's peak would stay under the compile's and go unmeasured."""
     if record.auto_plan is None or record.memory is None:
         return compiled
+    device = torch.device(record.memory.device)
+    if peaks_before is not None and (device.type == "cuda" or device in peaks_before):
+        now = memory_counters(device)
+        if now is not None and now[1] > peaks_before.get(device, 0):
+            reset_peak(device)
+            log.info(
+                "protrain_fx: graph %d: compiling (measuring the machine, trial plans) raised the peak of %s to "
+                "%s; its statistics were reset so that the first step's peak is measured",
+                record.index,
+                device,
+                human_bytes(now[1]),
+            )
     armed = True
 
     def call(*args: Any) -> Any:
@@ -531,7 +567,6 @@ def watch_first_step(record: CapturedGraph, compiled: Callable) -> Callable:
         if not armed or not torch.is_grad_enabled():
             return compiled(*args)
         armed = False
-        device = torch.device(record.memory.device)
         start = memory_counters(device)
         out = compiled(*args)
         if start is None:
@@ -619,7 +654,9 @@ __all__ = [
     "PeakCheck",
     "clear_peak_misses",
     "memory_counters",
+    "peaks_at_compile_start",
     "record_first_step",
+    "reset_peak",
     "watch_first_step",
     "specialize_shapes",
     "Trial",

@@ -23,7 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from protrain_fx.autooffload import choose_for_placed, choose_offload, deferred_handle, placed_handle
-from protrain_fx.autoplan import choose_plan, specialize_shapes, watch_first_step
+from protrain_fx.autoplan import choose_plan, peaks_at_compile_start, specialize_shapes, watch_first_step
 from protrain_fx.fit import answer, answer_offload
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
@@ -52,6 +52,7 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = N
     if kwargs.get("mode") is not None:
         raise ValueError(f"backend 'protrain' takes no mode= (got {kwargs['mode']!r}); use options=")
     config = parse_options(options)
+    peaks_before = peaks_at_compile_start()
     record = new_record(config, gm, example_inputs)
     if record.graph_breaks_after:
         # Dynamo counts a break before compiling the graph that the break ends.
@@ -66,7 +67,7 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = N
         compiled = _compile_eager(gm, example_inputs, record)
     else:
         compiled = _compile_inductor(gm, example_inputs, record)
-    return watch_first_step(record, compiled)  # measured against predicted when a plan was chosen
+    return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
 
 
 def _log_to_stderr() -> None:

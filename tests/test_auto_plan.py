@@ -19,7 +19,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx import autoplan, pipeline
+from protrain_fx import autoplan, backend, pipeline
 from protrain_fx.autoplan import AutoPlan, PeakCheck, least_memory_config, record_first_step, search_activation_plan
 from protrain_fx.cost import CostModel, block_plan
 from protrain_fx.pipeline import (
@@ -412,6 +412,44 @@ def test_the_first_training_call_is_measured_once_after_its_backward(no_plan, mo
         compiled(*_batch())
     compiled(*_batch()).backward()
     assert len(reads) == 2
+
+
+def test_a_compile_that_raised_the_peak_resets_it_once_before_the_first_step(no_plan, monkeypatch):
+    """The compile runs inside the user's first call (machine measurements, trial placements), so
+    when it raised the device's peak the backend resets the statistics before the step (else the
+    step's peak stays under the compile's and goes unmeasured); a compile that raised nothing
+    resets nothing."""
+    _device_budget(monkeypatch, budget_for_peak(no_plan["peak"]))
+    events = []
+    state = {"max": 5000}
+
+    def counters(device):
+        events.append("read")
+        return 1000, state["max"]
+
+    def reset(device):
+        events.append(("reset", device))
+        state["max"] = 1000
+
+    monkeypatch.setattr(autoplan, "memory_counters", counters)
+    monkeypatch.setattr(autoplan, "reset_peak", reset)
+    for before, resets in ((4000, 1), (5000, 0)):
+        events.clear()
+        state["max"] = 5000
+        monkeypatch.setattr(autoplan, "peaks_at_compile_start", lambda: {torch.device("cpu"): before})
+        monkeypatch.setattr(backend, "peaks_at_compile_start", lambda: {torch.device("cpu"): before})
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager"})
+        loss = compiled(*_batch())
+        state["max"] += 777  # the step's own peak
+        loss.backward()
+        assert events == ["read"] + [("reset", torch.device("cpu"))] * resets + ["read", "read"]
+        (record,) = _train_graphs()
+        check = record.auto_plan.peak_check
+        # after a reset the step's own rise; without one the peak the process already had
+        assert check.measured_peak_bytes == (1000 if resets else 5000) + 777
 
 
 # --------------------------------------------------------------------------- what fits, without training
