@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from protrain_fx.passes.params import parameter_infos
 
 MiB = 2**20
 #: Version of the machine cache file; a file of another version is measured again.
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 #: Default sizes of the measurements (``measure_machine`` arguments).
 COPY_BYTES = 256 * MiB
 ADAM_PARAMS = 16 * 2**20
@@ -98,7 +98,8 @@ def measure_machine(
       it (:func:`_chunk_adam_params_per_s`: fused AdamW on the fp32 master plus the new bf16 working
       copy; a plain fused AdamW step on one tensor read about 2x this path's rate on the H200, and
       up to 5x what the steps reached in training, so the cost model used to think the CPU kept up
-      with the GPU when it did not), on CUDA while pinned copies run both ways (:class:`_CopyLoad`, the traffic of training); a
+      with the GPU when it did not), on the runtime's worker thread, on CUDA while pinned copies run
+      both ways (:class:`_CopyLoad`, the traffic of training) and this thread launches kernels; a
       ``torch.optim.AdamW(fused=True)`` step on the GPU (the slope between ``adam_params`` and four times as many: :func:`_adam_params_per_s`); ``gpu_bytes`` =
       the device's total memory.
     * CPU only (no GPU to copy to): the CPU chunk step is measured as above (fp32, not pinned). The GPU numbers are
@@ -170,7 +171,8 @@ def chunk_adam_rate(
     repeat: int = 3,
 ) -> float:
     """Parameters per second of the offload runtime's CPU step of chunks of ``chunk_params``
-    parameters (:func:`_chunk_adam_params_per_s`, under copy traffic on CUDA), at that size rounded
+    parameters (:func:`_chunk_adam_params_per_s`: on the worker thread, under copy traffic and
+    kernel launches on CUDA), at that size rounded
     up to :data:`CHUNK_RATE_GRANULE`; measured once per size, with one progress line, and kept in
     ``device``'s profile file (``"cpu_adam_by_chunk"``), which :func:`measure_machine` makes first.
 
@@ -261,11 +263,14 @@ def _chunk_adam_params_per_s(cuda: bool, n: int, repeat: int) -> float:
     """Parameters per second of the offload runtime's CPU step of one chunk of ``n`` fp32 parameters
     (``runtime/cpu_adam.ChunkAdamW.step_chunk``: AdamW on the fp32 master, then the chunk's new
     compute-dtype working copy; bf16 and pinned when a GPU will fetch it): what the chunks stepped on
-    the CPU cost, measured on the code path that steps them. The median of ``repeat`` steps after a
-    warm-up (training pays every step, not the best one)."""
+    the CPU cost, measured on the code path that steps them, on the runtime's worker thread (its
+    OpenMP team, ``cpu_adam.worker_threads``). On CUDA, as in training, pinned copies run both ways
+    meanwhile (:class:`_CopyLoad`) and this thread launches small CUDA kernels from Python
+    (:func:`_launch_until`: the training loop's share of the CPU). The median of ``repeat`` steps
+    after a warm-up (training pays every step, not the best one)."""
     from protrain_fx.chunks import ParamInfo, pack
     from protrain_fx.runtime.chunk_store import ChunkStore
-    from protrain_fx.runtime.cpu_adam import ChunkAdamW
+    from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 
     p = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32))
     layout = pack([ParamInfo(("w",), 4 * n, "blocks.0", 0)], 4 * n)
@@ -276,19 +281,33 @@ def _chunk_adam_params_per_s(cuda: bool, n: int, repeat: int) -> float:
     load = _CopyLoad(nbytes=min(8 * n, _COPY_LOAD_BYTES)) if cuda else None
     rounds = max(8, -(-64 * n // _COPY_LOAD_BYTES))  # 64 bytes per parameter each way: about the step's length
     times = []
-    for i in range(repeat + 1):  # the first step allocates nothing new but warms the pages
-        store.write_grads({"w": grad})
-        store.wait_grad(0)
-        if load is not None:
-            load.start(rounds)
-        t0 = time.perf_counter()
-        adam.step_chunk(0)
-        elapsed = time.perf_counter() - t0
-        if load is not None:
-            load.stop()
-        if i:
-            times.append(elapsed)
+    with OptimizerWorker(adam.step_chunk) as worker:
+        for i in range(repeat + 1):  # the first step allocates nothing new but warms the pages
+            store.write_grads({"w": grad})
+            store.wait_grad(0)
+            if load is not None:
+                load.start(rounds)
+            busy = worker.busy_s
+            worker.submit(0)
+            if cuda:
+                _launch_until(lambda: not worker.pending(0))
+            worker.wait(0)
+            if load is not None:
+                load.stop()
+            if i:
+                times.append(worker.busy_s - busy)
     return n / max(statistics.median(times), 1e-9)
+
+
+def _launch_until(done: Callable[[], bool]) -> None:
+    """Launch small CUDA kernels from Python on this thread until ``done()``: a stand-in for the
+    training loop (the compiled step's wrapper code, the chunk runtime's hooks) that shares the CPU
+    and the interpreter with the optimizer's worker."""
+    x = torch.zeros(1 << 16, device="cuda")
+    while not done():
+        for _ in range(64):
+            x.add_(1.0)
+        torch.cuda.synchronize()
 
 
 #: Largest buffer of the copy traffic laid under a measured CPU chunk step (:class:`_CopyLoad`).

@@ -528,3 +528,18 @@ def test_buffer_pool_refetches_after_a_step_and_fetches_values_while_a_gradient_
     adam.step_chunk(c)
     assert not torch.equal(pool.acquire(c), values)  # stepped: fetched again
     assert torch.equal(pool.acquire(c), store.flat("working", c))
+
+
+def test_the_worker_leaves_cores_to_the_threads_driving_the_gpu():
+    """Its OpenMP team is the process' less two cores (less one on small machines), at least one,
+    set on the worker's own thread: the caller's count stays."""
+    from protrain_fx.runtime.cpu_adam import worker_threads
+
+    assert [worker_threads(n) for n in (1, 2, 4, 5, 16, 128)] == [1, 1, 3, 3, 14, 126]
+    seen = []
+    before = torch.get_num_threads()
+    with OptimizerWorker(lambda chunk_id: seen.append(torch.get_num_threads())) as worker:
+        worker.submit(0)
+        worker.wait(0)
+        assert worker.threads == worker_threads(before) and seen == [worker.threads]
+    assert torch.get_num_threads() == before

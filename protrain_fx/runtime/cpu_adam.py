@@ -228,8 +228,27 @@ def _slices(
     return [b for b in batches if b]
 
 
+#: Cores the worker's OpenMP team leaves to the threads that drive the GPU (the training loop's
+#: Python, the autograd engine's device thread) when the process has more than twice as many.
+DRIVER_CORES = 2
+
+
+def worker_threads(process_threads: int | None = None) -> int:
+    """OpenMP threads of the CPU optimizer's worker: the process' (``torch.get_num_threads()``) less
+    :data:`DRIVER_CORES` (less one on a machine of at most ``2 * DRIVER_CORES``), at least one.
+
+    Why: a parallel region waits for its slowest thread, and a team spanning every core shares one
+    with the thread launching the GPU's work. On the H200's host (16 cores, 128M-parameter chunk,
+    under pinned copies both ways and a Python thread launching CUDA kernels,
+    ``bench/cpu_adam_contention.py``, 2026-11-30) a step ran at 1.12 G params/s with 16 threads,
+    1.45 with 15, 1.46 with 14 and 1.06 with 8."""
+    n = torch.get_num_threads() if process_threads is None else process_threads
+    return max(1, n - (DRIVER_CORES if n > 2 * DRIVER_CORES else 1))
+
+
 class OptimizerWorker:
-    """Runs ``step_chunk(chunk_id)`` on one background thread, in submission order.
+    """Runs ``step_chunk(chunk_id)`` on one background thread, in submission order, with an OpenMP
+    team of :func:`worker_threads` (the caller's thread count is not changed).
 
     An exception in a step is raised in the caller at the next :meth:`submit`, :meth:`wait` or
     :meth:`wait_all` (with a note naming the chunk), and only once.
@@ -237,8 +256,13 @@ class OptimizerWorker:
 
     def __init__(self, step_chunk: Callable[[int], None]) -> None:
         self._step_chunk = step_chunk
+        #: OpenMP threads of the worker's steps.
+        self.threads = worker_threads()
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="protrain-cpu-adam"
+            max_workers=1,
+            thread_name_prefix="protrain-cpu-adam",
+            initializer=torch.set_num_threads,  # per thread: the caller's count stays
+            initargs=(self.threads,),
         )
         self._pending: dict[int, Future[None]] = {}
         #: Seconds the thread has spent in chunk steps (for overlap breakdowns).
@@ -256,6 +280,11 @@ class OptimizerWorker:
                 f"chunk {chunk_id} submitted again while its last step is still queued or running"
             )
         self._pending[chunk_id] = self._executor.submit(self._step, chunk_id)
+
+    def pending(self, chunk_id: int) -> bool:
+        """Whether the chunk's step is queued or running."""
+        future = self._pending.get(chunk_id)
+        return future is not None and not future.done()
 
     def wait(self, chunk_id: int) -> None:
         """Block until the chunk's queued step (if any) is done."""
