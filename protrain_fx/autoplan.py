@@ -41,8 +41,8 @@ raised them (its measurements and trial placements run inside the user's first c
 of theirs can follow them); otherwise benchmarks and users read them over their own spans, and a
 reset inside their step would lower what they see. So the peak is known only when the step raises
 the process' peak (the usual first step; call ``torch.cuda.reset_peak_memory_stats()`` before it
-after other work peaked higher), and is otherwise logged as not measured. The first step starts without optimizer state (made at the first
-``step()``), and memory outside the step (other tensors, cuBLAS workspaces) is not the plan's: the
+after other work peaked higher), and is otherwise logged as not measured. The first step starts
+without optimizer state (made at the first ``step()``), and memory outside the step (other tensors, cuBLAS workspaces) is not the plan's: the
 step's measured rise above its start is put on the predicted start (parameters, optimizer state,
 inputs) before comparing. The first step also compiles the backward graph, so it can only measure
 high. A measured peak above the plan's allocated cap is a miss: a warning names it, and later plans
@@ -67,8 +67,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch

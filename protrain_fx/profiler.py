@@ -172,9 +172,9 @@ def chunk_adam_rate(
 ) -> float:
     """Parameters per second of the offload runtime's CPU step of chunks of ``chunk_params``
     parameters (:func:`_chunk_adam_params_per_s`: on the worker thread, under copy traffic and
-    kernel launches on CUDA), at that size rounded
-    up to :data:`CHUNK_RATE_GRANULE`; measured once per size, with one progress line, and kept in
-    ``device``'s profile file (``"cpu_adam_by_chunk"``), which :func:`measure_machine` makes first.
+    kernel launches on CUDA), at that size rounded up to :data:`CHUNK_RATE_GRANULE`; measured once
+    per size, with one progress line, and kept in ``device``'s profile file
+    (``"cpu_adam_by_chunk"``), which :func:`measure_machine` makes first.
 
     Why the chunk's own size: a step streams the chunk's master, moments, gradient and working copy
     through host memory, and the rate fell with the size. On the development CPU (32 MiB L3,
