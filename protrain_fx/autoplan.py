@@ -42,9 +42,9 @@ of theirs can follow them); otherwise benchmarks and users read them over their 
 reset inside their step would lower what they see. So the peak is known only when the step raises
 the process' peak (the usual first step; call ``torch.cuda.reset_peak_memory_stats()`` before it
 after other work peaked higher), and is otherwise logged as not measured. The first step starts
-without optimizer state (made at the first ``step()``), and memory outside the step (other tensors, cuBLAS workspaces) is not the plan's: the
-step's measured rise above its start is put on the predicted start (parameters, optimizer state,
-inputs) before comparing. The first step also compiles the backward graph, so it can only measure
+without optimizer state (made at the first ``step()``), and memory outside the step (other
+tensors, cuBLAS workspaces) is not the plan's: the step's measured rise above its start is put on
+the predicted start (parameters, optimizer state, inputs) before comparing. The first step also compiles the backward graph, so it can only measure
 high. A measured peak above the plan's allocated cap is a miss: a warning names it, and later plans
 on that device in this process (a new input shape, or after ``torch._dynamo.reset()``) lower their
 cap by the miss; the graph already compiled keeps its plan (Dynamo has no clean way to make a
