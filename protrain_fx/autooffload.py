@@ -247,16 +247,44 @@ def least_memory_config(model: CostModel) -> Config:
     return Config(0, b, s, c)
 
 
-def choose_offload(record: CapturedGraph, handle: OffloadHandle, trial: Callable[[Plan | None], None]) -> AutoPlan:
+def place_and_analyse(
+    record: CapturedGraph,
+    handle: OffloadHandle,
+    model: CostModel,
+    config: Config,
+    trial: Callable[[Plan | None], None],
+) -> Trial:
+    """Place ``handle``'s chunks with ``config``'s counts, rewrite and analyse the step with its
+    activation plan (``trial``), and return the :class:`Trial`: the cost model's peak and the
+    analysis'. ``record`` is left as of this config."""
+    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
+        handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim)
+    plan = block_plan(model.problem, config)
+    trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+    assert record.memory is not None
+    return Trial(config, model.estimate(config).peak_bytes, record.memory.peak_bytes)
+
+
+def choose_offload(
+    record: CapturedGraph,
+    handle: OffloadHandle,
+    trial: Callable[[Plan | None], None],
+    *,
+    final: bool = True,
+    model: CostModel | None = None,
+) -> AutoPlan:
     """Choose the counts and the activation plan, place ``handle``'s chunks and verify (module
     docstring). ``trial`` is :func:`protrain_fx.autoplan.choose_plan`'s: it partitions and analyses
-    the step with a plan, leaving ``record`` as of that plan."""
+    the step with a plan, leaving ``record`` as of that plan. ``final=False`` (``what_fits``): the
+    chunks stay placed but not final, so that ``handle.unplace()`` can undo them. ``model``: the
+    cost model of the step, when the caller made it after ``trial(None)``."""
     started = time.perf_counter()
     budget = record.config.memory_budget_bytes
     assert budget is not None  # the backend refuses the compile before (backend._check_automatic_offload)
-    trial(None)
     t0 = time.perf_counter()
-    model = offload_cost_model(record, handle, "the offload counts cannot be chosen")
+    if model is None:
+        trial(None)
+        model = offload_cost_model(record, handle, "the offload counts cannot be chosen")
     problem_s = time.perf_counter() - t0
     problem = model.problem
     device = torch.device(record.memory.device)
@@ -268,16 +296,13 @@ def choose_offload(record: CapturedGraph, handle: OffloadHandle, trial: Callable
     trials: list[Trial] = []  # every placement analysed, in order
 
     def run(config: Config) -> Trial:
-        with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
-            handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim)
-        plan = block_plan(problem, config)
-        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
-        t = Trial(config, model.estimate(config).peak_bytes, record.memory.peak_bytes)
+        t = place_and_analyse(record, handle, model, config, trial)
         trials.append(t)
         return t
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
-        handle.finalize()
+        if final:
+            handle.finalize()
         return chosen(record, model, config, how, found, trials, cap=cap, miss=miss,
                       empty_peak_bytes=all_on_device_peak, empty_step_s=model.estimate(everything).step_s,
                       offload=True, problem_s=problem_s, started=started)

@@ -130,7 +130,7 @@ class _Partitioner(CustomPartitionerFn):
             graphs[:] = [partition(_copy_graph_module(joint), check=False)]
 
         if dry_run and handle is not None:
-            answer_offload(record, handle, trial)  # the cost model's answer: no chunk is placed
+            answer_offload(record, handle, trial)  # placed, checked and removed: training's answer
         if dry_run:
             answer(record, trial)  # stops the compile with the report: nothing runs
         if handle is not None:

@@ -146,23 +146,48 @@ def test_a_meta_model_is_initialised_when_the_chunks_are_placed():
     assert losses[-1] < losses[0]
 
 
-def test_what_fits_answers_without_placing_a_chunk_and_matches_the_first_trial():
+def test_what_fits_answers_as_training_chooses_and_leaves_nothing_placed():
+    """``what_fits`` places the chunks to check each config, as training does, and removes them;
+    its config and plan are the ones training then runs, and the minimum it names for a budget too
+    small trains (the cost model's minimum alone did not: 1.03 MB named, 1.84 MB needed)."""
     model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
     report = protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
-    assert report.fits and not report.verified and report.counts["n_chunks"] == len(handle.layout.chunks)
+    assert report.fits and report.counts["n_chunks"] == len(handle.layout.chunks)
     assert 0 < report.counts["n_persist"] < report.counts["n_chunks"] and report.host_chunk_bytes > 0
     assert report.min_budget_bytes < TIGHT and "n_persist=" in str(report)
-    assert handle.automatic and not handle.configured and handle.store is None  # nothing placed
-    # Too small: no plan, and the smallest budget the cost model keeps.
+    assert handle.automatic and not handle.configured and handle.store is None  # nothing stays placed
+    # Too small: no plan, and the smallest budget training keeps.
     small = protrain_fx.what_fits(model, *_batch(0), memory_budget=600_000, options={"codegen": "eager"})
     assert not small.fits and small.plan is None and small.min_budget_bytes > 600_000
-    # Training under the first budget tries the same config first.
+    assert small.min_budget_bytes == report.min_budget_bytes  # the least-memory config's, both times
+    assert handle.automatic and not handle.configured and handle.store is None
+    # Training under the first budget runs the answered config and plan.
     _train_side_by_side(compiled, reference, opt, ref_opt, 1)
-    first = _train_record().auto_plan.trials[0].config
-    assert (first.n_persist, first.n_buffer, first.n_gpu_optim) == (
+    chosen = _train_record().auto_plan
+    assert (chosen.config.n_persist, chosen.config.n_buffer, chosen.config.n_gpu_optim) == (
         report.counts["n_persist"], report.counts["n_buffer"], report.counts["n_gpu_optim"])
+    assert chosen.plan == report.plan
     with pytest.raises(Exception, match="chosen at its first training compile"):
         protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
+
+
+def test_the_minimum_what_fits_names_trains():
+    model, reference, opt, ref_opt, handle, _ = _setup(None)
+    small = protrain_fx.what_fits(model, *_batch(0), memory_budget=600_000, options={"codegen": "eager"})
+    assert not small.fits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="protrain",
+                             options={"codegen": "eager", "memory_budget": small.min_budget_bytes})
+    _train_side_by_side(compiled, reference, opt, ref_opt, steps=2)
+    _assert_same_params(handle, model, reference)
+    # ... and one byte less is refused, naming the same minimum
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    model, reference, opt, ref_opt, handle, compiled = _setup(small.min_budget_bytes - 1)
+    with pytest.raises(Exception) as info:
+        compiled(*_batch(0))
+    error = _no_plan_fits(info.value)
+    assert error is not None and error.min_budget_bytes == small.min_budget_bytes
 
 
 def test_what_fits_refuses_counts_by_hand_before_anything_runs():
