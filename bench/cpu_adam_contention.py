@@ -28,37 +28,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from protrain_fx.chunks import ParamInfo, pack  # noqa: E402
-from protrain_fx.profiler import _COPY_LOAD_BYTES, _CopyLoad  # noqa: E402
+from protrain_fx.profiler import _COPY_LOAD_BYTES, _CopyLoad, _launch_until  # noqa: E402
 from protrain_fx.runtime.chunk_store import ChunkStore  # noqa: E402
 from protrain_fx.runtime.cpu_adam import ChunkAdamW  # noqa: E402
 
 
 class Launcher:
-    """The main thread's share of a training loop: small CUDA kernels launched back to back from
-    Python (the compiled step's wrapper code), until stopped."""
+    """The training loop's share of the CPU (``profiler._launch_until``: small CUDA kernels launched
+    from Python) on a thread of its own, until the ``with`` block ends."""
 
     def __init__(self) -> None:
-        self.cuda = torch.cuda.is_available()
-        self.x = torch.zeros(1 << 16, device="cuda" if self.cuda else "cpu")
         self.stop = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            for _ in range(64):
-                self.x.add_(1.0)
-            if self.cuda:
-                torch.cuda.synchronize()
+        self.thread = threading.Thread(target=_launch_until, args=(self.stop.is_set,))
 
     def __enter__(self) -> Launcher:
-        self.stop.clear()
-        self.thread = threading.Thread(target=self._run)
         self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        assert self.thread is not None
         self.thread.join()
 
 
@@ -66,12 +54,12 @@ def rate(n: int, repeats: int, threads: int | None, copies: bool, launcher: bool
          slice_elems: int | None = None, switch_s: float | None = None) -> float:
     p = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32))
     layout = pack([ParamInfo(("w",), 4 * n, "blocks.0", 0)], 4 * n)
-    store = ChunkStore(layout, {"w": p}, compute_dtype=torch.bfloat16, pin_memory=torch.cuda.is_available())
+    store = ChunkStore(layout, {"w": p}, compute_dtype=torch.bfloat16, pin_memory=True)
     adam = ChunkAdamW(store, torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True), {"w": p})
     if slice_elems is not None:
         adam.slice_elems = slice_elems
     grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
-    load = _CopyLoad(nbytes=min(8 * n, _COPY_LOAD_BYTES)) if copies and torch.cuda.is_available() else None
+    load = _CopyLoad(nbytes=min(8 * n, _COPY_LOAD_BYTES)) if copies else None
     rounds = max(8, -(-64 * n // _COPY_LOAD_BYTES))
     pool = ThreadPoolExecutor(max_workers=1)
     if threads is not None:
@@ -113,6 +101,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("cpu_adam_contention.py measures beside a GPU's copies and launches: run it on the GPU machine")
     cores = os.cpu_count() or 1
     counts = sorted({None, max(1, cores - 1), max(1, cores - 2), max(1, cores // 2)}, key=lambda c: -(c or cores + 1))
     rows = []
