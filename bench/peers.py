@@ -438,6 +438,8 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
                                    host_store_bytes=handle.store.host_bytes() if handle.store else 0,
                                    host_bytes_per_param=handle.host_bytes_per_param())
         worker, device_adam = handle.worker, handle.device_adam
+        if cuda and device_adam is not None and device_adam.timing is None:
+            device_adam.timing = []  # time each device step (runtime/device_adam.py)
         if events:
             events[1].record()
         loss.backward()
@@ -449,6 +451,10 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
             events[3].record()
             events[3].synchronize()
             busy = worker.busy_s if worker else 0.0
+            # device steps still running are reported with the next step (no sync to perturb it)
+            timing = (device_adam.timing or []) if device_adam else []
+            n_done = next((i for i, t in enumerate(timing) if not t[2].query()), len(timing))  # in stream order
+            timed = timing[:n_done]
             info["breakdown"].append({
                 "forward_s": events[0].elapsed_time(events[1]) / 1e3,
                 "backward_s": events[1].elapsed_time(events[2]) / 1e3,
@@ -458,7 +464,11 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
                 "device_optimizer_wait_s": (device_adam.wait_s if device_adam else 0.0) - last_wait[0],
                 # backward's thread waiting for a lean chunk's gradient landing buffer
                 "landing_wait_s": handle.landing_wait_s - last_landing[0],
+                # each device step: chunk, seconds from its first copy in to its last copy out, and
+                # when it started after this step's backward started
+                "device_steps": [(c, a.elapsed_time(b) / 1e3, events[1].elapsed_time(a) / 1e3) for c, a, b in timed],
             })
+            del timing[:n_done]
             last_landing[0] = handle.landing_wait_s
             last_busy[0] = busy
             last_wait[0] = device_adam.wait_s if device_adam else 0.0

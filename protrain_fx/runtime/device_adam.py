@@ -63,6 +63,10 @@ class DeviceAdamW:
         #: Seconds the landing thread waited in :meth:`make_room`.
         self.wait_s = 0.0
         self._in_flight: list[torch.cuda.Event] = []
+        #: Set to a list to time the steps (CUDA only): each step appends (chunk, start, done) CUDA
+        #: timing events, start recorded on the load stream before its first copy, done after its
+        #: last copy back. A benchmark reads and clears it; ``None`` (default) records nothing.
+        self.timing: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
         self._load = torch.cuda.Stream(self.device) if self.cuda else None
         self._work = torch.cuda.Stream(self.device) if self.cuda else None
 
@@ -112,6 +116,10 @@ class DeviceAdamW:
                 self._work.wait_event(read)  # a fetch may still be reading the working copy
             for g in flat.values():
                 g.record_stream(self._work)
+            timed = self.timing is not None
+            if timed:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self._load)
         else:
             store.before_host_write(chunk_id)
         for group in sorted({adam.group_of(s) for s in flat}):
@@ -123,8 +131,10 @@ class DeviceAdamW:
                 self._step_slice(batch, owner, flat, host, fused, hyper)
         self.chunk_steps += 1
         if self.cuda:
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=timed)
             done.record(self._work)
+            if timed:
+                self.timing.append((chunk_id, start, done))
             store.note_host_write(chunk_id, done)
             self._in_flight.append(done)
         else:
