@@ -51,7 +51,8 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   gradients are not offloaded (their buffers are free when their backward step ends); when a chunk's
   last gradient is made, its step is issued: ``n_params * (4 + adam_state_bytes_per_param)`` bytes
   (fp32 master and moments) enter the H2D queue and, starting with them, the same plus the chunk's
-  working copy (``bytes``) the D2H queue, both at the shared rate (the two directions run at once);
+  working copy (``bytes``) the D2H queue, both at the shared rate (the two directions run at once),
+  or at :attr:`MachineProfile.device_step_bytes_per_s` where that was measured;
   the chunk is updated when both end (that is its ``adam_done``). At most
   :data:`DEVICE_STEPS_IN_FLIGHT` steps run at once: issuing one more waits for the oldest, and the
   GPU stream waits with it (the thread that issues GPU work is the one blocked). The link-sharing of
@@ -100,7 +101,10 @@ _Forward = tuple[list[float], list[float], list[float], float, float, float]
 @dataclass(frozen=True, kw_only=True)
 class MachineProfile:
     """Rates of the machine. ``duplex_bytes_per_s`` is the total when both copy directions run at once;
-    ``gpu_bytes`` is the device's memory (informational: the search takes its budget separately)."""
+    ``gpu_bytes`` is the device's memory (informational: the search takes its budget separately).
+    ``device_step_bytes_per_s``: the rate, each way, of an offloaded chunk's optimizer step streamed
+    through the GPU (``runtime/device_adam.py``) as measured beside the CPU optimizer; 0 = not
+    measured, the shared copy rate (``min(one-way, duplex / 2)``) stands in."""
 
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
@@ -108,13 +112,17 @@ class MachineProfile:
     cpu_adam_params_per_s: float
     gpu_adam_params_per_s: float
     gpu_bytes: int = 0
+    device_step_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name != "gpu_bytes" and not (_is_number(v) and v > 0):
+            if f.name not in ("gpu_bytes", "device_step_bytes_per_s") and not (_is_number(v) and v > 0):
                 raise ValueError(f"MachineProfile: {f.name}={v!r} must be a positive number (inf allowed)")
         _check_count("MachineProfile", "gpu_bytes", self.gpu_bytes)
+        v = self.device_step_bytes_per_s
+        if not (_is_number(v) and v >= 0):
+            raise ValueError(f"MachineProfile: device_step_bytes_per_s={v!r} must be a number >= 0 (0: not measured)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -401,6 +409,8 @@ class CostModel:
         self._gpu_before = [sum(self.gpu_adam_s[:k]) for k in range(len(p.chunks) + 1)]  # GPU Adam of chunks < k
         h2d_shared = min(m.h2d_bytes_per_s, m.duplex_bytes_per_s / 2)
         d2h_shared = min(m.d2h_bytes_per_s, m.duplex_bytes_per_s / 2)
+        if m.device_step_bytes_per_s:  # measured: the steps' copies and the CPU step share the host
+            h2d_shared = d2h_shared = m.device_step_bytes_per_s
         self.dev_in_s = [x / h2d_shared for x in self.dev_in_bytes]
         self.dev_out_s = [x / d2h_shared for x in self.dev_out_bytes]
 

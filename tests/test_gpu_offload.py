@@ -155,3 +155,13 @@ def test_the_cpu_optimizer_runs_during_backward_and_a_worker_failure_surfaces():
         compiled(*_batch(1)).backward()
         opt.step()
         handle.synchronize()
+
+
+def test_the_measured_device_step_rate_is_bounded_by_the_link():
+    # The profiler streams chunks' optimizer steps through the GPU beside the CPU step; each step
+    # copies 14 bytes per parameter out, so no rate above the link's one-way rate is believable.
+    from protrain_fx import profiler
+
+    rate = profiler._device_step_bytes_per_s(16 * 2**20, chunks=2, repeat=1)
+    h2d, d2h, duplex = profiler._cuda_copy_rates(torch.device("cuda"), 64 * 2**20, 2)
+    assert 0.1 * duplex / 2 < rate <= 1.1 * d2h, (rate, d2h, duplex)
