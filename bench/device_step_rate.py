@@ -11,7 +11,10 @@ the last copy out:
 * ``alone``: nothing else runs;
 * ``cpu``: the CPU optimizer's worker steps another chunk of the same size meanwhile, as it does in
   training (it reads and writes the host store the copies read and write);
-* ``cpu_launch``: and this thread launches small kernels until the steps end (the training loop).
+* ``cpu_launch``: and this thread launches small kernels until the steps end (the training loop);
+* ``cpu_matmul``: the CPU step, and bf16 matrix products on the default stream fill the SMs, as
+  backward's kernels do; ``cpu_matmul_low``: the same with the steps' update kernels on a stream of
+  normal priority (the runtime gives it high priority).
 
 Beside them, the raw link: one pinned copy of the bytes a step moves in (master and moments, 12
 bytes per parameter) and one of those it moves out (14), on two streams at once. The cost model
@@ -68,7 +71,15 @@ def main() -> None:
     grads = {w: torch.full((n,), 1e-3, dtype=torch.bfloat16, device="cuda") for w in names[:k]}
     cpu_grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
 
-    def round_(cpu: bool, launch: bool) -> dict:
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+
+    def matmuls_until(done) -> None:
+        while not done():
+            for _ in range(4):
+                x @ x
+            torch.cuda.current_stream().synchronize()
+
+    def round_(cpu: bool, launch: bool, matmul: bool = False) -> dict:
         torch.cuda.synchronize()
         dev.timing.clear()
         with OptimizerWorker(adam.step_chunk) as worker:
@@ -83,6 +94,8 @@ def main() -> None:
             issued = time.perf_counter() - t
             if launch:
                 _launch_until(lambda: dev.timing[-1][2].query())
+            if matmul:
+                matmuls_until(lambda: dev.timing[-1][2].query())
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
             cpu_left = worker.pending(k) if cpu else False
@@ -94,9 +107,14 @@ def main() -> None:
 
     out: dict = {"params": n, "chunks": k, "store_setup_s": setup_s, "device": torch.cuda.get_device_name()}
     round_(False, False)  # warm-up: staging sets, pages
-    for name, cpu, launch in (("alone", False, False), ("cpu", True, False), ("cpu_launch", True, True)):
-        runs = [round_(cpu, launch) for _ in range(args.repeat)]
+    high = dev._work
+    for name, cpu, launch, matmul in (("alone", False, False, False), ("cpu", True, False, False),
+                                      ("cpu_launch", True, True, False), ("cpu_matmul", True, False, True),
+                                      ("cpu_matmul_low", True, False, True)):
+        dev._work = torch.cuda.Stream() if name.endswith("_low") else high
+        runs = [round_(cpu, launch, matmul) for _ in range(args.repeat)]
         out[name] = {"median_params_per_s": statistics.median(r["params_per_s"] for r in runs), "runs": runs}
+    dev._work = high
     out["raw"] = _raw_link(n)
     torch.cuda.empty_cache()
     m = measure_machine("cuda")
@@ -107,7 +125,7 @@ def main() -> None:
     out["model_step_s"] = out_b / m.device_step_bytes_per_s if m.device_step_bytes_per_s else out["link_step_s"]
     text = json.dumps(out, indent=1)
     print(text)
-    for name in ("alone", "cpu", "cpu_launch"):
+    for name in ("alone", "cpu", "cpu_launch", "cpu_matmul", "cpu_matmul_low"):
         rate = out[name]["median_params_per_s"]
         print(f"{name:>10}: {rate / 1e9:.2f} G params/s, {n / rate * 1e3:.1f} ms per chunk (cost model "
               f"{out['model_step_s'] * 1e3:.1f} ms; at the shared link rate {out['link_step_s'] * 1e3:.1f})", file=sys.stderr)
