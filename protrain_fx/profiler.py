@@ -314,10 +314,11 @@ def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
     parameters one after another, bf16 working copies, pinned store): the bytes a step copies out
     (fp32 master and moments, the new working copy: 14 per parameter) over the time from the first
     step's first copy in to the last step's last copy out, CUDA events, the median of ``repeat``
-    after a warm-up. Meanwhile the CPU optimizer's worker steps another chunk of ``n`` over and over,
-    and this thread launches kernels (:func:`_launch_until`), as in training: B24 4.2B's device
-    steps moved 14 bytes per parameter at 38 GB/s beside the CPU step, where one copy out alone ran
-    at 54 and both ways at once at 48 each (H200, 2026-11-30)."""
+    after a warm-up. Meanwhile, as in backward, the CPU optimizer's worker steps another chunk of
+    ``n`` over and over and this thread keeps the SMs busy with matrix products
+    (:func:`_matmuls_until`): B24 4.2B's device steps moved 14 bytes per parameter at 38 GB/s in
+    backward, where one copy out alone ran at 54 and both ways at once at 48 each, and this
+    measurement without the products read 44 (H200, 2026-11-30)."""
     from protrain_fx.chunks import ParamInfo, pack
     from protrain_fx.runtime.chunk_store import ChunkStore
     from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
@@ -354,13 +355,24 @@ def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
                 keep_cpu_busy()
                 return last.query()
 
-            _launch_until(done)
+            _matmuls_until(done)
             if i:
                 spans.append(steps.timing[0][1].elapsed_time(last) / 1e3)
             worker.wait_all()
     del steps, grad
     torch.cuda.empty_cache()
     return chunks * n * 14 / max(statistics.median(spans), 1e-9)
+
+
+def _matmuls_until(done: Callable[[], bool], size: int = 8192) -> None:
+    """Run bf16 matrix products of ``size`` x ``size`` (about 1.5 ms each on the H200, as long as
+    B24 4.2B's backward products) on this thread's stream until ``done()``: a stand-in for backward's
+    kernels, which hold the SMs that the device steps' update kernels queue for."""
+    x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    while not done():
+        for _ in range(4):
+            torch.mm(x, x)
+        torch.cuda.current_stream().synchronize()
 
 
 def _launch_until(done: Callable[[], bool]) -> None:

@@ -4,10 +4,17 @@ The CPU steps offloaded chunks at about 2.4 G params/s (bf16 compute, ``cpu_adam
 chunks of backward -- the first of the next forward -- are stepped last, so forward waits for them.
 :class:`DeviceAdamW` steps such a chunk on the GPU instead: its fp32 master and both moments are
 copied from the host store in slices into a small set of device staging buffers (on one copy
-stream), updated there by torch's fused GPU kernel with the gradient still on the device, and the
-new master, moments and working copy are copied back (on another stream, so both directions of the
-link run at once). That moves 12 bytes per parameter in and 14 out, at the link's speed, and keeps
-the CPU free for the chunks it steps.
+stream), updated there by torch's fused GPU kernel with the gradient still on the device (on a
+second stream), and the new master, moments and working copy are copied back (on a third, so both
+directions of the link run at once and a slice's copies out do not wait behind the next slice's
+update). That moves 12 bytes per parameter in and 14 out, at the link's speed, and keeps the CPU
+free for the chunks it steps.
+
+Why three streams and three sets: the update kernels queue for the SMs behind backward's matrix
+products. With the copies out on the update's stream and two sets, every slice's copy out waited
+for that queue and the link idled: 226M-parameter chunks stepped in 105 ms beside bf16 8192^2
+matrix products against 70 ms beside nothing (``bench/device_step_rate.py``, H200, 2026-11-30; a
+high stream priority did not help: 106 ms without it).
 
 Everything is issued from the thread that lands the gradient, without blocking it: the chunk's host
 buffers are marked as written until the last copy ends (:meth:`ChunkStore.note_host_write`), which
@@ -29,12 +36,13 @@ import torch
 from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot
 from protrain_fx.runtime.cpu_adam import ChunkAdamW, _slices
 
-#: Elements per staging slice on a GPU: 2 sets x 8M x 18 bytes (fp32 master, moments, gradient and
-#: the compute-dtype working copy) = 288 MiB of device memory, 96 MiB in per slice -- about 2 ms at
+#: Elements per staging slice on a GPU: 3 sets x 8M x 18 bytes (fp32 master, moments, gradient and
+#: the compute-dtype working copy) = 432 MiB of device memory, 96 MiB in per slice -- about 2 ms at
 #: the link's speed, far above the launch costs of one slice.
 DEVICE_SLICE_ELEMS = 1 << 23
-#: Staging sets: one being filled while the other is updated and drained.
-N_SETS = 2
+#: Staging sets: one being filled, one drained, and one between them whose update may wait for the
+#: SMs without stalling the link.
+N_SETS = 3
 #: Device steps in flight at most: a chunk's gradient buffer lives until its step is done, so the
 #: thread landing gradients waits (:meth:`DeviceAdamW.make_room`) before a third one is made. The
 #: memory analysis counts exactly that many (``passes/memory.py``, ``grad_staging``); on the H200 the
@@ -68,10 +76,9 @@ class DeviceAdamW:
         #: last copy back. A benchmark reads and clears it; ``None`` (default) records nothing.
         self.timing: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
         self._load = torch.cuda.Stream(self.device) if self.cuda else None
-        # High priority: a slice's copies out wait for its update kernels, which otherwise queue
-        # behind backward's kernels for the SMs while the link idles. In B24 4.2B's backward the
-        # steps reached 38 GB/s each way, 44 with nothing else on the GPU (H200, 2026-11-30).
+        # High priority: the update kernels are short and gate the copies out (the module docstring).
         self._work = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
+        self._drain = torch.cuda.Stream(self.device) if self.cuda else None
 
     @property
     def staging_bytes(self) -> int:
@@ -116,7 +123,7 @@ class DeviceAdamW:
             if (write := store.pending_write(chunk_id)) is not None:
                 self._load.wait_event(write)  # the chunk's last device step is still writing
             if (read := store.read_event(chunk_id)) is not None:
-                self._work.wait_event(read)  # a fetch may still be reading the working copy
+                self._drain.wait_event(read)  # a fetch may still be reading the working copy
             for g in flat.values():
                 g.record_stream(self._work)
             timed = self.timing is not None
@@ -135,7 +142,7 @@ class DeviceAdamW:
         self.chunk_steps += 1
         if self.cuda:
             done = torch.cuda.Event(enable_timing=timed)
-            done.record(self._work)
+            done.record(self._drain)
             if timed:
                 self.timing.append((chunk_id, start, done))
             store.note_host_write(chunk_id, done)
@@ -151,7 +158,7 @@ class DeviceAdamW:
         for a, b, step in batch:
             ranges.append((a, b, pos, owner[id(step)]))
             pos += b - a
-        load, work = self._load, self._work
+        load, work, drain = self._load, self._work, self._drain
         with _on(load):
             if self.cuda and self._free[k] is not None:
                 load.wait_event(self._free[k])  # the set's last slice is drained
@@ -178,12 +185,15 @@ class DeviceAdamW:
             if "working" in host:
                 for a, b, p, _ in ranges:
                     st["working"][p : p + b - a].copy_(st["master"][p : p + b - a])
+        if self.cuda:
+            drain.wait_stream(work)
+        with _on(drain):
             for kind in host:
                 for a, b, p, _ in ranges:
                     host[kind][a:b].copy_(st[kind][p : p + b - a], non_blocking=self.cuda)
             if self.cuda:
                 event = torch.cuda.Event()
-                event.record(work)
+                event.record(drain)
                 self._free[k] = event
 
     def _device_step(self, slot: ParamSlot, step: torch.Tensor) -> torch.Tensor:
