@@ -6,7 +6,8 @@ For each ``protrain_offload[auto]`` run in the given ``bench/peers.py`` JSON fil
 step (replayed from the run's dumped ``Problem``) against the measured median step, per phase
 (forward, backward from CUDA events; the CPU worker's busy time), and the CPU Adam rate the worker
 reached in training (the parameters the config steps on the CPU over its median busy time) against
-the rate the profile measured. Then the step replayed with that in-training rate. With
+the rate the profile measured; the device steps' measured time against the cost model's, where the run
+timed them. Then the step replayed with that in-training rate. With
 ``--search``, also the config the search picks with the in-training rate (same budget and cap, and
 with the cap raised by 3 GiB as ``autoplan.raised_choice`` could). Every replay is a prediction:
 nothing here was measured with the replayed config.
@@ -48,6 +49,14 @@ def main() -> None:
                   f"{c.n_checkpoint}/{c.n_gpu_optim} of {len(problem.chunks)}: step {est.step_s * 1e3:.0f} ms predicted, "
                   f"{step * 1e3:.0f} measured ({100 * (est.step_s / step - 1):+.1f}%); forward {est.fwd_s * 1e3:.0f} / "
                   f"{med['forward_s'] * 1e3:.0f}, backward {est.bwd_s * 1e3:.0f} / {med['backward_s'] * 1e3:.0f} ms")
+            device_steps = [d for s in steps for _, d, _ in s.get("device_steps", [])]
+            if device_steps:  # timed since the ninth session (DeviceAdamW.timing)
+                model = CostModel(problem)
+                stepped = range(c.n_persist, c.n_persist + c.n_gpu_optim)
+                print(f"    device steps: {statistics.median(device_steps) * 1e3:.1f} ms measured (median of "
+                      f"{len(device_steps)}), {statistics.median(model.dev_out_s[k] for k in stepped) * 1e3:.1f} "
+                      f"predicted per chunk (rate {problem.machine.device_step_bytes_per_s / 1e9:.1f} GB/s measured "
+                      f"by the profiler; 0: the shared link rate)")
             cpu_params = est.cpu_adam_s * problem.machine.cpu_adam_params_per_s
             if not cpu_params or not med["cpu_optimizer_busy_s"]:
                 continue
