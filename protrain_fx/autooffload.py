@@ -53,7 +53,17 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from protrain_fx.autoplan import _PEAK_MISSES, AutoPlan, Trial, chosen, machine_profile, verified_choice, widened
+from protrain_fx.autoplan import (
+    _PEAK_MISSES,
+    AutoPlan,
+    Trial,
+    chosen,
+    judged_peak,
+    judged_trial,
+    machine_profile,
+    verified_choice,
+    widened,
+)
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.cost import Config, CostModel, MachineProfile, Problem, block_plan
 from protrain_fx.machine import machine_for
@@ -111,7 +121,7 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     N = model.n_blocks
     configs = [Config(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
     empty = configs[0]
-    empty_peak = record.memory.peak_bytes
+    empty_peak, _ = judged_peak(record)
     trials: list[Trial] = []
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
@@ -134,7 +144,7 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     def run(config: Config) -> Trial:
         plan = block_plan(model.problem, config)
         trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
-        t = Trial(config, model.estimate(config).peak_bytes, record.memory.peak_bytes)
+        t = judged_trial(record, config, model.estimate(config).peak_bytes)
         trials.append(t)
         return t
 
@@ -256,13 +266,13 @@ def place_and_analyse(
 ) -> Trial:
     """Place ``handle``'s chunks with ``config``'s counts, rewrite and analyse the step with its
     activation plan (``trial``), and return the :class:`Trial`: the cost model's peak and the
-    analysis'. ``record`` is left as of this config."""
+    analysis' (``autoplan.judged_peak``: or Inductor's plan's, with ``verify="inductor"``). ``record``
+    is left as of this config."""
     with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
         handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim)
     plan = block_plan(model.problem, config)
     trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
-    assert record.memory is not None
-    return Trial(config, model.estimate(config).peak_bytes, record.memory.peak_bytes)
+    return judged_trial(record, config, model.estimate(config).peak_bytes)
 
 
 def choose_offload(

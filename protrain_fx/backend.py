@@ -27,8 +27,8 @@ from protrain_fx.autoplan import choose_plan, peaks_at_compile_start, specialize
 from protrain_fx.fit import answer, answer_offload
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
-from protrain_fx.passes.memory import StepGraphs
-from protrain_fx.passes.inductor_memory import read_inductor_plan
+from protrain_fx.passes.memory import MemoryAnalysis, StepGraphs, _output_args
+from protrain_fx.passes.inductor_memory import analyze_inductor_memory, read_inductor_plan
 from protrain_fx.pipeline import (
     check_budget,
     reads_hand_offloaded,
@@ -129,6 +129,9 @@ class _Partitioner(CustomPartitionerFn):
             record.swapped = []
             graphs[:] = [partition(_copy_graph_module(joint), check=False)]
 
+        if user_config.verify == "inductor" and user_config.codegen == "inductor":
+            record.probe_inductor = lambda: _probe_inductor(record)
+
         if dry_run and handle is not None:
             answer_offload(record, handle, trial)  # placed, checked and removed: training's answer
         if dry_run:
@@ -143,6 +146,7 @@ class _Partitioner(CustomPartitionerFn):
             log.info("protrain_fx: graph %d has no transformer blocks: no activation plan to choose", record.index)
         else:
             log.info("protrain_fx: %s", record.auto_plan.table(record.index))
+        record.probe_inductor = None
         if record.config.codegen == "eager":
             check_budget(record)  # with Inductor: once its allocation plan is known
         return graphs[0]
@@ -246,6 +250,74 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
     # A warm AOTAutograd cache would skip partitioning, and with it our passes.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _probe_inductor(record: CapturedGraph) -> MemoryAnalysis | None:
+    """The memory analysis of Inductor's allocation plans for the step now in ``record`` (one plan
+    the backend tries, ``verify="inductor"``), lowered as the compile lowers it: copies of both
+    graphs through ``compile_fx_inner`` with the compile's own settings (static inputs: the model
+    state in forward, the tangents in backward; the saved values AOTAutograd donates to backward,
+    whose storage Inductor reuses; chunk buffers never reused). ``None`` (with a warning) when it
+    cannot be done: the graph-level analysis judges then."""
+    from types import SimpleNamespace
+
+    from torch._functorch._aot_autograd.graph_compile import collect_bw_donated_buffer_idxs
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner, count_tangents
+
+    step = record.step
+    if step is None or step.backward is None:
+        return None
+    try:
+        # Inductor rewrites the graphs it lowers: copies (node values shared, so storages match)
+        forward, backward = _copy_graph_module(step.forward), _copy_graph_module(step.backward)
+        probe_step = dataclasses.replace(step, forward=forward, backward=backward)
+        outputs = _output_args(forward)
+        saved = outputs[step.num_user_outputs:]
+        if not all(isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor) for v in saved):
+            return None  # saved sizes (dynamic shapes): the donation indices would shift
+        donated = collect_bw_donated_buffer_idxs(forward, backward, SimpleNamespace(
+            num_forward=step.num_user_outputs, tensors_saved_for_backwards_slice=slice(step.num_user_outputs, None),
+            num_symints_saved_for_bw=0))
+        placeholders = [n.name for n in forward.graph.nodes if n.op == "placeholder"]
+        plans = {}
+        for phase, gm in (("forward", forward), ("backward", backward)):
+            inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+            out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+            if phase == "forward":  # as compile_fx_forward / compile_fx_backward mark them
+                static = [i for i, name in enumerate(placeholders) if name in step.state_inputs]
+                out.meta["user_visible_output_idxs"] = [i for i in range(step.num_user_outputs)
+                                                        if isinstance(outputs[i], fx.Node)]
+            else:
+                static = list(range(count_tangents(gm)))
+                out.meta["user_visible_output_idxs"] = [
+                    i for i, v in enumerate(_output_args(gm)) if isinstance(v, fx.Node)
+                ] if inductor_config.bw_outputs_user_visible else []
+            context = TracingContext(detect_fake_mode(inputs))
+            context.fw_metadata = SimpleNamespace(bw_donated_idxs=donated)
+            lowered: dict[str, Any] = {}
+
+            def remember(nodes: list[Any], lowered: dict[str, Any] = lowered) -> list[Any]:
+                from torch._inductor.virtualized import V
+
+                lowered["graph"] = V.graph
+                _keep_chunk_buffers(nodes, V.graph)
+                return nodes
+
+            patches: dict[str, Any] = {"_post_fusion_custom_pass": _Picklable(remember), "fx_graph_cache": False}
+            if record.config.keep_node_order:
+                patches["reorder_for_peak_memory"] = False
+            with tracing(context), inductor_config.patch(patches):
+                compile_fx_inner(gm, inputs, is_backward=phase == "backward", static_input_idxs=static)
+            plans[phase] = read_inductor_plan(lowered["graph"], phase)
+        return analyze_inductor_memory(probe_step, plans,
+                                       optimizer_states_per_param=record.config.optimizer_states_per_param,
+                                       label=f"graph {record.index} (Inductor, a plan tried)")
+    except Exception as e:  # noqa: BLE001 -- a failed check must not fail the compile
+        log.warning("protrain_fx: lowering a plan with Inductor to check its memory failed (%s: %s); the "
+                    "graph-level analysis judges it", type(e).__name__, e)
+        return None
 
 
 def _keep_chunk_buffers(nodes: list[Any], graph: Any) -> None:

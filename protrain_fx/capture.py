@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -71,6 +71,10 @@ class CapturedGraph:
     swapped: list["SwappedValue"] = field(default_factory=list)
     #: Chunks of offloaded parameters gathered per graph (``passes/gather.py``).
     gathered: list[Any] = field(default_factory=list)
+    #: With ``verify="inductor"``, set by the partitioner while the backend chooses a plan: lowers
+    #: the graphs of the plan now in ``step`` with Inductor and returns the analysis of its
+    #: allocation plans, or ``None`` when that could not be done (``backend._probe_inductor``).
+    probe_inductor: "Callable[[], MemoryAnalysis | None] | None" = None
     #: The activation plan the backend chose from the memory budget, with its prediction
     #: (``protrain_fx.autoplan``); ``None`` without a budget, with a plan by hand or offloaded parameters.
     auto_plan: "AutoPlan | None" = None

@@ -555,3 +555,45 @@ def test_widened_moves_a_negative_reserve_into_the_budget():
     assert autoplan.widened(100, 10) == (100, 10)
     assert autoplan.widened(100, -10) == (110, 0)
     assert autoplan.widened(100, 0) == (100, 0)
+
+
+def test_verify_inductor_judges_plans_by_inductors_own_allocation_plan():
+    # A step whose loss Inductor computes without storing the fp32 logits-sized values the graph
+    # analysis counts (8192-token vocabulary): at a budget between the two peaks, verify="inductor"
+    # keeps the step as it is, with the peak it then compiles to, and the graph-level judge refuses.
+    cfg = gpt_config("tiny", n_layer=2, vocab_size=8192, block_size=128)
+    batch = random_batch(cfg, 4, 128, generator=torch.Generator().manual_seed(0))
+
+    def step(options):
+        protrain_fx.reset()
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        loss = torch.compile(model, backend="protrain", options=options)(*batch)
+        loss.backward()
+        (rec,) = protrain_fx.captured_graphs()
+        return rec, {n: p.grad for n, p in model.named_parameters()}
+
+    plain, grads = step({"auto_plan": False})
+    inductor_peak, graph_peak = plain.memory.peak_bytes, plain.memory_unfused.peak_bytes
+    budget = pipeline.budget_for_peak(inductor_peak)
+    assert graph_peak > pipeline.allocated_cap_bytes(budget) >= inductor_peak
+
+    judged, judged_grads = step({"memory_budget": budget, "verify": "inductor"})
+    assert judged.auto_plan.how == "fits as is" and judged.probe_inductor is None
+    assert judged.memory.peak_bytes == inductor_peak  # the compile's own plan: what the check read
+    for name, g in grads.items():
+        torch.testing.assert_close(judged_grads[name], g, rtol=0, atol=0, msg=name)
+
+    # the graph-level judge refuses that budget: even its plan of least memory is above the cap
+    with pytest.raises(Exception, match="no activation plan fits") as refused:
+        step({"memory_budget": budget})
+    assert refused.value.inner_exception.min_budget_bytes > budget
+
+
+def test_verify_accepts_graph_and_inductor_only():
+    from protrain_fx.config import parse_options
+
+    assert parse_options(None).verify == "graph"
+    assert parse_options({"verify": "inductor"}).verify == "inductor"
+    with pytest.raises(ValueError, match="option 'verify': got 'fx'; accepted: 'graph', 'inductor'"):
+        parse_options({"verify": "fx"})
