@@ -268,12 +268,13 @@ def base_system(system: str) -> str:
 
 def parse_offload_spec(spec: str) -> tuple[int | str, int | str, str, int | str, int | str]:
     """``"persist=2,buffer=3,gpu_optim=1,lean=4,checkpoint=all"`` → ``(2, 3, "checkpoint=all", 1, 4)``;
-    ``"auto"`` → ``("auto", "auto", "", "auto", "auto")`` (the backend chooses, for the device's cap):
+    ``"auto"`` → ``("auto", "auto", "", "auto", "auto")`` (the backend chooses, for the device's cap;
+    ``auto:inductor`` in ``--offload``: the same with ``options={"verify": "inductor"}``):
     the chunks kept on the GPU, the GPU chunk buffers, the activation plan (``swap=``/``checkpoint=``
     counts, as ``--plan``; empty: none), the offloaded chunks stepped on the GPU and the lean chunks
     (no host bf16 copy; a number or ``auto``, the library's default). ``buffer`` is required;
     ``persist`` and ``gpu_optim`` default to 0."""
-    if spec.strip() == "auto":  # the backend chooses the counts and the plan (protrain_fx/autooffload.py)
+    if spec.strip() in ("auto", "auto:inductor"):  # the backend chooses the counts and the plan (autooffload.py)
         return "auto", "auto", "", "auto", "auto"
     counts: dict[str, int | str] = {"persist": 0, "gpu_optim": 0, "lean": "auto"}
     rest = []
@@ -380,6 +381,9 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
     import protrain_fx
     from protrain_fx.backend import register
 
+    verify = None
+    if spec.strip() == "auto:inductor":  # plans judged by Inductor's allocation plan (option "verify")
+        spec, verify = "auto", "inductor"
     n_persist, n_buffer, plan_spec, n_gpu_optim, n_lean = parse_offload_spec(spec)
     cuda = device == "cuda"
     cap = torch.cuda.get_device_properties(0).total_memory if cuda else 0
@@ -408,7 +412,7 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
         torch.cuda.empty_cache()  # the initial fp32 weights of the offloaded chunks are gone
         torch.cuda.reset_peak_memory_stats()
     register()
-    options = {}
+    options = {"verify": verify} if verify else {}
     info: dict = {"offload": {"n_persist": n_persist, "n_buffer": n_buffer, "n_gpu_optim": n_gpu_optim,
                               "n_lean": handle.n_lean, "n_lean_asked": n_lean, "built_on": where,
                               "chunks": len(handle.layout.chunks), "chunk_bytes": handle.layout.chunk_bytes,
