@@ -93,3 +93,32 @@ def test_budget_below_the_empty_step_runs_a_plan_measured_within_10_percent():
     assert check is not None, "first step not measured"
     assert abs(check.error_pct) < 10, check.line()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=0)
+
+
+def test_verify_inductor_keeps_a_step_the_graph_analysis_refuses_and_it_fits():
+    # The loss over a 50304-token vocabulary: the graph-level analysis counts fp32 logits-sized
+    # values that Inductor never stores. At a budget between the two predictions, verify="inductor"
+    # keeps the step as it is (judged by the plan Inductor compiles), and the measured first step
+    # must then fit under the cap.
+    global CONFIG
+    saved, CONFIG = CONFIG, gpt_config("125M", n_layer=2, vocab_size=50304)
+    try:
+        _, _, plain = _run({"auto_plan": False}, steps=1)
+        inductor_peak, graph_peak = plain.memory.peak_bytes, plain.memory_unfused.peak_bytes
+        budget = budget_for_peak(inductor_peak)
+        from protrain_fx.pipeline import allocated_cap_bytes
+
+        assert graph_peak > allocated_cap_bytes(budget), (graph_peak, inductor_peak)
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        losses, eager, record = _run({"memory_budget": budget, "verify": "inductor"})
+        auto = record.auto_plan
+        assert auto.how == "fits as is"
+        assert record.memory.peak_bytes == inductor_peak
+        check = auto.peak_check
+        assert check is not None, "first step not measured"
+        assert not check.over and not auto.replan, check.line()
+        assert abs(check.error_pct) < 10, check.line()
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=0)
+    finally:
+        CONFIG = saved
