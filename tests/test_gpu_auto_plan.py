@@ -18,7 +18,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx.pipeline import budget_for_peak
+from protrain_fx.pipeline import allocated_cap_bytes, budget_for_peak
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CONFIG = gpt_config("125M", n_layer=6, vocab_size=4096)  # blocks, not the LM head, make the peak
 
 
-def _batch():
-    return random_batch(CONFIG, 8, CONFIG.block_size, device="cuda", generator=torch.Generator().manual_seed(0))
+def _batch(config=CONFIG):
+    return random_batch(config, 8, config.block_size, device="cuda", generator=torch.Generator().manual_seed(0))
 
 
 def _train(model, step_fn, batch, steps, optimizer=None):
@@ -49,13 +49,13 @@ def _train(model, step_fn, batch, steps, optimizer=None):
     return losses
 
 
-def _run(options, steps=3):
+def _run(options, steps=3, config=CONFIG):
     """Eager bf16 losses first (which also makes cuBLAS's workspaces, as any earlier step would),
     then the compiled model's from the same weights; returns both and the train graph's record."""
     torch.manual_seed(0)
-    model = GPT(CONFIG).cuda()
+    model = GPT(config).cuda()
     reference = copy.deepcopy(model)
-    batch = _batch()
+    batch = _batch(config)
     eager = _train(reference, reference, batch, steps)
     del reference
     compiled = torch.compile(model, backend="protrain", options=options)
@@ -100,25 +100,19 @@ def test_verify_inductor_keeps_a_step_the_graph_analysis_refuses_and_it_fits():
     # values that Inductor never stores. At a budget between the two predictions, verify="inductor"
     # keeps the step as it is (judged by the plan Inductor compiles), and the measured first step
     # must then fit under the cap.
-    global CONFIG
-    saved, CONFIG = CONFIG, gpt_config("125M", n_layer=2, vocab_size=50304)
-    try:
-        _, _, plain = _run({"auto_plan": False}, steps=1)
-        inductor_peak, graph_peak = plain.memory.peak_bytes, plain.memory_unfused.peak_bytes
-        budget = budget_for_peak(inductor_peak)
-        from protrain_fx.pipeline import allocated_cap_bytes
-
-        assert graph_peak > allocated_cap_bytes(budget), (graph_peak, inductor_peak)
-        torch._dynamo.reset()
-        protrain_fx.reset()
-        losses, eager, record = _run({"memory_budget": budget, "verify": "inductor"})
-        auto = record.auto_plan
-        assert auto.how == "fits as is"
-        assert record.memory.peak_bytes == inductor_peak
-        check = auto.peak_check
-        assert check is not None, "first step not measured"
-        assert not check.over and not auto.replan, check.line()
-        assert abs(check.error_pct) < 10, check.line()
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=0)
-    finally:
-        CONFIG = saved
+    config = gpt_config("125M", n_layer=2, vocab_size=50304)
+    _, _, plain = _run({"auto_plan": False}, steps=1, config=config)
+    inductor_peak, graph_peak = plain.memory.peak_bytes, plain.memory_unfused.peak_bytes
+    budget = budget_for_peak(inductor_peak)
+    assert graph_peak > allocated_cap_bytes(budget), (graph_peak, inductor_peak)
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    losses, eager, record = _run({"memory_budget": budget, "verify": "inductor"}, config=config)
+    auto = record.auto_plan
+    assert auto.how == "fits as is"
+    assert record.memory.peak_bytes == inductor_peak
+    check = auto.peak_check
+    assert check is not None, "first step not measured"
+    assert not check.over and not auto.replan, check.line()
+    assert abs(check.error_pct) < 10, check.line()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=0)
