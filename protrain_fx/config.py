@@ -102,11 +102,11 @@ class ProtrainConfig:
             with its report; nothing runs.
         verify: how a plan the backend tries is checked against the budget. ``"graph"`` (default):
             the graph-level memory analysis, which counts every value of the graphs. ``"inductor"``
-            (experimental, Inductor codegen only): a plan that analysis puts above the cap is
-            lowered with Inductor, as the compile will lower it, and judged by Inductor's allocation
-            plan (Inductor never stores most pointwise values; on the H200 the graph-level analysis
-            put B24 760M's step at 24.7 GiB, its compiled peak was 21.1). Each such plan costs one
-            extra lowering of both graphs.
+            (experimental, Inductor codegen only; not yet run on a GPU): each plan tried is lowered
+            with Inductor, as the compile will lower it, and judged by Inductor's allocation plan,
+            the one that runs (``autoplan.judged_peak``). Inductor never stores most pointwise
+            values: on the H200 the graph-level analysis put B24 760M's step at 24.7 GiB, its
+            compiled peak was 21.1. Each plan tried costs one extra lowering of both graphs.
     """
 
     memory_budget_bytes: int | None = None
