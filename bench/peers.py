@@ -633,8 +633,11 @@ def _protrain_prediction() -> dict:
             "config": a.config.to_dict(), "how": a.how, "offload": a.offload, "budget_bytes": a.budget_bytes,
             "budget_source": a.budget_source, "allocated_cap_bytes": a.allocated_cap_bytes,
             "predicted_step_s": a.estimate.step_s, "cost_model_peak_bytes": a.predicted_peak_bytes,
-            "analysed_peak_bytes": a.analysed_peak_bytes, "search_s": a.search.seconds if a.search else None,
-            "trials": len(a.trials), "first_step_peak_bytes": a.measured_peak_bytes,
+            "analysed_peak_bytes": a.analysed_peak_bytes, "judged_by": a.judged_by,
+            "search_s": a.search.seconds if a.search else None,
+            "trials": len(a.trials), "trial_peaks": [(t.config.to_dict(), t.predicted_peak_bytes, t.analysed_peak_bytes,
+                                                      t.by_inductor) for t in a.trials],
+            "first_step_peak_bytes": a.measured_peak_bytes,
             "problem_s": a.problem_s, "choose_s": a.choose_s,
             "problem": a.problem.to_dict(),
         }}

@@ -121,12 +121,13 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     N = model.n_blocks
     configs = [Config(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
     empty = configs[0]
-    empty_peak, _ = judged_peak(record)
+    empty_peak, empty_by_inductor = judged_peak(record)
     trials: list[Trial] = []
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
         return chosen(record, model, config, how, found, trials, cap=cap, miss=miss, empty_peak_bytes=empty_peak,
-                      empty_step_s=model.estimate(empty).step_s, offload=True, problem_s=problem_s, started=started)
+                      empty_step_s=model.estimate(empty).step_s, offload=True, problem_s=problem_s, started=started,
+                      empty_by_inductor=empty_by_inductor)
 
     if empty_peak <= cap:
         return result(empty, "fits as is", None)

@@ -187,8 +187,10 @@ class AutoPlan:
     """The plan the backend chose for one graph, and why (``CapturedGraph.auto_plan``).
 
     ``plan`` lists every block (all ``"none"`` when the step fits as it is). ``predicted_peak_bytes``
-    and ``estimate`` are the cost model's for ``config``; ``analysed_peak_bytes`` is the memory
-    analysis of the graphs as rewritten (``record.memory`` before Inductor refines it).
+    and ``estimate`` are the cost model's for ``config``; ``analysed_peak_bytes`` is the peak the plan
+    was judged by: the memory analysis of the graphs as rewritten (``record.memory`` before Inductor
+    refines it), or with ``judged_by == "inductor"`` (option ``verify``) Inductor's allocation plan
+    of them (``empty_peak_bytes`` likewise).
     ``allocated_cap_bytes`` is what that peak had to stay under (the budget less the allocator's
     headroom, and by an earlier measured miss on this device: ``cap_lowered_by``). ``how``: ``"fits as
     is"``, ``"searched"`` or ``"least memory"``. ``trials``: every rewrite that was analysed, in order;
@@ -222,6 +224,10 @@ class AutoPlan:
     problem_s: float = 0.0
     #: Seconds of the whole choice, from the first partition to the plan applied and verified.
     choose_s: float = 0.0
+    #: What judged the plan kept: ``"graph"`` (the graph-level analysis) or ``"inductor"``; and
+    #: whether ``empty_peak_bytes`` is Inductor's.
+    judged_by: str = "graph"
+    empty_by_inductor: bool = False
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -239,13 +245,15 @@ class AutoPlan:
         source = {"user": "memory_budget", "device": "reachable on the device"}.get(self.budget_source, self.budget_source)
         lowered = f", lowered {100 * self.cap_lowered_by:.1f}% after a measured miss" if self.cap_lowered_by else ""
         what = "offload and activation plan" if self.offload else "activation plan"
+        judged = "in Inductor's allocation plan" if self.judged_by == "inductor" else "analysed"
+        empty_judged = "in Inductor's allocation plan" if self.empty_by_inductor else "analysed"
         lines = [
             f"automatic {what}{where}: budget {human_bytes(self.budget_bytes)} ({source}), allocated peak "
             f"at most {human_bytes(self.allocated_cap_bytes)} ({100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom{lowered})",
             f"  {self.how}: n_swap={self.config.n_swap}, n_checkpoint={self.config.n_checkpoint}; predicted step "
             f"{self.estimate.step_s * 1e3:.3f} ms (no plan: {self.empty_step_s * 1e3:.3f} ms); peak "
-            f"{human_bytes(self.analysed_peak_bytes)} analysed, {human_bytes(self.predicted_peak_bytes)} by the "
-            f"cost model (no plan: {human_bytes(self.empty_peak_bytes)} analysed)",
+            f"{human_bytes(self.analysed_peak_bytes)} {judged}, {human_bytes(self.predicted_peak_bytes)} by the "
+            f"cost model (no plan: {human_bytes(self.empty_peak_bytes)} {empty_judged})",
         ]
         if self.offload:
             c, p = self.config, self.problem
@@ -352,7 +360,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     reserve = budget - cap
     if record.blocks is None or not record.blocks.labels:
         return None  # no block to checkpoint or swap: the budget is only checked, as with a plan by hand
-    empty_peak, _ = judged_peak(record)
+    empty_peak, empty_by_inductor = judged_peak(record)
     t0 = time.perf_counter()
     problem = activation_problem(record)
     problem_s = time.perf_counter() - t0
@@ -363,7 +371,8 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
 
     def result(config: Config, how: str, found: SearchResult | None, trials: list[Trial]) -> AutoPlan:
         return chosen(record, model, config, how, found, trials, cap=cap, miss=miss, empty_peak_bytes=empty_peak,
-                      empty_step_s=empty_est.step_s, problem_s=problem_s, started=started)
+                      empty_step_s=empty_est.step_s, problem_s=problem_s, started=started,
+                      empty_by_inductor=empty_by_inductor)
 
     if empty_peak <= cap:
         return result(empty, "fits as is", None, [])
@@ -413,10 +422,19 @@ def chosen(
     offload: bool = False,
     problem_s: float = 0.0,
     started: float | None = None,
+    empty_by_inductor: bool = False,
 ) -> AutoPlan:
     """The :class:`AutoPlan` of ``config`` for ``record`` (as rewritten for it) under its budget;
-    ``started``: ``time.perf_counter()`` when the choice began (for ``choose_s``)."""
+    ``started``: ``time.perf_counter()`` when the choice began (for ``choose_s``);
+    ``empty_by_inductor``: ``empty_peak_bytes`` is Inductor's (:func:`judged_peak`)."""
     est = model.estimate(config)
+    kept = next((t for t in trials if t.config == config), None)
+    if kept is not None:
+        analysed, by_inductor = kept.analysed_peak_bytes, kept.by_inductor
+    elif how == "fits as is":
+        analysed, by_inductor = empty_peak_bytes, empty_by_inductor
+    else:
+        analysed, by_inductor = record.memory.peak_bytes, False
     return AutoPlan(
         plan=block_plan(model.problem, config),
         config=config,
@@ -425,7 +443,7 @@ def chosen(
         budget_bytes=record.config.memory_budget_bytes,
         allocated_cap_bytes=cap,
         predicted_peak_bytes=est.peak_bytes,
-        analysed_peak_bytes=record.memory.peak_bytes,
+        analysed_peak_bytes=analysed,
         empty_peak_bytes=empty_peak_bytes,
         empty_step_s=empty_step_s,
         how=how,
@@ -436,6 +454,8 @@ def chosen(
         offload=offload,
         problem_s=problem_s,
         choose_s=time.perf_counter() - started if started is not None else 0.0,
+        judged_by="inductor" if by_inductor else "graph",
+        empty_by_inductor=empty_by_inductor,
     )
 
 

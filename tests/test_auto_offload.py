@@ -277,5 +277,6 @@ def test_verify_inductor_refuses_a_plan_inductor_compiles_above_the_cap(caplog):
     assert graph.auto_plan.trials[-1].analysed_peak_bytes <= cap < graph.memory.peak_bytes  # the miss
     assert all(t.by_inductor for t in inductor.auto_plan.trials)
     kept = next(t for t in inductor.auto_plan.trials if t.config == inductor.auto_plan.config)
-    assert inductor.memory.peak_bytes == kept.analysed_peak_bytes <= cap
+    assert inductor.memory.peak_bytes == kept.analysed_peak_bytes == inductor.auto_plan.analysed_peak_bytes <= cap
+    assert inductor.auto_plan.judged_by == "inductor" and graph.auto_plan.judged_by == "graph"
     assert not any("lowering a plan with Inductor" in r.message for r in caplog.records)

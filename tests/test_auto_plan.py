@@ -580,6 +580,8 @@ def test_verify_inductor_judges_plans_by_inductors_own_allocation_plan():
 
     judged, judged_grads = step({"memory_budget": budget, "verify": "inductor"})
     assert judged.auto_plan.how == "fits as is" and judged.probe_inductor is None
+    assert judged.auto_plan.judged_by == "inductor" and judged.auto_plan.analysed_peak_bytes == inductor_peak
+    assert "in Inductor's allocation plan" in judged.auto_plan.table()
     assert judged.memory.peak_bytes == inductor_peak  # the compile's own plan: what the check read
     for name, g in grads.items():
         torch.testing.assert_close(judged_grads[name], g, rtol=0, atol=0, msg=name)
