@@ -125,7 +125,8 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
         config = autoplan.least_memory_config(model)
         least = block_plan(chosen.problem, config)
         trial(least if least.blocks_with("swap") or least.blocks_with("checkpoint") else None)
-        minimum = budget_for_peak(max(model.estimate(config).peak_bytes, record.memory.peak_bytes))
+        judged, _ = autoplan.judged_peak(record)  # as training judges it (option verify)
+        minimum = budget_for_peak(max(model.estimate(config).peak_bytes, judged))
     swap_bytes = 0
     if chosen is not None:
         swapped = set(chosen.plan.blocks_with("swap"))
