@@ -274,12 +274,21 @@ def _probe_inductor(record: CapturedGraph) -> MemoryAnalysis | None:
         forward, backward = _copy_graph_module(step.forward), _copy_graph_module(step.backward)
         probe_step = dataclasses.replace(step, forward=forward, backward=backward)
         outputs = _output_args(forward)
-        saved = outputs[step.num_user_outputs:]
-        if not all(isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor) for v in saved):
-            return None  # saved sizes (dynamic shapes): the donation indices would shift
+        saved = outputs[step.num_user_outputs:]  # AOTAutograd's order: saved tensors, then saved sizes
+
+        def kind(v: Any) -> type | None:
+            val = v.meta.get("val") if isinstance(v, fx.Node) else v
+            return torch.Tensor if isinstance(val, torch.Tensor) else torch.SymInt if isinstance(val, (int, torch.SymInt)) else None
+
+        n_tensors = sum(kind(v) is torch.Tensor for v in saved)
+        if [kind(v) for v in saved] != [torch.Tensor] * n_tensors + [torch.SymInt] * (len(saved) - n_tensors):
+            log.warning("protrain_fx: graph %d saves values of an unexpected kind for its backward: its plans are "
+                        "judged by the graph-level analysis, not Inductor's plan", record.index)
+            return None
         donated = collect_bw_donated_buffer_idxs(forward, backward, SimpleNamespace(
-            num_forward=step.num_user_outputs, tensors_saved_for_backwards_slice=slice(step.num_user_outputs, None),
-            num_symints_saved_for_bw=0))
+            num_forward=step.num_user_outputs,
+            tensors_saved_for_backwards_slice=slice(step.num_user_outputs, step.num_user_outputs + n_tensors),
+            num_symints_saved_for_bw=len(saved) - n_tensors))  # backward takes the sizes first
         placeholders = [n.name for n in forward.graph.nodes if n.op == "placeholder"]
         plans = {}
         for phase, gm in (("forward", forward), ("backward", backward)):

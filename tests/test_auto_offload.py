@@ -272,6 +272,13 @@ def test_verify_inductor_refuses_a_plan_inductor_compiles_above_the_cap(caplog):
         opt.step()
         rec = _train_record()
         finals[verify] = rec
+        if verify == "inductor":  # another shape (compiled with dynamic sizes): the chunks as placed
+            x, y = random_batch(CONFIG, 2, 16, generator=torch.Generator().manual_seed(1))
+            compiled(x, y).backward()
+            opt.step()
+            again = _train_record()
+            assert again is not rec and again.auto_plan.judged_by == "inductor"
+            assert again.memory.peak_bytes == again.auto_plan.analysed_peak_bytes <= allocated_cap_bytes(TIGHT)
     cap = allocated_cap_bytes(TIGHT)
     graph, inductor = finals["graph"], finals["inductor"]
     assert graph.auto_plan.trials[-1].analysed_peak_bytes <= cap < graph.memory.peak_bytes  # the miss
