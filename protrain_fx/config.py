@@ -128,6 +128,9 @@ class ProtrainConfig:
         _check_choice("codegen", self.codegen, ("inductor", "eager"))
         _check_choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATES_PER_PARAM))
         _check_choice("verify", self.verify, ("graph", "inductor"))
+        if self.verify == "inductor" and self.codegen != "inductor":
+            raise ValueError(f"option 'verify': 'inductor' judges plans by Inductor's allocation plan, but codegen is "
+                             f"{self.codegen!r}; use codegen='inductor' or verify='graph'")
         for name in ("keep_node_order", "verbose", "auto_plan", "dry_run"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name!r}: got {getattr(self, name)!r}; accepted: True or False")

@@ -599,3 +599,5 @@ def test_verify_accepts_graph_and_inductor_only():
     assert parse_options({"verify": "inductor"}).verify == "inductor"
     with pytest.raises(ValueError, match="option 'verify': got 'fx'; accepted: 'graph', 'inductor'"):
         parse_options({"verify": "fx"})
+    with pytest.raises(ValueError, match="but codegen is 'eager'; use codegen='inductor' or verify='graph'"):
+        parse_options({"verify": "inductor", "codegen": "eager"})
