@@ -217,23 +217,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     lowered: dict[str, Any] = {}
-
-    def remember_graph(nodes: list[Any]) -> list[Any]:
-        from torch._inductor.virtualized import V
-
-        lowered["graph"] = V.graph
-        _keep_chunk_buffers(nodes, V.graph)
-        return nodes
-
-    patches: dict[str, Any] = {
-        "custom_partitioner_fn": _Partitioner(record),
-        # Keeps a handle on the graph being lowered, to read its allocation plan once compiled.
-        "_post_fusion_custom_pass": _Picklable(remember_graph),
-        # A cached kernel skips the scheduler, and with it the hook above.
-        "fx_graph_cache": False,
-    }
-    if record.config.keep_node_order:
-        patches["reorder_for_peak_memory"] = False
+    patches = {"custom_partitioner_fn": _Partitioner(record), **_lowering_patches(record, lowered)}
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         phase = "inference" if kwargs.get("is_inference") else "backward" if kwargs.get("is_backward") else "forward"
@@ -250,6 +234,28 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
     # A warm AOTAutograd cache would skip partitioning, and with it our passes.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _lowering_patches(record: CapturedGraph, lowered: dict[str, Any]) -> dict[str, Any]:
+    """Inductor settings of every lowering of ``record``'s graphs (the compile's and
+    :func:`_probe_inductor`'s): ``lowered["graph"]`` gets the graph being lowered, to read its
+    allocation plan once compiled, and chunk buffers are never reused."""
+
+    def remember_graph(nodes: list[Any]) -> list[Any]:
+        from torch._inductor.virtualized import V
+
+        lowered["graph"] = V.graph
+        _keep_chunk_buffers(nodes, V.graph)
+        return nodes
+
+    patches: dict[str, Any] = {
+        "_post_fusion_custom_pass": _Picklable(remember_graph),
+        # A cached kernel skips the scheduler, and with it the hook above.
+        "fx_graph_cache": False,
+    }
+    if record.config.keep_node_order:
+        patches["reorder_for_peak_memory"] = False
+    return patches
 
 
 def _probe_inductor(record: CapturedGraph) -> MemoryAnalysis | None:
@@ -306,18 +312,7 @@ def _probe_inductor(record: CapturedGraph) -> MemoryAnalysis | None:
             context = TracingContext(detect_fake_mode(inputs))
             context.fw_metadata = SimpleNamespace(bw_donated_idxs=donated)
             lowered: dict[str, Any] = {}
-
-            def remember(nodes: list[Any], lowered: dict[str, Any] = lowered) -> list[Any]:
-                from torch._inductor.virtualized import V
-
-                lowered["graph"] = V.graph
-                _keep_chunk_buffers(nodes, V.graph)
-                return nodes
-
-            patches: dict[str, Any] = {"_post_fusion_custom_pass": _Picklable(remember), "fx_graph_cache": False}
-            if record.config.keep_node_order:
-                patches["reorder_for_peak_memory"] = False
-            with tracing(context), inductor_config.patch(patches):
+            with tracing(context), inductor_config.patch(_lowering_patches(record, lowered)):
                 compile_fx_inner(gm, inputs, is_backward=phase == "backward", static_input_idxs=static)
             plans[phase] = read_inductor_plan(lowered["graph"], phase)
         return analyze_inductor_memory(probe_step, plans,
