@@ -5,8 +5,8 @@ against the copy rates the cost model builds them from. GPU only.
 
 Steps ``--chunks`` chunks of ``--params`` fp32 parameters (bf16 working copies, pinned store) one
 after another through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW`, as backward issues
-them (at most ``MAX_IN_FLIGHT`` at once), and times them with CUDA events from the first copy in to
-the last copy out:
+them, and times them from the first copy in to the last copy out: the profiler's own measurement
+(``profiler.device_step_spans``), in each of these scenarios:
 
 * ``alone``: nothing else runs;
 * ``cpu``: the CPU optimizer's worker steps another chunk of the same size meanwhile, as it does in
@@ -19,8 +19,11 @@ the last copy out:
 Beside them, the raw link: one pinned copy of the bytes a step moves in (master and moments, 12
 bytes per parameter) and one of those it moves out (14), on two streams at once. The cost model
 prices a device step at the profiler's measured device-step rate (``device_step_bytes_per_s``,
-measured as ``cpu_launch`` here on 64M-parameter chunks), where it used to take the both-ways link
+measured as ``cpu_matmul`` here on 64M-parameter chunks), where it used to take the both-ways link
 rate (``duplex / 2`` per direction).
+
+(The ninth session's calls ran this script's first form, which had a copy of the measurement of its
+own and submitted the CPU step once per round; ``docs/results.md`` names each call's commit.)
 """
 
 from __future__ import annotations
@@ -36,11 +39,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protrain_fx.chunks import ParamInfo, pack  # noqa: E402
-from protrain_fx.profiler import _launch_until, measure_machine  # noqa: E402
-from protrain_fx.runtime.chunk_store import ChunkStore  # noqa: E402
-from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker  # noqa: E402
-from protrain_fx.runtime.device_adam import DeviceAdamW  # noqa: E402
+from protrain_fx.profiler import device_step_spans, measure_machine  # noqa: E402
+
+#: name -> (the CPU step beside the device steps, what this thread runs beside them, update stream priority)
+SCENARIOS = {
+    "alone": (False, None, 0),
+    "cpu": (True, None, 0),
+    "cpu_launch": (True, "launch", 0),
+    "cpu_matmul": (True, "matmul", 0),
+    "cpu_matmul_high": (True, "matmul", -1),
+}
 
 
 def _count(text: str) -> int:
@@ -58,63 +66,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("device_step_rate: needs a GPU")
     n, k = _count(args.params), args.chunks
-    names = [f"w{i}" for i in range(k + 1)]  # the last one is stepped on the CPU
-    params = {w: torch.nn.Parameter(torch.zeros(n)) for w in names}
-    layout = pack([ParamInfo((w,), 4 * n, f"blocks.{i}", i) for i, w in enumerate(names)], 4 * n)
-    t0 = time.perf_counter()
-    store = ChunkStore(layout, params, compute_dtype=torch.bfloat16, pin_memory=True)
-    setup_s = time.perf_counter() - t0
-    opt = torch.optim.AdamW(list(params.values()), lr=1e-3, weight_decay=0.1, fused=True)
-    adam = ChunkAdamW(store, opt, params)
-    dev = DeviceAdamW(adam, "cuda")
-    dev.timing = []
-    grads = {w: torch.full((n,), 1e-3, dtype=torch.bfloat16, device="cuda") for w in names[:k]}
-    cpu_grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
-
-    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-
-    def matmuls_until(done) -> None:
-        while not done():
-            for _ in range(4):
-                x @ x
-            torch.cuda.current_stream().synchronize()
-
-    def round_(cpu: bool, launch: bool, matmul: bool = False) -> dict:
-        torch.cuda.synchronize()
-        dev.timing.clear()
-        with OptimizerWorker(adam.step_chunk) as worker:
-            if cpu:
-                store.write_grads({names[k]: cpu_grad})
-                store.wait_grad(k)
-                worker.submit(k)
-            t = time.perf_counter()
-            for i in range(k):
-                dev.make_room()
-                dev.step_chunk(i, {names[i]: grads[names[i]]})
-            issued = time.perf_counter() - t
-            if launch:
-                _launch_until(lambda: dev.timing[-1][2].query())
-            if matmul:
-                matmuls_until(lambda: dev.timing[-1][2].query())
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t
-            cpu_left = worker.pending(k) if cpu else False
-            worker.wait_all()
-        steps = [a.elapsed_time(b) / 1e3 for _, a, b in dev.timing]
-        span = dev.timing[0][1].elapsed_time(dev.timing[-1][2]) / 1e3
-        return {"steps_s": steps, "span_s": span, "wall_s": wall, "issue_s": issued, "cpu_still_busy": cpu_left,
-                "params_per_s": k * n / span}
-
-    out: dict = {"params": n, "chunks": k, "store_setup_s": setup_s, "device": torch.cuda.get_device_name()}
-    round_(False, False)  # warm-up: staging sets, pages
-    normal = dev._work
-    for name, cpu, launch, matmul in (("alone", False, False, False), ("cpu", True, False, False),
-                                      ("cpu_launch", True, True, False), ("cpu_matmul", True, False, True),
-                                      ("cpu_matmul_high", True, False, True)):
-        dev._work = torch.cuda.Stream(priority=-1) if name.endswith("_high") else normal
-        runs = [round_(cpu, launch, matmul) for _ in range(args.repeat)]
-        out[name] = {"median_params_per_s": statistics.median(r["params_per_s"] for r in runs), "runs": runs}
-    dev._work = normal
+    out: dict = {"params": n, "chunks": k, "device": torch.cuda.get_device_name()}
+    for name, (cpu, beside, priority) in SCENARIOS.items():  # the profiler's own measurement, per scenario
+        spans = device_step_spans(n, k, args.repeat, cpu=cpu, beside=beside, priority=priority)
+        out[name] = {"median_params_per_s": k * n / statistics.median(spans), "spans_s": spans}
     out["raw"] = _raw_link(n)
     torch.cuda.empty_cache()
     m = measure_machine("cuda")
@@ -125,9 +80,9 @@ def main() -> None:
     out["model_step_s"] = out_b / m.device_step_bytes_per_s if m.device_step_bytes_per_s else out["link_step_s"]
     text = json.dumps(out, indent=1)
     print(text)
-    for name in ("alone", "cpu", "cpu_launch", "cpu_matmul", "cpu_matmul_high"):
+    for name in SCENARIOS:
         rate = out[name]["median_params_per_s"]
-        print(f"{name:>10}: {rate / 1e9:.2f} G params/s, {n / rate * 1e3:.1f} ms per chunk (cost model "
+        print(f"{name:>15}: {rate / 1e9:.2f} G params/s, {n / rate * 1e3:.1f} ms per chunk (cost model "
               f"{out['model_step_s'] * 1e3:.1f} ms; at the shared link rate {out['link_step_s'] * 1e3:.1f})", file=sys.stderr)
     raw = out["raw"]
     print(f"  raw link: in {raw['in_s'] * 1e3:.1f} ms, out {raw['out_s'] * 1e3:.1f} ms, both {raw['both_s'] * 1e3:.1f} ms",

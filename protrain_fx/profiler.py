@@ -310,15 +310,26 @@ def _chunk_adam_params_per_s(cuda: bool, n: int, repeat: int) -> float:
 
 def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
     """Bytes per second each way of offloaded chunks' optimizer steps streamed through the GPU
-    (``runtime/device_adam.DeviceAdamW``, as backward issues them: ``chunks`` chunks of ``n`` fp32
-    parameters one after another, bf16 working copies, pinned store): the bytes a step copies out
-    (fp32 master and moments, the new working copy: 14 per parameter) over the time from the first
-    step's first copy in to the last step's last copy out, CUDA events, the median of ``repeat``
-    after a warm-up. Meanwhile, as in backward, the CPU optimizer's worker steps another chunk of
-    ``n`` over and over and this thread keeps the SMs busy with matrix products
-    (:func:`_matmuls_until`): B24 4.2B's device steps moved 14 bytes per parameter at 38 GB/s in
-    backward, where one copy out alone ran at 54 and both ways at once at 48 each, and this
-    measurement without the products read 44 (H200, 2026-11-30)."""
+    (``runtime/device_adam.DeviceAdamW``): the bytes a step copies out (fp32 master and moments, the
+    new working copy: 14 per parameter) over the median span of :func:`device_step_spans` with the
+    CPU step and matrix products beside them, as in backward. B24 4.2B's device steps moved 14 bytes
+    per parameter at 38 GB/s in backward, where one copy out alone ran at 54 and both ways at once at
+    48 each, and this measurement without the products read 44 (H200, 2026-11-30)."""
+    spans = device_step_spans(n, chunks, repeat, cpu=True, beside="matmul")
+    return chunks * n * 14 / max(statistics.median(spans), 1e-9)
+
+
+def device_step_spans(
+    n: int, chunks: int = 3, repeat: int = 3, *, cpu: bool = True, beside: str | None = "matmul", priority: int = 0
+) -> list[float]:
+    """Seconds, per round, of ``chunks`` chunks of ``n`` fp32 parameters (bf16 working copies, pinned
+    store) stepped through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW` one after another,
+    as backward issues them: from the first step's first copy in to the last step's last copy out
+    (CUDA events), ``repeat`` rounds after a warm-up. Meanwhile, with ``cpu``, the CPU optimizer's
+    worker steps another chunk of ``n`` over and over; this thread runs ``beside``: ``"matmul"``
+    (:func:`_matmuls_until`, backward's kernels), ``"launch"`` (:func:`_launch_until`, the training
+    loop's launches) or nothing. ``priority``: the update stream's (``bench/device_step_rate.py``
+    compares them). CUDA only."""
     from protrain_fx.chunks import ParamInfo, pack
     from protrain_fx.runtime.chunk_store import ChunkStore
     from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
@@ -329,15 +340,16 @@ def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
     layout = pack([ParamInfo((w,), 4 * n, f"blocks.{i}", i) for i, w in enumerate(names)], 4 * n)
     store = ChunkStore(layout, params, compute_dtype=torch.bfloat16, pin_memory=True)
     adam = ChunkAdamW(store, torch.optim.AdamW(list(params.values()), lr=1e-3, weight_decay=0.1, fused=True), params)
-    steps = DeviceAdamW(adam, "cuda")
+    steps = DeviceAdamW(adam, "cuda", update_priority=priority)
     steps.timing = []
     grad = torch.full((n,), 1e-3, dtype=torch.bfloat16, device="cuda")  # read only: one for all
     cpu_grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    run_beside = {"matmul": _matmuls_until, "launch": _launch_until, None: _sync_until}[beside]
     spans = []
     with OptimizerWorker(adam.step_chunk) as worker:
 
         def keep_cpu_busy() -> None:
-            if not worker.pending(chunks):
+            if cpu and not worker.pending(chunks):
                 store.write_grads({names[chunks]: cpu_grad})
                 store.wait_grad(chunks)
                 worker.submit(chunks)
@@ -355,13 +367,19 @@ def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
                 keep_cpu_busy()
                 return last.query()
 
-            _matmuls_until(done)
+            run_beside(done)
             if i:
                 spans.append(steps.timing[0][1].elapsed_time(last) / 1e3)
             worker.wait_all()
     del steps, grad
     torch.cuda.empty_cache()
-    return chunks * n * 14 / max(statistics.median(spans), 1e-9)
+    return spans
+
+
+def _sync_until(done: Callable[[], bool]) -> None:
+    """Wait until ``done()``, checking every millisecond (nothing else beside the measured work)."""
+    while not done():
+        time.sleep(1e-3)
 
 
 def _matmuls_until(done: Callable[[], bool], size: int = 8192) -> None:
@@ -715,5 +733,6 @@ def _mean_param_element_size(record: CapturedGraph) -> float:
 
 
 __all__ = [
-    "cache_dir", "cache_path", "chunk_adam_rate", "device_name", "device_op_times", "measure_machine", "problem_from_record"
+    "cache_dir", "cache_path", "chunk_adam_rate", "device_name", "device_op_times", "device_step_spans", "measure_machine",
+    "problem_from_record"
 ]
