@@ -38,8 +38,9 @@ Then the handle forgets the values it kept (``OffloadHandle.finalize``): the cou
 the life of the model. Another input shape compiles again (the plan guards on the shapes) and gets
 its own activation plan for the chunks as placed (:func:`choose_for_placed`).
 
-Not modelled by the cost model (the analysis of step 4 counts them): the fp32 fetch staging of
-lean chunks (``runtime/buffer_pool.py``) and their doubled fetch bytes.
+Lean chunks (a host short of memory for every chunk's compute-dtype copy): the cost model gets
+how many the store would make for each ``n_persist`` (``OffloadHandle.lean_counts``), their fp32
+fetch bytes and the fp32 fetch staging (``cost`` module docstring).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget
 from protrain_fx.plan import Plan
 from protrain_fx.profiler import chunk_adam_rate, device_op_times, measure_machine, problem_from_record
 from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.buffer_pool import FETCH_SLICE_ELEMS
 from protrain_fx.search import NoPlanFits, SearchResult, search
 
 if TYPE_CHECKING:
@@ -209,7 +211,7 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
     estimate_machine = machine_for(device, record.config.machine)
     param_size = torch.empty(0, dtype=handle.param_dtype).element_size()
     compute_size = torch.empty(0, dtype=handle.compute_dtype).element_size()
-    return problem_from_record(
+    problem = problem_from_record(
         record,
         machine,
         layout=handle.layout,
@@ -218,6 +220,19 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
         estimate_machine=estimate_machine,
         min_swap_bytes=estimate_machine.min_swap_bytes,
         op_times=device_op_times(record),
+    )
+    lean = handle.lean_counts()
+    if not lean[0]:
+        return problem
+    # a lean chunk is fetched from its fp32 master (through an fp32 staging slice on CUDA when the
+    # compute dtype is narrower: runtime/buffer_pool.py)
+    numel = handle.layout.chunk_bytes // param_size
+    staged = device.type == "cuda" and handle.compute_dtype != torch.float32
+    return dataclasses.replace(
+        problem,
+        chunks=tuple(dataclasses.replace(c, lean_fetch_bytes=4 * numel) for c in problem.chunks),
+        lean_chunks=lean,
+        lean_staging_bytes=4 * min(numel, FETCH_SLICE_ELEMS) if staged else 0,
     )
 
 

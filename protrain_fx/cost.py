@@ -72,6 +72,14 @@ config alone (never by timing). Hence (and the tests check it on random problems
 Memory: device steps add :attr:`Problem.device_step_bytes` (the staging slices) and
 :data:`DEVICE_STEPS_IN_FLIGHT` gradient buffers of the largest chunk to the static bytes when
 ``g > 0``.
+
+Lean chunks (``runtime/chunk_store.py``: no compute-dtype copy on the host, made when the host
+cannot hold every offloaded chunk's): with ``n_persist = p`` the last ``Problem.lean_chunks[p]``
+chunks are lean. Each fetch of a lean chunk (forward and backward) moves its fp32 master,
+:attr:`ChunkProfile.lean_fetch_bytes`, where other chunks move ``bytes``; its device step copies no
+working copy out; and :attr:`Problem.lean_staging_bytes` (the fp32 fetch staging) joins the static
+bytes. The link-sharing decision keeps the reference timeline of ``bytes``. Not modelled: backward
+waiting for a gradient landing buffer when more lean chunks than ``grad_pool`` await their CPU step.
 """
 
 from __future__ import annotations
@@ -179,14 +187,18 @@ class BlockProfile:
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkProfile:
-    """One parameter chunk: ``bytes`` of its compute-dtype working copy (padding included), ``n_params``."""
+    """One parameter chunk: ``bytes`` of its compute-dtype working copy (padding included), ``n_params``.
+    ``lean_fetch_bytes``: what one fetch moves when the chunk is lean (its fp32 master, padding
+    included; see the module docstring); 0 where the problem never makes it lean."""
 
     bytes: int
     n_params: int
+    lean_fetch_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_count("ChunkProfile", "bytes", self.bytes)
         _check_count("ChunkProfile", "n_params", self.n_params)
+        _check_count("ChunkProfile", "lean_fetch_bytes", self.lean_fetch_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -214,6 +226,12 @@ class Problem:
     copies) while the chunk buffers hold the compute dtype; ``bytes`` stays the buffer's size.
     ``device_step_bytes``: the device staging of chunks stepped on the GPU (``n_gpu_optim > 0``;
     ``DeviceAdamW.staging_bytes``).
+
+    ``lean_chunks``: empty (no chunk is ever lean), or per ``n_persist`` in ``0..len(chunks)`` how
+    many of the last chunks are lean (the chunk store's rule for the host memory there is,
+    ``runtime/chunk_store.auto_lean``), never more than are offloaded and never more with more
+    persistent chunks. ``lean_staging_bytes``: device bytes of the fp32 staging lean chunks are
+    fetched through (``ChunkBufferPool.staging_bytes``), resident when any chunk is lean.
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -228,14 +246,16 @@ class Problem:
     adam_state_bytes_per_param: int = 8
     device_step_bytes: int = 0
     persistent_param_bytes: int = 0
+    lean_chunks: tuple[int, ...] = ()
+    lean_staging_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for n in ("blocks", "chunks", "outside_chunk_ids"):
+        for n in ("blocks", "chunks", "outside_chunk_ids", "lean_chunks"):
             object.__setattr__(self, n, tuple(getattr(self, n)))
         for n in ("outside_fwd_s", "outside_bwd_s"):
             _check_seconds("Problem", n, getattr(self, n))
         for n in ("outside_peak_bytes", "fixed_bytes", "master_bytes_per_param", "adam_state_bytes_per_param",
-                  "device_step_bytes", "persistent_param_bytes"):
+                  "device_step_bytes", "persistent_param_bytes", "lean_staging_bytes"):
             _check_count("Problem", n, getattr(self, n))
         names = [b.name for b in self.blocks]
         if len(set(names)) != len(names):
@@ -250,6 +270,29 @@ class Problem:
         unused = sorted(set(range(n)) - used)
         if unused:
             raise ValueError(f"Problem: chunks {unused} are used by no block and not in outside_chunk_ids")
+        self._check_lean()
+
+    def _check_lean(self) -> None:
+        lean, n = self.lean_chunks, len(self.chunks)
+        if not lean:
+            return
+        if len(lean) != n + 1:
+            raise ValueError(
+                f"Problem: lean_chunks has {len(lean)} entries; one per n_persist in 0..{n} needs {n + 1}"
+            )
+        for p, k in enumerate(lean):
+            _check_count("Problem", f"lean_chunks[{p}]", k)
+            if k > n - p:
+                raise ValueError(
+                    f"Problem: lean_chunks[{p}]={k} exceeds the {n - p} chunks offloaded with n_persist={p}"
+                )
+            if p and k > lean[p - 1]:
+                raise ValueError(
+                    f"Problem: lean_chunks must not grow with n_persist (lean_chunks[{p}]={k} > {lean[p - 1]})"
+                )
+        bad = [c for c in range(n - lean[0], n) if not self.chunks[c].lean_fetch_bytes]
+        if bad:
+            raise ValueError(f"Problem: chunks {bad} can be lean but have no lean_fetch_bytes")
 
     def persistent_bytes(self, chunk_id: int) -> int:
         """GPU bytes of chunk ``chunk_id`` when persistent (see the class docstring)."""
@@ -277,6 +320,8 @@ class Problem:
             "adam_state_bytes_per_param": self.adam_state_bytes_per_param,
             "device_step_bytes": self.device_step_bytes,
             "persistent_param_bytes": self.persistent_param_bytes,
+            "lean_chunks": list(self.lean_chunks),
+            "lean_staging_bytes": self.lean_staging_bytes,
         }
 
     @classmethod
@@ -405,14 +450,16 @@ class CostModel:
         # device steps: fp32 master and moments in; the same and the working copy out (shared rates)
         self.dev_in_bytes = [c.n_params * (4 + p.adam_state_bytes_per_param) for c in p.chunks]
         self.dev_out_bytes = [x + c.bytes for x, c in zip(self.dev_in_bytes, p.chunks)]
+        self._lean = p.lean_chunks or (0,) * (len(p.chunks) + 1)
         self._cpu_after = [sum(self.adam_s[k:]) for k in range(len(p.chunks) + 1)]  # CPU Adam of chunks >= k
         self._gpu_before = [sum(self.gpu_adam_s[:k]) for k in range(len(p.chunks) + 1)]  # GPU Adam of chunks < k
         h2d_shared = min(m.h2d_bytes_per_s, m.duplex_bytes_per_s / 2)
         d2h_shared = min(m.d2h_bytes_per_s, m.duplex_bytes_per_s / 2)
         if m.device_step_bytes_per_s:  # measured: the steps' copies and the CPU step share the host
             h2d_shared = d2h_shared = m.device_step_bytes_per_s
+        self._d2h_dev = d2h_shared
         self.dev_in_s = [x / h2d_shared for x in self.dev_in_bytes]
-        self.dev_out_s = [x / d2h_shared for x in self.dev_out_bytes]
+        self.dev_out_s = [x / d2h_shared for x in self.dev_out_bytes]  # a lean chunk's: _PerPersist.dev_out_s
 
         # Static reference timeline (compute only, no recompute) and the copies' reference intervals.
         fs = [0.0] * (N + 1)
@@ -468,7 +515,8 @@ class CostModel:
         # Copy durations alone (d1) and sharing the link (d2).
         h2d_sh = min(h2d, m.duplex_bytes_per_s / 2)
         d2h_sh = min(d2h, m.duplex_bytes_per_s / 2)
-        self.h_d1 = [x / h2d for x in self.run_bytes]
+        self._h2d, self._h2d_sh = h2d, h2d_sh
+        self.h_d1 = [x / h2d for x in self.run_bytes]  # fetch durations; lean chunks': _PerPersist.h_d1
         self.h_d2 = [x / h2d_sh for x in self.run_bytes]
         self.g_d1 = [x / d2h for x in self.run_bytes]
         self.g_d2 = [x / d2h_sh for x in self.run_bytes]
@@ -499,7 +547,13 @@ class CostModel:
         """Model-state bytes resident all step: fixed + persistent chunks + chunk buffers (+ the
         device steps' staging and gradients in flight)."""
         device = self.device_step_bytes if n_gpu_optim else 0
-        return self.problem.fixed_bytes + self._static_persist[n_persist] + n_buffer * self._buffer_bytes + device
+        lean = self.problem.lean_staging_bytes if self._lean[n_persist] else 0
+        return (self.problem.fixed_bytes + self._static_persist[n_persist] + n_buffer * self._buffer_bytes
+                + device + lean)
+
+    def lean_from(self, n_persist: int) -> int:
+        """The first lean chunk with ``n_persist`` persistent chunks (``n_chunks``: none is lean)."""
+        return self.n_chunks - self._lean[n_persist]
 
     @property
     def device_step_bytes(self) -> int:
@@ -606,7 +660,8 @@ class CostModel:
         if not n_gpu_optim:
             return 0.0
         chunks = range(n_persist, n_persist + n_gpu_optim)
-        copies = max(sum(self.dev_in_s[c] for c in chunks), sum(self.dev_out_s[c] for c in chunks))
+        out_s = self._pp(n_persist).dev_out_s
+        copies = max(sum(self.dev_in_s[c] for c in chunks), sum(out_s[c] for c in chunks))
         ref = max(self.fwd_ref_start[self.run_first[self.adam_run[c]]] for c in chunks)
         return max(copies - ref, 0.0)
 
@@ -626,7 +681,7 @@ class CostModel:
         N = self.n_blocks
         P = self._pp(p)
         PB = self._pb(p, b)
-        cf, h_d1, h_d2, ff_thr = self.cf, self.h_d1, self.h_d2, P.ff_thr
+        cf, h_d1, h_d2, ff_thr = self.cf, P.h_d1, P.h_d2, P.ff_thr
         done = [0.0] * len(h_d1)
         ff_dur = [0.0] * len(h_d1)
         fe = [0.0] * (N + 1)
@@ -658,7 +713,7 @@ class CostModel:
         PB = self._pb(p, b)
         pol = self.policies(s, c)
         cb, rc = self.cb, self.rc
-        h_d1, h_d2, g_d1, g_d2 = self.h_d1, self.h_d2, self.g_d1, self.g_d2
+        h_d1, h_d2, g_d1, g_d2 = P.h_d1, P.h_d2, self.g_d1, self.g_d2
         bf_thr, go_thr = P.bf_thr, PB.go_thr
         # ---- forward (shared by every n_checkpoint)
         fdone, ff_dur, so_done, h2d, d2h, gpu = self._forward(p, b, s)
@@ -701,7 +756,7 @@ class CostModel:
                         ch = self.run_chunk[r]
                         h_start = h2d if h2d > gpu else gpu
                         h2d = h_start + self.dev_in_s[ch]
-                        d2h = (d2h if d2h > h_start else h_start) + self.dev_out_s[ch]
+                        d2h = (d2h if d2h > h_start else h_start) + P.dev_out_s[ch]
                         if h2d > d2h:
                             d2h = h2d
                         dev_done.append(d2h)
@@ -728,8 +783,8 @@ class CostModel:
             return step, fwd_end
         static = self.static_bytes(p, b, g)
         act = self.activation_peak(s, c)
-        refetched = sum(self.run_bytes[r] for r in P.runs if PB.refetch[r])
-        fetched = sum(self.run_bytes[r] for r in P.runs)
+        refetched = sum(P.fetch_bytes[r] for r in P.runs if PB.refetch[r])
+        fetched = sum(P.fetch_bytes[r] for r in P.runs)
         offloaded = sum(self.run_bytes[r] for r in P.runs if not device[r])
         stepped = [ch for ch in range(p, p + g)] if optimizer else []
         swapped = sum(self._swap[:s])
@@ -746,7 +801,7 @@ class CostModel:
             gpu_adam_s=gpu_adam,
             cpu_adam_s=cpu_adam,
             h2d_bytes=fetched + refetched + swapped + sum(self.dev_in_bytes[ch] for ch in stepped),
-            d2h_bytes=offloaded + swapped + sum(self.dev_out_bytes[ch] for ch in stepped),
+            d2h_bytes=offloaded + swapped + sum(P.dev_out_bytes[ch] for ch in stepped),
             device_steps=len(stepped),
         )
 
@@ -787,6 +842,11 @@ class _PerPersist:
     rl_thr: list[float]
     device: list[bool]  # run -> its chunk is stepped on the GPU
     dev_trigger: list[bool]  # run -> its gradient completes a GPU-stepped chunk: issue the step
+    fetch_bytes: list[int]  # run -> bytes one fetch moves (a lean chunk's fp32 master)
+    h_d1: list[float]  # run -> fetch duration alone
+    h_d2: list[float]  # run -> fetch duration sharing the link
+    dev_out_bytes: list[int]  # chunk -> bytes its device step copies out (a lean chunk: no working copy)
+    dev_out_s: list[float]
 
     @classmethod
     def build(cls, m: CostModel, p: int, g: int = 0) -> _PerPersist:
@@ -810,6 +870,20 @@ class _PerPersist:
         def thr(key: tuple[float, int]) -> float:  # shared iff a swap block < n_swap or a chunk >= p overlaps
             return -1 if key[1] >= p else key[0]
 
+        lean_from = m.lean_from(p)
+        chunks = m.problem.chunks
+        if lean_from < m.n_chunks:
+            fetch_bytes = [
+                chunks[c].lean_fetch_bytes if c >= lean_from else x for c, x in zip(m.run_chunk, m.run_bytes)
+            ]
+            h_d1, h_d2 = [x / m._h2d for x in fetch_bytes], [x / m._h2d_sh for x in fetch_bytes]
+            dev_out_bytes = [
+                x if c >= lean_from else y for c, (x, y) in enumerate(zip(m.dev_in_bytes, m.dev_out_bytes))
+            ]
+            dev_out_s = [x / m._d2h_dev for x in dev_out_bytes]
+        else:
+            fetch_bytes, h_d1, h_d2, dev_out_bytes, dev_out_s = m.run_bytes, m.h_d1, m.h_d2, m.dev_out_bytes, m.dev_out_s
+
         return cls(
             p=p,
             runs=runs,
@@ -828,6 +902,11 @@ class _PerPersist:
             rl_thr=[thr(k) for k in m.rl_key],
             device=device,
             dev_trigger=dev_trigger,
+            fetch_bytes=fetch_bytes,
+            h_d1=h_d1,
+            h_d2=h_d2,
+            dev_out_bytes=dev_out_bytes,
+            dev_out_s=dev_out_s,
         )
 
 

@@ -48,7 +48,7 @@ from torch import nn
 from protrain_fx.chunks import OUTSIDE, Chunk, ChunkLayout, ParamInfo, choose_layout, dedupe_tied, pack
 from protrain_fx.runtime import chunk_ops
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
-from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore
+from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore, auto_lean, available_host_bytes
 from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
 
@@ -365,6 +365,26 @@ class OffloadHandle:
     def n_lean(self) -> int:
         """Offloaded chunks without a host working copy (fetched from their fp32 master)."""
         return len(self.store.lean) if self.store else 0
+
+    def lean_counts(self) -> tuple[int, ...]:
+        """Per ``n_persist`` in ``0..`` the layout's chunks, how many offloaded chunks the store would
+        make lean (its rule, ``runtime/chunk_store.auto_lean``, for the host memory available now;
+        ``n_lean=K``: ``K``, or every offloaded chunk when fewer are offloaded). For the cost model,
+        before anything is placed."""
+        chunks, settings = self.layout.chunks, self._settings
+        n_lean = settings["n_lean"]
+        if n_lean != "auto":
+            return tuple(min(n_lean, len(chunks) - p) for p in range(len(chunks) + 1))
+        available = settings["available_host_bytes"]
+        if available is None:
+            available = available_host_bytes()
+        itemsize = self.param_dtype.itemsize
+        numel = self.layout.chunk_bytes // itemsize
+        trainable = [any(self._named[s.param.names[0]].requires_grad for s in c.slots) for c in chunks]
+        compute = self.compute_dtype.itemsize
+        return tuple(
+            auto_lean(numel, trainable[p:], compute, available, settings["grad_pool"]) for p in range(len(chunks) + 1)
+        )
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Model parameters and buffers as ordinary full CPU tensors (loads into a plain model)."""

@@ -120,6 +120,48 @@ def test_budget_too_small_names_a_minimum_that_then_trains():
     assert auto.analysed_peak_bytes <= auto.allocated_cap_bytes
 
 
+def test_lean_counts_are_what_the_store_makes_at_every_n_persist():
+    from protrain_fx.runtime.chunk_store import AUTO_HOST_RESERVE, planned_store_bytes
+
+    model = GPT(CONFIG)
+    probe = protrain_fx.offload(copy.deepcopy(model), torch.optim.AdamW(model.parameters()), device="cpu",
+                                chunk_bytes=CHUNK)
+    n, numel = len(probe.layout.chunks), probe.layout.chunk_bytes // 4
+    # room for every chunk's store with the last 12 lean (fp32: 4 + 8 bytes each, 4 more unless
+    # lean; the 4 landing buffers take back what 4 lean chunks save)
+    assert n > 13
+    available = planned_store_bytes(numel, [True] * n, 4, 12, 4) + AUTO_HOST_RESERVE
+    handle = protrain_fx.offload(model, torch.optim.AdamW(model.parameters()), device="cpu", chunk_bytes=CHUNK,
+                                 available_host_bytes=available)
+    counts = handle.lean_counts()
+    assert counts[0] == 12 and counts[-1] == 0 and list(counts) == sorted(counts, reverse=True)
+    assert counts[1] == 8 and counts[2] == 0  # a persistent chunk frees 16 bytes per element: fewer lean
+    for p in range(n):
+        handle.configure(p, 1)
+        assert handle.n_lean == counts[p], p
+        assert handle.store.lean == frozenset(range(n - p - counts[p], n - p))
+    handle.unplace()
+
+
+def test_an_offload_with_lean_chunks_gets_them_in_its_problem_and_trains_exactly():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, n_lean=3)
+    n = len(handle.layout.chunks)
+    assert handle.lean_counts() == tuple(min(3, n - p) for p in range(n + 1))
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
+    _train_side_by_side(compiled, reference, opt, ref_opt, 3)
+    _assert_same_params(handle, model, reference)
+    problem = _train_record().auto_plan.problem
+    assert problem.lean_chunks == handle.lean_counts()
+    assert all(c.lean_fetch_bytes == handle.layout.chunk_bytes for c in problem.chunks)  # fp32: the master
+    assert problem.lean_staging_bytes == 0  # no CUDA: a lean chunk's fetch casts in place
+    assert handle.n_lean == 3 and handle.n_persist <= n - 3
+
+
 def test_a_meta_model_is_initialised_when_the_chunks_are_placed():
     with torch.device("meta"):
         model = GPT(CONFIG)

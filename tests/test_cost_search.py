@@ -466,3 +466,85 @@ def test_invalid_device_step_counts_are_refused() -> None:
     n = len(problem.chunks)
     with pytest.raises(ValueError, match=rf"n_gpu_optim={n} with n_persist=1; accepted: 0..{n - 1}"):
         estimate(problem, Config(1, CostModel(problem).buffer_range(1).start, 0, 0, n))
+
+
+# --------------------------------------------------------------------------- lean chunks
+
+
+def with_lean(problem: Problem, lean_at_0: int) -> Problem:
+    """``problem`` on a host short of memory: the last ``lean_at_0`` chunks lean with nothing
+    persistent, one fewer per persistent chunk (as the store's rule gives: each persistent chunk
+    frees a chunk's host bytes); a lean fetch moves the fp32 master, twice the bf16 bytes."""
+    n = len(problem.chunks)
+    lean = tuple(max(0, min(lean_at_0 - p, n - p)) for p in range(n + 1))
+    chunks = [dataclasses.replace(c, lean_fetch_bytes=2 * c.bytes) for c in problem.chunks]
+    return dataclasses.replace(problem, chunks=chunks, lean_chunks=lean, lean_staging_bytes=64 * MiB)
+
+
+def test_lean_chunks_fetch_their_master_and_add_the_staging() -> None:
+    # One slow link, no swap: every fetch of a lean chunk takes twice as long, and the estimate's
+    # bytes say so; a config with no lean chunk left is priced as without any.
+    problem = make_problem(21, n_blocks=4, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9, duplex_bytes_per_s=10e9)
+    n = len(problem.chunks)
+    lean = with_lean(problem, 3)
+    base, model = CostModel(problem), CostModel(lean)
+    assert [model.lean_from(p) for p in (0, 1, 2, 3)] == [n - 3, n - 2, n - 1, n]
+    for p in (0, 1, 2, 3):
+        b = base.buffer_range(p).start
+        e0, e = base.estimate(Config(p, b, 0, 0)), model.estimate(Config(p, b, 0, 0))
+        extra = sum(c.bytes for c in problem.chunks[model.lean_from(p):])  # each lean chunk is fetched at least once
+        if p < 3:
+            assert e.h2d_bytes >= e0.h2d_bytes + extra and e.step_s > e0.step_s, p
+            assert e.static_bytes == e0.static_bytes + 64 * MiB
+        else:
+            assert e == e0
+    # the device step of a lean chunk copies no working copy out
+    g = n
+    b = base.buffer_range(0).start
+    e0, e = base.estimate(Config(0, b, 0, 0, g)), model.estimate(Config(0, b, 0, 0, g))
+    assert e0.d2h_bytes - e.d2h_bytes == sum(c.bytes for c in problem.chunks[n - 3:])
+
+
+def test_search_with_lean_chunks_equals_brute_force_and_stays_monotone() -> None:
+    checked = 0
+    for seed in range(900, 908):
+        problem = with_lean(make_problem(seed, n_blocks=2 + seed % 3), 2 + seed % 4)
+        table = brute_force(problem, gpu_optim=seed % 2 == 1)
+        best = 0.0
+        for budget in reversed(budgets(table, 5)):
+            got = search(problem, budget, gpu_optim=seed % 2 == 1)
+            assert got.estimate.step_s == best_under(table, budget), (seed, budget, got.best)
+            assert got.estimate.step_s >= best  # less budget, never faster
+            best = got.estimate.step_s
+            checked += 1
+        model = CostModel(problem)
+        for cfg in all_configs(problem, gpu_optim=True):  # the bounds the search prunes with
+            t = model.step_time(*astuple(cfg))
+            assert t >= model.step_time(cfg.n_persist, cfg.n_buffer, 0, 0, 0, optimizer=False) - 1e-12
+            assert t >= model.device_step_bound(cfg.n_persist, cfg.n_gpu_optim) - 1e-12
+    assert checked == 40
+
+
+def test_lean_problems_replay_and_are_checked(tmp_path) -> None:
+    problem = with_lean(make_problem(5, n_blocks=3), 2)
+    path = tmp_path / "p.json"
+    problem.dump(path)
+    again = Problem.load(path)
+    assert again == problem
+    cfg = Config(0, CostModel(problem).buffer_range(0).start, 1, 1)
+    assert estimate(again, cfg) == estimate(problem, cfg)
+    d = problem.to_dict()  # a dump from before lean chunks were modelled: none is lean
+    d.pop("lean_chunks"), d.pop("lean_staging_bytes")
+    for c in d["chunks"]:
+        c.pop("lean_fetch_bytes")
+    assert Problem.from_dict(d).lean_chunks == ()
+    n = len(problem.chunks)
+    for lean, msg in (
+        ((1,) * n, rf"lean_chunks has {n} entries; one per n_persist in 0..{n} needs {n + 1}"),
+        ((0,) * n + (1,), rf"lean_chunks\[{n}\]=1 exceeds the 0 chunks offloaded with n_persist={n}"),
+        ((1, 2) + (0,) * (n - 1), r"lean_chunks must not grow with n_persist \(lean_chunks\[1\]=2 > 1\)"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            dataclasses.replace(problem, lean_chunks=lean)
+    with pytest.raises(ValueError, match=rf"chunks \[{n - 1}\] can be lean but have no lean_fetch_bytes"):
+        dataclasses.replace(make_problem(5, n_blocks=3), lean_chunks=(1,) + (0,) * n)

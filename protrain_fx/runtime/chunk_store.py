@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -103,6 +103,34 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
     return None
+
+
+def planned_store_bytes(
+    chunk_numel: int, trainable: Sequence[bool], itemsize: int, n_lean: int, grad_pool: int
+) -> int:
+    """Host bytes of a store of ``len(trainable)`` chunks of ``chunk_numel`` elements (``trainable``:
+    which hold a trainable parameter, so Adam moments), compute dtype of ``itemsize`` bytes, the last
+    ``n_lean`` chunks lean, with ``min(grad_pool, n_lean)`` landing buffers and the scratch: what
+    :meth:`ChunkStore.host_bytes` reaches (the module table)."""
+    per_chunk = sum(4 + (8 if t else 0) for t in trainable) + itemsize * (len(trainable) - n_lean)
+    scratch = 4 if itemsize != 4 and any(trainable) else 0
+    landing = itemsize * min(grad_pool, n_lean)
+    return chunk_numel * (per_chunk + scratch + landing)
+
+
+def auto_lean(
+    chunk_numel: int, trainable: Sequence[bool], itemsize: int, available: int | None, grad_pool: int
+) -> int:
+    """``n_lean="auto"``: the fewest last chunks to make lean so the store leaves
+    :data:`AUTO_HOST_RESERVE` bytes of ``available`` free (0 when unknown or when it fits as is; all
+    when nothing does: the memory check then names the need)."""
+    n = len(trainable)
+    if available is None:
+        return 0
+    for k in range(n + 1):
+        if planned_store_bytes(chunk_numel, trainable, itemsize, k, grad_pool) + AUTO_HOST_RESERVE <= available:
+            return k
+    return n
 
 
 def check_host_memory(needed: int, available: int | None, what: str) -> None:
@@ -237,32 +265,21 @@ class ChunkStore:
 
     def _planned_bytes(self, lean: frozenset[int] | None = None, grad_pool: int | None = None) -> int:
         """What ``host_bytes`` will be, computed before allocating anything, with the pool's
-        landing buffers all made (default: this store's ``lean`` and ``grad_pool``)."""
+        landing buffers all made (default: this store's ``lean`` and ``grad_pool``; ``lean`` is
+        always the last chunks)."""
         lean = self.lean if lean is None else lean
-        grad_pool = self.grad_pool if grad_pool is None else grad_pool
-        itemsize = self.compute_dtype.itemsize
-        per_chunk = [
-            (0 if c in lean else itemsize)
-            + 4
-            + (8 if any(s.trainable for s in slots) else 0)
-            for c, slots in enumerate(self._chunk_slots)
-        ]
-        scratch = 4 if self.compute_dtype != torch.float32 and self.has_trainable else 0
-        landing = itemsize * grad_pool if lean else 0
-        return self.chunk_numel * (sum(per_chunk) + scratch + landing)
+        assert lean == frozenset(range(self.num_chunks - len(lean), self.num_chunks)), "lean chunks are the last"
+        return planned_store_bytes(
+            self.chunk_numel, self._trainable_chunks(), self.compute_dtype.itemsize, len(lean),
+            self.grad_pool if grad_pool is None else grad_pool,
+        )
+
+    def _trainable_chunks(self) -> list[bool]:
+        return [any(s.trainable for s in slots) for slots in self._chunk_slots]
 
     def _auto_lean(self, available: int | None, grad_pool: int) -> int:
-        """The fewest last chunks to make lean so the store leaves :data:`AUTO_HOST_RESERVE` bytes of
-        ``available`` free (0 when unknown or when it fits as is; all when nothing does: the
-        memory check then names the need)."""
-        n = self.num_chunks
-        if available is None:
-            return 0
-        for k in range(n + 1):
-            lean = frozenset(range(n - k, n))
-            if self._planned_bytes(lean, min(grad_pool, k)) + AUTO_HOST_RESERVE <= available:
-                return k
-        return n
+        """:func:`auto_lean` of this store."""
+        return auto_lean(self.chunk_numel, self._trainable_chunks(), self.compute_dtype.itemsize, available, grad_pool)
 
     # ---- allocation --------------------------------------------------------------------------
 
