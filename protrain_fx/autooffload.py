@@ -62,6 +62,7 @@ from protrain_fx.autoplan import (
     judged_peak,
     judged_trial,
     machine_profile,
+    miss_note,
     verified_choice,
     widened,
 )
@@ -160,8 +161,9 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) for "
         f"graph {record.index} with the chunks placed at the model's first compile (n_persist={p}, n_buffer={b}, "
         f"n_gpu_optim={g}): the plan of least memory needs an allocated peak of {need} bytes, so the budget must "
-        f"be at least {minimum} bytes ({minimum / 2**30:.4g} GiB); use the first shape's batch, or compile the "
-        "largest shape first (the counts are chosen for the first)",
+        f"be at least {minimum} bytes ({minimum / 2**30:.4g} GiB{miss_note(miss)}); "
+        + ("raise memory_budget (the chunk counts stay as placed)" if miss else
+           "use the first shape's batch, or compile the largest shape first (the counts are chosen for the first)"),
         min_budget_bytes=minimum,
     )
 
@@ -349,8 +351,8 @@ def choose_offload(
             f"{model.n_chunks} chunks of {problem.buffer_bytes / 2**20:.4g} MiB, n_swap={least.n_swap}, "
             f"n_checkpoint={least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} "
             f"bytes, so the budget must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, "
-            f"{100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom included); raise memory_budget, use a smaller "
-            "batch, or smaller chunks (offload(..., chunk_bytes=...))",
+            f"{100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom included{miss_note(miss)}); raise memory_budget, "
+            "use a smaller batch, or smaller chunks (offload(..., chunk_bytes=...))",
             min_budget_bytes=minimum,
         )
     except BaseException:

@@ -45,10 +45,13 @@ after other work peaked higher), and is otherwise logged as not measured. The fi
 without optimizer state (made at the first ``step()``), and memory outside the step (other
 tensors, cuBLAS workspaces) is not the plan's: the step's measured rise above its start is put on
 the predicted start (parameters, optimizer state, inputs) before comparing. The first step also compiles the backward graph, so it can only measure
-high. A measured peak above the plan's allocated cap is a miss: a warning names it, and later plans
-on that device in this process (a new input shape, or after ``torch._dynamo.reset()``) lower their
-cap by the miss; the graph already compiled keeps its plan (Dynamo has no clean way to make a
-compiled graph recompile from inside its backward).
+high. A measured peak above the plan's allocated cap is a miss: a warning names it, every later
+plan on that device in this process lowers its cap by the miss, and the graph is removed from
+Dynamo's cache (``remove_from_cache`` of the code object it was compiled for,
+``CapturedGraph.dynamo_code``), so its next call compiles it again under the lowered cap. The step
+that missed has already run; the next one runs the new plan. An offloaded model keeps its chunk
+counts (its optimizer state lives in the placed store): its activation plan is chosen again for
+the chunks as placed.
 
 What the cost model is told (:func:`activation_problem`): ``profiler.problem_from_record`` with
 roofline block times (``passes/estimate.py``, with the ``machine`` option's constants; on CUDA the
@@ -228,6 +231,9 @@ class AutoPlan:
     #: whether ``empty_peak_bytes`` is Inductor's.
     judged_by: str = "graph"
     empty_by_inductor: bool = False
+    #: Set after a measured miss when this graph was removed from Dynamo's cache, so that its next
+    #: call compiles it again under the lowered cap (``record_first_step``).
+    recompile: bool = False
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -236,7 +242,8 @@ class AutoPlan:
 
     @property
     def replan(self) -> bool:
-        """The first step measured above the allocated cap: later plans lower their cap."""
+        """The first step measured above the allocated cap: later plans lower their cap, and the graph
+        is compiled again at its next call (:attr:`recompile`)."""
         return self.peak_check is not None and self.peak_check.over
 
     def table(self, index: int | None = None) -> str:
@@ -401,10 +408,17 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
         f"for graph {record.index}: the plan of least memory (n_swap={least.n_swap}, n_checkpoint="
         f"{least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} bytes, so the budget "
         f"must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, {100 * ALLOCATOR_HEADROOM:.0f}% allocator "
-        "headroom included); raise memory_budget, use a smaller batch, or offload parameters with "
-        "protrain_fx.offload(...)",
+        f"headroom included{miss_note(miss)}); raise memory_budget, use a smaller batch, or offload parameters "
+        "with protrain_fx.offload(...)",
         min_budget_bytes=minimum,
     )
+
+
+def miss_note(miss: float) -> str:
+    """For a refusal's minimum budget: that it includes a measured miss (``""`` without one)."""
+    if not miss:
+        return ""
+    return f", and {100 * miss:.1f}% for the peak measured above its prediction in an earlier first step"
 
 
 def chosen(
@@ -667,11 +681,22 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
     log.info("protrain_fx: graph %d: %s", record.index, check.line())
     if check.over:
         _PEAK_MISSES[memory.device] = max(_PEAK_MISSES.get(memory.device, 0.0), check.miss)
+        code = record.dynamo_code
+        if code is not None:  # the next call compiles this graph again, planned under the lowered cap
+            from torch._dynamo.eval_frame import remove_from_cache
+
+            remove_from_cache(code)
+            auto.recompile = True
+        what = (
+            f"this graph is compiled again at its next call ({code.co_name}), and it and"
+            if code is not None
+            else "this graph keeps its plan (it was compiled outside Dynamo), and"
+        )
         log.warning(
             "protrain_fx: graph %d: the first step peaked at %d bytes (%s), %.1f%% above the predicted %d bytes "
             "(%s) and over the allocated cap of %d bytes (%s) that the plan (n_swap=%d, n_checkpoint=%d) was "
-            "chosen for under a budget of %d bytes; this graph keeps its plan, and the next plan on %s (a new "
-            "input shape, or after torch._dynamo.reset()) is chosen with its cap lowered by %.1f%%",
+            "chosen for under a budget of %d bytes; %s every later plan on %s is chosen with its cap lowered "
+            "by %.1f%%",
             record.index,
             check.step_peak_bytes,
             human_bytes(check.step_peak_bytes),
@@ -683,6 +708,7 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
             auto.config.n_swap,
             auto.config.n_checkpoint,
             auto.budget_bytes,
+            what,
             memory.device,
             100 * check.miss,
         )

@@ -10,6 +10,7 @@ kept too.
 from __future__ import annotations
 
 import threading
+import types
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -82,6 +83,11 @@ class CapturedGraph:
     #: (none given: what the process could reach on the step's CUDA device when it was compiled,
     #: ``pipeline.resolve_budget``) or ``None`` (no budget).
     budget_source: str | None = None
+    #: The code object whose Dynamo cache holds this graph (the frame Dynamo was compiling, or the
+    #: resume function after a graph break): removing it from the cache makes the next call compile
+    #: the graph again (``autoplan.record_first_step`` after a measured miss). ``None`` when the
+    #: backend was called outside Dynamo.
+    dynamo_code: types.CodeType | None = None
 
     @property
     def has_backward(self) -> bool:
@@ -121,9 +127,20 @@ def new_record(
             dynamo_graph=dynamo_graph,
             graph_breaks_after=new_breaks,
             example_inputs=tuple(weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs),
+            dynamo_code=_compiling_code(),
         )
         _records.append(record)
         return record
+
+
+def _compiling_code() -> types.CodeType | None:
+    """The code object Dynamo is compiling now (its root frame's), or ``None`` outside Dynamo."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:  # noqa: BLE001 -- no translator: called outside Dynamo
+        return None
 
 
 def captured_graphs() -> list[CapturedGraph]:

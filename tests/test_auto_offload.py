@@ -162,6 +162,62 @@ def test_an_offload_with_lean_chunks_gets_them_in_its_problem_and_trains_exactly
     assert handle.n_lean == 3 and handle.n_persist <= n - 3
 
 
+def test_a_measured_miss_plans_the_placed_chunks_again_or_names_the_budget_they_need(monkeypatch):
+    """The first step measured 5% over its cap (counters driven on the CPU): the graph is compiled
+    again at its next call, its activation plan chosen again for the chunks as placed (the counts
+    stay: the optimizer state lives in the placed store). On the tiny GPT no activation plan makes
+    up the miss, so that call refuses, naming the budget that includes it; that budget then trains,
+    exactly like eager."""
+    from tests.test_offload import _batch as batch_of
+
+    state = {"reads": 0, "rise": 0}
+
+    def counters(device):
+        state["reads"] += 1
+        return (1000, 2000) if state["reads"] % 2 else (1000, 1000 + state["rise"])
+
+    monkeypatch.setattr(autoplan, "memory_counters", counters)
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
+
+    def step(i: int) -> None:
+        loss, ref_loss = compiled(*batch_of(i)), reference(*batch_of(i))
+        assert torch.equal(loss, ref_loss), i
+        newest = _train_record()
+        start = sum(newest.memory.timeline.baseline_bytes.values())
+        # the first step of the first graph 5% over its cap, the others as predicted
+        over = newest is first_graph[0] if first_graph else True
+        state["rise"] = (int(newest.auto_plan.allocated_cap_bytes * 1.05) if over else newest.memory.peak_bytes) - start
+        first_graph.append(newest)
+        loss.backward()
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+    first_graph: list = []
+    step(0)
+    first = first_graph[0]
+    counts = (handle.n_persist, handle.n_buffer, handle.n_gpu_optim)
+    assert first.auto_plan.replan and first.auto_plan.recompile
+    miss = first.auto_plan.peak_check.miss
+    with pytest.raises(Exception) as info:
+        compiled(*batch_of(1))  # compiled again: nothing runs
+    error = _no_plan_fits(info.value)
+    assert error is not None and "with the chunks placed at the model's first compile" in str(error)
+    assert f"{100 * miss:.1f}% for the peak measured above its prediction" in str(error)
+    assert "the chunk counts stay as placed" in str(error)
+    assert (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == counts
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="protrain",
+                             options={"codegen": "eager", "memory_budget": error.min_budget_bytes})
+    for i in (1, 2):
+        step(i)
+    _assert_same_params(handle, model, reference)
+    second = _train_record()
+    assert second.auto_plan.cap_lowered_by == pytest.approx(miss)
+    assert second.memory.peak_bytes <= second.auto_plan.allocated_cap_bytes
+    assert (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == counts
+
+
 def test_a_meta_model_is_initialised_when_the_chunks_are_placed():
     with torch.device("meta"):
         model = GPT(CONFIG)

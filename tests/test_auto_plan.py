@@ -414,6 +414,54 @@ def test_the_first_training_call_is_measured_once_after_its_backward(no_plan, mo
     assert len(reads) == 2
 
 
+def test_a_measured_miss_compiles_the_graph_again_under_the_lowered_cap(no_plan, monkeypatch, logged):
+    """The first step measured 3% over its cap (counters driven on the CPU): the graph is removed
+    from Dynamo's cache, its next call compiles it again under the cap lowered by the miss (here a
+    searched plan where the step had fitted as is), and training goes on exactly like eager."""
+    budget = int(budget_for_peak(no_plan["peak"]) * 1.05)  # the step fits as is; 3% under it a plan does
+    _device_budget(monkeypatch, budget)
+    state = {"reads": 0, "peak": 0}
+
+    def counters(device):
+        state["reads"] += 1
+        return (1000, 2000) if state["reads"] % 2 else (1000, 1000 + state["peak"])
+
+    monkeypatch.setattr(autoplan, "memory_counters", counters)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference))
+    for step in range(3):
+        batch = _batch(seed=step)
+        loss, ref_loss = compiled(*batch), reference(*batch)
+        newest = _train_graphs()[-1]
+        start = sum(newest.memory.timeline.baseline_bytes.values())
+        if step == 0:
+            first = newest
+            state["peak"] = int(first.auto_plan.allocated_cap_bytes * 1.03) - start  # the step's rise
+        else:  # the plan compiled again peaks as predicted
+            state["peak"] = newest.memory.peak_bytes - start
+        loss.backward()
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss), step
+        assert all(torch.equal(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters())), step
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        if step == 0:
+            assert first.auto_plan.replan and first.auto_plan.recompile
+    assert first.auto_plan.how == "fits as is"
+    (warning,) = [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
+    assert "compiled again at its next call (forward)" in warning
+    second, = [g for g in _train_graphs() if g is not first]  # compiled once more, then reused
+    miss = first.auto_plan.peak_check.miss
+    assert miss == pytest.approx(1.03 * first.auto_plan.allocated_cap_bytes / first.memory.peak_bytes - 1, rel=1e-3)
+    assert allocated_cap_bytes(budget) / (1 + miss) < no_plan["peak"]  # the lowered cap needs a plan
+    assert second.auto_plan.cap_lowered_by == pytest.approx(miss)
+    assert second.auto_plan.how == "searched" and second.memory.peak_bytes <= second.auto_plan.allocated_cap_bytes
+    assert second.auto_plan.peak_check is not None and not second.auto_plan.replan  # measured under its cap
+
+
 def test_a_compile_that_raised_the_peak_resets_it_once_before_the_first_step(no_plan, monkeypatch):
     """The compile runs inside the user's first call (machine measurements, trial placements), so
     when it raised the device's peak the backend resets the statistics before the step (else the
