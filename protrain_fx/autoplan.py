@@ -657,7 +657,8 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
     """The bookkeeping of :func:`watch_first_step`, from plain numbers: ``start`` and ``end`` are
     ``(memory_allocated, max_memory_allocated)`` at the forward's start and the backward's end.
     Stores a :class:`PeakCheck` on ``record.auto_plan`` and logs it; a step above its allocated cap
-    logs a warning naming the numbers and lowers the cap of later plans on this device. Returns
+    logs a warning naming the numbers, lowers the cap of later plans on this device and removes the
+    graph from Dynamo's cache (its next call compiles it again under that cap). Returns
     ``None`` (logged) when the step did not raise the process' peak, whose value is then unknown."""
     auto, memory = record.auto_plan, record.memory
     assert auto is not None and memory is not None
