@@ -137,6 +137,9 @@ def judged_trial(record: CapturedGraph, config: Config, predicted_peak_bytes: in
 #: cap, per device, in this process (:func:`record_first_step`); later plans on that device lower
 #: their cap by it. Cleared by ``protrain_fx.reset()``.
 _PEAK_MISSES: dict[str, float] = {}
+#: Devices whose next planned graph resets the peak statistics before its first step (a miss
+#: made the process' peak there; :func:`watch_first_step`).
+_RESET_AFTER_MISS: dict[str, bool] = {}
 
 
 @dataclass(frozen=True)
@@ -587,8 +590,9 @@ def peaks_at_compile_start() -> dict[torch.device, int]:
 
 
 def reset_peak(device: torch.device) -> None:
-    """``torch.cuda.reset_peak_memory_stats(device)``; tests replace it on the CPU."""
-    torch.cuda.reset_peak_memory_stats(device)
+    """``torch.cuda.reset_peak_memory_stats(device)`` (nothing off CUDA); tests replace it on the CPU."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def watch_first_step(
@@ -604,11 +608,23 @@ def watch_first_step(
     peak above it (the machine's rates and ops measured, chunks placed for trial plans: gigabytes on
     a cold cache), the peak statistics are reset here, once, before the first step. The compile runs
     inside the user's first call, so no reset of theirs can come between it and the step, and
-    without this the step's peak would stay under the compile's and go unmeasured."""
+    without this the step's peak would stay under the compile's and go unmeasured.
+
+    After a measured miss (:func:`record_first_step`), the next graph planned on that device (the
+    one compiled again) has the statistics reset likewise: the step that missed made the process'
+    peak, and the new plan is measured to check that it fits."""
     if record.auto_plan is None or record.memory is None:
         return compiled
     device = torch.device(record.memory.device)
-    if peaks_before is not None and (device.type == "cuda" or device in peaks_before):
+    if _RESET_AFTER_MISS.pop(record.memory.device, False):
+        reset_peak(device)
+        log.info(
+            "protrain_fx: graph %d: the peak statistics of %s were reset so that the first step of the plan "
+            "chosen after a measured miss is measured",
+            record.index,
+            device,
+        )
+    elif peaks_before is not None and (device.type == "cuda" or device in peaks_before):
         now = memory_counters(device)
         if now is not None and now[1] > peaks_before.get(device, 0):
             reset_peak(device)
@@ -688,6 +704,7 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
 
             remove_from_cache(code)
             auto.recompile = True
+        _RESET_AFTER_MISS[memory.device] = True
         what = (
             f"this graph is compiled again at its next call ({code.co_name}), and it and"
             if code is not None
@@ -719,6 +736,7 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
 def clear_peak_misses() -> None:
     """Forget measured misses (``protrain_fx.reset()``): later plans use the full allocated cap."""
     _PEAK_MISSES.clear()
+    _RESET_AFTER_MISS.clear()
 
 
 __all__ = [

@@ -427,6 +427,8 @@ def test_a_measured_miss_compiles_the_graph_again_under_the_lowered_cap(no_plan,
         return (1000, 2000) if state["reads"] % 2 else (1000, 1000 + state["peak"])
 
     monkeypatch.setattr(autoplan, "memory_counters", counters)
+    resets = []
+    monkeypatch.setattr(autoplan, "reset_peak", resets.append)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     reference = copy.deepcopy(model)
@@ -460,6 +462,8 @@ def test_a_measured_miss_compiles_the_graph_again_under_the_lowered_cap(no_plan,
     assert second.auto_plan.cap_lowered_by == pytest.approx(miss)
     assert second.auto_plan.how == "searched" and second.memory.peak_bytes <= second.auto_plan.allocated_cap_bytes
     assert second.auto_plan.peak_check is not None and not second.auto_plan.replan  # measured under its cap
+    # the step that missed made the process' peak: reset once, so that the new plan's step is measured
+    assert resets == [torch.device("cpu")]
 
 
 def test_a_compile_that_raised_the_peak_resets_it_once_before_the_first_step(no_plan, monkeypatch):
