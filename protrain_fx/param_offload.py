@@ -241,6 +241,9 @@ class OffloadHandle:
         )
         host_names = {n for c in offloaded for s in c.slots for n in s.param.names}
         settings = self._settings
+        n_lean = settings["n_lean"]
+        if self._sources is not None and n_lean != "auto":  # counts chosen by the backend: at most all lean
+            n_lean = min(n_lean, len(offloaded))  # as lean_counts() told the cost model
         self.store = ChunkStore(
             host_layout,
             {n: source(n) for n in named if n in host_names},
@@ -248,7 +251,7 @@ class OffloadHandle:
             pin_memory=self.device.type == "cuda",
             available_bytes=settings["available_host_bytes"],
             init=settings["init"],
-            n_lean=settings["n_lean"],
+            n_lean=n_lean,
             grad_pool=settings["grad_pool"],
         ) if offloaded else None
         self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim

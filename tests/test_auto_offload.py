@@ -141,6 +141,13 @@ def test_lean_counts_are_what_the_store_makes_at_every_n_persist():
         assert handle.n_lean == counts[p], p
         assert handle.store.lean == frozenset(range(n - p - counts[p], n - p))
     handle.unplace()
+    # a fixed n_lean above what a chosen n_persist leaves offloaded: all of those are lean
+    fixed = protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(model.parameters()), device="cpu", chunk_bytes=CHUNK,
+                                n_lean=3)
+    assert fixed.lean_counts()[n - 2:] == (2, 1, 0)
+    fixed.configure(n - 1, 1)
+    assert fixed.n_lean == 1
+    fixed.unplace()
 
 
 def test_an_offload_with_lean_chunks_gets_them_in_its_problem_and_trains_exactly():
