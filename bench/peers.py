@@ -269,12 +269,13 @@ def base_system(system: str) -> str:
 def parse_offload_spec(spec: str) -> tuple[int | str, int | str, str, int | str, int | str]:
     """``"persist=2,buffer=3,gpu_optim=1,lean=4,checkpoint=all"`` → ``(2, 3, "checkpoint=all", 1, 4)``;
     ``"auto"`` → ``("auto", "auto", "", "auto", "auto")`` (the backend chooses, for the device's cap;
-    ``auto:inductor`` in ``--offload``: the same with ``options={"verify": "inductor"}``):
+    ``auto:inductor`` / ``auto:graph`` in ``--offload``: the same with ``options={"verify": ...}``;
+    plain ``auto`` leaves the library's default, which judges by Inductor on a CUDA device):
     the chunks kept on the GPU, the GPU chunk buffers, the activation plan (``swap=``/``checkpoint=``
     counts, as ``--plan``; empty: none), the offloaded chunks stepped on the GPU and the lean chunks
     (no host bf16 copy; a number or ``auto``, the library's default). ``buffer`` is required;
     ``persist`` and ``gpu_optim`` default to 0."""
-    if spec.strip() in ("auto", "auto:inductor"):  # the backend chooses the counts and the plan (autooffload.py)
+    if spec.strip() in ("auto", "auto:inductor", "auto:graph"):  # the backend chooses the counts and the plan (autooffload.py)
         return "auto", "auto", "", "auto", "auto"
     counts: dict[str, int | str] = {"persist": 0, "gpu_optim": 0, "lean": "auto"}
     rest = []
@@ -382,8 +383,8 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
     from protrain_fx.backend import register
 
     verify = None
-    if spec.strip() == "auto:inductor":  # plans judged by Inductor's allocation plan (option "verify")
-        spec, verify = "auto", "inductor"
+    if spec.strip() in ("auto:inductor", "auto:graph"):  # how plans are judged (option "verify")
+        spec, verify = "auto", spec.strip().split(":")[1]
     n_persist, n_buffer, plan_spec, n_gpu_optim, n_lean = parse_offload_spec(spec)
     cuda = device == "cuda"
     cap = torch.cuda.get_device_properties(0).total_memory if cuda else 0

@@ -2,7 +2,8 @@
 # Seventh session: the automatic offload over sizes and budgets, in one call.
 #   JOBS_A / JOBS_B: runs of bench/peers.py, ";"-separated, each "CAP_GIB|SYSTEMS|SIZES" (SYSTEMS
 #     "auto" = protrain_offload with --offload auto: offload without counts and no options, so the
-#     backend chooses everything for the capped device; "autoi": the same with verify="inductor"). Lane a runs JOBS_A, lane b JOBS_B.
+#     backend chooses everything for the capped device (verify's default: Inductor's plan on CUDA);
+#     "autoi" / "autog": the same with verify="inductor" / "graph"). Lane a runs JOBS_A, lane b JOBS_B.
 #   TESTS: GPU test files run first in lane a (empty: none). MAIN=1: the README's main job.
 #   EXTRA: a command run in lane a after the tests, its output in $O/a/extra.log (its files: write
 #     them under $O/a/extra).
@@ -54,6 +55,7 @@ lane() {  # lane NAME JOBS
     cap=${job%%|*}; systems=${job#*|}; sizes=${systems#*|}; systems=${systems%%|*}
     extra=(); [ "$systems" = auto ] && { systems=protrain_offload; extra=(--offload auto --default-estimate-s 150); }
     [ "$systems" = autoi ] && { systems=protrain_offload; extra=(--offload auto:inductor --default-estimate-s 150); }
+    [ "$systems" = autog ] && { systems=protrain_offload; extra=(--offload auto:graph --default-estimate-s 150); }
     out="$O/$name/cap$cap"
     local resume=(); [ -f "$out/peers.json" ] && resume=(--resume "$out/peers.json")
     # shellcheck disable=SC2086

@@ -142,6 +142,15 @@ _PEAK_MISSES: dict[str, float] = {}
 _RESET_AFTER_MISS: dict[str, bool] = {}
 
 
+#: How far (a fraction of the allocated cap) a first step may peak above its cap before it counts
+#: as a miss. The budget keeps 8% over the cap for the allocator (``ALLOCATOR_HEADROOM``; the
+#: reserved peak ran 1.07x the allocated one for B24 760M on the H200), and a step that fits its
+#: prediction exactly still varies by a few MiB between runs (a 2 GiB step on the H200 measured
+#: 1.5 MiB, 0.07%, above its Inductor-judged prediction, 2026-12-01): compiling the graph again for
+#: that would trade a kept step for a slower plan over noise. Half a percent stays inside the headroom.
+MISS_TOLERANCE = 0.005
+
+
 @dataclass(frozen=True)
 class PeakCheck:
     """The first training step of a planned graph, measured on the GPU, against its prediction.
@@ -152,7 +161,8 @@ class PeakCheck:
     before the step's first node (parameters, optimizer state, inputs). ``step_peak_bytes`` puts the
     measured rise on the predicted start (module docstring: the first step has no optimizer state yet,
     and memory outside the step is not the plan's); ``error_pct`` compares it with the prediction.
-    ``over``: it is above ``allocated_cap_bytes``, the most the plan was allowed.
+    ``over``: it is above ``allocated_cap_bytes``, the most the plan was allowed, by more than
+    :data:`MISS_TOLERANCE` of it.
     """
 
     predicted_peak_bytes: int
@@ -172,7 +182,7 @@ class PeakCheck:
 
     @property
     def over(self) -> bool:
-        return self.step_peak_bytes > self.allocated_cap_bytes
+        return self.step_peak_bytes > self.allocated_cap_bytes * (1 + MISS_TOLERANCE)
 
     @property
     def miss(self) -> float:
@@ -180,11 +190,19 @@ class PeakCheck:
         return self.step_peak_bytes / max(1, self.predicted_peak_bytes) - 1 if self.over else 0.0
 
     def line(self) -> str:
+        above = self.step_peak_bytes - self.allocated_cap_bytes
+        noise = (
+            f" ({100 * above / max(1, self.allocated_cap_bytes):.2f}% above it, inside the "
+            f"{100 * MISS_TOLERANCE:.1f}% tolerance: not a miss)"
+            if above > 0 and not self.over
+            else ""
+        )
         return (
             f"first step measured peak {human_bytes(self.step_peak_bytes)} against {human_bytes(self.predicted_peak_bytes)} "
             f"predicted ({self.error_pct:+.1f}%; max_memory_allocated {human_bytes(self.measured_peak_bytes)}, "
             f"{human_bytes(self.measured_start_bytes)} allocated at the start, "
             f"{human_bytes(self.predicted_start_bytes)} predicted there); allocated cap {human_bytes(self.allocated_cap_bytes)}"
+            f"{noise}"
         )
 
 
@@ -487,9 +505,11 @@ def verified_choice(
     searches with the cap lowered by ``lowered`` bytes (raised when negative), ``run(config)``
     applies a config and returns its analysed :class:`Trial` (appending it to ``trials``). Returns
     ``(config, how, last search, peak needed)``: a searched config analysed under ``cap``
-    (``"searched"``), else ``least`` when it fits (``"least memory"``; analysed even when the cost
-    model says it does not fit, so that the minimum a caller names is one this procedure keeps), else
-    ``None`` with the peak ``least`` needs. On return the last ``run`` is of the returned config.
+    (``"searched"``), else ``least`` when the analysis puts it under ``cap`` (``"least memory"``; tried
+    even when the cost model says it does not fit, and judged by the analysis alone, as every trial
+    is: the cost model's peak is an upper bound of it, and with ``verify="inductor"`` it can be
+    gigabytes above the plan that runs), else ``None`` with the peak ``least`` analyses to, so that
+    the minimum a caller names is one this procedure keeps. On return the last ``run`` is of the returned config.
 
     A searched config that fits is then used as a measure of the cost model's margin
     (:func:`raised_choice`): the search runs again with the cap raised by what the cost model
@@ -510,7 +530,7 @@ def verified_choice(
             return found.best, "searched", found, next(x for x in trials if x.config == found.best).analysed_peak_bytes
         lowered += max(1, t.analysed_peak_bytes - t.predicted_peak_bytes)
     done = next((t for t in trials if t.config == least), None) or run(least)
-    need = max(done.predicted_peak_bytes, done.analysed_peak_bytes)
+    need = done.analysed_peak_bytes  # the analysis judges (the cost model's peak is an upper bound of it)
     if need > cap:
         return None, "", found, need
     if trials[-1] is not done:

@@ -129,8 +129,12 @@ class _Partitioner(CustomPartitionerFn):
             record.swapped = []
             graphs[:] = [partition(_copy_graph_module(joint), check=False)]
 
-        if user_config.verify == "inductor":  # the options refuse it with another codegen
-            record.probe_inductor = lambda: _probe_inductor(record)
+        if user_config.verify != "graph":  # "inductor" (options refuse it with another codegen) or "auto"
+            # Judged on the device the step's memory is analysed for (an offloaded model's inputs
+            # can sit on the host): "auto" lowers with Inductor only for a CUDA step.
+            record.probe_inductor = lambda: (
+                _probe_inductor(record) if user_config.verify_for(record.memory.device) == "inductor" else None
+            )
 
         if dry_run and handle is not None:
             answer_offload(record, handle, trial)  # placed, checked and removed: training's answer

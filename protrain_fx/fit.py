@@ -125,8 +125,9 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
         config = autoplan.least_memory_config(model)
         least = block_plan(chosen.problem, config)
         trial(least if least.blocks_with("swap") or least.blocks_with("checkpoint") else None)
-        judged, _ = autoplan.judged_peak(record)  # as training judges it (option verify)
-        minimum = budget_for_peak(max(model.estimate(config).peak_bytes, judged))
+        judged, _ = autoplan.judged_peak(record)  # as training judges it (option verify), and it alone
+        miss = autoplan._PEAK_MISSES.get(record.memory.device, 0.0)
+        minimum = budget_for_peak(math.ceil(judged * (1 + miss)))
     swap_bytes = 0
     if chosen is not None:
         swapped = set(chosen.plan.blocks_with("swap"))
@@ -151,9 +152,9 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
     the training compile would choose under the budget (``autooffload.choose_offload``, which places
     the chunks of each config it tries and checks it with the memory analysis), and the smallest
-    budget: the least-memory config's peak, the analysis' or the cost model's, whichever is higher
-    (the cost model's alone fell below the analysis' on small chunks and on swaps: CPU test, and 1.957
-    against 2.120 GB on the H200, eighth session). Then nothing stays placed (``handle.unplace()``)
+    budget: the least-memory config's peak as the analysis judges it, the judge training uses (the
+    cost model's peak is not asked to fit: it can fall below the analysis', on small chunks and on
+    swaps, 1.957 against 2.120 GB on the H200 in the eighth session, or far above it). Then nothing stays placed (``handle.unplace()``)
     and the compile stops with the report."""
     from protrain_fx import autooffload
     from protrain_fx.autoplan import _PEAK_MISSES
@@ -175,7 +176,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
             done = next((t for t in chosen.trials if t.config == least), None)
             if done is None:
                 done = autooffload.place_and_analyse(record, handle, model, least, trial)
-            minimum = budget_for_peak(math.ceil(max(done.predicted_peak_bytes, done.analysed_peak_bytes) * (1 + miss)))
+            minimum = budget_for_peak(math.ceil(done.analysed_peak_bytes * (1 + miss)))
         except NoPlanFits as e:  # training's own refusal, with the minimum it names
             minimum = e.min_budget_bytes
     finally:

@@ -222,7 +222,10 @@ def test_below_the_minimum_raises_naming_it_and_the_minimum_works(no_plan):
     assert exact
     auto = record.auto_plan
     assert auto.config == least_memory_config(CostModel(auto.problem))
-    assert max(auto.predicted_peak_bytes, record.memory.peak_bytes) <= allocated_cap_bytes(minimum)
+    # the analysis judges: it is what the minimum was named from; the cost model's peak is an upper
+    # bound of it and is not asked to fit (on this tiny model it is above the cap)
+    assert record.memory.peak_bytes == auto.analysed_peak_bytes <= allocated_cap_bytes(minimum)
+    assert auto.predicted_peak_bytes >= record.memory.peak_bytes
 
 
 def test_each_input_shape_gets_its_own_plan(no_plan):
@@ -333,6 +336,12 @@ def test_peak_check_arithmetic():
     assert not under.over and under.miss == 0.0
     low = dataclasses.replace(check, measured_peak_bytes=5000 + 650)
     assert low.step_peak_bytes == 950 and low.error_pct == pytest.approx(-5.0) and not low.over
+    # above the cap by less than the tolerance (noise inside the allocator headroom): not a miss, and said so
+    noise = dataclasses.replace(check, allocated_cap_bytes=int(1100 / (1 + autoplan.MISS_TOLERANCE / 2)))
+    assert noise.step_peak_bytes > noise.allocated_cap_bytes and not noise.over and noise.miss == 0.0
+    assert "tolerance: not a miss" in noise.line() and "tolerance" not in check.line()
+    edge = dataclasses.replace(check, allocated_cap_bytes=int(1100 / (1 + 2 * autoplan.MISS_TOLERANCE)))
+    assert edge.over and edge.miss == pytest.approx(0.1)
 
 
 def test_first_step_bookkeeping_and_a_miss_lowers_later_caps(no_plan, monkeypatch, logged):
@@ -356,8 +365,14 @@ def test_first_step_bookkeeping_and_a_miss_lowers_later_caps(no_plan, monkeypatc
     assert not [r for r in logged if r.levelno >= logging.WARNING]
     assert "first step measured peak" in auto.table()
 
+    # above the cap inside the tolerance: logged as such, no miss
+    inside = auto.allocated_cap_bytes + 1
+    check = record_first_step(record, (10_000, 20_000), (10_000, 10_000 + inside - start))
+    assert not check.over and not auto.replan and "not a miss" in check.line()
+    assert not [r for r in logged if r.levelno >= logging.WARNING] and autoplan._PEAK_MISSES == {}
+
     # above the cap: a warning naming the numbers, the flag, and the next plan's cap is lowered
-    over = auto.allocated_cap_bytes + 4096
+    over = int(auto.allocated_cap_bytes * (1 + 2 * autoplan.MISS_TOLERANCE))
     check = record_first_step(record, (10_000, 20_000), (10_000, 10_000 + over - start))
     assert check.over and auto.replan and auto.measured_peak_bytes == over
     (warning,) = [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
@@ -644,12 +659,18 @@ def test_verify_inductor_judges_plans_by_inductors_own_allocation_plan():
     assert refused.value.inner_exception.min_budget_bytes > budget
 
 
-def test_verify_accepts_graph_and_inductor_only():
+def test_verify_accepts_auto_graph_and_inductor_only_and_auto_lowers_with_inductor_on_cuda_only():
     from protrain_fx.config import parse_options
 
-    assert parse_options(None).verify == "graph"
+    assert parse_options(None).verify == "auto"
     assert parse_options({"verify": "inductor"}).verify == "inductor"
-    with pytest.raises(ValueError, match="option 'verify': got 'fx'; accepted: 'graph', 'inductor'"):
+    with pytest.raises(ValueError, match="option 'verify': got 'fx'; accepted: 'auto', 'graph', 'inductor'"):
         parse_options({"verify": "fx"})
+    auto, eager = parse_options(None), parse_options({"codegen": "eager"})
+    assert auto.verify_for("cuda:0") == auto.verify_for(torch.device("cuda", 1)) == "inductor"
+    assert auto.verify_for("cpu") == auto.verify_for(torch.device("cpu")) == "graph"
+    assert eager.verify_for("cuda:0") == "graph"  # what runs is the graph as analysed
+    assert parse_options({"verify": "graph"}).verify_for("cuda:0") == "graph"
+    assert parse_options({"verify": "inductor"}).verify_for("cpu") == "inductor"
     with pytest.raises(ValueError, match="but codegen is 'eager'; use codegen='inductor' or verify='graph'"):
         parse_options({"verify": "inductor", "codegen": "eager"})

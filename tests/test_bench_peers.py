@@ -165,6 +165,7 @@ def test_offload_specs_read_every_count_and_refuse_bad_ones():
     assert peers.parse_offload_spec("buffer=3,lean=auto") == (0, 3, "", 0, "auto")
     assert peers.parse_offload_spec("auto") == ("auto", "auto", "", "auto", "auto")  # the backend chooses
     assert peers.parse_offload_spec("auto:inductor") == ("auto", "auto", "", "auto", "auto")  # verify="inductor"
+    assert peers.parse_offload_spec("auto:graph") == ("auto", "auto", "", "auto", "auto")  # verify="graph"
     assert peers.parse_offload_spec("buffer=2")[4] == "auto"  # the library's default
     with pytest.raises(ValueError, match="lean needs a whole number"):
         peers.parse_offload_spec("buffer=2,lean=x")
