@@ -170,7 +170,7 @@ def test_an_offload_with_lean_chunks_gets_them_in_its_problem_and_trains_exactly
 
 
 def test_a_measured_miss_plans_the_placed_chunks_again_or_names_the_budget_they_need(monkeypatch):
-    """The first step measured 5% over its cap (counters driven on the CPU): the graph is compiled
+    """The first step measured 50% over its cap (counters driven on the CPU): the graph is compiled
     again at its next call, its activation plan chosen again for the chunks as placed (the counts
     stay: the optimizer state lives in the placed store). On the tiny GPT no activation plan makes
     up the miss, so that call refuses, naming the budget that includes it; that budget then trains,
@@ -191,9 +191,10 @@ def test_a_measured_miss_plans_the_placed_chunks_again_or_names_the_budget_they_
         assert torch.equal(loss, ref_loss), i
         newest = _train_record()
         start = sum(newest.memory.timeline.baseline_bytes.values())
-        # the first step of the first graph 5% over its cap, the others as predicted
+        # the first step of the first graph 50% over its cap (more than any activation plan saves on
+        # this model: the replan refuses), the others as predicted
         over = newest is first_graph[0] if first_graph else True
-        state["rise"] = (int(newest.auto_plan.allocated_cap_bytes * 1.05) if over else newest.memory.peak_bytes) - start
+        state["rise"] = (int(newest.auto_plan.allocated_cap_bytes * 1.5) if over else newest.memory.peak_bytes) - start
         first_graph.append(newest)
         loss.backward()
         ref_loss.backward()
