@@ -14,7 +14,9 @@ them, and times them from the first copy in to the last copy out: the profiler's
 * ``cpu_launch``: and this thread launches small kernels until the steps end (the training loop);
 * ``cpu_matmul``: the CPU step, and bf16 matrix products on the default stream fill the SMs, as
   backward's kernels do; ``cpu_matmul_high``: the same with the steps' update kernels on a stream
-  of high priority (the runtime's is of normal priority: measured, high did not help).
+  of high priority (the runtime's is of normal priority: measured, high did not help);
+* ``cpu_deep`` / ``cpu_deep_high``: the CPU step, and products and memory-bound kernels kept about
+  48 deep in the default stream's queue, as a training loop runs ahead of the GPU.
 
 Beside them, the raw link: one pinned copy of the bytes a step moves in (master and moments, 12
 bytes per parameter) and one of those it moves out (14), on two streams at once. The cost model
@@ -48,6 +50,8 @@ SCENARIOS = {
     "cpu_launch": (True, "launch", 0),
     "cpu_matmul": (True, "matmul", 0),
     "cpu_matmul_high": (True, "matmul", -1),
+    "cpu_deep": (True, "deep", 0),
+    "cpu_deep_high": (True, "deep", -1),
 }
 
 

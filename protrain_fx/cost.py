@@ -50,10 +50,14 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   chunks (``n_persist .. n_persist + g - 1``) are stepped on the GPU instead of the CPU. Their
   gradients are not offloaded (their buffers are free when their backward step ends); when a chunk's
   last gradient is made, its step is issued: ``n_params * (4 + adam_state_bytes_per_param)`` bytes
-  (fp32 master and moments) enter the H2D queue and, starting with them, the same plus the chunk's
-  working copy (``bytes``) the D2H queue, both at the shared rate (the two directions run at once),
-  or at :attr:`MachineProfile.device_step_bytes_per_s` where that was measured;
-  the chunk is updated when both end (that is its ``adam_done``). At most
+  (fp32 master and moments) are copied in and, starting with them, the same plus the chunk's
+  working copy (``bytes``) out, on the steps' own copy lanes (the runtime's load and drain streams:
+  one step after another in each direction, beside the fetches and gradient offloads, which they do
+  not hold up), at :attr:`MachineProfile.device_step_bytes_per_s` where that was measured (beside
+  the CPU step and backward-like kernels, so it includes sharing the link), else at the shared rate;
+  the chunk is updated when both end (that is its ``adam_done``). (Until the twelfth session the
+  steps' copies queued in the fetches' FIFO: each backward re-fetch then waited behind a whole step's
+  copies in, and B24 4.2B@16 GiB's backward was predicted at 1033 ms against 879 measured.) At most
   :data:`DEVICE_STEPS_IN_FLIGHT` steps run at once: issuing one more waits for the oldest, and the
   GPU stream waits with it (the thread that issues GPU work is the one blocked). The link-sharing of
   the other copies is still decided on the reference timeline without device steps.
@@ -727,6 +731,7 @@ class CostModel:
         adam_s = P.adam_s if optimizer else P.no_adam
         device, dev_trigger = P.device, P.dev_trigger
         dev_done: list[float] = []
+        dev_in = dev_out = 0.0  # when the device steps' copies in and out are done
         for j in range(N, -1, -1):
             for r, freed_by in PB.refetch_at[j]:
                 ready = done[freed_by]  # its gradient offload (stored in done[] when it finished)
@@ -754,13 +759,13 @@ class CostModel:
                         if k >= DEVICE_STEPS_IN_FLIGHT and dev_done[k - DEVICE_STEPS_IN_FLIGHT] > gpu:
                             gpu = dev_done[k - DEVICE_STEPS_IN_FLIGHT]  # the issuing thread waits
                         ch = self.run_chunk[r]
-                        h_start = h2d if h2d > gpu else gpu
-                        h2d = h_start + self.dev_in_s[ch]
-                        d2h = (d2h if d2h > h_start else h_start) + P.dev_out_s[ch]
-                        if h2d > d2h:
-                            d2h = h2d
-                        dev_done.append(d2h)
-                        adam_done.append((r, d2h))
+                        h_start = dev_in if dev_in > gpu else gpu  # the step's own copy lanes
+                        dev_in = h_start + self.dev_in_s[ch]
+                        dev_out = (dev_out if dev_out > h_start else h_start) + P.dev_out_s[ch]
+                        if dev_in > dev_out:
+                            dev_out = dev_in
+                        dev_done.append(dev_out)
+                        adam_done.append((r, dev_out))
                     continue
                 d2h = (d2h if d2h > gpu else gpu) + (g_d2[r] if s > go_thr[r] else g_d1[r])
                 done[r] = d2h  # the run's buffer is free again

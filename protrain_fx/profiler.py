@@ -43,7 +43,7 @@ from protrain_fx.passes.params import parameter_infos
 
 MiB = 2**20
 #: Version of the machine cache file; a file of another version is measured again.
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 #: Default sizes of the measurements (``measure_machine`` arguments).
 COPY_BYTES = 256 * MiB
 ADAM_PARAMS = 16 * 2**20
@@ -93,7 +93,8 @@ def measure_machine(
     stderr and writes ``cache_path(device, cache)``; later calls (even after a restart) read that
     file. ``refresh=True`` measures again.
 
-    What is measured (best of ``repeat`` after a warm-up; the CPU chunk step: their median):
+    What is measured (best of ``repeat`` after a warm-up; the CPU chunk step and the device steps:
+    the median of ``2 * repeat + 1``):
 
     * CUDA: pinned host <-> device copies of ``copy_bytes`` timed with CUDA events (``h2d``, ``d2h``),
       both directions at once on two streams (``duplex``: total bytes over the wall time of both);
@@ -129,12 +130,14 @@ def measure_machine(
         file=sys.stderr,
         flush=True,
     )
-    cpu_adam = _chunk_adam_params_per_s(device.type == "cuda", adam_params, repeat)
+    # the two rates training pays on every step: medians of more rounds (3 rounds read from 1.14 to
+    # 1.81 G params/s on H200 machines whose training ran at 1.14 to 1.36)
+    cpu_adam = _chunk_adam_params_per_s(device.type == "cuda", adam_params, 2 * repeat + 1)
     stand_ins: list[str] = []
     if device.type == "cuda":
         h2d, d2h, duplex = _cuda_copy_rates(device, copy_bytes, repeat)
         gpu_adam = _adam_params_per_s(device, adam_params, repeat)
-        device_step = _device_step_bytes_per_s(DEVICE_STEP_PARAMS, repeat=repeat)
+        device_step = _device_step_bytes_per_s(DEVICE_STEP_PARAMS, repeat=2 * repeat + 1)
         gpu_bytes = int(torch.cuda.get_device_properties(device).total_memory)
         torch.cuda.empty_cache()  # the measurement's blocks go back (a compile may be measuring under a budget)
     else:
@@ -312,10 +315,12 @@ def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
     """Bytes per second each way of offloaded chunks' optimizer steps streamed through the GPU
     (``runtime/device_adam.DeviceAdamW``): the bytes a step copies out (fp32 master and moments, the
     new working copy: 14 per parameter) over the median span of :func:`device_step_spans` with the
-    CPU step and matrix products beside them, as in backward. B24 4.2B's device steps moved 14 bytes
-    per parameter at 38 GB/s in backward, where one copy out alone ran at 54 and both ways at once at
-    48 each, and this measurement without the products read 44 (H200, 2026-11-30)."""
-    spans = device_step_spans(n, chunks, repeat, cpu=True, beside="matmul")
+    CPU step and backward-like kernels beside them (:func:`_deep_queue_until`). B24 4.2B's device steps
+    moved 14 bytes per parameter at 38 GB/s in backward, where one copy out alone ran at 54 and both
+    ways at once at 48 each, and this measurement without the products read 44 (H200, 2026-11-30);
+    in the eleventh session's runs 39 to 41 in backward where this read 46 with matrix products
+    beside; on 2026-12-01 the kept-full queue read 41.3 to 43.4 and the products alone 43.4 to 43.7."""
+    spans = device_step_spans(n, chunks, repeat, cpu=True, beside="deep")
     return chunks * n * 14 / max(statistics.median(spans), 1e-9)
 
 
@@ -327,7 +332,8 @@ def device_step_spans(
     as backward issues them: from the first step's first copy in to the last step's last copy out
     (CUDA events), ``repeat`` rounds after a warm-up. Meanwhile, with ``cpu``, the CPU optimizer's
     worker steps another chunk of ``n`` over and over; this thread runs ``beside``: ``"matmul"``
-    (:func:`_matmuls_until`, backward's kernels), ``"launch"`` (:func:`_launch_until`, the training
+    (:func:`_matmuls_until`, backward's kernels), ``"deep"`` (:func:`_deep_queue_until`: products and
+    memory-bound kernels, the queue kept full), ``"launch"`` (:func:`_launch_until`, the training
     loop's launches) or nothing. ``priority``: the update stream's (``bench/device_step_rate.py``
     compares them). CUDA only."""
     from protrain_fx.chunks import ParamInfo, pack
@@ -344,7 +350,8 @@ def device_step_spans(
     steps.timing = []
     grad = torch.full((n,), 1e-3, dtype=torch.bfloat16, device="cuda")  # read only: one for all
     cpu_grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
-    run_beside = {"matmul": _matmuls_until, "launch": _launch_until, None: _sync_until}[beside]
+    run_beside = {"matmul": _matmuls_until, "deep": _deep_queue_until, "launch": _launch_until,
+                  None: _sync_until}[beside]
     spans = []
     with OptimizerWorker(adam.step_chunk) as worker:
 
@@ -391,6 +398,27 @@ def _matmuls_until(done: Callable[[], bool], size: int = 8192) -> None:
         for _ in range(4):
             torch.mm(x, x)
         torch.cuda.current_stream().synchronize()
+
+
+def _deep_queue_until(done: Callable[[], bool], size: int = 8192, depth: int = 48) -> None:
+    """Keep about ``depth`` kernels queued on this thread's stream until ``done()``: bf16 matrix
+    products and memory-bound elementwise kernels (2 GiB read and written, as backward's norms,
+    activations and casts), launched ahead of the GPU the way a training loop runs ahead of it. Unlike
+    :func:`_matmuls_until`, which waits after every four products, the queue never drains."""
+    x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    big = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").fill_(1.0)
+    marks: list[torch.cuda.Event] = []
+    while not done():
+        torch.mm(x, x)
+        big.mul_(1.0)
+        torch.mm(x, x)
+        big.add_(0.0)
+        mark = torch.cuda.Event()
+        mark.record()
+        marks.append(mark)
+        if len(marks) * 4 >= depth:
+            marks.pop(0).synchronize()
+    torch.cuda.current_stream().synchronize()
 
 
 def _launch_until(done: Callable[[], bool]) -> None:

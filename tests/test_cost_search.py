@@ -461,6 +461,30 @@ def test_a_measured_device_step_rate_prices_the_device_steps() -> None:
         dataclasses.replace(problem.machine, device_step_bytes_per_s=-1.0)
 
 
+def test_a_device_step_does_not_hold_up_backwards_refetches() -> None:
+    # The runtime copies a device step's states on its own streams: backward's re-fetches (on the
+    # buffer pool's stream) run beside them. One step (never the in-flight limit): however slow its
+    # copies, backward ends when it would with instant copies. In the fetch FIFO, as until the twelfth
+    # session, each re-fetch behind it waited for the whole step's copies in.
+    seen_refetch = 0
+    for seed in range(900, 906):
+        problem = make_problem(seed, n_blocks=4, h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=100e9)
+
+        def with_rate(rate: float) -> CostModel:
+            return CostModel(dataclasses.replace(problem, machine=dataclasses.replace(problem.machine,
+                                                                                      device_step_bytes_per_s=rate)))
+
+        slow, instant = with_rate(1e6), with_rate(math.inf)
+        b = slow.min_buffers(0)  # the fewest buffers: every run re-fetched that can be
+        refetched = slow.estimate(Config(0, b, 0, 0)).h2d_bytes > sum(c.bytes for c in problem.chunks)
+        e_slow, e_fast = slow.estimate(Config(0, b, 0, 0, 1)), instant.estimate(Config(0, b, 0, 0, 1))
+        assert e_slow.bwd_s == pytest.approx(e_fast.bwd_s, rel=1e-12), seed
+        # the step still waits for the update before the next forward uses the chunk
+        assert e_slow.step_s > e_fast.step_s + slow.dev_out_s[0] / 2
+        seen_refetch += refetched
+    assert seen_refetch  # the case this is about happened
+
+
 def test_invalid_device_step_counts_are_refused() -> None:
     problem = make_problem(3, n_blocks=3)
     n = len(problem.chunks)
