@@ -65,14 +65,18 @@ def main() -> None:
     parser.add_argument("--params", default="226M", help="parameters per chunk (B24 4.2B: 226M)")
     parser.add_argument("--chunks", type=int, default=3, help="device-stepped chunks per round")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--block-width", type=int, default=0,
+                        help="split each chunk into GPT blocks of this width (norms, biases, weights) as a model's chunk; 0: one parameter")
     parser.add_argument("--out")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("device_step_rate: needs a GPU")
     n, k = _count(args.params), args.chunks
-    out: dict = {"params": n, "chunks": k, "device": torch.cuda.get_device_name()}
+    parts = gpt_parts(n, args.block_width) if args.block_width else []
+    n = sum(parts) or n
+    out: dict = {"params": n, "chunks": k, "parameters_per_chunk": len(parts) or 1, "device": torch.cuda.get_device_name()}
     for name, (cpu, beside, priority) in SCENARIOS.items():  # the profiler's own measurement, per scenario
-        spans = device_step_spans(n, k, args.repeat, cpu=cpu, beside=beside, priority=priority)
+        spans = device_step_spans(n, k, args.repeat, cpu=cpu, beside=beside, priority=priority, parts=parts)
         out[name] = {"median_params_per_s": k * n / statistics.median(spans), "spans_s": spans}
     out["raw"] = _raw_link(n)
     torch.cuda.empty_cache()
@@ -93,6 +97,14 @@ def main() -> None:
           file=sys.stderr)
     if args.out:
         Path(args.out).write_text(text + "\n")
+
+
+def gpt_parts(n: int, d: int) -> list[int]:
+    """Parameter sizes of the GPT blocks of width ``d`` that fill about ``n`` parameters (at least
+    one block): per block two norms (weight, bias), the fused QKV (3d^2 + 3d), the projection
+    (d^2 + d), and the MLP (4d^2 + 4d, 4d^2 + d)."""
+    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+    return block * max(1, round(n / sum(block)))
 
 
 def _raw_link(n: int) -> dict:

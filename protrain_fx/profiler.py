@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -325,7 +325,8 @@ def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
 
 
 def device_step_spans(
-    n: int, chunks: int = 3, repeat: int = 3, *, cpu: bool = True, beside: str | None = "matmul", priority: int = 0
+    n: int, chunks: int = 3, repeat: int = 3, *, cpu: bool = True, beside: str | None = "matmul", priority: int = 0,
+    parts: Sequence[int] = (),
 ) -> list[float]:
     """Seconds, per round, of ``chunks`` chunks of ``n`` fp32 parameters (bf16 working copies, pinned
     store) stepped through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW` one after another,
@@ -334,22 +335,38 @@ def device_step_spans(
     worker steps another chunk of ``n`` over and over; this thread runs ``beside``: ``"matmul"``
     (:func:`_matmuls_until`, backward's kernels), ``"deep"`` (:func:`_deep_queue_until`: products and
     memory-bound kernels, the queue kept full), ``"launch"`` (:func:`_launch_until`, the training
-    loop's launches) or nothing. ``priority``: the update stream's (``bench/device_step_rate.py``
-    compares them). CUDA only."""
+    loop's launches) or nothing, also while the issuing thread waits for room for the next step (as
+    backward goes on meanwhile; until the twelfth session nothing ran beside the first step while the
+    third waited for it). ``priority``: the update stream's (``bench/device_step_rate.py`` compares
+    them). ``parts``: the sizes of each chunk's parameters (summing to ``n``; empty: one parameter),
+    as a model's chunk holds its blocks' weights, biases and norms. CUDA only."""
     from protrain_fx.chunks import ParamInfo, pack
     from protrain_fx.runtime.chunk_store import ChunkStore
     from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
     from protrain_fx.runtime.device_adam import DeviceAdamW
 
-    names = [f"w{i}" for i in range(chunks + 1)]  # the last one is the CPU's
-    params = {w: torch.nn.Parameter(torch.zeros(n, dtype=torch.float32)) for w in names}
-    layout = pack([ParamInfo((w,), 4 * n, f"blocks.{i}", i) for i, w in enumerate(names)], 4 * n)
+    parts = list(parts) or [n]
+    if sum(parts) != n or min(parts) <= 0:
+        raise ValueError(f"device_step_spans: parts must be positive sizes summing to n={n}, got sum {sum(parts)}")
+    names = [[f"w{i}_{k}" for k in range(len(parts))] for i in range(chunks + 1)]  # the last chunk is the CPU's
+    params = {w: torch.nn.Parameter(torch.zeros(size, dtype=torch.float32))
+              for ws in names for w, size in zip(ws, parts)}
+    layout = pack([ParamInfo((w,), 4 * size, f"blocks.{i}", i) for i, ws in enumerate(names)
+                   for w, size in zip(ws, parts)], 4 * n)
     store = ChunkStore(layout, params, compute_dtype=torch.bfloat16, pin_memory=True)
     adam = ChunkAdamW(store, torch.optim.AdamW(list(params.values()), lr=1e-3, weight_decay=0.1, fused=True), params)
     steps = DeviceAdamW(adam, "cuda", update_priority=priority)
     steps.timing = []
-    grad = torch.full((n,), 1e-3, dtype=torch.bfloat16, device="cuda")  # read only: one for all
+    grad = torch.full((n,), 1e-3, dtype=torch.bfloat16, device="cuda")  # read only: views for all
     cpu_grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+
+    def grads_of(c: int, source: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, at = {}, 0
+        for w, size in zip(names[c], parts):
+            out[w] = source[at : at + size]
+            at += size
+        return out
+
     run_beside = {"matmul": _matmuls_until, "deep": _deep_queue_until, "launch": _launch_until,
                   None: _sync_until}[beside]
     spans = []
@@ -357,7 +374,7 @@ def device_step_spans(
 
         def keep_cpu_busy() -> None:
             if cpu and not worker.pending(chunks):
-                store.write_grads({names[chunks]: cpu_grad})
+                store.write_grads(grads_of(chunks, cpu_grad))
                 store.wait_grad(chunks)
                 worker.submit(chunks)
 
@@ -366,8 +383,15 @@ def device_step_spans(
             steps.timing.clear()
             keep_cpu_busy()
             for c in range(chunks):
+
+                def room(dev: DeviceAdamW = steps) -> bool:
+                    keep_cpu_busy()
+                    return dev.has_room()
+
+                if c:
+                    run_beside(room)
                 steps.make_room()
-                steps.step_chunk(c, {names[c]: grad})
+                steps.step_chunk(c, grads_of(c, grad))
             last = steps.timing[-1][2]
 
             def done() -> bool:

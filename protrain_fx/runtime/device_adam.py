@@ -87,6 +87,10 @@ class DeviceAdamW:
         itemsize = torch.empty(0, dtype=self.store.compute_dtype).element_size()
         return N_SETS * self.slice_elems * (4 * 4 + itemsize)
 
+    def has_room(self) -> bool:
+        """Whether :meth:`make_room` would return without waiting."""
+        return len(self._in_flight) < MAX_IN_FLIGHT or self._in_flight[0].query()
+
     def make_room(self) -> None:
         """Block until fewer than :data:`MAX_IN_FLIGHT` issued steps are still running (call before
         making the next chunk's gradient buffer: the caching allocator can then reuse the oldest's)."""
