@@ -15,8 +15,13 @@ them, and times them from the first copy in to the last copy out: the profiler's
 * ``cpu_matmul``: the CPU step, and bf16 matrix products on the default stream fill the SMs, as
   backward's kernels do; ``cpu_matmul_high``: the same with the steps' update kernels on a stream
   of high priority (the runtime's is of normal priority: measured, high did not help);
-* ``cpu_deep`` / ``cpu_deep_high``: the CPU step, and products and memory-bound kernels kept about
-  48 deep in the default stream's queue, as a training loop runs ahead of the GPU.
+* ``cpu_deep``: the CPU step, and products and memory-bound kernels kept about 48 deep in the
+  default stream's queue, as a training loop runs ahead of the GPU;
+* ``cpu_matmul_waiting`` / ``cpu_deep_waiting``: those loads also while the issuing thread waits for
+  room for the next step (the others leave the GPU to the steps then, as the profiler does).
+
+(2026-12-01's last call ran every scenario with the load also while waiting, and a ``cpu_deep_high``;
+``docs/results.md``, twelfth session.)
 
 Beside them, the raw link: one pinned copy of the bytes a step moves in (master and moments, 12
 bytes per parameter) and one of those it moves out (14), on two streams at once. The cost model
@@ -43,15 +48,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from protrain_fx.profiler import device_step_spans, measure_machine  # noqa: E402
 
-#: name -> (the CPU step beside the device steps, what this thread runs beside them, update stream priority)
+#: name -> (the CPU step beside the device steps, what this thread runs beside them, update stream
+#: priority, whether it also runs while the issuing thread waits for room for the next step)
 SCENARIOS = {
-    "alone": (False, None, 0),
-    "cpu": (True, None, 0),
-    "cpu_launch": (True, "launch", 0),
-    "cpu_matmul": (True, "matmul", 0),
-    "cpu_matmul_high": (True, "matmul", -1),
-    "cpu_deep": (True, "deep", 0),
-    "cpu_deep_high": (True, "deep", -1),
+    "alone": (False, None, 0, False),
+    "cpu": (True, None, 0, False),
+    "cpu_launch": (True, "launch", 0, False),
+    "cpu_matmul": (True, "matmul", 0, False),
+    "cpu_matmul_high": (True, "matmul", -1, False),
+    "cpu_deep": (True, "deep", 0, False),
+    "cpu_matmul_waiting": (True, "matmul", 0, True),
+    "cpu_deep_waiting": (True, "deep", 0, True),
 }
 
 
@@ -75,8 +82,9 @@ def main() -> None:
     parts = gpt_parts(n, args.block_width) if args.block_width else []
     n = sum(parts) or n
     out: dict = {"params": n, "chunks": k, "parameters_per_chunk": len(parts) or 1, "device": torch.cuda.get_device_name()}
-    for name, (cpu, beside, priority) in SCENARIOS.items():  # the profiler's own measurement, per scenario
-        spans = device_step_spans(n, k, args.repeat, cpu=cpu, beside=beside, priority=priority, parts=parts)
+    for name, (cpu, beside, priority, waiting) in SCENARIOS.items():  # the profiler's measurement, per scenario
+        spans = device_step_spans(n, k, args.repeat, cpu=cpu, beside=beside, priority=priority, parts=parts,
+                                  while_waiting=waiting)
         out[name] = {"median_params_per_s": k * n / statistics.median(spans), "spans_s": spans}
     out["raw"] = _raw_link(n)
     torch.cuda.empty_cache()

@@ -43,7 +43,7 @@ from protrain_fx.passes.params import parameter_infos
 
 MiB = 2**20
 #: Version of the machine cache file; a file of another version is measured again.
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 #: Default sizes of the measurements (``measure_machine`` arguments).
 COPY_BYTES = 256 * MiB
 ADAM_PARAMS = 16 * 2**20
@@ -315,18 +315,20 @@ def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
     """Bytes per second each way of offloaded chunks' optimizer steps streamed through the GPU
     (``runtime/device_adam.DeviceAdamW``): the bytes a step copies out (fp32 master and moments, the
     new working copy: 14 per parameter) over the median span of :func:`device_step_spans` with the
-    CPU step and backward-like kernels beside them (:func:`_deep_queue_until`). B24 4.2B's device steps
-    moved 14 bytes per parameter at 38 GB/s in backward, where one copy out alone ran at 54 and both
-    ways at once at 48 each, and this measurement without the products read 44 (H200, 2026-11-30);
-    in the eleventh session's runs 39 to 41 in backward where this read 46 with matrix products
-    beside; on 2026-12-01 the kept-full queue read 41.3 to 43.4 and the products alone 43.4 to 43.7."""
-    spans = device_step_spans(n, chunks, repeat, cpu=True, beside="deep")
+    CPU step and matrix products beside them. B24 4.2B's device steps moved 14 bytes per parameter at
+    38 GB/s in backward, where one copy out alone ran at 54 and both ways at once at 48 each, and this
+    measurement without the products read 44 (H200, 2026-11-30). It reads high: 41.6 to 48.7 GB/s on
+    2026-12-01's machines, whose training steps ran at 38 to 42. Keeping a kernel queue full beside
+    (``beside="deep"``) and loading the GPU while the third step waits (``while_waiting``) read 30.9
+    at this size and 42.6 at 226M parameters laid out as GPT blocks: not adopted before it matches
+    training at every size (``bench/device_step_rate.py``)."""
+    spans = device_step_spans(n, chunks, repeat, cpu=True, beside="matmul")
     return chunks * n * 14 / max(statistics.median(spans), 1e-9)
 
 
 def device_step_spans(
     n: int, chunks: int = 3, repeat: int = 3, *, cpu: bool = True, beside: str | None = "matmul", priority: int = 0,
-    parts: Sequence[int] = (),
+    parts: Sequence[int] = (), while_waiting: bool = False,
 ) -> list[float]:
     """Seconds, per round, of ``chunks`` chunks of ``n`` fp32 parameters (bf16 working copies, pinned
     store) stepped through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW` one after another,
@@ -335,11 +337,11 @@ def device_step_spans(
     worker steps another chunk of ``n`` over and over; this thread runs ``beside``: ``"matmul"``
     (:func:`_matmuls_until`, backward's kernels), ``"deep"`` (:func:`_deep_queue_until`: products and
     memory-bound kernels, the queue kept full), ``"launch"`` (:func:`_launch_until`, the training
-    loop's launches) or nothing, also while the issuing thread waits for room for the next step (as
-    backward goes on meanwhile; until the twelfth session nothing ran beside the first step while the
-    third waited for it). ``priority``: the update stream's (``bench/device_step_rate.py`` compares
-    them). ``parts``: the sizes of each chunk's parameters (summing to ``n``; empty: one parameter),
-    as a model's chunk holds its blocks' weights, biases and norms. CUDA only."""
+    loop's launches) or nothing; with ``while_waiting``, also while the issuing thread waits for room
+    for the next step (as backward goes on meanwhile; without it, nothing runs beside the first step
+    while the third waits for it). ``priority``: the update stream's (``bench/device_step_rate.py``
+    compares them). ``parts``: the sizes of each chunk's parameters (summing to ``n``; empty: one
+    parameter), as a model's chunk holds its blocks' weights, biases and norms. CUDA only."""
     from protrain_fx.chunks import ParamInfo, pack
     from protrain_fx.runtime.chunk_store import ChunkStore
     from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
@@ -388,7 +390,7 @@ def device_step_spans(
                     keep_cpu_busy()
                     return dev.has_room()
 
-                if c:
+                if c and while_waiting:
                     run_beside(room)
                 steps.make_room()
                 steps.step_chunk(c, grads_of(c, grad))
