@@ -7,7 +7,8 @@ step (replayed from the run's dumped ``Problem``) against the measured median st
 (forward, backward from CUDA events; the CPU worker's busy time), and the CPU Adam rate the worker
 reached in training (the parameters the config steps on the CPU over its median busy time) against
 the rate the profile measured; the device steps' measured time against the cost model's, where the run
-timed them. Then the step replayed with that in-training rate. With
+timed them. Then the step replayed with the in-training CPU rate, and with both in-training rates
+(what is left is the model's own error, not the machine profile's). With
 ``--search``, also the config the search picks with the in-training rate (same budget and cap, and
 with the cap raised by 3 GiB as ``autoplan.raised_choice`` could). Every replay is a prediction:
 nothing here was measured with the replayed config.
@@ -49,29 +50,42 @@ def main() -> None:
                   f"{c.n_checkpoint}/{c.n_gpu_optim} of {len(problem.chunks)}: step {est.step_s * 1e3:.0f} ms predicted, "
                   f"{step * 1e3:.0f} measured ({100 * (est.step_s / step - 1):+.1f}%); forward {est.fwd_s * 1e3:.0f} / "
                   f"{med['forward_s'] * 1e3:.0f}, backward {est.bwd_s * 1e3:.0f} / {med['backward_s'] * 1e3:.0f} ms")
+            machine = problem.machine
             device_steps = [d for s in steps for _, d, _ in s.get("device_steps", [])]
             if device_steps:  # timed since the ninth session (DeviceAdamW.timing)
                 model = CostModel(problem)
                 stepped = range(c.n_persist, c.n_persist + c.n_gpu_optim)
+                out_bytes = statistics.median(model.dev_out_bytes[k] for k in stepped)
+                dev_rate = out_bytes / statistics.median(device_steps)
                 print(f"    device steps: {statistics.median(device_steps) * 1e3:.1f} ms measured (median of "
-                      f"{len(device_steps)}), {statistics.median(model.dev_out_s[k] for k in stepped) * 1e3:.1f} "
-                      f"predicted per chunk (rate {problem.machine.device_step_bytes_per_s / 1e9:.1f} GB/s measured "
+                      f"{len(device_steps)}; {dev_rate / 1e9:.1f} GB/s out), "
+                      f"{statistics.median(model.dev_out_s[k] for k in stepped) * 1e3:.1f} "
+                      f"predicted per chunk (rate {machine.device_step_bytes_per_s / 1e9:.1f} GB/s measured "
                       f"by the profiler; 0: the shared link rate)")
+                machine = dataclasses.replace(machine, device_step_bytes_per_s=dev_rate)
             cpu_params = est.cpu_adam_s * problem.machine.cpu_adam_params_per_s
-            if not cpu_params or not med["cpu_optimizer_busy_s"]:
+            if cpu_params and med["cpu_optimizer_busy_s"]:
+                # the worker's busy time includes its waits for gradients to land: a lower bound of the rate
+                rate = cpu_params / med["cpu_optimizer_busy_s"]
+                trained = dataclasses.replace(problem, machine=dataclasses.replace(problem.machine,
+                                                                                   cpu_adam_params_per_s=rate))
+                again = CostModel(trained).estimate(config)
+                print(f"    CPU Adam: {cpu_params / 1e9:.2f} G params, profile {problem.machine.cpu_adam_params_per_s / 1e9:.2f} "
+                      f"G/s, training {rate / 1e9:.2f} G/s; step replayed at the training rate {again.step_s * 1e3:.0f} ms "
+                      f"({100 * (again.step_s / step - 1):+.1f}%)")
+                machine = dataclasses.replace(machine, cpu_adam_params_per_s=rate)
+            if machine == problem.machine:
                 continue
-            rate = cpu_params / med["cpu_optimizer_busy_s"]
-            trained = dataclasses.replace(problem, machine=dataclasses.replace(problem.machine, cpu_adam_params_per_s=rate))
-            again = CostModel(trained).estimate(config)
-            print(f"    CPU Adam: {cpu_params / 1e9:.2f} G params, profile {problem.machine.cpu_adam_params_per_s / 1e9:.2f} "
-                  f"G/s, training {rate / 1e9:.2f} G/s; step replayed at the training rate {again.step_s * 1e3:.0f} ms "
-                  f"({100 * (again.step_s / step - 1):+.1f}%)")
+            trained = dataclasses.replace(problem, machine=machine)
+            both = CostModel(trained).estimate(config)
+            print(f"    replayed at both in-training rates: step {both.step_s * 1e3:.0f} ms "
+                  f"({100 * (both.step_s / step - 1):+.1f}%), backward {both.bwd_s * 1e3:.0f} ms")
             if args.search:
                 budget, cap = ap["budget_bytes"], ap["allocated_cap_bytes"]
                 for raised in (0, 3 * 2**30):
                     found = prefer_persistent(trained, *widened(budget, budget - cap - raised), gpu_optim=True)
                     b = found.best
-                    print(f"    search at the training rate, cap +{raised >> 30} GiB: {b.n_persist}/{b.n_buffer}/"
+                    print(f"    search at the training rates, cap +{raised >> 30} GiB: {b.n_persist}/{b.n_buffer}/"
                           f"{b.n_swap}/{b.n_checkpoint}/{b.n_gpu_optim}, {found.estimate.step_s * 1e3:.0f} ms predicted")
 
 

@@ -639,6 +639,8 @@ def _protrain_prediction() -> dict:
             "trials": len(a.trials), "trial_peaks": [(t.config.to_dict(), t.predicted_peak_bytes, t.analysed_peak_bytes,
                                                       t.by_inductor) for t in a.trials],
             "first_step_peak_bytes": a.measured_peak_bytes,
+            # the backend's own step period (calls 3..8, wall time between starts; autoplan.StepCheck)
+            "backend_step_s": a.step_check.measured_step_s if a.step_check else None,
             "problem_s": a.problem_s, "choose_s": a.choose_s,
             "problem": a.problem.to_dict(),
         }}

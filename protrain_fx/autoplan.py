@@ -33,7 +33,12 @@ or, with none and the step on a CUDA device, what this process can still reach t
 compiled (``"device"``: ``pipeline.device_budget_bytes``, the per-process cap bounded by the free
 memory plus what the caching allocator already holds). ``auto_plan=False`` turns both off.
 
-Measured against predicted (CUDA, :func:`watch_first_step`). The first training call of a planned
+Measured against predicted, time (every device): the starts of a planned graph's training calls 3 to 8
+are timed (:data:`STEP_TIMED_CALLS`), and the median interval, the step period the user's loop runs
+at, is logged against the cost model's step time (:class:`StepCheck`, ``AutoPlan.step_check``). It
+is reported, not acted on: no plan changes on it.
+
+Measured against predicted, memory (CUDA, :func:`watch_first_step`). The first training call of a planned
 graph is measured: ``torch.cuda.max_memory_allocated`` from the start of its forward to the end of
 the backward pass it joins, against the analysis' peak (:class:`PeakCheck`, logged, kept in
 ``AutoPlan.peak_check``). The allocator's peak statistics are reset only when the compile itself
@@ -69,8 +74,9 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -206,6 +212,43 @@ class PeakCheck:
         )
 
 
+#: Training calls of a planned graph whose starts are timed (:func:`watch_first_step`): the step
+#: period is the median of the intervals between the starts of calls ``STEP_TIMED_CALLS[0]`` ..
+#: ``STEP_TIMED_CALLS[1]`` (1-based), after the first (compiles) and second (warms the allocator
+#: and the optimizer's state) have run.
+STEP_TIMED_CALLS = (3, 8)
+#: The clock of those starts (a test drives it).
+_clock = time.perf_counter
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """The step period of a planned graph measured in training against the cost model's step time.
+
+    ``intervals_s``: wall-clock seconds between the starts of consecutive training calls of the graph
+    (:data:`STEP_TIMED_CALLS`); their median is the measured period: the whole training step as the
+    user's loop runs it (the optimizer, data loading, and with several graphs per step, the others).
+    No synchronisation is added: in a steady state the host runs no further ahead of the device
+    between two calls than before them."""
+
+    predicted_step_s: float
+    intervals_s: tuple[float, ...]
+
+    @property
+    def measured_step_s(self) -> float:
+        return statistics.median(self.intervals_s)
+
+    @property
+    def error_pct(self) -> float:
+        """The prediction against the measured period, in % of the measured (positive: predicted slower)."""
+        return 100 * (self.predicted_step_s / self.measured_step_s - 1)
+
+    def line(self) -> str:
+        a, b = STEP_TIMED_CALLS
+        return (f"step period measured {self.measured_step_s * 1e3:.1f} ms (median between the starts of training "
+                f"calls {a} to {b}) against {self.predicted_step_s * 1e3:.1f} ms predicted ({self.error_pct:+.1f}%)")
+
+
 @dataclass
 class AutoPlan:
     """The plan the backend chose for one graph, and why (``CapturedGraph.auto_plan``).
@@ -221,6 +264,8 @@ class AutoPlan:
     ``search``: the last search's result. ``budget_source``: ``"user"`` (``memory_budget``) or
     ``"device"`` (none given: what the process could reach on its CUDA device). ``peak_check``: the
     first step measured on the GPU (:func:`watch_first_step`; ``None`` until then, and on the CPU).
+    ``step_check``: the step period measured over the first training calls (:class:`StepCheck`;
+    ``None`` until :data:`STEP_TIMED_CALLS` have started).
     """
 
     plan: Plan
@@ -239,6 +284,7 @@ class AutoPlan:
     budget_source: str = "user"
     cap_lowered_by: float = 0.0
     peak_check: PeakCheck | None = None
+    step_check: StepCheck | None = None
     #: The chunk counts were chosen too (``protrain_fx.autooffload``); ``empty_*`` are then the step
     #: with every parameter on the device and no plan.
     offload: bool = False
@@ -298,6 +344,8 @@ class AutoPlan:
                          f"{len(self.trials)} rewrite(s) analysed")
         if self.peak_check is not None:
             lines.append(f"  {self.peak_check.line()}")
+        if self.step_check is not None:
+            lines.append(f"  {self.step_check.line()}")
         lines.append(self.plan.table([b.name for b in self.problem.blocks]))
         return "\n".join(lines)
 
@@ -635,6 +683,7 @@ def watch_first_step(
     peak, and the new plan is measured to check that it fits."""
     if record.auto_plan is None or record.memory is None:
         return compiled
+    compiled = _timing_calls(record, compiled)
     device = torch.device(record.memory.device)
     if _RESET_AFTER_MISS.pop(record.memory.device, False):
         reset_peak(device)
@@ -687,6 +736,36 @@ def watch_first_step(
     if getattr(compiled, "_boxed_call", False):
         call._boxed_call = True  # type: ignore[attr-defined]
     return call
+
+
+def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
+    """``compiled``, noting when its training calls start until :data:`STEP_TIMED_CALLS` have, then
+    :func:`record_step_period`. Calls without grad are not training steps and are not counted."""
+    starts: list[float] = []
+    first, last = STEP_TIMED_CALLS
+
+    def call(*args: Any) -> Any:
+        if len(starts) < last and torch.is_grad_enabled():
+            starts.append(_clock())
+            if len(starts) == last:
+                record_step_period(record, [b - a for a, b in zip(starts[first - 1 :], starts[first:])])
+        return compiled(*args)
+
+    if getattr(compiled, "_boxed_call", False):
+        call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+def record_step_period(record: CapturedGraph, intervals_s: Sequence[float]) -> StepCheck | None:
+    """Stores and logs a :class:`StepCheck` of ``record``'s automatic plan from the measured
+    intervals (seconds between the starts of consecutive training calls). ``None`` without intervals."""
+    auto = record.auto_plan
+    if auto is None or not intervals_s:
+        return None
+    check = StepCheck(predicted_step_s=auto.estimate.step_s, intervals_s=tuple(intervals_s))
+    auto.step_check = check
+    log.info("protrain_fx: graph %d: %s", record.index, check.line())
+    return check
 
 
 def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[int, int]) -> PeakCheck | None:
@@ -762,6 +841,9 @@ def clear_peak_misses() -> None:
 __all__ = [
     "AutoPlan",
     "PeakCheck",
+    "STEP_TIMED_CALLS",
+    "StepCheck",
+    "record_step_period",
     "clear_peak_misses",
     "memory_counters",
     "peaks_at_compile_start",

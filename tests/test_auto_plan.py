@@ -429,6 +429,40 @@ def test_the_first_training_call_is_measured_once_after_its_backward(no_plan, mo
     assert len(reads) == 2
 
 
+def test_step_check_arithmetic():
+    check = autoplan.StepCheck(predicted_step_s=0.2, intervals_s=(0.26, 0.25, 0.1, 0.25, 0.3))
+    assert check.measured_step_s == 0.25  # the median: one odd interval does not move it
+    assert check.error_pct == pytest.approx(-20.0)  # predicted faster than measured
+    assert "250.0 ms" in check.line() and "200.0 ms predicted (-20.0%)" in check.line()
+    slow = dataclasses.replace(check, predicted_step_s=0.3)
+    assert slow.error_pct == pytest.approx(20.0)
+
+
+def test_the_step_period_is_measured_over_training_calls_3_to_8(no_plan, monkeypatch, logged):
+    """The starts of the training calls are timed (a driven clock); calls without grad do not count;
+    after the eighth the median interval of calls 3..8 is stored, logged and in the plan table, and
+    the clock is not read again."""
+    _device_budget(monkeypatch, budget_for_peak(no_plan["peak"]))  # fits as is: planned
+    ticks = iter([0.0, 50.0, 100.0, 100.1, 100.3, 100.6, 101.0, 101.5])  # intervals 3..8: .1 .2 .3 .4 .5
+    monkeypatch.setattr(autoplan, "_clock", lambda: next(ticks))
+    torch.manual_seed(0)
+    compiled = torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager"})
+    for call in range(8):
+        compiled(*_batch()).backward()
+        with torch.no_grad():
+            compiled(*_batch())
+        (record,) = _train_graphs()
+        if call < 7:
+            assert record.auto_plan.step_check is None, call
+    check = record.auto_plan.step_check
+    assert check.intervals_s == pytest.approx((0.1, 0.2, 0.3, 0.4, 0.5))
+    assert check.measured_step_s == pytest.approx(0.3)
+    assert check.predicted_step_s == record.auto_plan.estimate.step_s
+    assert any("step period measured 300.0 ms" in r.getMessage() for r in logged)
+    assert "step period measured" in record.auto_plan.table()
+    compiled(*_batch()).backward()  # the ticks are used up: a ninth read would raise StopIteration
+
+
 def test_a_measured_miss_compiles_the_graph_again_under_the_lowered_cap(no_plan, monkeypatch, logged):
     """The first step measured 3% over its cap (counters driven on the CPU): the graph is removed
     from Dynamo's cache, its next call compiles it again under the cap lowered by the miss (here a
