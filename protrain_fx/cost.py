@@ -54,7 +54,8 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   working copy (``bytes``) out, on the steps' own copy lanes (the runtime's load and drain streams:
   one step after another in each direction, beside the fetches and gradient offloads, which they do
   not hold up), at :attr:`MachineProfile.device_step_bytes_per_s` where that was measured (beside
-  the CPU step and backward-like kernels, so it includes sharing the link), else at the shared rate;
+  the CPU step and matrix products; it read 12-16% above what the steps reached in training on the
+  H200, ``docs/results.md``), else at the shared rate;
   the chunk is updated when both end (that is its ``adam_done``). (Until the twelfth session the
   steps' copies queued in the fetches' FIFO: each backward re-fetch then waited behind a whole step's
   copies in, and B24 4.2B@16 GiB's backward was predicted at 1033 ms against 879 measured.) At most

@@ -430,7 +430,9 @@ def _deep_queue_until(done: Callable[[], bool], size: int = 8192, depth: int = 4
     """Keep about ``depth`` kernels queued on this thread's stream until ``done()``: bf16 matrix
     products and memory-bound elementwise kernels (2 GiB read and written, as backward's norms,
     activations and casts), launched ahead of the GPU the way a training loop runs ahead of it. Unlike
-    :func:`_matmuls_until`, which waits after every four products, the queue never drains."""
+    :func:`_matmuls_until`, which waits after every four products, the queue does not drain while it
+    runs; it does when it returns (so a caller that returns often, as ``while_waiting`` does, is held
+    up by that drain)."""
     x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     big = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").fill_(1.0)
     marks: list[torch.cuda.Event] = []
