@@ -79,6 +79,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("device_step_rate: needs a GPU")
     n, k = _count(args.params), args.chunks
+    if args.block_width < 0 or n <= 0 or k <= 0:
+        sys.exit(f"device_step_rate: --params ({n}) and --chunks ({k}) must be positive, --block-width "
+                 f"({args.block_width}) >= 0")
     parts = gpt_parts(n, args.block_width) if args.block_width else []
     n = sum(parts) or n
     out: dict = {"params": n, "chunks": k, "parameters_per_chunk": len(parts) or 1, "device": torch.cuda.get_device_name()}

@@ -229,7 +229,9 @@ class StepCheck:
     (:data:`STEP_TIMED_CALLS`); their median is the measured period: the whole training step as the
     user's loop runs it (the optimizer, data loading, and with several graphs per step, the others).
     No synchronisation is added: in a steady state the host runs no further ahead of the device
-    between two calls than before them."""
+    between two calls than before them. With several training calls per optimizer step (gradient
+    accumulation) the interval is one micro-batch's, which the prediction (one call and one
+    optimizer step) does not describe."""
 
     predicted_step_s: float
     intervals_s: tuple[float, ...]
