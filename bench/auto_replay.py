@@ -74,6 +74,15 @@ def main() -> None:
                       f"G/s, training {rate / 1e9:.2f} G/s; step replayed at the training rate {again.step_s * 1e3:.0f} ms "
                       f"({100 * (again.step_s / step - 1):+.1f}%)")
                 machine = dataclasses.replace(machine, cpu_adam_params_per_s=rate)
+            kept = ap.get("training_rates")  # the backend's own window (protrain_fx.calibrate), since s13
+            if kept:
+                from protrain_fx.calibrate import TrainingRates
+
+                rates = TrainingRates(**{**kept, "device_steps": tuple(map(tuple, kept["device_steps"]))})
+                again = CostModel(rates.priced(problem)).estimate(config)
+                print(f"    backend's window: CPU Adam {rates.cpu_adam_params_per_s / 1e9:.2f} G/s, device steps "
+                      f"{rates.device_step_bytes_per_s / 1e9:.1f} GB/s; step replayed at them {again.step_s * 1e3:.0f} ms "
+                      f"({100 * (again.step_s / step - 1):+.1f}%)")
             if machine == problem.machine:
                 continue
             trained = dataclasses.replace(problem, machine=machine)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import datetime
 import json
 import os
@@ -641,6 +642,8 @@ def _protrain_prediction() -> dict:
             "first_step_peak_bytes": a.measured_peak_bytes,
             # the backend's own step period (calls 3..8, wall time between starts; autoplan.StepCheck)
             "backend_step_s": a.step_check.measured_step_s if a.step_check else None,
+            # the runtime's CPU and device optimizer rates over those calls (protrain_fx.calibrate)
+            "training_rates": dataclasses.asdict(a.training_rates) if a.training_rates is not None else None,
             "problem_s": a.problem_s, "choose_s": a.choose_s,
             "problem": a.problem.to_dict(),
         }}

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Seventh session: the automatic offload over sizes and budgets, in one call.
-#   JOBS_A / JOBS_B: runs of bench/peers.py, ";"-separated, each "CAP_GIB|SYSTEMS|SIZES" (SYSTEMS
+#   JOBS_A / JOBS_B: runs of bench/peers.py, ";"-separated, each "CAP_GIB|SYSTEMS|SIZES[|LABEL]" (SYSTEMS
 #     "auto" = protrain_offload with --offload auto: offload without counts and no options, so the
 #     backend chooses everything for the capped device (verify's default: Inductor's plan on CUDA);
-#     "autoi" / "autog": the same with verify="inductor" / "graph"). Lane a runs JOBS_A, lane b JOBS_B.
+#     "autoi" / "autog": the same with verify="inductor" / "graph"; LABEL: the run's own output folder
+#     capCAP_LABEL, so that a job can run again after an earlier one of the same cap). Lane a runs
+#     JOBS_A, lane b JOBS_B. CACHE_FROM: a machine-cache folder copied in first (an earlier call's).
 #   TESTS: GPU test files run first in lane a (empty: none). MAIN=1: the README's main job.
 #   EXTRA: a command run in lane a after the tests, its output in $O/a/extra.log (its files: write
 #     them under $O/a/extra).
@@ -29,12 +31,16 @@ TESTS=${TESTS-}
 MAIN=${MAIN-}
 EXTRA=${EXTRA-}
 HOST_GIB=${HOST_GIB-120}
+# measured steps after the 2 warm-up ones; 6 reaches the backend's own step and rate window (calls 3-8)
+STEPS=${STEPS-6}
 JOBS_A=${JOBS_A-"24|compile|350M;24|auto|350M 760M 1.3B 4.2B"}
 JOBS_B=${JOBS_B-}
 
 lane() {  # lane NAME JOBS
   local name=$1 jobs=$2
   export PROTRAIN_CACHE_DIR=$O/$name/cache  # the measured machine rates and op times land in the tarball
+  # CACHE_FROM: a cache directory of an earlier call (the rates training reached there, kept)
+  [ -n "${CACHE_FROM:-}" ] && [ -d "$CACHE_FROM" ] && mkdir -p "$PROTRAIN_CACHE_DIR" && cp -r "$CACHE_FROM"/. "$PROTRAIN_CACHE_DIR"/
   left() { echo $((END - $(date +%s))); }
   if [ "$name" = a ] && [ -n "$TESTS" ]; then
     # SIGINT at the timeout: pytest still prints the failures so far.
@@ -53,18 +59,19 @@ lane() {  # lane NAME JOBS
   for job in "${list[@]}"; do
     [ -z "$job" ] && continue
     cap=${job%%|*}; systems=${job#*|}; sizes=${systems#*|}; systems=${systems%%|*}
+    label=""; [[ "$sizes" == *"|"* ]] && { label=_${sizes#*|}; sizes=${sizes%%|*}; }
     extra=(); [ "$systems" = auto ] && { systems=protrain_offload; extra=(--offload auto --default-estimate-s 150); }
     [ "$systems" = autoi ] && { systems=protrain_offload; extra=(--offload auto:inductor --default-estimate-s 150); }
     [ "$systems" = autog ] && { systems=protrain_offload; extra=(--offload auto:graph --default-estimate-s 150); }
-    out="$O/$name/cap$cap"
+    out="$O/$name/cap$cap$label"
     local resume=(); [ -f "$out/peers.json" ] && resume=(--resume "$out/peers.json")
     # shellcheck disable=SC2086
-    python3 bench/peers.py --sizes $sizes --systems $systems "${extra[@]}" --cap-gib "$cap" --host-ram-gib "$HOST_GIB" \
+    python3 bench/peers.py --sizes $sizes --systems $systems "${extra[@]}" --cap-gib "$cap" --host-ram-gib "$HOST_GIB" --steps "$STEPS" \
       --out "$out" "${resume[@]}" --deadline-s "$(left)" >> "$O/$name/peers_cap$cap.log" 2>&1
   done
 }
 
-vars="O=$O END=$END HOST_GIB='$HOST_GIB' TESTS='$TESTS' MAIN='$MAIN' EXTRA='$EXTRA'"
+vars="O=$O END=$END HOST_GIB='$HOST_GIB' STEPS='$STEPS' TESTS='$TESTS' MAIN='$MAIN' EXTRA='$EXTRA'"
 if [ "$LANES" = "ab" ]; then  # the one-GPU machine
   bash -c "$(declare -f lane); $vars lane a '$JOBS_A'; $vars lane b '$JOBS_B'"
 else

@@ -71,7 +71,7 @@ from protrain_fx.cost import Config, CostModel, MachineProfile, Problem, block_p
 from protrain_fx.machine import machine_for
 from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
 from protrain_fx.plan import Plan
-from protrain_fx.profiler import chunk_adam_rate, device_op_times, measure_machine, problem_from_record
+from protrain_fx.profiler import chunk_adam_rate, device_op_times, measure_machine, problem_from_record, training_rates
 from protrain_fx.runtime import chunk_ops
 from protrain_fx.runtime.buffer_pool import FETCH_SLICE_ELEMS
 from protrain_fx.search import NoPlanFits, SearchResult, search
@@ -179,20 +179,27 @@ def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) 
             "to offload(...) by hand"
         )
     with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
-        chunk_params = handle.layout.chunk_bytes // torch.empty(0, dtype=handle.param_dtype).element_size()
-        machine = offload_machine(torch.device(record.memory.device), record, chunk_params)
+        machine = offload_machine(torch.device(record.memory.device), record, handle.chunk_params)
     return CostModel(offload_problem(record, handle, machine))
 
 
 def offload_machine(device: torch.device, record: CapturedGraph, chunk_params: int | None = None) -> MachineProfile:
     """The machine's rates: measured on CUDA (``profiler.measure_machine``, once per device and torch
-    version, cached); elsewhere the backend's ``machine`` constants (``autoplan.machine_profile``)
+    version, cached; the rates training reached on this machine in their place where known:
+    ``profiler.training_rates``); elsewhere the backend's ``machine`` constants (``autoplan.machine_profile``)
     with the CPU Adam rate measured the same way (the one rate a CPU step depends on). With
     ``chunk_params``, the CPU Adam rate is that of chunks of this size (``profiler.chunk_adam_rate``,
     cached per size): the rate fell with the chunk's size."""
     measured = measure_machine(device)
     if chunk_params:
         measured = dataclasses.replace(measured, cpu_adam_params_per_s=chunk_adam_rate(device, chunk_params))
+    profiled = measured
+    measured, trained = training_rates(device, measured, chunk_params)  # what training reached here before
+    for name in trained:
+        log.info(
+            "protrain_fx: graph %d: %s %.4g, the rate training reached on this machine (profiled %.4g; "
+            "protrain_fx.calibrate)", record.index, name, getattr(measured, name), getattr(profiled, name),
+        )
     if device.type == "cuda":
         return measured
     base = machine_profile(machine_for(device, record.config.machine))

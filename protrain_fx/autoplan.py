@@ -287,6 +287,9 @@ class AutoPlan:
     cap_lowered_by: float = 0.0
     peak_check: PeakCheck | None = None
     step_check: StepCheck | None = None
+    #: The offload runtime's CPU and device optimizer rates over the same training calls
+    #: (``protrain_fx.calibrate.TrainingRates``; ``None`` until then, and without offloaded steps).
+    training_rates: Any = None
     #: The chunk counts were chosen too (``protrain_fx.autooffload``); ``empty_*`` are then the step
     #: with every parameter on the device and no plan.
     offload: bool = False
@@ -348,6 +351,8 @@ class AutoPlan:
             lines.append(f"  {self.peak_check.line()}")
         if self.step_check is not None:
             lines.append(f"  {self.step_check.line()}")
+        if self.training_rates is not None:
+            lines.append(f"  {self.training_rates.line(self.problem, self.config)}")
         lines.append(self.plan.table([b.name for b in self.problem.blocks]))
         return "\n".join(lines)
 
@@ -746,16 +751,55 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
     starts: list[float] = []
     first, last = STEP_TIMED_CALLS
 
+    window: list[Any] = []  # the offload runtime's rates, timed over the same calls (protrain_fx.calibrate)
+
     def call(*args: Any) -> Any:
         if len(starts) < last and torch.is_grad_enabled():
             starts.append(_clock())
+            if len(starts) == first:
+                window.extend(_open_rate_window(record))
             if len(starts) == last:
+                if window:
+                    _close_rate_window(record, *window)
                 record_step_period(record, [b - a for a, b in zip(starts[first - 1 :], starts[first:])])
         return compiled(*args)
 
     if getattr(compiled, "_boxed_call", False):
         call._boxed_call = True  # type: ignore[attr-defined]
     return call
+
+
+def _open_rate_window(record: CapturedGraph) -> list[Any]:
+    """``[handle, RateWindow]`` when ``record``'s automatic plan placed an offload handle's chunks
+    with a CPU or device optimizer step, else ``[]``."""
+    from protrain_fx.autooffload import placed_handle
+    from protrain_fx.calibrate import RateWindow
+
+    auto = record.auto_plan
+    if auto is None or not auto.offload:
+        return []
+    handle = placed_handle(record)
+    if handle is None or handle.adam is None:
+        return []
+    return [handle, RateWindow(handle)]
+
+
+def _close_rate_window(record: CapturedGraph, handle: Any, window: Any) -> None:
+    """Stores, logs and keeps for later plans (``profiler.note_training_rates``) the rates
+    ``window`` measured (``AutoPlan.training_rates``)."""
+    from protrain_fx.profiler import note_training_rates
+
+    auto = record.auto_plan
+    assert auto is not None and record.memory is not None
+    rates = window.close(auto.problem, auto.config)
+    auto.training_rates = rates
+    log.info("protrain_fx: graph %d: %s", record.index, rates.line(auto.problem, auto.config))
+    note_training_rates(
+        record.memory.device,
+        chunk_params=handle.chunk_params,
+        cpu_adam_params_per_s=rates.cpu_adam_params_per_s,
+        device_step_bytes_per_s=rates.device_step_bytes_per_s,
+    )
 
 
 def record_step_period(record: CapturedGraph, intervals_s: Sequence[float]) -> StepCheck | None:

@@ -157,6 +157,11 @@ class OffloadHandle:
         return next(iter(self._named.values())).dtype
 
     @property
+    def chunk_params(self) -> int:
+        """Parameters one chunk holds (its bytes in the parameters' dtype)."""
+        return self.layout.chunk_bytes // torch.empty(0, dtype=self.param_dtype).element_size()
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of the chunk buffers the graphs read (``compute_dtype``, else the parameters')."""
         return self._settings["compute_dtype"] or self.param_dtype

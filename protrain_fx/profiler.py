@@ -17,6 +17,7 @@ one forward, a checkpointed block keeps the values crossing into it, and swap le
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -213,6 +214,79 @@ def chunk_adam_rate(
     rates[str(n)] = rate
     _write_json(path, data)
     return rate
+
+
+#: How many in-training measurements of each rate a profile file keeps (the newest); the rate used
+#: is their median.
+TRAINING_KEEP = 5
+
+
+def note_training_rates(
+    device: torch.device | str,
+    *,
+    chunk_params: int | None = None,
+    cpu_adam_params_per_s: float = 0.0,
+    device_step_bytes_per_s: float = 0.0,
+    cache: str | os.PathLike[str] | None = None,
+) -> None:
+    """Keep rates measured in training (``protrain_fx.calibrate``) in ``device``'s profile file
+    (``"in_training"``), for :func:`training_rates`: the CPU chunk step's (per chunk size, rounded as
+    :func:`chunk_adam_rate` rounds it) and the device steps'. A rate of 0 is not kept. Without a
+    profile file (nothing was measured on this machine) nothing is written; measuring the profile again
+    (``refresh``, another cache version) starts without them."""
+    path = cache_path(device, cache)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if data.get("version") != CACHE_VERSION:
+        return
+    kept = data.setdefault("in_training", {})
+    if device_step_bytes_per_s > 0:
+        kept["device_step_bytes_per_s"] = (kept.get("device_step_bytes_per_s", []) + [device_step_bytes_per_s])[-TRAINING_KEEP:]
+    if cpu_adam_params_per_s > 0 and chunk_params:
+        n = str(max(1, -(-chunk_params // CHUNK_RATE_GRANULE)) * CHUNK_RATE_GRANULE)
+        by_chunk = kept.setdefault("cpu_adam_by_chunk", {})
+        by_chunk[n] = (by_chunk.get(n, []) + [cpu_adam_params_per_s])[-TRAINING_KEEP:]
+    _write_json(path, data)
+
+
+def training_rates(
+    device: torch.device | str,
+    profile: cost.MachineProfile,
+    chunk_params: int | None = None,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+) -> tuple[cost.MachineProfile, list[str]]:
+    """``profile`` with the rates training reached on this machine (:func:`note_training_rates`) in
+    place of the profiler's, and the names of the fields replaced.
+
+    * ``device_step_bytes_per_s``: the median of those kept.
+    * ``cpu_adam_params_per_s`` (the rate of chunks of ``chunk_params``): the median of those kept for
+      this chunk size; for a size not trained yet, ``profile``'s rate scaled by the median ratio of
+      training's rate to the profiler's (``"cpu_adam_by_chunk"``) over the sizes trained. Without
+      ``chunk_params`` it is left as it is."""
+    try:
+        data = json.loads(cache_path(device, cache).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return profile, []
+    if data.get("version") != CACHE_VERSION:
+        return profile, []
+    kept = data.get("in_training", {})
+    changes: dict[str, float] = {}
+    if kept.get("device_step_bytes_per_s"):
+        changes["device_step_bytes_per_s"] = statistics.median(kept["device_step_bytes_per_s"])
+    by_chunk = kept.get("cpu_adam_by_chunk", {})
+    if chunk_params and by_chunk:
+        n = str(max(1, -(-chunk_params // CHUNK_RATE_GRANULE)) * CHUNK_RATE_GRANULE)
+        if by_chunk.get(n):
+            changes["cpu_adam_params_per_s"] = statistics.median(by_chunk[n])
+        else:
+            profiled = data.get("cpu_adam_by_chunk", {})
+            ratios = [statistics.median(v) / profiled[k] for k, v in by_chunk.items() if v and profiled.get(k)]
+            if ratios:
+                changes["cpu_adam_params_per_s"] = profile.cpu_adam_params_per_s * statistics.median(ratios)
+    return dataclasses.replace(profile, **changes), sorted(changes)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -790,5 +864,5 @@ def _mean_param_element_size(record: CapturedGraph) -> float:
 
 __all__ = [
     "cache_dir", "cache_path", "chunk_adam_rate", "device_name", "device_op_times", "device_step_spans", "measure_machine",
-    "problem_from_record"
+    "note_training_rates", "problem_from_record", "training_rates"
 ]

@@ -27,6 +27,10 @@ import torch
 
 from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot
 
+#: The clock of ``ChunkAdamW.computed`` (bound once: a test driving ``time.perf_counter`` to time
+#: the worker's steps does not drive this one).
+_clock = time.perf_counter
+
 
 class ChunkAdamW:
     """Steps the chunks of ``store`` with the hyper-parameters of ``optimizer``.
@@ -65,6 +69,10 @@ class ChunkAdamW:
         # a slot's step count appears at its first step, as in torch
         self._steps: dict[ParamSlot, torch.Tensor] = {}
         self.slice_elems = SLICE_ELEMS
+        #: (seconds, parameters) of the chunk steps so far, from each step's gradient landed on the
+        #: host to its new working copy written: the CPU rate training reaches
+        #: (``protrain_fx.calibrate``). One tuple, replaced whole, so another thread reads a pair.
+        self.computed: tuple[float, int] = (0.0, 0)
         if any(p in optimizer.state for p in _tensors(named_params, slot_of_tensor)):
             self.load_state_dict(optimizer.state_dict())
 
@@ -78,12 +86,17 @@ class ChunkAdamW:
         Parameters without a gradient are skipped, as torch skips ``grad is None``."""
         slots = [s for s in self.store.grad_slots(chunk_id) if s in self._group_of]
         store = self.store
-        if slots:
-            store.wait_grad(chunk_id)
-            store.before_host_write(chunk_id)
-            for g in sorted({self._group_of[s] for s in slots}):
-                self._step_group(chunk_id, g, [s for s in slots if self._group_of[s] == g])
+        if not slots:
+            store.finish_step(chunk_id, refreshed=slots)
+            return
+        store.wait_grad(chunk_id)
+        store.before_host_write(chunk_id)  # (a fetch may still be reading the working copy)
+        start = _clock()
+        for g in sorted({self._group_of[s] for s in slots}):
+            self._step_group(chunk_id, g, [s for s in slots if self._group_of[s] == g])
         store.finish_step(chunk_id, refreshed=slots)
+        seconds, params = self.computed
+        self.computed = (seconds + _clock() - start, params + sum(s.numel for s in slots))
 
     def _step_group(self, chunk_id: int, g: int, slots: list[ParamSlot]) -> None:
         """The fused kernel over slices of at most ``slice_elems`` elements: per slice the

@@ -76,6 +76,9 @@ class DeviceAdamW:
         #: timing events, start recorded on the load stream before its first copy, done after its
         #: last copy back. A benchmark reads and clears it; ``None`` (default) records nothing.
         self.timing: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
+        #: The same, for the rate training reaches (``protrain_fx.calibrate``): its own list, so that
+        #: a benchmark clearing :attr:`timing` does not take entries from it.
+        self.window: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
         self._load = torch.cuda.Stream(self.device) if self.cuda else None
         # (``update_priority``: only for the benchmark that measured it did not help.)
         self._work = torch.cuda.Stream(self.device, priority=update_priority) if self.cuda else None
@@ -131,7 +134,7 @@ class DeviceAdamW:
                 self._drain.wait_event(read)  # a fetch may still be reading the working copy
             for g in flat.values():
                 g.record_stream(self._work)
-            timed = self.timing is not None
+            timed = self.timing is not None or self.window is not None
             if timed:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self._load)
@@ -148,8 +151,9 @@ class DeviceAdamW:
         if self.cuda:
             done = torch.cuda.Event(enable_timing=timed)
             done.record(self._drain)
-            if timed:
-                self.timing.append((chunk_id, start, done))
+            for timed_list in (self.timing, self.window):
+                if timed_list is not None:
+                    timed_list.append((chunk_id, start, done))
             store.note_host_write(chunk_id, done)
             self._in_flight.append(done)
         else:

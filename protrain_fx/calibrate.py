@@ -1,0 +1,117 @@
+"""The rates an offloaded step reaches in training, measured over its first training calls.
+
+The machine profile (``profiler.measure_machine``) measures the two rates an offloaded step pays on
+every step with stand-ins for training around them: the CPU step of one chunk under copy traffic and
+kernel launches, and device steps (``runtime/device_adam.py``) beside matrix products. On the H200
+machines of 2026-12-01 the device steps ran 12-16% slower in training than measured there, and the
+CPU step's profiled rate moved by +-20% between machines (``docs/results.md``, twelfth session):
+enough to put a predicted step 5-10% off.
+
+So the runtime's own work is timed while the user trains. Between the starts of the training calls
+``autoplan.STEP_TIMED_CALLS`` (a :class:`RateWindow` on the graph's offload handle):
+
+* the CPU worker's chunk steps: seconds from each step's gradient landed on the host to its new
+  working copy written, and the parameters stepped (``ChunkAdamW.computed``);
+* each device step on CUDA: from its first copy in to its last copy out (CUDA events,
+  ``DeviceAdamW.window``), against the bytes the cost model has it copy out (the rate the cost model
+  takes: ``MachineProfile.device_step_bytes_per_s``).
+
+At the window's end the rates are kept in the device's profile file
+(``profiler.note_training_rates``) and later plans on this machine are priced at them
+(``profiler.training_rates``: a restart, another budget or model, a new input shape). The running
+plan's step is predicted again at these rates and logged beside the measured step period
+(:class:`TrainingRates`); the plan itself is not changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from protrain_fx.cost import Config, CostModel, Problem
+
+if TYPE_CHECKING:
+    from protrain_fx.param_offload import OffloadHandle
+
+
+@dataclass(frozen=True)
+class TrainingRates:
+    """What an offloaded step's runtime reached over a window of training calls.
+
+    ``cpu_params`` parameters were stepped on the CPU in ``cpu_s`` seconds of the worker's compute
+    (0 and 0: none); ``device_steps``: (chunk in the host store's numbering, from 0 at the first
+    offloaded chunk; seconds) of each device step timed (empty: none, or
+    not on CUDA) and ``device_step_bytes_per_s`` the median of each one's bytes copied out over its
+    seconds (0: none timed)."""
+
+    cpu_params: int
+    cpu_s: float
+    device_steps: tuple[tuple[int, float], ...] = ()
+    device_step_bytes_per_s: float = 0.0
+
+    @property
+    def cpu_adam_params_per_s(self) -> float:
+        """The CPU step's rate in training (0: nothing stepped on the CPU)."""
+        return self.cpu_params / self.cpu_s if self.cpu_params and self.cpu_s > 0 else 0.0
+
+    def priced(self, problem: Problem) -> Problem:
+        """``problem`` with its machine's rates replaced by those measured here (where measured)."""
+        changes = {}
+        if self.cpu_adam_params_per_s:
+            changes["cpu_adam_params_per_s"] = self.cpu_adam_params_per_s
+        if self.device_step_bytes_per_s:
+            changes["device_step_bytes_per_s"] = self.device_step_bytes_per_s
+        return dataclasses.replace(problem, machine=dataclasses.replace(problem.machine, **changes))
+
+    def line(self, problem: Problem, config: Config) -> str:
+        """One log line: the rates against the profile's, and ``config``'s step predicted at them."""
+        m, parts = problem.machine, []
+        if self.cpu_adam_params_per_s:
+            parts.append(f"CPU Adam {self.cpu_adam_params_per_s / 1e9:.2f} G params/s (profiled "
+                         f"{m.cpu_adam_params_per_s / 1e9:.2f})")
+        if self.device_step_bytes_per_s:
+            parts.append(f"device steps {self.device_step_bytes_per_s / 1e9:.1f} GB/s each way over "
+                         f"{len(self.device_steps)} steps (profiled {m.device_step_bytes_per_s / 1e9:.1f})")
+        if not parts:
+            return "no offloaded optimizer step was timed in training"
+        step = CostModel(self.priced(problem)).estimate(config).step_s
+        return (f"in training: {', '.join(parts)}; step predicted at these rates {step * 1e3:.1f} ms "
+                "(kept for later plans on this machine)")
+
+
+class RateWindow:
+    """Times ``handle``'s CPU and device optimizer steps from its creation to :meth:`close`."""
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self.handle = handle
+        self._cpu_start = handle.adam.computed if handle.adam is not None else (0.0, 0)
+        self._device = handle.device_adam if handle.device_adam is not None and handle.device_adam.cuda else None
+        if self._device is not None:
+            self._device.window = []
+
+    def close(self, problem: Problem, config: Config) -> TrainingRates:
+        """The rates since the window opened; device steps still running are left out. The
+        cost model of ``problem`` gives each device-stepped chunk's bytes out (``config``: which
+        chunks are lean, with no working copy to write back)."""
+        adam = self.handle.adam
+        seconds, params = adam.computed if adam is not None else (0.0, 0)
+        cpu_s, cpu_params = seconds - self._cpu_start[0], params - self._cpu_start[1]
+        timed: list[tuple[int, float]] = []
+        rate = 0.0
+        if self._device is not None:
+            entries, self._device.window = self._device.window or [], None
+            timed = [(c, start.elapsed_time(done) / 1e3) for c, start, done in entries if done.query()]
+            model = CostModel(problem)
+            lean_from = model.lean_from(config.n_persist)
+            rates = []
+            for c, s in timed:  # the store numbers the offloaded chunks from 0; the cost model all chunks
+                k = c + config.n_persist
+                if 0 <= k < len(model.dev_out_bytes) and s > 0:
+                    rates.append((model.dev_in_bytes[k] if k >= lean_from else model.dev_out_bytes[k]) / s)
+            rate = statistics.median(rates) if rates else 0.0
+        return TrainingRates(cpu_params=cpu_params, cpu_s=cpu_s, device_steps=tuple(timed), device_step_bytes_per_s=rate)
+
+
+__all__ = ["RateWindow", "TrainingRates"]

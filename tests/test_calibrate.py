@@ -1,0 +1,216 @@
+"""The rates training reaches, measured over the first training calls and kept for later plans
+(``protrain_fx.calibrate``, ``profiler.note_training_rates`` / ``training_rates``)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+
+import protrain_fx
+from examples.gpt import GPT
+from protrain_fx import autoplan, profiler
+from protrain_fx.calibrate import RateWindow, TrainingRates
+from protrain_fx.cost import MachineProfile
+from tests.conftest import NOTE_TRAINING_RATES
+from tests.test_offload import CHUNK, CONFIG, _assert_same_params, _train_side_by_side
+
+GRANULE = profiler.CHUNK_RATE_GRANULE
+PROFILE = MachineProfile(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_bytes_per_s=40e9,
+                         cpu_adam_params_per_s=1e9, gpu_adam_params_per_s=1e11, device_step_bytes_per_s=45e9)
+
+
+def _profile_file(cache, profiled_by_chunk: dict[int, float]) -> None:
+    """A profile file as ``measure_machine`` and ``chunk_adam_rate`` leave it (nothing measured here)."""
+    path = profiler.cache_path("cpu", cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "version": profiler.CACHE_VERSION, "profile": PROFILE.to_dict(),
+        "cpu_adam_by_chunk": {str(n): r for n, r in profiled_by_chunk.items()},
+    }))
+
+
+@pytest.fixture(autouse=True)
+def _kept(monkeypatch):
+    """These tests keep rates (on their own cache directories)."""
+    monkeypatch.setattr(profiler, "note_training_rates", NOTE_TRAINING_RATES)
+
+
+def test_rates_kept_from_training_replace_the_profiled_ones(tmp_path):
+    # nothing kept yet: the profile as it is
+    _profile_file(tmp_path, {GRANULE: 1e9, 4 * GRANULE: 0.8e9})
+    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
+    for rate in (0.5e9, 0.7e9, 0.6e9):
+        profiler.note_training_rates("cpu", chunk_params=GRANULE - 5, cpu_adam_params_per_s=rate, cache=tmp_path)
+    for rate in (40e9, 38e9):
+        profiler.note_training_rates("cpu", device_step_bytes_per_s=rate, cache=tmp_path)
+    profiler.note_training_rates("cpu", chunk_params=GRANULE, cache=tmp_path)  # 0: not a measurement
+    trained, names = profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)
+    assert names == ["cpu_adam_params_per_s", "device_step_bytes_per_s"]
+    assert trained.cpu_adam_params_per_s == 0.6e9  # the median of those kept for this chunk size
+    assert trained.device_step_bytes_per_s == 39e9
+    assert trained.h2d_bytes_per_s == PROFILE.h2d_bytes_per_s
+    # a size not trained: its profiled rate scaled as training scaled the trained size's (0.6 of 1.0)
+    other = MachineProfile.from_dict({**PROFILE.to_dict(), "cpu_adam_params_per_s": 0.8e9})
+    assert profiler.training_rates("cpu", other, 4 * GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == pytest.approx(0.48e9)
+    # without a chunk size the CPU rate stays
+    assert profiler.training_rates("cpu", PROFILE, None, cache=tmp_path)[1] == ["device_step_bytes_per_s"]
+    # only the newest TRAINING_KEEP are kept
+    for rate in range(1, profiler.TRAINING_KEEP + 2):
+        profiler.note_training_rates("cpu", device_step_bytes_per_s=rate * 1e9, cache=tmp_path)
+    kept = json.loads(profiler.cache_path("cpu", tmp_path).read_text())["in_training"]["device_step_bytes_per_s"]
+    assert kept == [r * 1e9 for r in range(2, profiler.TRAINING_KEEP + 2)]
+
+
+def test_no_profile_file_or_another_version_keeps_nothing(tmp_path):
+    profiler.note_training_rates("cpu", device_step_bytes_per_s=40e9, cache=tmp_path)
+    assert not profiler.cache_path("cpu", tmp_path).exists()
+    _profile_file(tmp_path, {})
+    path = profiler.cache_path("cpu", tmp_path)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "version": profiler.CACHE_VERSION - 1, "in_training": {"device_step_bytes_per_s": [1.0]}}))
+    profiler.note_training_rates("cpu", device_step_bytes_per_s=40e9, cache=tmp_path)
+    assert json.loads(path.read_text())["in_training"] == {"device_step_bytes_per_s": [1.0]}
+    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
+
+
+class _Adam:
+    def __init__(self) -> None:
+        self.computed = (2.0, 100)
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.adam = _Adam()
+        self.device_adam = None
+
+
+def test_the_window_counts_only_the_steps_run_while_it_was_open():
+    handle = _Handle()
+    window = RateWindow(handle)
+    handle.adam.computed = (2.5, 400)  # 300 parameters in half a second since the window opened
+    rates = window.close(None, None)
+    assert (rates.cpu_params, rates.cpu_s, rates.device_steps, rates.device_step_bytes_per_s) == (300, 0.5, (), 0.0)
+    assert rates.cpu_adam_params_per_s == 600
+    assert TrainingRates(cpu_params=0, cpu_s=0.0).cpu_adam_params_per_s == 0.0
+
+
+class _Event:
+    def __init__(self, ms: float, done: bool = True) -> None:
+        self.ms, self.done = ms, done
+
+    def elapsed_time(self, end: _Event) -> float:
+        return end.ms - self.ms
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _DeviceSteps:
+    cuda = True
+    window = None
+
+
+def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their_own_chunk():
+    from protrain_fx.cost import Config, CostModel
+    from tests.test_cost_search import make_problem
+
+    problem = make_problem(3, n_blocks=4)
+    config = Config(n_persist=2, n_buffer=2, n_swap=0, n_checkpoint=0, n_gpu_optim=2)
+    model = CostModel(problem)
+    handle = _Handle()
+    handle.device_adam = _DeviceSteps()
+    window = RateWindow(handle)
+    assert handle.device_adam.window == []  # timing from now on
+    # store chunks 0 and 1 are the model's chunks 2 and 3 (after the 2 persistent ones)
+    out = [model.dev_out_bytes[2], model.dev_out_bytes[3]]
+    handle.device_adam.window += [
+        (0, _Event(0.0), _Event(1000 * out[0] / 40e9)),  # 40 GB/s
+        (1, _Event(5.0), _Event(5.0 + 1000 * out[1] / 30e9)),  # 30 GB/s
+        (0, _Event(9.0), _Event(9.0 + 1000 * out[0] / 50e9)),  # 50 GB/s
+        (1, _Event(20.0), _Event(21.0, done=False)),  # still running at the window's end: left out
+    ]
+    rates = window.close(problem, config)
+    assert handle.device_adam.window is None  # no longer timed
+    assert len(rates.device_steps) == 3
+    assert rates.device_step_bytes_per_s == pytest.approx(40e9)
+    priced = rates.priced(problem)
+    assert priced.machine.device_step_bytes_per_s == pytest.approx(40e9)
+    assert priced.machine.cpu_adam_params_per_s == problem.machine.cpu_adam_params_per_s  # nothing on the CPU
+    assert "device steps 40.0 GB/s each way over 3 steps" in rates.line(problem, config)
+
+
+def test_a_chunk_step_counts_its_seconds_and_the_parameters_it_stepped():
+    from protrain_fx.chunks import ParamInfo, pack
+    from protrain_fx.runtime.chunk_store import ChunkStore
+    from protrain_fx.runtime.cpu_adam import ChunkAdamW
+
+    params = {n: torch.nn.Parameter(torch.randn(size)) for n, size in (("a", 300), ("b", 200), ("frozen", 100))}
+    params["frozen"].requires_grad_(False)
+    layout = pack([ParamInfo((n,), 4 * p.numel(), "blocks.0", 0) for n, p in params.items()], 4 * 1024)
+    store = ChunkStore(layout, params, compute_dtype=torch.float32, pin_memory=False)
+    trainable = [p for p in params.values() if p.requires_grad]
+    adam = ChunkAdamW(store, torch.optim.AdamW(trainable, lr=1e-3, fused=True), params)
+    assert adam.computed == (0.0, 0)
+    store.write_grads({"a": torch.ones(300), "b": torch.ones(200)})
+    adam.step_chunk(0)
+    seconds, stepped = adam.computed
+    assert stepped == 500 and seconds > 0  # the frozen parameter is not stepped
+    store.write_grads({"a": torch.ones(300)})
+    adam.step_chunk(0)
+    assert adam.computed[1] == 800 and adam.computed[0] > seconds
+
+
+def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_path, monkeypatch, caplog):
+    # A tiny GPT with automatic counts under a budget that offloads some chunks (as in
+    # test_auto_offload), the machine read from a profile file written here (nothing measured).
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
+    budget = 3_000_000
+
+    def setup():
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+        reference = copy.deepcopy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK)
+        compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": budget})
+        return model, reference, opt, ref_opt, handle, compiled
+
+    first, last = autoplan.STEP_TIMED_CALLS
+    model, reference, opt, ref_opt, handle, compiled = setup()
+    with caplog.at_level(logging.INFO, logger="protrain_fx"):
+        _train_side_by_side(compiled, reference, opt, ref_opt, last - 1)
+        record = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
+        auto = record.auto_plan
+        assert auto.offload and auto.config.n_persist < len(handle.layout.chunks)
+        assert auto.training_rates is None  # the window closes when call `last` starts
+        assert auto.problem.machine.cpu_adam_params_per_s == PROFILE.cpu_adam_params_per_s
+        _train_side_by_side(compiled, reference, opt, ref_opt, 1)
+    _assert_same_params(handle, model, reference)  # timing changes nothing trained
+    rates = auto.training_rates
+    # The window holds the chunk steps that finished between the starts of calls `first` and
+    # `last`: all of calls `first` .. `last - 2` (the next forward gathers every offloaded chunk, so
+    # waits for its step), and of the calls just before and at its ends, those that had finished.
+    offloaded = sum(s.numel for s in handle.store.slots if s.trainable)  # the store holds the offloaded chunks
+    assert offloaded > 0
+    assert (last - first - 1) * offloaded <= rates.cpu_params <= (last - first + 1) * offloaded
+    assert rates.cpu_adam_params_per_s > 0 and rates.device_steps == ()
+    assert "in training: CPU Adam" in caplog.text and "in training: CPU Adam" in auto.table()
+    kept = json.loads(profiler.cache_path("cpu").read_text())["in_training"]
+    assert kept == {"cpu_adam_by_chunk": {str(GRANULE): [rates.cpu_adam_params_per_s]}}
+
+    # A new model on this machine: its plan is priced at the rate training reached.
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    caplog.clear()
+    model, reference, opt, ref_opt, handle, compiled = setup()
+    with caplog.at_level(logging.INFO, logger="protrain_fx"):
+        _train_side_by_side(compiled, reference, opt, ref_opt, 1)
+    record = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
+    assert record.auto_plan.problem.machine.cpu_adam_params_per_s == rates.cpu_adam_params_per_s
+    assert "the rate training reached on this machine" in caplog.text
