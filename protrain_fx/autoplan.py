@@ -86,6 +86,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from protrain_fx import cost
+from protrain_fx.calibrate import RateWindow, TrainingRates
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.cost import Config, CostModel, Estimate, Problem, block_plan
 from protrain_fx.machine import Machine, machine_for
@@ -289,7 +290,7 @@ class AutoPlan:
     step_check: StepCheck | None = None
     #: The offload runtime's CPU and device optimizer rates over the same training calls
     #: (``protrain_fx.calibrate.TrainingRates``; ``None`` until then, and without offloaded steps).
-    training_rates: Any = None
+    training_rates: TrainingRates | None = None
     #: The chunk counts were chosen too (``protrain_fx.autooffload``); ``empty_*`` are then the step
     #: with every parameter on the device and no plan.
     offload: bool = False
@@ -772,8 +773,7 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
 def _open_rate_window(record: CapturedGraph) -> list[Any]:
     """``[handle, RateWindow]`` when ``record``'s automatic plan placed an offload handle's chunks
     with a CPU or device optimizer step, else ``[]``."""
-    from protrain_fx.autooffload import placed_handle
-    from protrain_fx.calibrate import RateWindow
+    from protrain_fx.autooffload import placed_handle  # (autooffload imports this module)
 
     auto = record.auto_plan
     if auto is None or not auto.offload:
@@ -784,10 +784,10 @@ def _open_rate_window(record: CapturedGraph) -> list[Any]:
     return [handle, RateWindow(handle)]
 
 
-def _close_rate_window(record: CapturedGraph, handle: Any, window: Any) -> None:
+def _close_rate_window(record: CapturedGraph, handle: Any, window: RateWindow) -> None:
     """Stores, logs and keeps for later plans (``profiler.note_training_rates``) the rates
     ``window`` measured (``AutoPlan.training_rates``)."""
-    from protrain_fx.profiler import note_training_rates
+    from protrain_fx.profiler import note_training_rates  # read at the call (tests replace it)
 
     auto = record.auto_plan
     assert auto is not None and record.memory is not None
