@@ -793,13 +793,14 @@ def _close_rate_window(record: CapturedGraph, handle: Any, window: RateWindow) -
     assert auto is not None and record.memory is not None
     rates = window.close(auto.problem, auto.config)
     auto.training_rates = rates
-    log.info("protrain_fx: graph %d: %s", record.index, rates.line(auto.problem, auto.config))
-    note_training_rates(
+    kept = note_training_rates(
         record.memory.device,
         chunk_params=handle.chunk_params,
         cpu_adam_params_per_s=rates.cpu_adam_params_per_s,
         device_step_bytes_per_s=rates.device_step_bytes_per_s,
     )
+    where = f"; kept for later plans on this machine in {kept}" if kept is not None else ""
+    log.info("protrain_fx: graph %d: %s%s", record.index, rates.line(auto.problem, auto.config), where)
 
 
 def record_step_period(record: CapturedGraph, intervals_s: Sequence[float]) -> StepCheck | None:

@@ -3,9 +3,9 @@
 The machine profile (``profiler.measure_machine``) measures the two rates an offloaded step pays on
 every step with stand-ins for training around them: the CPU step of one chunk under copy traffic and
 kernel launches, and device steps (``runtime/device_adam.py``) beside matrix products. On the H200
-machines of 2026-12-01 the device steps ran 12-16% slower in training than measured there, and the
-CPU step's profiled rate moved by +-20% between machines (``docs/results.md``, twelfth session):
-enough to put a predicted step 5-10% off.
+machines of 2026-12-01 the device steps ran 12-20% slower in training than measured there, and the
+CPU step's profiled rate moved by +-20% between machines (``docs/results.md``, twelfth and thirteenth
+sessions): enough to put a predicted step 10-15% off.
 
 So the runtime's own work is timed while the user trains. Between the starts of the training calls
 ``autoplan.STEP_TIMED_CALLS`` (a :class:`RateWindow` on the graph's offload handle):
@@ -77,8 +77,7 @@ class TrainingRates:
         if not parts:
             return "no offloaded optimizer step was timed in training"
         step = CostModel(self.priced(problem)).estimate(config).step_s
-        return (f"in training: {', '.join(parts)}; step predicted at these rates {step * 1e3:.1f} ms "
-                "(kept for later plans on this machine)")
+        return f"in training: {', '.join(parts)}; step predicted at these rates {step * 1e3:.1f} ms"
 
 
 class RateWindow:

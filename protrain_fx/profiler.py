@@ -228,19 +228,19 @@ def note_training_rates(
     cpu_adam_params_per_s: float = 0.0,
     device_step_bytes_per_s: float = 0.0,
     cache: str | os.PathLike[str] | None = None,
-) -> None:
+) -> Path | None:
     """Keep rates measured in training (``protrain_fx.calibrate``) in ``device``'s profile file
     (``"in_training"``), for :func:`training_rates`: the CPU chunk step's (per chunk size, rounded as
     :func:`chunk_adam_rate` rounds it) and the device steps'. A rate of 0 is not kept. Without a
     profile file (nothing was measured on this machine) nothing is written; measuring the profile again
-    (``refresh``, another cache version) starts without them."""
+    (``refresh``, another cache version) starts without them. Returns the file written, else ``None``."""
     path = cache_path(device, cache)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return
-    if data.get("version") != CACHE_VERSION:
-        return
+        return None
+    if data.get("version") != CACHE_VERSION or (device_step_bytes_per_s <= 0 and not (cpu_adam_params_per_s > 0 and chunk_params)):
+        return None
     kept = data.setdefault("in_training", {})
     if device_step_bytes_per_s > 0:
         kept["device_step_bytes_per_s"] = (kept.get("device_step_bytes_per_s", []) + [device_step_bytes_per_s])[-TRAINING_KEEP:]
@@ -249,6 +249,7 @@ def note_training_rates(
         by_chunk = kept.setdefault("cpu_adam_by_chunk", {})
         by_chunk[n] = (by_chunk.get(n, []) + [cpu_adam_params_per_s])[-TRAINING_KEEP:]
     _write_json(path, data)
+    return path
 
 
 def training_rates(

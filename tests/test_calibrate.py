@@ -46,8 +46,11 @@ def test_rates_kept_from_training_replace_the_profiled_ones(tmp_path):
     for rate in (0.5e9, 0.7e9, 0.6e9):
         profiler.note_training_rates("cpu", chunk_params=GRANULE - 5, cpu_adam_params_per_s=rate, cache=tmp_path)
     for rate in (40e9, 38e9):
-        profiler.note_training_rates("cpu", device_step_bytes_per_s=rate, cache=tmp_path)
-    profiler.note_training_rates("cpu", chunk_params=GRANULE, cache=tmp_path)  # 0: not a measurement
+        written = profiler.note_training_rates("cpu", device_step_bytes_per_s=rate, cache=tmp_path)
+        assert written == profiler.cache_path("cpu", tmp_path)
+    before = profiler.cache_path("cpu", tmp_path).read_text()
+    assert profiler.note_training_rates("cpu", chunk_params=GRANULE, cache=tmp_path) is None  # 0: not a measurement
+    assert profiler.cache_path("cpu", tmp_path).read_text() == before
     trained, names = profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)
     assert names == ["cpu_adam_params_per_s", "device_step_bytes_per_s"]
     assert trained.cpu_adam_params_per_s == 0.6e9  # the median of those kept for this chunk size
@@ -66,7 +69,7 @@ def test_rates_kept_from_training_replace_the_profiled_ones(tmp_path):
 
 
 def test_no_profile_file_or_another_version_keeps_nothing(tmp_path):
-    profiler.note_training_rates("cpu", device_step_bytes_per_s=40e9, cache=tmp_path)
+    assert profiler.note_training_rates("cpu", device_step_bytes_per_s=40e9, cache=tmp_path) is None
     assert not profiler.cache_path("cpu", tmp_path).exists()
     _profile_file(tmp_path, {})
     path = profiler.cache_path("cpu", tmp_path)
@@ -201,6 +204,7 @@ def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_pa
     assert (last - first - 1) * offloaded <= rates.cpu_params <= (last - first + 1) * offloaded
     assert rates.cpu_adam_params_per_s > 0 and rates.device_steps == ()
     assert "in training: CPU Adam" in caplog.text and "in training: CPU Adam" in auto.table()
+    assert f"kept for later plans on this machine in {profiler.cache_path('cpu')}" in caplog.text
     kept = json.loads(profiler.cache_path("cpu").read_text())["in_training"]
     assert kept == {"cpu_adam_by_chunk": {str(GRANULE): [rates.cpu_adam_params_per_s]}}
 
