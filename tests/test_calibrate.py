@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 
@@ -11,12 +10,12 @@ import pytest
 import torch
 
 import protrain_fx
-from examples.gpt import GPT
 from protrain_fx import autoplan, profiler
 from protrain_fx.calibrate import RateWindow, TrainingRates
 from protrain_fx.cost import MachineProfile
 from tests.conftest import NOTE_TRAINING_RATES
-from tests.test_offload import CHUNK, CONFIG, _assert_same_params, _train_side_by_side
+from tests.test_auto_offload import TIGHT, _setup  # (its machine stand-in is that module's own fixture)
+from tests.test_offload import _assert_same_params, _train_side_by_side
 
 GRANULE = profiler.CHUNK_RATE_GRANULE
 PROFILE = MachineProfile(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_bytes_per_s=40e9,
@@ -172,20 +171,8 @@ def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_pa
     # test_auto_offload), the machine read from a profile file written here (nothing measured).
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
     _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
-    budget = 3_000_000
-
-    def setup():
-        torch.manual_seed(0)
-        model = GPT(CONFIG)
-        reference = copy.deepcopy(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-        handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK)
-        compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": budget})
-        return model, reference, opt, ref_opt, handle, compiled
-
     first, last = autoplan.STEP_TIMED_CALLS
-    model, reference, opt, ref_opt, handle, compiled = setup()
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
     with caplog.at_level(logging.INFO, logger="protrain_fx"):
         _train_side_by_side(compiled, reference, opt, ref_opt, last - 1)
         record = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
@@ -212,7 +199,7 @@ def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_pa
     torch._dynamo.reset()
     protrain_fx.reset()
     caplog.clear()
-    model, reference, opt, ref_opt, handle, compiled = setup()
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
     with caplog.at_level(logging.INFO, logger="protrain_fx"):
         _train_side_by_side(compiled, reference, opt, ref_opt, 1)
     record = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
