@@ -63,6 +63,12 @@ def main() -> None:
                       f"predicted per chunk (rate {machine.device_step_bytes_per_s / 1e9:.1f} GB/s measured "
                       f"by the profiler; 0: the shared link rate)")
                 machine = dataclasses.replace(machine, device_step_bytes_per_s=dev_rate)
+                by_chunk: dict[int, list[float]] = {}
+                for s in steps:
+                    for ch, d, _ in s.get("device_steps", []):
+                        by_chunk.setdefault(ch, []).append(d)
+                print("    device steps per store chunk, median ms (issue order: the last chunk first): " + ", ".join(
+                    f"{ch}: {statistics.median(v) * 1e3:.1f}" for ch, v in sorted(by_chunk.items(), reverse=True)))
             cpu_params = est.cpu_adam_s * problem.machine.cpu_adam_params_per_s
             if cpu_params and med["cpu_optimizer_busy_s"]:
                 # the worker's busy time includes its waits for gradients to land: a lower bound of the rate
