@@ -752,16 +752,16 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
     starts: list[float] = []
     first, last = STEP_TIMED_CALLS
 
-    window: list[Any] = []  # the offload runtime's rates, timed over the same calls (protrain_fx.calibrate)
+    window: list[RateWindow] = []  # the offload runtime's rates over the same calls (protrain_fx.calibrate)
 
     def call(*args: Any) -> Any:
         if len(starts) < last and torch.is_grad_enabled():
             starts.append(_clock())
             if len(starts) == first:
-                window.extend(_open_rate_window(record))
+                window.extend(_open_rate_window(record))  # none without offloaded optimizer steps
             if len(starts) == last:
-                if window:
-                    _close_rate_window(record, *window)
+                for w in window:
+                    _close_rate_window(record, w)
                 record_step_period(record, [b - a for a, b in zip(starts[first - 1 :], starts[first:])])
         return compiled(*args)
 
@@ -770,9 +770,9 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
     return call
 
 
-def _open_rate_window(record: CapturedGraph) -> list[Any]:
-    """``[handle, RateWindow]`` when ``record``'s automatic plan placed an offload handle's chunks
-    with a CPU or device optimizer step, else ``[]``."""
+def _open_rate_window(record: CapturedGraph) -> list[RateWindow]:
+    """``[RateWindow]`` on the offload handle whose chunks ``record``'s automatic plan placed with
+    optimizer steps of their own (CPU or device), else ``[]``."""
     from protrain_fx.autooffload import placed_handle  # (autooffload imports this module)
 
     auto = record.auto_plan
@@ -781,10 +781,10 @@ def _open_rate_window(record: CapturedGraph) -> list[Any]:
     handle = placed_handle(record)
     if handle is None or handle.adam is None:
         return []
-    return [handle, RateWindow(handle)]
+    return [RateWindow(handle)]
 
 
-def _close_rate_window(record: CapturedGraph, handle: Any, window: RateWindow) -> None:
+def _close_rate_window(record: CapturedGraph, window: RateWindow) -> None:
     """Stores, logs and keeps for later plans (``profiler.note_training_rates``) the rates
     ``window`` measured (``AutoPlan.training_rates``)."""
     from protrain_fx.profiler import note_training_rates  # read at the call (tests replace it)
@@ -795,7 +795,7 @@ def _close_rate_window(record: CapturedGraph, handle: Any, window: RateWindow) -
     auto.training_rates = rates
     kept = note_training_rates(
         record.memory.device,
-        chunk_params=handle.chunk_params,
+        chunk_params=window.handle.chunk_params,
         cpu_adam_params_per_s=rates.cpu_adam_params_per_s,
         device_step_bytes_per_s=rates.device_step_bytes_per_s,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import re
@@ -273,21 +274,34 @@ def training_rates(
         return profile, []
     if data.get("version") != CACHE_VERSION:
         return profile, []
-    kept = data.get("in_training", {})
+    kept = data.get("in_training")
+    kept = kept if isinstance(kept, dict) else {}
     changes: dict[str, float] = {}
-    if kept.get("device_step_bytes_per_s"):
-        changes["device_step_bytes_per_s"] = statistics.median(kept["device_step_bytes_per_s"])
-    by_chunk = kept.get("cpu_adam_by_chunk", {})
+    if device := _median_rate(kept.get("device_step_bytes_per_s")):
+        changes["device_step_bytes_per_s"] = device
+    by_chunk = kept.get("cpu_adam_by_chunk")
+    by_chunk = {k: r for k, v in by_chunk.items() if (r := _median_rate(v))} if isinstance(by_chunk, dict) else {}
     if chunk_params and by_chunk:
         n = str(max(1, -(-chunk_params // CHUNK_RATE_GRANULE)) * CHUNK_RATE_GRANULE)
-        if by_chunk.get(n):
-            changes["cpu_adam_params_per_s"] = statistics.median(by_chunk[n])
+        if n in by_chunk:
+            changes["cpu_adam_params_per_s"] = by_chunk[n]
         else:
-            profiled = data.get("cpu_adam_by_chunk", {})
-            ratios = [statistics.median(v) / profiled[k] for k, v in by_chunk.items() if v and profiled.get(k)]
+            profiled = data.get("cpu_adam_by_chunk")
+            profiled = profiled if isinstance(profiled, dict) else {}
+            ratios = [r / p for k, r in by_chunk.items() if (p := _median_rate([profiled.get(k)]))]
             if ratios:
                 changes["cpu_adam_params_per_s"] = profile.cpu_adam_params_per_s * statistics.median(ratios)
     return dataclasses.replace(profile, **changes), sorted(changes)
+
+
+def _median_rate(values: object) -> float:
+    """The median of the positive finite numbers in ``values`` (a list read from a profile file, which
+    a person may have edited), else 0: entries that are not rates are left out."""
+    if not isinstance(values, list):
+        return 0.0
+    rates = [float(v) for v in values
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0]
+    return statistics.median(rates) if rates else 0.0
 
 
 def _write_json(path: Path, data: dict) -> None:

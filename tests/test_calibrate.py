@@ -79,6 +79,23 @@ def test_no_profile_file_or_another_version_keeps_nothing(tmp_path):
     assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
 
 
+def test_an_edited_profile_file_prices_only_at_the_rates_it_still_holds(tmp_path):
+    _profile_file(tmp_path, {GRANULE: 1e9})
+    path = profiler.cache_path("cpu", tmp_path)
+    data = json.loads(path.read_text())
+    for junk in ("fast", {"a": 1}, [None, "x", -1.0, 0, True]):
+        path.write_text(json.dumps({**data, "in_training": {"device_step_bytes_per_s": junk,
+                                                            "cpu_adam_by_chunk": {str(GRANULE): junk}}}))
+        assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, []), junk
+    # the numbers that are rates still count: 0.5e9 for this size, and for another size scaled by 0.5
+    path.write_text(json.dumps({**data, "in_training": {"cpu_adam_by_chunk": {str(GRANULE): ["x", 0.5e9, -3]}}}))
+    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == 0.5e9
+    other, names = profiler.training_rates("cpu", PROFILE, 3 * GRANULE, cache=tmp_path)
+    assert names == ["cpu_adam_params_per_s"] and other.cpu_adam_params_per_s == pytest.approx(0.5e9)
+    path.write_text(json.dumps({**data, "in_training": ["not", "a", "dict"]}))
+    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
+
+
 class _Adam:
     def __init__(self) -> None:
         self.computed = (2.0, 100)
