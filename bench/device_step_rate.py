@@ -19,6 +19,9 @@ them, and times them from the first copy in to the last copy out: the profiler's
   default stream's queue, as a training loop runs ahead of the GPU;
 * ``cpu_matmul_waiting`` / ``cpu_deep_waiting``: those loads also while the issuing thread waits for
   room for the next step (the others leave the GPU to the steps then, as the profiler does).
+* ``cpu_deep_kept`` / ``cpu_deep_kept_waiting``: the deep queue, not drained when the load returns
+  (backward's queued kernels run on while its thread waits for room; ``cpu_deep_waiting`` drains it
+  each time, which holds up the next step's issue).
 
 (2026-12-01's last call ran every scenario with the load also while waiting, and a ``cpu_deep_high``;
 ``docs/results.md``, twelfth session.)
@@ -59,6 +62,8 @@ SCENARIOS = {
     "cpu_deep": (True, "deep", 0, False),
     "cpu_matmul_waiting": (True, "matmul", 0, True),
     "cpu_deep_waiting": (True, "deep", 0, True),
+    "cpu_deep_kept": (True, "deep_kept", 0, False),
+    "cpu_deep_kept_waiting": (True, "deep_kept", 0, True),
 }
 
 
@@ -74,8 +79,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--block-width", type=int, default=0,
                         help="split each chunk into GPT blocks of this width (norms, biases, weights) as a model's chunk; 0: one parameter")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
+    parser.add_argument("--no-machine", action="store_true", help="skip the machine measurement (the cost model's columns)")
     parser.add_argument("--out")
     args = parser.parse_args()
+    names = [x for x in args.scenarios.split(",") if x]
+    if unknown := [x for x in names if x not in SCENARIOS]:
+        sys.exit(f"device_step_rate: unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
     if not torch.cuda.is_available():
         sys.exit("device_step_rate: needs a GPU")
     n, k = _count(args.params), args.chunks
@@ -85,24 +95,28 @@ def main() -> None:
     parts = gpt_parts(n, args.block_width) if args.block_width else []
     n = sum(parts) or n
     out: dict = {"params": n, "chunks": k, "parameters_per_chunk": len(parts) or 1, "device": torch.cuda.get_device_name()}
-    for name, (cpu, beside, priority, waiting) in SCENARIOS.items():  # the profiler's measurement, per scenario
+    for name in names:  # the profiler's measurement, per scenario
+        cpu, beside, priority, waiting = SCENARIOS[name]
         spans = device_step_spans(n, k, args.repeat, cpu=cpu, beside=beside, priority=priority, parts=parts,
                                   while_waiting=waiting)
         out[name] = {"median_params_per_s": k * n / statistics.median(spans), "spans_s": spans}
     out["raw"] = _raw_link(n)
     torch.cuda.empty_cache()
-    m = measure_machine("cuda")
-    out["machine"] = m.to_dict()
     in_b, out_b = 12 * n, 14 * n
-    shared = m.duplex_bytes_per_s / 2
-    out["link_step_s"] = max(in_b / min(m.h2d_bytes_per_s, shared), out_b / min(m.d2h_bytes_per_s, shared))
-    out["model_step_s"] = out_b / m.device_step_bytes_per_s if m.device_step_bytes_per_s else out["link_step_s"]
+    if not args.no_machine:
+        m = measure_machine("cuda")
+        out["machine"] = m.to_dict()
+        shared = m.duplex_bytes_per_s / 2
+        out["link_step_s"] = max(in_b / min(m.h2d_bytes_per_s, shared), out_b / min(m.d2h_bytes_per_s, shared))
+        out["model_step_s"] = out_b / m.device_step_bytes_per_s if m.device_step_bytes_per_s else out["link_step_s"]
     text = json.dumps(out, indent=1)
     print(text)
-    for name in SCENARIOS:
+    for name in names:
         rate = out[name]["median_params_per_s"]
-        print(f"{name:>15}: {rate / 1e9:.2f} G params/s, {n / rate * 1e3:.1f} ms per chunk (cost model "
-              f"{out['model_step_s'] * 1e3:.1f} ms; at the shared link rate {out['link_step_s'] * 1e3:.1f})", file=sys.stderr)
+        model = (f" (cost model {out['model_step_s'] * 1e3:.1f} ms; at the shared link rate "
+                 f"{out['link_step_s'] * 1e3:.1f})" if "model_step_s" in out else "")
+        print(f"{name:>22}: {rate / 1e9:.2f} G params/s, {out_b * rate / n / 1e9:.1f} GB/s out, "
+              f"{n / rate * 1e3:.1f} ms per chunk{model}", file=sys.stderr)
     raw = out["raw"]
     print(f"  raw link: in {raw['in_s'] * 1e3:.1f} ms, out {raw['out_s'] * 1e3:.1f} ms, both {raw['both_s'] * 1e3:.1f} ms",
           file=sys.stderr)

@@ -18,6 +18,7 @@ one forward, a checkpointed block keeps the values crossing into it, and swap le
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -425,7 +426,8 @@ def device_step_spans(
     (CUDA events), ``repeat`` rounds after a warm-up. Meanwhile, with ``cpu``, the CPU optimizer's
     worker steps another chunk of ``n`` over and over; this thread runs ``beside``: ``"matmul"``
     (:func:`_matmuls_until`, backward's kernels), ``"deep"`` (:func:`_deep_queue_until`: products and
-    memory-bound kernels, the queue kept full), ``"launch"`` (:func:`_launch_until`, the training
+    memory-bound kernels, the queue kept full), ``"deep_kept"`` (the same, its queue left to run when
+    it returns), ``"launch"`` (:func:`_launch_until`, the training
     loop's launches) or nothing; with ``while_waiting``, also while the issuing thread waits for room
     for the next step (as backward goes on meanwhile; without it, nothing runs beside the first step
     while the third waits for it). ``priority``: the update stream's (``bench/device_step_rate.py``
@@ -459,7 +461,7 @@ def device_step_spans(
         return out
 
     run_beside = {"matmul": _matmuls_until, "deep": _deep_queue_until, "launch": _launch_until,
-                  None: _sync_until}[beside]
+                  "deep_kept": functools.partial(_deep_queue_until, drain=False), None: _sync_until}[beside]
     spans = []
     with OptimizerWorker(adam.step_chunk) as worker:
 
@@ -515,13 +517,14 @@ def _matmuls_until(done: Callable[[], bool], size: int = 8192) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def _deep_queue_until(done: Callable[[], bool], size: int = 8192, depth: int = 48) -> None:
+def _deep_queue_until(done: Callable[[], bool], size: int = 8192, depth: int = 48, drain: bool = True) -> None:
     """Keep about ``depth`` kernels queued on this thread's stream until ``done()``: bf16 matrix
     products and memory-bound elementwise kernels (2 GiB read and written, as backward's norms,
     activations and casts), launched ahead of the GPU the way a training loop runs ahead of it. Unlike
     :func:`_matmuls_until`, which waits after every four products, the queue does not drain while it
-    runs; it does when it returns (so a caller that returns often, as ``while_waiting`` does, is held
-    up by that drain)."""
+    runs; with ``drain``, it does when it returns (so a caller that returns often, as ``while_waiting``
+    does, is held up by that drain); without, the kernels still queued run on after it returns, as
+    backward's do while its thread waits for room for the next device step."""
     x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     big = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").fill_(1.0)
     marks: list[torch.cuda.Event] = []
@@ -535,7 +538,8 @@ def _deep_queue_until(done: Callable[[], bool], size: int = 8192, depth: int = 4
         marks.append(mark)
         if len(marks) * 4 >= depth:
             marks.pop(0).synchronize()
-    torch.cuda.current_stream().synchronize()
+    if drain:
+        torch.cuda.current_stream().synchronize()
 
 
 def _launch_until(done: Callable[[], bool]) -> None:
