@@ -218,6 +218,71 @@ def chunk_adam_rate(
     return rate
 
 
+#: Device-stepped chunks per round of :func:`device_step_rate` (the CPU's chunk beside them is one more).
+LAYOUT_STEP_CHUNKS = 3
+
+
+def layout_key(parts: Sequence[int]) -> str:
+    """The key of a chunk layout (its parameters' sizes in order) in the profile file: parameters,
+    count, and a digest of the sizes."""
+    import hashlib
+
+    digest = hashlib.sha1(",".join(map(str, parts)).encode()).hexdigest()[:12]
+    return f"{sum(parts)}:{len(parts)}:{digest}"
+
+
+def device_step_rate(
+    device: torch.device | str,
+    parts: Sequence[int],
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+    repeat: int = 5,
+) -> float:
+    """Bytes per second each way of device steps (``runtime/device_adam.DeviceAdamW``) of chunks laid
+    out as a model's: ``parts`` are the sizes, in order, of one chunk's parameters. Measured as
+    :func:`_device_step_bytes_per_s` measures 64M parameters in one tensor (:func:`device_step_spans`
+    beside the CPU step and matrix products), on :data:`LAYOUT_STEP_CHUNKS` such chunks; once per
+    layout, with one progress line, kept in ``device``'s profile file (``"device_step_by_layout"``,
+    with the CPU step's rate beside the device steps, for comparison with training's). 0 where there
+    is nothing to measure: not CUDA, no parts, or a host whose available memory is under 4x the
+    pinned memory the measurement takes (its store of ``LAYOUT_STEP_CHUNKS + 1`` chunks).
+
+    Why the layout: the steps' copies and updates run per slice and per parameter, and on the H200
+    (2026-12-01, ``bench/device_step_rate.py``) one 64M-parameter tensor read 47.9 GB/s where chunks
+    of B24 1.3B's and 4.2B's blocks read 39.9 and 44.4, and their training reached 41.1 and 41.4."""
+    device = torch.device(device)
+    parts = [int(x) for x in parts]
+    if device.type != "cuda" or not parts or min(parts) <= 0:
+        return 0.0
+    measure_machine(device, cache=cache)  # the file this rate is kept in
+    path = cache_path(device, cache)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    rates = data.setdefault("device_step_by_layout", {})
+    key = layout_key(parts)
+    got = rates.get(key)
+    if not refresh and isinstance(got, dict) and (rate := _median_rate([got.get("device_step_bytes_per_s")])):
+        return rate
+    from protrain_fx.runtime.chunk_store import available_host_bytes
+
+    n = sum(parts)
+    need = (LAYOUT_STEP_CHUNKS + 1) * n * 18  # fp32 master and moments, working copy, gradient
+    available = available_host_bytes()
+    if available is not None and 4 * need > available:
+        print(f"protrain_fx: not measuring device steps of this chunk layout: it pins {need / 2**30:.1f} GiB and "
+              f"{available / 2**30:.1f} GiB of host memory are available", file=sys.stderr, flush=True)
+        return 0.0
+    print(f"protrain_fx: measuring device steps of chunks of {n / 2**20:.0f}M parameters in {len(parts)} tensors "
+          f"on {device_name(device)} (once per layout, cached in {path})", file=sys.stderr, flush=True)
+    cpu: list[float] = []
+    spans = device_step_spans(n, LAYOUT_STEP_CHUNKS, repeat, cpu=True, beside="matmul", parts=parts, cpu_rates=cpu)
+    rate = LAYOUT_STEP_CHUNKS * n * 14 / max(statistics.median(spans), 1e-9)
+    rates[key] = {"params": n, "tensors": len(parts), "device_step_bytes_per_s": rate,
+                  "cpu_adam_params_per_s_beside": statistics.median(cpu) if cpu else 0.0}
+    _write_json(path, data)
+    return rate
+
+
 #: How many in-training measurements of each rate a profile file keeps (the newest); the rate used
 #: is their median.
 TRAINING_KEEP = 5
@@ -418,7 +483,7 @@ def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
 
 def device_step_spans(
     n: int, chunks: int = 3, repeat: int = 3, *, cpu: bool = True, beside: str | None = "matmul", priority: int = 0,
-    parts: Sequence[int] = (), while_waiting: bool = False,
+    parts: Sequence[int] = (), while_waiting: bool = False, cpu_rates: list[float] | None = None,
 ) -> list[float]:
     """Seconds, per round, of ``chunks`` chunks of ``n`` fp32 parameters (bf16 working copies, pinned
     store) stepped through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW` one after another,
@@ -432,7 +497,9 @@ def device_step_spans(
     for the next step (as backward goes on meanwhile; without it, nothing runs beside the first step
     while the third waits for it). ``priority``: the update stream's (``bench/device_step_rate.py``
     compares them). ``parts``: the sizes of each chunk's parameters (summing to ``n``; empty: one
-    parameter), as a model's chunk holds its blocks' weights, biases and norms. CUDA only."""
+    parameter), as a model's chunk holds its blocks' weights, biases and norms. ``cpu_rates``: a list
+    that gets, per timed round, the CPU step's parameters per second over that round (its worker's
+    compute, ``ChunkAdamW.computed``). CUDA only."""
     from protrain_fx.chunks import ParamInfo, pack
     from protrain_fx.runtime.chunk_store import ChunkStore
     from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
@@ -474,6 +541,7 @@ def device_step_spans(
         for i in range(repeat + 1):  # the first allocates the staging sets and warms the pages
             torch.cuda.synchronize()
             steps.timing.clear()
+            computed = adam.computed
             keep_cpu_busy()
             for c in range(chunks):
 
@@ -495,6 +563,9 @@ def device_step_spans(
             if i:
                 spans.append(steps.timing[0][1].elapsed_time(last) / 1e3)
             worker.wait_all()
+            seconds, params = (a - b for a, b in zip(adam.computed, computed))
+            if i and cpu_rates is not None and seconds > 0:
+                cpu_rates.append(params / seconds)
     del steps, grad
     torch.cuda.empty_cache()
     return spans
@@ -882,6 +953,6 @@ def _mean_param_element_size(record: CapturedGraph) -> float:
 
 
 __all__ = [
-    "cache_dir", "cache_path", "chunk_adam_rate", "device_name", "device_op_times", "device_step_spans", "measure_machine",
-    "note_training_rates", "problem_from_record", "training_rates"
+    "cache_dir", "cache_path", "chunk_adam_rate", "device_name", "device_op_times", "device_step_rate", "device_step_spans",
+    "layout_key", "measure_machine", "note_training_rates", "problem_from_record", "training_rates"
 ]

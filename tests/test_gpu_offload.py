@@ -7,6 +7,7 @@ overlap breakdown are measured by ``bench/peers.py --systems protrain_offload``,
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -165,3 +166,26 @@ def test_the_measured_device_step_rate_is_bounded_by_the_link():
     rate = profiler._device_step_bytes_per_s(16 * 2**20, chunks=2, repeat=1)
     h2d, d2h, duplex = profiler._cuda_copy_rates(torch.device("cuda"), 64 * 2**20, 2)
     assert 0.1 * duplex / 2 < rate <= 1.1 * d2h, (rate, d2h, duplex)
+
+
+def test_the_device_step_rate_of_a_chunk_layout_is_measured_once_and_kept(tmp_path, monkeypatch):
+    # Chunks laid out as a model's (here three tensors, as a block's weights, bias and norm) are
+    # measured once per layout; the profile file keeps the rate and the CPU step's rate beside them.
+    from protrain_fx import profiler
+
+    parts = [3 * 2**20, 64, 2**20]
+    rate = profiler.device_step_rate("cuda", parts, cache=tmp_path, repeat=1)
+    h2d, d2h, duplex = profiler._cuda_copy_rates(torch.device("cuda"), 64 * 2**20, 2)
+    assert 0.05 * duplex / 2 < rate <= 1.1 * d2h, (rate, d2h, duplex)
+    kept = json.loads(profiler.cache_path("cuda", tmp_path).read_text())["device_step_by_layout"]
+    entry = kept[profiler.layout_key(parts)]
+    assert entry["device_step_bytes_per_s"] == rate and entry["params"] == sum(parts) and entry["tensors"] == 3
+    assert entry["cpu_adam_params_per_s_beside"] > 0
+
+    def measure_again(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(profiler, "device_step_spans", measure_again)
+    assert profiler.device_step_rate("cuda", parts, cache=tmp_path) == rate
+    with pytest.raises(AssertionError, match="measured again"):  # another layout is measured
+        profiler.device_step_rate("cuda", parts[::-1], cache=tmp_path)

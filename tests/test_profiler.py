@@ -176,3 +176,33 @@ def test_the_chunk_step_rate_is_the_median_of_its_steps(monkeypatch):
     ticks = iter([0.0, 9.0, 10.0, 11.0, 20.0, 22.0, 30.0, 33.0])  # warm-up 9 s, then 1, 2, 3 s
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(ticks))
     assert profiler._chunk_adam_params_per_s(False, 1024, 3) == 1024 / 2.0
+
+
+def test_device_steps_of_a_chunk_layout_are_measured_on_cuda_only(tmp_path):
+    # On the CPU there are no device steps: nothing is measured and no profile file is written.
+    assert profiler.device_step_rate("cpu", [1024, 16], cache=tmp_path) == 0.0
+    assert not profiler.cache_path("cpu", tmp_path).exists()
+    # the layout's key tells layouts apart by their sizes in order
+    assert profiler.layout_key([1024, 16]) != profiler.layout_key([16, 1024])
+    assert profiler.layout_key([1024, 16]).startswith("1040:2:")
+
+
+def test_the_typical_chunk_of_a_layout_is_a_blocks_chunk():
+    # A GPT layout: the embedding's chunk (one tensor), block chunks of 4 tensors, the final norm.
+    # The device steps stream block chunks: their parameters' sizes, in order.
+    import types
+
+    from protrain_fx.autooffload import chunk_parts
+    from protrain_fx.chunks import ParamInfo
+
+    infos = [ParamInfo(("wte",), 4 * 4000, "embed", 0)]
+    for b in range(3):
+        infos += [ParamInfo((f"h{b}.{k}",), 4 * size, f"blocks.{b}", 1 + b)
+                  for k, size in enumerate((1000, 10, 2000, 10 + b))]
+    infos.append(ParamInfo(("ln_f",), 4 * 10, "final", 9))
+    layout = pack(infos, 4 * 4100)
+    handle = types.SimpleNamespace(param_dtype=torch.float32, layout=layout)
+    # block 2's chunk also holds the final norm (5 tensors); of the two others, the fullest
+    assert [len(c.slots) for c in layout.chunks] == [1, 4, 4, 5]
+    assert chunk_parts(handle) == [1000, 10, 2000, 11]
+    assert chunk_parts(types.SimpleNamespace(param_dtype=torch.float32, layout=pack([], 64))) == []
