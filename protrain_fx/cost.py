@@ -67,11 +67,10 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   (``CostModel._device_chain``: compute only, each step ``max(in, out)`` long after the one before,
   backward held up by the in-flight limit): a swap-in (issued when the next block's backward starts,
   lasting bytes / one-way rate) that overlaps a step there lengthens that step's copies in by its
-  duration; and when the steps run on past the end of backward and GPU Adam there (the next
-  forward's start), the swap offloads that start within that tail run at the shared rate. (B24 1.3B
-  at 16 GiB on the H200: the step in flight during the swap-ins took 68-71 ms, the others 33-39;
-  the forward took 54 ms, 38 predicted without these terms.) The link-sharing of the other copies is
-  decided on the reference timeline without device steps.
+  duration (B24 1.3B at 16 GiB on the H200: the step in flight during the swap-ins took 61-71 ms,
+  the others 33-39; 4.2B at 24 GiB: 113-116 against 67-90). Not modelled: the reference backward
+  leaves out recompute, so it places the steps earlier against backward than they run. The
+  link-sharing of the other copies is decided on the reference timeline without device steps.
 
 Every time is built from ``max`` and ``+`` of non-negative durations in a fixed order decided by the
 config alone (never by timing). Hence (and the tests check it on random problems):
@@ -489,7 +488,6 @@ class CostModel:
         be = [bs[j] + self.cb[j] for j in range(N + 1)]
         self.fwd_ref_start = fs
         self._fwd_ref_end = fe[N]
-        self._fwd_ref_ends = fe
         h2d, d2h = m.h2d_bytes_per_s, m.d2h_bytes_per_s
 
         def iv(start: float, nbytes: int, rate: float) -> tuple[float, float]:
@@ -550,8 +548,7 @@ class CostModel:
         self._per_p: dict[tuple[int, int], _PerPersist] = {}
         self._per_pb: dict[tuple[int, int], _PerBuffer] = {}
         self._policies: dict[tuple[int, int], tuple[int, ...]] = {}
-        self._fwd_cache: dict[tuple[int, int, int, int], _Forward] = {}
-        self._tails: dict[tuple[int, int, int], float] = {}
+        self._fwd_cache: dict[tuple[int, int, int], _Forward] = {}
         static_persist = [0]
         for c in range(self.n_chunks):
             static_persist.append(static_persist[-1] + p.persistent_bytes(c))
@@ -684,15 +681,13 @@ class CostModel:
         return max(copies - ref, 0.0)
 
     def _device_chain(
-        self, p: int, g: int, dev_trigger: list[bool], offload_at: list[list[int]], dev_out_s: list[float],
-        stalls: list[list[tuple[int, float]]] | None = None, s: int = 0,
-    ) -> tuple[list[tuple[int, float, float]], float, list[float]]:
+        self, dev_trigger: list[bool], offload_at: list[list[int]], dev_out_s: list[float]
+    ) -> tuple[list[tuple[int, float, float]], list[float]]:
         """Device steps on the reference timeline (compute only, no recompute), backward held up as
         the runtime holds it: a step is issued when its chunk's last gradient is made, once the step
         issued :data:`DEVICE_STEPS_IN_FLIGHT` before it ended; the steps run one after another on
-        their lanes, each ``max(in, out)`` long (its copies in longer by the swap-ins of blocks
-        ``< s`` in ``stalls``). Returns ``[(chunk, start, end)]`` in issue order, the end of
-        backward, and each step's backward start (indexed by forward step)."""
+        their lanes, each ``max(in, out)`` long. Returns ``[(chunk, start, end)]`` in issue order and
+        when each step's backward starts (indexed by forward step)."""
         N = self.n_blocks
         t, lane = self._fwd_ref_end, 0.0
         bwd_start = [0.0] * (N + 1)
@@ -707,36 +702,18 @@ class CostModel:
                         t = steps[k - DEVICE_STEPS_IN_FLIGHT][2]
                     ch = self.run_chunk[r]
                     start = lane if lane > t else t
-                    copy_in = self.dev_in_s[ch] + (sum(d for i, d in stalls[ch] if i < s) if stalls else 0.0)
-                    lane = start + max(copy_in, dev_out_s[ch])
+                    lane = start + max(self.dev_in_s[ch], dev_out_s[ch])
                     steps.append((ch, start, lane))
-        return steps, t, bwd_start
+        return steps, bwd_start
 
-    def _device_tail(self, p: int, g: int, s: int) -> float:
-        """How long the device steps of ``(p, g)`` run on into the next forward, on the reference
-        timeline (:meth:`_device_chain`, with the swap-ins of ``n_swap = s`` stalling steps; the
-        next forward starts when backward and the persistent chunks' GPU Adam end). A swap block's
-        offload that starts (reference forward end of its block) within it shares the
-        device-to-host link with their copies out."""
-        key = (p, g, s)
-        got = self._tails.get(key)
-        if got is None:
-            P = self._pp(p, g)
-            steps, end, _ = self._device_chain(p, g, P.dev_trigger, P.offload_at, P.dev_out_s, P.dev_swap_in, s)
-            last = steps[-1][2] if steps else 0.0
-            got = self._tails[key] = max(last - end - self._gpu_before[p], 0.0)
-        return got
-
-    def _forward(self, p: int, b: int, s: int, g: int = 0) -> _Forward:
-        """Forward of ``(p, b, s, *, g)``; it does not depend on ``n_checkpoint`` (nor on ``g`` without
-        swaps), so recent ones are kept.
+    def _forward(self, p: int, b: int, s: int) -> _Forward:
+        """Forward of ``(p, b, s, *)``; it does not depend on ``n_checkpoint``, so recent ones are kept.
 
         Returns ``done`` (run -> its fetch finished), ``ff_dur`` (run -> fetch duration), ``so_done``
         (block -> its swap offload finished), and when the H2D queue, the D2H queue and the GPU are
         free at the end of forward (read-only: callers copy ``done`` before writing).
         """
-        g = g if s else 0
-        key = (p, b, s, g)
+        key = (p, b, s)
         got = self._fwd_cache.get(key)
         if got is not None:
             return got
@@ -751,8 +728,6 @@ class CostModel:
         fe = [0.0] * (N + 1)
         so_done = [0.0] * N
         gpu = h2d = d2h = 0.0
-        tail = self._device_tail(p, g, s) if s and g else 0.0  # the last step's device steps, still copying
-        fe_ref = self._fwd_ref_ends
         wait_step = PB.wait_step
         for j in range(N + 1):
             for k, r in P.fetch_at[j]:
@@ -766,8 +741,7 @@ class CostModel:
                     start = done[r]
             gpu = fe[j] = start + cf[j]
             if j < s:  # swap blocks are the first n_swap
-                shared = s > PB.so_thr[j] or fe_ref[j] < tail
-                d2h = (d2h if d2h > gpu else gpu) + (self.so_d2[j] if shared else self.so_d1[j])
+                d2h = (d2h if d2h > gpu else gpu) + (self.so_d2[j] if s > PB.so_thr[j] else self.so_d1[j])
                 so_done[j] = d2h
         if s and so_done[s - 1] > gpu:
             gpu = so_done[s - 1]  # the forward's graph waits for its offloads by its output at the latest
@@ -785,7 +759,7 @@ class CostModel:
         h_d1, h_d2, g_d1, g_d2 = P.h_d1, P.h_d2, self.g_d1, self.g_d2
         bf_thr, go_thr = P.bf_thr, PB.go_thr
         # ---- forward (shared by every n_checkpoint)
-        fdone, ff_dur, so_done, h2d, d2h, gpu = self._forward(p, b, s, g if optimizer else 0)
+        fdone, ff_dur, so_done, h2d, d2h, gpu = self._forward(p, b, s)
         done = fdone[:]  # fetch finished; in backward: re-fetch, then gradient offload finished
         fwd_end = gpu
         # ---- backward
@@ -962,7 +936,7 @@ class _PerPersist:
         # stalls that step: it takes the host-to-device link from the step's copies in.
         dev_swap_in: list[list[tuple[int, float]]] = [[] for _ in range(m.n_chunks)]
         if g:
-            steps, _end, bwd_start = m._device_chain(p, g, dev_trigger, offload_at, dev_out_s)
+            steps, bwd_start = m._device_chain(dev_trigger, offload_at, dev_out_s)
             for i in range(N):
                 a = bwd_start[i + 1]  # a block's swap-in is issued when the next block's backward starts
                 b = a + m.rl_d1[i]

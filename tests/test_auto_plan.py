@@ -647,6 +647,11 @@ def test_raised_search_keeps_a_faster_plan_only_when_the_analysis_fits():
     first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 80), 2: (115, 95)}, {1: 1.0, 2: 0.99})
     kept = autoplan.raised_choice(search_at, run, first, fitted, trials, 100)
     assert kept.best.n_persist == 1 and runs == [1]
+    # The raise is the fitted config's ratio, not its difference: analysed at 37, predicted 8 above,
+    # a config predicted up to 100 * 45 / 37 = 121.6 analyses under the cap of 100 if the ratio holds
+    # (the fixture finds the faster config from a raise of 10 on; a raise of 8 would not reach it).
+    first, fitted, search_at, run, runs, trials = _raise_fixture({1: (45, 37), 2: (115, 95)}, {1: 1.0, 2: 0.5})
+    assert autoplan.raised_choice(search_at, run, first, fitted, trials, 100).best.n_persist == 2 and runs == [1, 2]
     # No margin (the analysis at or above the cost model): no raise.
     first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 100), 2: (115, 95)}, {1: 1.0, 2: 0.5})
     assert autoplan.raised_choice(search_at, run, first, fitted, trials, 100).best.n_persist == 1 and runs == [1]
