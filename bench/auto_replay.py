@@ -60,8 +60,8 @@ def main() -> None:
                 print(f"    device steps: {statistics.median(device_steps) * 1e3:.1f} ms measured (median of "
                       f"{len(device_steps)}; {dev_rate / 1e9:.1f} GB/s out), "
                       f"{statistics.median(model.dev_out_s[k] for k in stepped) * 1e3:.1f} "
-                      f"predicted per chunk (rate {machine.device_step_bytes_per_s / 1e9:.1f} GB/s measured "
-                      f"by the profiler; 0: the shared link rate)")
+                      f"predicted per chunk (priced at {machine.device_step_bytes_per_s / 1e9:.1f} GB/s: the "
+                      f"profiler's, or training's kept on that machine; 0: the shared link rate)")
                 machine = dataclasses.replace(machine, device_step_bytes_per_s=dev_rate)
                 by_chunk: dict[int, list[float]] = {}
                 for s in steps:
