@@ -894,7 +894,7 @@ class _PerPersist:
     h_d2: list[float]  # run -> fetch duration sharing the link
     dev_out_bytes: list[int]  # chunk -> bytes its device step copies out (a lean chunk: no working copy)
     dev_out_s: list[float]
-    dev_swap_in: list[list[tuple[int, float]]]  # chunk -> [(block, its swap-in alone, s)] stalling its device step
+    dev_swap_in: list[list[tuple[int, float]]]  # chunk -> [(block, seconds of its swap-in alone)] stalling its step
 
     @classmethod
     def build(cls, m: CostModel, p: int, g: int = 0) -> _PerPersist:
