@@ -10,8 +10,9 @@ the rate the profile measured; the device steps' measured time against the cost 
 timed them. Then the step replayed with the in-training CPU rate, and with both in-training rates
 (what is left is the model's own error, not the machine profile's). With
 ``--search``, also the config the search picks with the in-training rate (same budget and cap, and
-with the cap raised by 3 GiB as ``autoplan.raised_choice`` could). Every replay is a prediction:
-nothing here was measured with the replayed config.
+with the cap raised by 3 GiB as ``autoplan.raised_choice`` could). With ``--recompute-factor K``,
+every block's recompute is replayed at ``K`` times its forward (the profile prices it at 1). Every
+replay is a prediction: nothing here was measured with the replayed config.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("files", nargs="+")
     parser.add_argument("--search", action="store_true", help="search again with the in-training CPU rate")
+    parser.add_argument("--recompute-factor", type=float, default=None,
+                        help="replay each block's recompute at this factor times its forward")
     args = parser.parse_args()
     for f in args.files:
         for r in json.loads(Path(f).read_text()):
@@ -41,6 +44,10 @@ def main() -> None:
             if not ap or not r.get("breakdown") or not r.get("step_s"):
                 continue
             problem, config = Problem.from_dict(ap["problem"]), Config.from_dict(ap["config"])
+            if args.recompute_factor is not None:
+                k = args.recompute_factor
+                problem = dataclasses.replace(problem, blocks=[dataclasses.replace(b, recompute_s=k * b.fwd_s)
+                                                               for b in problem.blocks])
             est = CostModel(problem).estimate(config)
             steps = r["breakdown"][1:] or r["breakdown"]  # the first step compiles
             med = {k: statistics.median(s[k] for s in steps) for k in ("forward_s", "backward_s", "cpu_optimizer_busy_s")}
