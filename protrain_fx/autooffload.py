@@ -195,7 +195,7 @@ def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) 
 def chunk_parts(handle: OffloadHandle) -> list[int]:
     """The sizes, in order, of the parameters of the layout's most typical chunk (of those with the
     most common number of parameters, the fullest): what a device step of the model streams."""
-    param_size = torch.empty(0, dtype=handle.param_dtype).element_size()
+    param_size = handle.param_dtype.itemsize
     chunks = [c for c in handle.layout.chunks if c.slots]
     if not chunks:
         return []

@@ -177,6 +177,12 @@ def measure_machine(
 CHUNK_RATE_GRANULE = 16 * 2**20
 
 
+def _granule(chunk_params: int) -> int:
+    """``chunk_params`` rounded up to :data:`CHUNK_RATE_GRANULE` (at least one granule): the chunk
+    size a CPU step rate is measured and kept at."""
+    return max(1, -(-chunk_params // CHUNK_RATE_GRANULE)) * CHUNK_RATE_GRANULE
+
+
 def chunk_adam_rate(
     device: torch.device | str,
     chunk_params: int,
@@ -199,7 +205,7 @@ def chunk_adam_rate(
     device = torch.device(device)
     measure_machine(device, cache=cache)  # the file this rate is kept in
     path = cache_path(device, cache)
-    n = max(1, -(-chunk_params // CHUNK_RATE_GRANULE)) * CHUNK_RATE_GRANULE
+    n = _granule(chunk_params)
     data = json.loads(path.read_text(encoding="utf-8"))
     rates = data.setdefault("cpu_adam_by_chunk", {})
     if not refresh and str(n) in rates:
@@ -246,14 +252,17 @@ def device_step_rate(
     layout, with one progress line, kept in ``device``'s profile file (``"device_step_by_layout"``,
     with the CPU step's rate beside the device steps, for comparison with training's). 0 where there
     is nothing to measure: not CUDA, no parts, or a host whose available memory is under 4x the
-    pinned memory the measurement takes (its store of ``LAYOUT_STEP_CHUNKS + 1`` chunks).
+    pinned memory the measurement takes (its store of ``LAYOUT_STEP_CHUNKS + 1`` chunks). A size
+    that is not positive raises ``ValueError``.
 
     Why the layout: the steps' copies and updates run per slice and per parameter, and on the H200
     (2026-12-01, ``bench/device_step_rate.py``) one 64M-parameter tensor read 47.9 GB/s where chunks
     of B24 1.3B's and 4.2B's blocks read 39.9 and 44.4, and their training reached 41.1 and 41.4."""
     device = torch.device(device)
     parts = [int(x) for x in parts]
-    if device.type != "cuda" or not parts or min(parts) <= 0:
+    if parts and min(parts) <= 0:
+        raise ValueError(f"device_step_rate: parameter sizes must be positive, got {min(parts)}")
+    if device.type != "cuda" or not parts:
         return 0.0
     measure_machine(device, cache=cache)  # the file this rate is kept in
     path = cache_path(device, cache)
@@ -275,8 +284,7 @@ def device_step_rate(
     print(f"protrain_fx: measuring device steps of chunks of {n / 2**20:.0f}M parameters in {len(parts)} tensors "
           f"on {device_name(device)} (once per layout, cached in {path})", file=sys.stderr, flush=True)
     cpu: list[float] = []
-    spans = device_step_spans(n, LAYOUT_STEP_CHUNKS, repeat, cpu=True, beside="matmul", parts=parts, cpu_rates=cpu)
-    rate = LAYOUT_STEP_CHUNKS * n * 14 / max(statistics.median(spans), 1e-9)
+    rate = _device_step_bytes_per_s(n, LAYOUT_STEP_CHUNKS, repeat, parts=parts, cpu_rates=cpu)
     rates[key] = {"params": n, "tensors": len(parts), "device_step_bytes_per_s": rate,
                   "cpu_adam_params_per_s_beside": statistics.median(cpu) if cpu else 0.0}
     _write_json(path, data)
@@ -312,7 +320,7 @@ def note_training_rates(
     if device_step_bytes_per_s > 0:
         kept["device_step_bytes_per_s"] = (kept.get("device_step_bytes_per_s", []) + [device_step_bytes_per_s])[-TRAINING_KEEP:]
     if cpu_adam_params_per_s > 0 and chunk_params:
-        n = str(max(1, -(-chunk_params // CHUNK_RATE_GRANULE)) * CHUNK_RATE_GRANULE)
+        n = str(_granule(chunk_params))
         by_chunk = kept.setdefault("cpu_adam_by_chunk", {})
         by_chunk[n] = (by_chunk.get(n, []) + [cpu_adam_params_per_s])[-TRAINING_KEEP:]
     _write_json(path, data)
@@ -348,7 +356,7 @@ def training_rates(
     by_chunk = kept.get("cpu_adam_by_chunk")
     by_chunk = {k: r for k, v in by_chunk.items() if (r := _median_rate(v))} if isinstance(by_chunk, dict) else {}
     if chunk_params and by_chunk:
-        n = str(max(1, -(-chunk_params // CHUNK_RATE_GRANULE)) * CHUNK_RATE_GRANULE)
+        n = str(_granule(chunk_params))
         if n in by_chunk:
             changes["cpu_adam_params_per_s"] = by_chunk[n]
         else:
@@ -466,7 +474,9 @@ def _chunk_adam_params_per_s(cuda: bool, n: int, repeat: int) -> float:
     return n / max(statistics.median(times), 1e-9)
 
 
-def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
+def _device_step_bytes_per_s(
+    n: int, chunks: int = 3, repeat: int = 3, *, parts: Sequence[int] = (), cpu_rates: list[float] | None = None
+) -> float:
     """Bytes per second each way of offloaded chunks' optimizer steps streamed through the GPU
     (``runtime/device_adam.DeviceAdamW``): the bytes a step copies out (fp32 master and moments, the
     new working copy: 14 per parameter) over the median span of :func:`device_step_spans` with the
@@ -476,8 +486,9 @@ def _device_step_bytes_per_s(n: int, chunks: int = 3, repeat: int = 3) -> float:
     2026-12-01's machines, whose training steps ran at 38 to 42. Keeping a kernel queue full beside
     (``beside="deep"``) and loading the GPU while the third step waits (``while_waiting``) read 30.9
     at this size and 42.6 at 226M parameters laid out as GPT blocks: not adopted before it matches
-    training at every size (``bench/device_step_rate.py``)."""
-    spans = device_step_spans(n, chunks, repeat, cpu=True, beside="matmul")
+    training at every size (``bench/device_step_rate.py``). ``parts`` and ``cpu_rates`` as for
+    :func:`device_step_spans` (:func:`device_step_rate` measures a model's chunk layout so)."""
+    spans = device_step_spans(n, chunks, repeat, cpu=True, beside="matmul", parts=parts, cpu_rates=cpu_rates)
     return chunks * n * 14 / max(statistics.median(spans), 1e-9)
 
 

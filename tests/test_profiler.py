@@ -185,6 +185,8 @@ def test_device_steps_of_a_chunk_layout_are_measured_on_cuda_only(tmp_path):
     # the layout's key tells layouts apart by their sizes in order
     assert profiler.layout_key([1024, 16]) != profiler.layout_key([16, 1024])
     assert profiler.layout_key([1024, 16]).startswith("1040:2:")
+    with pytest.raises(ValueError, match="sizes must be positive, got 0"):
+        profiler.device_step_rate("cpu", [1024, 0], cache=tmp_path)
 
 
 def test_the_typical_chunk_of_a_layout_is_a_blocks_chunk():
