@@ -11,7 +11,9 @@ timed them. Then the step replayed with the in-training CPU rate, and with both 
 (what is left is the model's own error, not the machine profile's). With
 ``--search``, also the config the search picks with the in-training rate (same budget and cap, and
 with the cap raised by 3 GiB as ``autoplan.raised_choice`` could). With ``--recompute-factor K``,
-every block's recompute is replayed at ``K`` times its forward (the profile prices it at 1). Every
+every block's recompute is replayed at ``K`` times its forward (the profile priced it at 1 until the
+fifteenth session), and with ``--chained-factor K2`` at ``K2`` times when the next block is
+checkpointed too (``cost.BlockProfile.recompute_chained_s``). Every
 replay is a prediction: nothing here was measured with the replayed config.
 """
 
@@ -37,6 +39,9 @@ def main() -> None:
     parser.add_argument("--search", action="store_true", help="search again with the in-training CPU rate")
     parser.add_argument("--recompute-factor", type=float, default=None,
                         help="replay each block's recompute at this factor times its forward")
+    parser.add_argument("--chained-factor", type=float, default=None,
+                        help="with --recompute-factor: the factor when the next block is checkpointed too "
+                             "(default: the same)")
     args = parser.parse_args()
     for f in args.files:
         for r in json.loads(Path(f).read_text()):
@@ -46,8 +51,10 @@ def main() -> None:
             problem, config = Problem.from_dict(ap["problem"]), Config.from_dict(ap["config"])
             if args.recompute_factor is not None:
                 k = args.recompute_factor
-                problem = dataclasses.replace(problem, blocks=[dataclasses.replace(b, recompute_s=k * b.fwd_s)
-                                                               for b in problem.blocks])
+                kc = k if args.chained_factor is None else args.chained_factor
+                problem = dataclasses.replace(problem, blocks=[
+                    dataclasses.replace(b, recompute_s=k * b.fwd_s, recompute_chained_s=kc * b.fwd_s)
+                    for b in problem.blocks])
             est = CostModel(problem).estimate(config)
             steps = r["breakdown"][1:] or r["breakdown"]  # the first step compiles
             med = {k: statistics.median(s[k] for s in steps) for k in ("forward_s", "backward_s", "cpu_optimizer_busy_s")}

@@ -37,7 +37,7 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   still resident and are not re-fetched; every other run is re-fetched into the buffer whose gradient
   offload finished earliest (the same rank rule). A swap block's reload is issued when the previous
   backward step starts (one block ahead) and after its offload ended. A checkpoint block adds
-  ``recompute_s``. When a step ends, the gradients of the runs it finishes enter the D2H queue; when a
+  ``recompute_s`` (``recompute_chained_s`` when the next block is checkpointed too). When a step ends, the gradients of the runs it finishes enter the D2H queue; when a
   chunk's last gradient lands, CPU Adam runs on it (``n_params / cpu_adam_params_per_s``, one chunk at
   a time). GPU Adam of the persistent chunks runs after backward on the GPU stream.
 * Link: a copy runs at the one-way rate, or at ``min(one-way, duplex_bytes_per_s / 2)`` when the other
@@ -159,7 +159,9 @@ class BlockProfile:
     """One transformer block, forward order. Times in seconds, sizes in bytes.
 
     ``bwd_s`` is backward without recompute; ``recompute_s`` the forward rerun a checkpointed block
-    adds to backward. ``saved_bytes``: activations kept for backward; ``checkpoint_saved_bytes``:
+    adds to backward, and ``recompute_chained_s`` (default ``recompute_s``) the same when the next
+    block is checkpointed too: the partitioner then keeps this block's output as the next one's
+    input, so less is rerun (``profiler._recompute_times``). ``saved_bytes``: activations kept for backward; ``checkpoint_saved_bytes``:
     what a checkpointed block still keeps (its input); ``swap_bytes``: what a swap moves to the CPU
     (at most ``saved_bytes``; the rest stays); ``transient_bytes``: peak working memory inside the
     block's forward or backward on top of the live activations. ``chunk_ids``: parameter chunks used.
@@ -174,13 +176,16 @@ class BlockProfile:
     swap_bytes: int
     transient_bytes: int
     chunk_ids: tuple[int, ...]
+    recompute_chained_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chunk_ids", tuple(self.chunk_ids))
+        if self.recompute_chained_s is None:
+            object.__setattr__(self, "recompute_chained_s", self.recompute_s)
         where = f"BlockProfile {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"BlockProfile: name must be a non-empty string, got {self.name!r}")
-        for n in ("fwd_s", "bwd_s", "recompute_s"):
+        for n in ("fwd_s", "bwd_s", "recompute_s", "recompute_chained_s"):
             _check_seconds(where, n, getattr(self, n))
         for n in ("saved_bytes", "checkpoint_saved_bytes", "swap_bytes", "transient_bytes"):
             _check_count(where, n, getattr(self, n))
@@ -433,6 +438,8 @@ class CostModel:
         self.cf = [b.fwd_s for b in p.blocks] + [p.outside_fwd_s]
         self.cb = [b.bwd_s for b in p.blocks] + [p.outside_bwd_s]
         self.rc = [b.recompute_s for b in p.blocks] + [0.0]
+        self.rc_chained = [b.recompute_chained_s for b in p.blocks] + [0.0]
+        self._recomputes: dict[tuple[int, int], tuple[float, ...]] = {}
         step_chunks = [sorted(set(b.chunk_ids)) for b in p.blocks] + [sorted(set(p.outside_chunk_ids))]
         self.compute_s = sum(self.cf) + sum(self.cb)
 
@@ -626,6 +633,20 @@ class CostModel:
             pol = self._policies[key] = tuple(codes)
         return pol
 
+    def recomputes(self, n_swap: int, n_checkpoint: int) -> tuple[float, ...]:
+        """Per block, the recompute it adds to backward under :meth:`policies`: 0 unless checkpointed;
+        ``recompute_chained_s`` when the next block is checkpointed too, else ``recompute_s``."""
+        key = (n_swap, n_checkpoint)
+        got = self._recomputes.get(key)
+        if got is None:
+            pol = self.policies(n_swap, n_checkpoint)
+            N = self.n_blocks
+            got = self._recomputes[key] = tuple(
+                0.0 if pol[i] != _CKPT else self.rc_chained[i] if i + 1 < N and pol[i + 1] == _CKPT else self.rc[i]
+                for i in range(N)
+            )
+        return got
+
     # ------------------------------------------------------------------ time
 
     def validate(self, config: Config) -> Config:
@@ -755,7 +776,7 @@ class CostModel:
         P = self._pp(p, g if optimizer else 0)
         PB = self._pb(p, b)
         pol = self.policies(s, c)
-        cb, rc = self.cb, self.rc
+        cb, rc = self.cb, self.recomputes(s, c)
         h_d1, h_d2, g_d1, g_d2 = P.h_d1, P.h_d2, self.g_d1, self.g_d2
         bf_thr, go_thr = P.bf_thr, PB.go_thr
         # ---- forward (shared by every n_checkpoint)

@@ -12,7 +12,8 @@ Two halves:
 
 Approximations are stated where they are made (docstrings of :func:`problem_from_record` and of the
 helpers); in short: times are a roofline estimate unless measured times are passed, recompute costs
-one forward, a checkpointed block keeps the values crossing into it, and swap leaves small values.
+the part of the forward the backward reads, a checkpointed block keeps the values crossing into it,
+and swap leaves small values.
 """
 
 from __future__ import annotations
@@ -747,7 +748,9 @@ def problem_from_record(
       ``op_times`` (``opprofile.op_signature`` -> seconds, as ``opprofile.measure_op_times``
       returns) replaces the roofline of the nodes it has a time for: the matrix products,
       convolutions and attention ops measured on the device; the other nodes keep the roofline.
-    * ``recompute_s`` = ``fwd_s``: a checkpointed block reruns its whole forward.
+    * ``recompute_s`` / ``recompute_chained_s``: what a checkpointed block reruns in backward when the
+      next block is not / is checkpointed too (:func:`_recompute_times`: the block's nodes the
+      backward's reads depend on), as a fraction of the estimated forward applied to ``fwd_s``.
     * ``chunk_ids``: the chunks holding the block's parameters.
 
     Chunks: the parameters (``passes/params.parameter_infos``, tied ones once, buffers included)
@@ -782,7 +785,10 @@ def problem_from_record(
     device = torch.device(analysis.device)
     est = estimate_machine or machine_for(device, record.config.machine)
     fused = record.config.codegen == "inductor"
-    times = _phase_times(fw_nodes, bw_nodes, est, fused=fused, op_times=op_times)
+    fw_times = _node_times(fw_nodes, est, fused=fused, op_times=op_times)
+    times = _label_times(fw_times, _node_times(bw_nodes, est, fused=fused, op_times=op_times))
+    rerun = _recompute_times(fw_nodes, fw_times, _output_args(record.forward)[record.step.num_user_outputs :])
+    estimated = dict(times)
     if block_times:
         for label, value in block_times.items():
             times[label] = _split(value)
@@ -811,12 +817,16 @@ def problem_from_record(
         row = rows.get(label)
         saved = row.saved_activation_bytes if row else 0
         fwd_s, bwd_s = times.get(label, (0.0, 0.0))
+        est_fwd = estimated.get(label, (0.0, 0.0))[0]
+        alone, chained = rerun.get(label, (est_fwd, est_fwd))
+        scale = fwd_s / est_fwd if est_fwd > 0 else 0.0  # the estimate's fractions of a given forward time
         blocks.append(
             cost.BlockProfile(
                 name=label,
                 fwd_s=fwd_s,
                 bwd_s=bwd_s,
-                recompute_s=fwd_s,
+                recompute_s=min(fwd_s, alone * scale),
+                recompute_chained_s=min(fwd_s, chained * scale),
                 saved_bytes=saved,
                 checkpoint_saved_bytes=crossing.get(label, 0),
                 swap_bytes=max(0, min(saved, saved - small_saved.get(label, 0))),
@@ -876,6 +886,25 @@ def _split(value: Any) -> tuple[float, float]:
     return total / 3, 2 * total / 3
 
 
+def _node_times(
+    nodes: list[fx.Node],
+    machine: Machine,
+    *,
+    fused: bool = False,
+    op_times: Mapping[str, float] | None = None,
+) -> dict[fx.Node, float]:
+    """Seconds per node of one graph: the roofline (``passes/estimate.node_time``, or with ``fused``
+    ``passes/estimate.fused_node_times``: memory-bound nodes fused as Inductor fuses them), except
+    for nodes whose ``opprofile.op_signature`` has a measured time in ``op_times``."""
+    times = fused_node_times(nodes, machine) if fused else {n: node_time(n, machine) for n in nodes}
+    if op_times:
+        for n in nodes:
+            sig = op_signature(n)
+            if sig is not None and sig in op_times:
+                times[n] = op_times[sig]
+    return times
+
+
 def _phase_times(
     fw_nodes: list[fx.Node],
     bw_nodes: list[fx.Node],
@@ -884,21 +913,72 @@ def _phase_times(
     fused: bool = False,
     op_times: Mapping[str, float] | None = None,
 ) -> dict[str, tuple[float, float]]:
-    """Seconds per label and phase: the roofline (``passes/estimate.node_time`` summed, or with
-    ``fused`` ``passes/estimate.fused_node_times``: memory-bound nodes fused as Inductor fuses them),
-    except for nodes whose ``opprofile.op_signature`` has a measured time in ``op_times``."""
+    """Seconds per label and phase: :func:`_node_times` of each graph, summed per label."""
+    return _label_times(_node_times(fw_nodes, machine, fused=fused, op_times=op_times),
+                        _node_times(bw_nodes, machine, fused=fused, op_times=op_times))
+
+
+def _label_times(
+    fw_times: Mapping[fx.Node, float], bw_times: Mapping[fx.Node, float]
+) -> dict[str, tuple[float, float]]:
+    """Seconds per label and phase: node times summed per label."""
     fwd: dict[str, float] = defaultdict(float)
     bwd: dict[str, float] = defaultdict(float)
-    for nodes, out in ((fw_nodes, fwd), (bw_nodes, bwd)):
-        times = fused_node_times(nodes, machine) if fused else {n: node_time(n, machine) for n in nodes}
-        if op_times:
-            for n in nodes:
-                sig = op_signature(n)
-                if sig is not None and sig in op_times:
-                    times[n] = op_times[sig]
-        for n in nodes:
-            out[_label(n)] += times[n]
+    for times, out in ((fw_times, fwd), (bw_times, bwd)):
+        for n, t in times.items():
+            out[_label(n)] += t
     return {label: (fwd[label], bwd[label]) for label in {*fwd, *bwd}}
+
+
+def _recompute_times(
+    fw_nodes: list[fx.Node], fw_times: Mapping[fx.Node, float], saved: Sequence[Any]
+) -> dict[str, tuple[float, float]]:
+    """Per block, the seconds of the forward a checkpointed block reruns in backward:
+    ``(alone, chained)``.
+
+    A checkpointed block's nodes are all tagged ``MUST_RECOMPUTE`` (``passes/annotate.py``), and the
+    min-cut partitioner reruns those the backward reads, with what they need. Which values that is
+    comes from the graph analysed without a plan: those its forward saves for backward (``saved``:
+    the forward graph's outputs after the user's), produced by the block. What is rerun is the
+    block's nodes they depend on inside the block (walking inputs until the block's input).
+
+    * ``chained``: when the next block is checkpointed too, the partitioner saves the values of this
+      block that the next one's tagged nodes read (``cleanup_recompute_tags`` in torch's
+      partitioner: a tagged value read by a tagged node of a later checkpoint region is saved),
+      so values read outside the block are not targets. In a GPT block, the MLP's second matrix
+      product (and the residual add after it) is then not rerun: about a third of its matrix work.
+    * ``alone``: otherwise its output is rerun as well: values read outside the block are targets.
+
+    A block with no saved value of its own (a graph captured with a plan already checkpointing it)
+    is priced at its whole forward, both ways."""
+    label_of = {n: _label(n) for n in fw_nodes}
+    saved_nodes: set[fx.Node] = {a for a in saved if isinstance(a, fx.Node) and a in label_of}
+    out_read = {n for n in fw_nodes if any(u in label_of and label_of[u] != label_of[n] for u in n.users)}
+    by_label: dict[str, list[fx.Node]] = defaultdict(list)
+    for n in fw_nodes:
+        by_label[label_of[n]].append(n)
+
+    def rerun(targets: set[fx.Node], label: str) -> float:
+        seen: set[fx.Node] = set()
+        stack = list(targets)
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(s for s in n.all_input_nodes if label_of.get(s) == label and s not in seen)
+        return sum(fw_times.get(n, 0.0) for n in seen)
+
+    out: dict[str, tuple[float, float]] = {}
+    for label, nodes in by_label.items():
+        own = {n for n in nodes if n in saved_nodes}
+        whole = sum(fw_times.get(n, 0.0) for n in nodes)
+        inner = own - out_read
+        if not inner:
+            out[label] = (whole, whole)
+            continue
+        out[label] = (rerun(own | {n for n in nodes if n in out_read}, label), rerun(inner, label))
+    return out
 
 
 def _crossing_bytes(fw_nodes: list[fx.Node], state_inputs: frozenset[str]) -> dict[str, int]:

@@ -118,8 +118,7 @@ def search(
     act = {q: model.activation_peak(*q) for q in pairs}
     by_act = sorted(pairs, key=lambda q: (act[q], q))
     act_sorted = [act[q] for q in by_act]
-    rc = model.rc
-    rec = {q: sum(rc[i] for i, x in enumerate(model.policies(*q)) if x == 1) for q in pairs}
+    rec = {q: sum(model.recomputes(*q)) for q in pairs}
     bwd_compute = sum(model.cb)
     fwd_compute = sum(model.cf)
 

@@ -34,6 +34,7 @@ def make_problem(seed: int, n_blocks: int = 5, *, chunks_per_block: tuple[int, i
     """A random step: blocks using 1-2 fresh chunks each (sometimes also the previous block's last),
     chunk 0 = a tied embedding used by the outside work (and sometimes by block 0)."""
     rng = random.Random(seed)
+    chained = random.Random(seed + 10**6)  # its own draws: the other fields stay those of the seed
     blocks: list[BlockProfile] = []
     next_chunk = 1
     for i in range(n_blocks):
@@ -44,12 +45,14 @@ def make_problem(seed: int, n_blocks: int = 5, *, chunks_per_block: tuple[int, i
         if i == 0 and rng.random() < 0.5:
             ids.insert(0, 0)
         saved = rng.randint(50, 400) * MiB
+        fwd_s, bwd_s, recompute_s = rng.uniform(1, 5) * ms, rng.uniform(2, 10) * ms, rng.uniform(1, 5) * ms
         blocks.append(
             BlockProfile(
                 name=f"blocks.{i}",
-                fwd_s=rng.uniform(1, 5) * ms,
-                bwd_s=rng.uniform(2, 10) * ms,
-                recompute_s=rng.uniform(1, 5) * ms,
+                fwd_s=fwd_s,
+                bwd_s=bwd_s,
+                recompute_s=recompute_s,
+                recompute_chained_s=recompute_s * chained.uniform(0.3, 1.0),
                 saved_bytes=saved,
                 checkpoint_saved_bytes=rng.randint(1, 20) * MiB,
                 swap_bytes=saved - rng.randint(0, 10) * MiB,
