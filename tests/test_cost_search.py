@@ -318,6 +318,31 @@ def test_policies_follow_interleaved() -> None:
                 assert block_plan(problem, Config(len(problem.chunks), 0, s, c)) == plan
 
 
+def test_a_checkpointed_block_before_another_reruns_its_chained_recompute() -> None:
+    """Four blocks, recompute 3 ms alone and 2 ms chained (the next block checkpointed too keeps this
+    one's output). Interleaved layouts: c=4 checkpoints all (the last reruns alone, before the outside
+    work); c=3 is [ckpt][ckpt][ckpt none]; c=2 is [ckpt none][ckpt none]; c=1 checkpoints the first."""
+    blocks = [BlockProfile(name=f"blocks.{i}", fwd_s=4 * ms, bwd_s=8 * ms, recompute_s=3 * ms, recompute_chained_s=2 * ms,
+                           saved_bytes=100 * MiB, checkpoint_saved_bytes=10 * MiB, swap_bytes=100 * MiB,
+                           transient_bytes=0, chunk_ids=(0,)) for i in range(4)]
+    problem = Problem(blocks=blocks, chunks=[ChunkProfile(bytes=64 * MiB, n_params=32 * MiB)],
+                      machine=MachineProfile(h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, duplex_bytes_per_s=1.5e10,
+                                             cpu_adam_params_per_s=1e9, gpu_adam_params_per_s=1e11))
+    model = CostModel(problem)
+    expected = {4: (2, 2, 2, 3), 3: (2, 2, 3, 0), 2: (3, 0, 3, 0), 1: (3, 0, 0, 0), 0: (0, 0, 0, 0)}
+    for c, per_block in expected.items():
+        assert model.recomputes(0, c) == pytest.approx(tuple(x * ms for x in per_block)), c
+        e = model.estimate(Config(1, 0, 0, c))
+        assert e.recompute_s == pytest.approx(sum(per_block) * ms)
+        assert e.bwd_s == pytest.approx(model.estimate(Config(1, 0, 0, 0)).bwd_s + sum(per_block) * ms)
+    # with one swapped block the layout starts after it: [swap][ckpt][ckpt][ckpt]
+    assert model.recomputes(1, 3) == pytest.approx((0, 2 * ms, 2 * ms, 3 * ms))
+    # a dump without the chained field prices it as the alone one
+    d = blocks[0].to_dict()
+    del d["recompute_chained_s"]
+    assert BlockProfile.from_dict(d).recompute_chained_s == 3 * ms
+
+
 def test_invalid_configs_are_refused() -> None:
     problem = make_problem(1, n_blocks=3, chunks_per_block=(2, 2))
     n = len(problem.chunks)
