@@ -949,8 +949,9 @@ def _recompute_times(
       product (and the residual add after it) is then not rerun: about a third of its matrix work.
     * ``alone``: otherwise its output is rerun as well: values read outside the block are targets.
 
-    A block with no saved value of its own (a graph captured with a plan already checkpointing it)
-    is priced at its whole forward, both ways."""
+    A block whose saved values are all read outside it too (so none tells what its own backward
+    reads: a graph captured with a plan already checkpointing it) is priced at its whole forward,
+    both ways."""
     label_of = {n: _label(n) for n in fw_nodes}
     saved_nodes: set[fx.Node] = {a for a in saved if isinstance(a, fx.Node) and a in label_of}
     out_read = {n for n in fw_nodes if any(u in label_of and label_of[u] != label_of[n] for u in n.users)}
