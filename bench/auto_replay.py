@@ -43,6 +43,8 @@ def main() -> None:
                         help="with --recompute-factor: the factor when the next block is checkpointed too "
                              "(default: the same)")
     args = parser.parse_args()
+    if args.chained_factor is not None and args.recompute_factor is None:
+        parser.error("--chained-factor needs --recompute-factor")
     for f in args.files:
         for r in json.loads(Path(f).read_text()):
             ap = r.get("auto_plan")
