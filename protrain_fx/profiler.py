@@ -435,7 +435,9 @@ def _host_copy_rate(nbytes: int, repeat: int) -> float:
     return nbytes / max(best, 1e-9)
 
 
-def _chunk_adam_params_per_s(cuda: bool, n: int, repeat: int) -> float:
+def _chunk_adam_params_per_s(
+    cuda: bool, n: int, repeat: int, *, chunks: int = 1, rates: list[float] | None = None
+) -> float:
     """Parameters per second of the offload runtime's CPU step of one chunk of ``n`` fp32 parameters
     (``runtime/cpu_adam.ChunkAdamW.step_chunk``: AdamW on the fp32 master, then the chunk's new
     compute-dtype working copy; bf16 and pinned when a GPU will fetch it): what the chunks stepped on
@@ -443,35 +445,40 @@ def _chunk_adam_params_per_s(cuda: bool, n: int, repeat: int) -> float:
     OpenMP team, ``cpu_adam.worker_threads``). On CUDA, as in training, pinned copies run both ways
     meanwhile (:class:`_CopyLoad`) and this thread launches small CUDA kernels from Python
     (:func:`_launch_until`: the training loop's share of the CPU). The median of ``repeat`` steps
-    after a warm-up (training pays every step, not the best one)."""
+    after a warm-up (training pays every step, not the best one). ``chunks``: distinct chunks in the
+    store, stepped in turn (training steps each once per step, never one twice in a row);
+    ``rates``: a list that gets each timed step's parameters per second."""
     from protrain_fx.chunks import ParamInfo, pack
     from protrain_fx.runtime.chunk_store import ChunkStore
     from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 
-    p = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32))
-    layout = pack([ParamInfo(("w",), 4 * n, "blocks.0", 0)], 4 * n)
-    store = ChunkStore(layout, {"w": p}, compute_dtype=torch.bfloat16 if cuda else None, pin_memory=cuda)
-    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True)
-    adam = ChunkAdamW(store, opt, {"w": p})
+    params = {f"w{c}": torch.nn.Parameter(torch.zeros(n, dtype=torch.float32)) for c in range(chunks)}
+    layout = pack([ParamInfo((w,), 4 * n, f"blocks.{c}", c) for c, w in enumerate(params)], 4 * n)
+    store = ChunkStore(layout, params, compute_dtype=torch.bfloat16 if cuda else None, pin_memory=cuda)
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-3, weight_decay=0.1, fused=True)
+    adam = ChunkAdamW(store, opt, params)
     grad = torch.full((n,), 1e-3, dtype=store.compute_dtype)
     load = _CopyLoad(nbytes=min(8 * n, _COPY_LOAD_BYTES)) if cuda else None
     rounds = max(8, -(-64 * n // _COPY_LOAD_BYTES))  # 64 bytes per parameter each way: about the step's length
     times = []
     with OptimizerWorker(adam.step_chunk) as worker:
-        for i in range(repeat + 1):  # the first step allocates nothing new but warms the pages
-            store.write_grads({"w": grad})
-            store.wait_grad(0)
+        for i in range(repeat + chunks):  # the first round of each chunk warms its pages
+            c = i % chunks
+            store.write_grads({f"w{c}": grad})
+            store.wait_grad(c)
             if load is not None:
                 load.start(rounds)
             busy = worker.busy_s
-            worker.submit(0)
+            worker.submit(c)
             if cuda:
-                _launch_until(lambda: not worker.pending(0))
-            worker.wait(0)
+                _launch_until(lambda: not worker.pending(c))
+            worker.wait(c)
             if load is not None:
                 load.stop()
-            if i:
+            if i >= chunks:
                 times.append(worker.busy_s - busy)
+    if rates is not None:
+        rates.extend(n / max(t, 1e-9) for t in times)
     return n / max(statistics.median(times), 1e-9)
 
 
