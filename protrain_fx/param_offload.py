@@ -337,6 +337,29 @@ class OffloadHandle:
             self.worker.wait(self._landed_lean.pop(0))
         self.landing_wait_s += time.perf_counter() - start
 
+    def set_gpu_optim(self, n_gpu_optim: int) -> None:
+        """Step the first ``n_gpu_optim`` offloaded chunks on the device from the next gradient that
+        lands, the others on the CPU (the backend re-plans this from the rates training reached:
+        ``protrain_fx.calibrate.replan_gpu_optim``). Nothing moves: both paths read and write the
+        optimizer state in the host store, with the same step counts. The steps still queued or
+        streaming are waited for first, so no chunk is stepped by both. With 0, the device steps'
+        staging goes back to the device's allocator."""
+        if not self._built:
+            raise RuntimeError("offload: set_gpu_optim before the chunks are placed")
+        offloaded = self.store.num_chunks if self.store is not None else 0
+        if not 0 <= n_gpu_optim <= offloaded:
+            raise ValueError(f"offload: n_gpu_optim must be in [0, {offloaded}] (the offloaded chunks), got {n_gpu_optim}")
+        if n_gpu_optim == self.n_gpu_optim:
+            return
+        self.synchronize()  # the CPU steps queued, and every device step's copies back
+        if n_gpu_optim and self.device_adam is None:
+            self.device_adam = DeviceAdamW(self.adam, self.device)
+        elif not n_gpu_optim and self.device_adam is not None:
+            self.device_adam = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.n_gpu_optim = n_gpu_optim
+
     # ---- user API ----------------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -156,6 +156,36 @@ def test_chunks_stepped_on_the_device_train_exactly_like_eager_adamw(n_persist, 
     handle.close()
 
 
+def test_chunks_moved_between_the_cpu_and_the_device_steps_keep_training_exactly_like_eager_adamw():
+    # The backend re-plans n_gpu_optim between steps (calibrate.replan_gpu_optim): 0 -> 3 -> 1 -> 0
+    # here, each kept for a step or two. The state never moves, so every step is eager's bits.
+    n_chunks = len(_setup(0, 2)[4].layout.chunks)
+    model, reference, opt, ref_opt, handle, compiled = _setup(1, 2)
+    assert handle.device_adam is None
+    device_steps = cpu_steps = 0
+    for g, steps in ((0, 1), (3, 2), (1, 1), (0, 1)):
+        handle.set_gpu_optim(g)
+        assert handle.n_gpu_optim == g and (handle.device_adam is not None) == bool(g)
+        before_dev = handle.device_adam.chunk_steps if handle.device_adam else 0
+        before_cpu = handle.worker.steps
+        _train_side_by_side(compiled, reference, opt, ref_opt, steps)
+        handle.synchronize()
+        if handle.device_adam:
+            assert handle.device_adam.chunk_steps - before_dev == steps * g
+        assert handle.worker.steps - before_cpu == steps * (n_chunks - 1 - g)
+        device_steps += steps * g
+        cpu_steps += steps * (n_chunks - 1 - g)
+        _assert_same_params(handle, model, reference)
+    assert device_steps and cpu_steps
+    state, ref_state = handle.optimizer_state_dict()["state"], ref_opt.state_dict()["state"]
+    for index, entry in ref_state.items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[index][key], entry[key]), (index, key)
+    with pytest.raises(ValueError, match=r"n_gpu_optim must be in \[0, \d+\]"):
+        handle.set_gpu_optim(n_chunks)
+    handle.close()
+
+
 def test_memory_analysis_counts_the_device_steps_in_flight():
     # On a GPU a device-stepped chunk's gradient buffer lives until its step is done; the runtime lets
     # MAX_IN_FLIGHT steps run at once (make_room), and the analysis counts exactly that: each buffer
