@@ -35,8 +35,11 @@ memory plus what the caching allocator already holds). ``auto_plan=False`` turns
 
 Measured against predicted, time (every device): the starts of a planned graph's training calls 3 to 8
 are timed (:data:`STEP_TIMED_CALLS`), and the median interval, the step period the user's loop runs
-at, is logged against the cost model's step time (:class:`StepCheck`, ``AutoPlan.step_check``). It
-is reported, not acted on: no plan changes on it.
+at, is logged against the cost model's step time (:class:`StepCheck`, ``AutoPlan.step_check``). The
+period itself changes no plan. An offloaded step's CPU and device optimizer rates over the same
+calls (``protrain_fx.calibrate``) may: on CUDA, ``n_gpu_optim`` is chosen again at those rates and a
+faster count is applied to the running step (``AutoPlan.replanned``), whose next calls are timed
+against its new prediction (``Replan.step_check``).
 
 Measured against predicted, memory (CUDA, :func:`watch_first_step`). The first training call of a planned
 graph is measured: ``torch.cuda.max_memory_allocated`` from the start of its forward to the end of
@@ -86,7 +89,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from protrain_fx import cost
-from protrain_fx.calibrate import RateWindow, TrainingRates
+from protrain_fx.calibrate import RateWindow, Replan, TrainingRates, replan_gpu_optim
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.cost import Config, CostModel, Estimate, Problem, block_plan
 from protrain_fx.machine import Machine, machine_for
@@ -236,6 +239,8 @@ class StepCheck:
 
     predicted_step_s: float
     intervals_s: tuple[float, ...]
+    #: The training calls whose starts were timed (1-based, first and last).
+    calls: tuple[int, int] = STEP_TIMED_CALLS
 
     @property
     def measured_step_s(self) -> float:
@@ -247,7 +252,7 @@ class StepCheck:
         return 100 * (self.predicted_step_s / self.measured_step_s - 1)
 
     def line(self) -> str:
-        a, b = STEP_TIMED_CALLS
+        a, b = self.calls
         return (f"step period measured {self.measured_step_s * 1e3:.1f} ms (median between the starts of training "
                 f"calls {a} to {b}) against {self.predicted_step_s * 1e3:.1f} ms predicted ({self.error_pct:+.1f}%)")
 
@@ -291,6 +296,9 @@ class AutoPlan:
     #: The offload runtime's CPU and device optimizer rates over the same training calls
     #: (``protrain_fx.calibrate.TrainingRates``; ``None`` until then, and without offloaded steps).
     training_rates: TrainingRates | None = None
+    #: ``n_gpu_optim`` chosen again at those rates and applied to the running step
+    #: (``protrain_fx.calibrate.Replan``; ``config`` and ``estimate`` stay the plan first chosen).
+    replanned: Replan | None = None
     #: The chunk counts were chosen too (``protrain_fx.autooffload``); ``empty_*`` are then the step
     #: with every parameter on the device and no plan.
     offload: bool = False
@@ -354,6 +362,8 @@ class AutoPlan:
             lines.append(f"  {self.step_check.line()}")
         if self.training_rates is not None:
             lines.append(f"  {self.training_rates.line(self.problem, self.config)}")
+        if self.replanned is not None:
+            lines.append(f"  {self.replanned.line()}")
         lines.append(self.plan.table([b.name for b in self.problem.blocks]))
         return "\n".join(lines)
 
@@ -751,21 +761,31 @@ def watch_first_step(
 
 def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
     """``compiled``, noting when its training calls start until :data:`STEP_TIMED_CALLS` have, then
-    :func:`record_step_period`. Calls without grad are not training steps and are not counted."""
+    :func:`record_step_period`. Calls without grad are not training steps and are not counted. When
+    the rates measured over those calls re-plan the running step (:func:`_close_rate_window`), as
+    many calls after the next one are timed too, against the new prediction (``Replan.step_check``)."""
     starts: list[float] = []
     first, last = STEP_TIMED_CALLS
+    after: tuple[int, int] | None = None  # the calls timed after a re-plan
 
     window: list[RateWindow] = []  # the offload runtime's rates over the same calls (protrain_fx.calibrate)
 
+    def intervals(a: int, b: int) -> list[float]:
+        return [y - x for x, y in zip(starts[a - 1 : b - 1], starts[a:b])]
+
     def call(*args: Any) -> Any:
-        if len(starts) < last and torch.is_grad_enabled():
+        nonlocal after
+        if len(starts) < (after or (first, last))[1] and torch.is_grad_enabled():
             starts.append(_clock())
             if len(starts) == first:
                 window.extend(_open_rate_window(record))  # none without offloaded optimizer steps
             if len(starts) == last:
-                for w in window:
-                    _close_rate_window(record, w)
-                record_step_period(record, [b - a for a, b in zip(starts[first - 1 :], starts[first:])])
+                replanned = [w for w in window if _close_rate_window(record, w) is not None]
+                record_step_period(record, intervals(first, last))
+                if replanned:  # the call starting now waits for the switch; time the ones after it
+                    after = (last + 1, 2 * last + 1 - first)
+            elif after is not None and len(starts) == after[1]:
+                record_replan_period(record, intervals(*after), after)
         return compiled(*args)
 
     if getattr(compiled, "_boxed_call", False):
@@ -787,9 +807,12 @@ def _open_rate_window(record: CapturedGraph) -> list[RateWindow]:
     return [RateWindow(handle)]
 
 
-def _close_rate_window(record: CapturedGraph, window: RateWindow) -> None:
+def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | None:
     """Stores, logs and keeps for later plans (``profiler.note_training_rates``) the rates
-    ``window`` measured (``AutoPlan.training_rates``)."""
+    ``window`` measured (``AutoPlan.training_rates``). Where the counts were chosen by the backend
+    and it may step chunks on the device (:func:`replans_device_steps`), ``n_gpu_optim`` is chosen
+    again at those rates (``calibrate.replan_gpu_optim``) and a faster count is applied to the
+    handle at once (``AutoPlan.replanned``, logged); that :class:`Replan` is returned."""
     from protrain_fx.profiler import note_training_rates  # read at the call (tests replace it)
 
     auto = record.auto_plan
@@ -804,6 +827,38 @@ def _close_rate_window(record: CapturedGraph, window: RateWindow) -> None:
     )
     where = f"; kept for later plans on this machine in {kept}" if kept is not None else ""
     log.info("protrain_fx: graph %d: %s%s", record.index, rates.line(auto.problem, auto.config), where)
+    handle = window.handle
+    if (not replans_device_steps(torch.device(record.memory.device)) or not handle.counts_chosen
+            or auto.replanned is not None or handle.n_gpu_optim != auto.config.n_gpu_optim):
+        return None
+    judged = max(auto.analysed_peak_bytes, auto.measured_peak_bytes or 0)
+    replan = replan_gpu_optim(auto.problem, auto.config, rates, predicted_s=auto.estimate.step_s,
+                              room_bytes=max(0, auto.allocated_cap_bytes - judged))
+    if replan is None:
+        return None
+    handle.set_gpu_optim(replan.after.n_gpu_optim)
+    auto.replanned = replan
+    log.info("protrain_fx: graph %d: %s", record.index, replan.line())
+    return replan
+
+
+def replans_device_steps(device: torch.device) -> bool:
+    """Whether a running plan's ``n_gpu_optim`` is chosen again from the measured rates: where the
+    search chooses it (CUDA; on the CPU there is no second device to step on)."""
+    return device.type == "cuda"
+
+
+def record_replan_period(record: CapturedGraph, intervals_s: Sequence[float], calls: tuple[int, int]) -> StepCheck | None:
+    """Stores and logs the step period measured after a re-plan (``Replan.step_check``) against the
+    re-planned step's prediction."""
+    auto = record.auto_plan
+    if auto is None or auto.replanned is None or not intervals_s:
+        return None
+    check = StepCheck(predicted_step_s=auto.replanned.after_s, intervals_s=tuple(intervals_s), calls=calls)
+    auto.replanned.step_check = check
+    log.info("protrain_fx: graph %d: after the re-plan (n_gpu_optim=%d): %s", record.index,
+             auto.replanned.after.n_gpu_optim, check.line())
+    return check
 
 
 def record_step_period(record: CapturedGraph, intervals_s: Sequence[float]) -> StepCheck | None:
@@ -893,6 +948,8 @@ __all__ = [
     "PeakCheck",
     "STEP_TIMED_CALLS",
     "StepCheck",
+    "record_replan_period",
+    "replans_device_steps",
     "record_step_period",
     "clear_peak_misses",
     "memory_counters",

@@ -20,7 +20,14 @@ At the window's end the rates are kept in the device's profile file
 (``profiler.note_training_rates``) and later plans on this machine are priced at them
 (``profiler.training_rates``: a restart, another budget or model, a new input shape). The running
 plan's step is predicted again at these rates and logged beside the measured step period
-(:class:`TrainingRates`); the plan itself is not changed.
+(:class:`TrainingRates`).
+
+Then the one count the running step can change is chosen again at these rates:
+``n_gpu_optim``, which offloaded chunks the CPU steps and which stream through the device
+(:func:`replan_gpu_optim`). A faster count (by :data:`REPLAN_MIN_GAIN`, and only where its device
+staging fits under the cap) is applied between two calls (``OffloadHandle.set_gpu_optim``) and the
+calls after it are timed against its prediction (:class:`Replan`). The chunk counts (where the
+optimizer state lives) and the activation plan (compiled in) stay.
 """
 
 from __future__ import annotations
@@ -113,4 +120,77 @@ class RateWindow:
         return TrainingRates(cpu_params=cpu_params, cpu_s=cpu_s, device_steps=tuple(timed), device_step_bytes_per_s=rate)
 
 
-__all__ = ["RateWindow", "TrainingRates"]
+#: How much faster (a fraction of its own step at the measured rates) another ``n_gpu_optim`` must be
+#: predicted before a running plan is changed to it: the rates are a few calls' medians, and a switch
+#: waits once for every optimizer step in flight.
+REPLAN_MIN_GAIN = 0.03
+
+
+@dataclass
+class Replan:
+    """``n_gpu_optim`` changed from ``before``'s to ``after``'s once training measured its rates
+    (:func:`replan_gpu_optim`); the other counts and the activation plan stayed. ``predicted_s``:
+    ``before``'s step as first predicted (the profiled rates); ``before_s`` and ``after_s``: both
+    steps predicted at the measured rates. ``step_check``: the step period measured over the calls
+    after the change (``autoplan.StepCheck``; ``None`` until they ran)."""
+
+    before: Config
+    after: Config
+    predicted_s: float
+    before_s: float
+    after_s: float
+    step_check: object | None = None
+
+    def line(self) -> str:
+        line = (f"re-planned at the rates training reached: n_gpu_optim {self.before.n_gpu_optim} -> "
+                f"{self.after.n_gpu_optim} (nothing else changes); step predicted at these rates "
+                f"{self.after_s * 1e3:.1f} ms against {self.before_s * 1e3:.1f} ms for the plan that ran "
+                f"(first predicted {self.predicted_s * 1e3:.1f} ms)")
+        if self.step_check is not None:
+            line += f"; after it: {self.step_check.line()}"
+        return line
+
+
+def replan_gpu_optim(
+    problem: Problem,
+    config: Config,
+    rates: TrainingRates,
+    *,
+    predicted_s: float,
+    room_bytes: int,
+    min_gain: float = REPLAN_MIN_GAIN,
+) -> Replan | None:
+    """The ``n_gpu_optim`` whose step ``problem``'s cost model predicts fastest at ``rates`` (the
+    rates training reached), everything else of ``config`` kept, when it beats ``config``'s own by
+    more than ``min_gain``; else ``None``.
+
+    Why only this count: moving a chunk between the CPU's and the device's optimizer step moves no
+    state (both read and write the host store; ``OffloadHandle.set_gpu_optim``) and changes no graph,
+    so the running step can take it between two calls. The chunk counts place the optimizer state
+    and the activation counts are compiled in. A CPU step slower in training than profiled (0.45 G
+    params/s on one H200 host against 1.1-1.5 on others, 2026-12-01) makes a plan that steps many
+    chunks there slow by the same factor, and stepping more on the device is then the one remedy
+    the running step can take.
+
+    Memory: a count above 0 holds the device steps' staging and gradients in flight
+    (``CostModel.static_bytes``); a count is only taken when what it adds to ``config``'s static bytes
+    fits in ``room_bytes`` (the allocated cap less the plan's judged peak). ``predicted_s``:
+    ``config``'s step as predicted when it was chosen (kept in the :class:`Replan`)."""
+    model = CostModel(rates.priced(problem))
+    p, b, s, c = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint
+    here = model.static_bytes(p, b, config.n_gpu_optim)
+    now = model.step_time(p, b, s, c, config.n_gpu_optim)
+    best_g, best = config.n_gpu_optim, now
+    for g in range(model.n_chunks - p + 1):
+        if model.static_bytes(p, b, g) - here > room_bytes:
+            continue
+        t = model.step_time(p, b, s, c, g)
+        if t < best:
+            best_g, best = g, t
+    if best_g == config.n_gpu_optim or best >= now * (1 - min_gain):
+        return None
+    after = dataclasses.replace(config, n_gpu_optim=best_g)
+    return Replan(before=config, after=after, predicted_s=predicted_s, before_s=now, after_s=best)
+
+
+__all__ = ["REPLAN_MIN_GAIN", "RateWindow", "Replan", "TrainingRates", "replan_gpu_optim"]

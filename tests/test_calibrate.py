@@ -222,3 +222,86 @@ def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_pa
     record = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
     assert record.auto_plan.problem.machine.cpu_adam_params_per_s == rates.cpu_adam_params_per_s
     assert "the rate training reached on this machine" in caplog.text
+
+
+def test_a_cpu_slower_in_training_moves_chunks_to_device_steps_and_only_when_it_pays():
+    from protrain_fx.calibrate import REPLAN_MIN_GAIN, replan_gpu_optim
+    from protrain_fx.cost import Config, CostModel
+    from tests.test_cost_search import make_problem
+
+    # Profiled: a fast CPU, so the plan steps every offloaded chunk there (n_gpu_optim = 0).
+    problem = make_problem(9, n_blocks=4, cpu_adam_params_per_s=50e9, h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9,
+                           duplex_bytes_per_s=100e9)
+    model = CostModel(problem)
+    n, b = model.n_chunks, model.buffer_range(1).start
+    config = Config(1, b, 0, 0, 0)
+    room = model.static_bytes(1, b, 1) - model.static_bytes(1, b, 0)  # what any device step adds
+    slow = TrainingRates(cpu_params=10**9, cpu_s=5.0)  # training reached 0.2 G params/s
+    replan = replan_gpu_optim(problem, config, slow, predicted_s=0.123, room_bytes=room)
+    at_rates = CostModel(slow.priced(problem))
+    assert replan is not None and replan.before == config and replan.predicted_s == 0.123
+    g = replan.after.n_gpu_optim
+    assert replan.after == Config(1, b, 0, 0, g) and g > 0
+    assert replan.before_s == at_rates.step_time(1, b, 0, 0, 0)
+    assert replan.after_s == min(at_rates.step_time(1, b, 0, 0, k) for k in range(n))  # the fastest count
+    assert replan.after_s < replan.before_s * (1 - REPLAN_MIN_GAIN)
+    assert "n_gpu_optim 0 -> " in replan.line()
+    # No room for the device steps' staging: nothing to do.
+    assert replan_gpu_optim(problem, config, slow, predicted_s=0.1, room_bytes=room - 1) is None
+    # Training as fast as the profile: the plan stays.
+    assert replan_gpu_optim(problem, config, TrainingRates(cpu_params=50 * 10**9, cpu_s=1.0), predicted_s=0.1,
+                            room_bytes=room) is None
+    # A gain under the threshold is not taken, one above it is.
+    gain = 1 - replan.after_s / replan.before_s
+    assert replan_gpu_optim(problem, config, slow, predicted_s=0.1, room_bytes=room, min_gain=gain + 1e-9) is None
+    assert replan_gpu_optim(problem, config, slow, predicted_s=0.123, room_bytes=room, min_gain=gain - 1e-9) == replan
+    # From device steps already running, back to fewer ones when the CPU is faster than profiled.
+    many = Config(1, b, 0, 0, n - 1)
+    fast_cpu = make_problem(9, n_blocks=4, cpu_adam_params_per_s=0.2e9, h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9,
+                            duplex_bytes_per_s=3e9)
+    back = replan_gpu_optim(fast_cpu, many, TrainingRates(cpu_params=50 * 10**9, cpu_s=1.0), predicted_s=1.0,
+                            room_bytes=0)
+    assert back is not None and back.after.n_gpu_optim < n - 1
+
+
+def test_training_slower_than_profiled_re_plans_the_running_step_and_times_it_again(tmp_path, monkeypatch, caplog):
+    # The tiny GPT of the test above, its CPU steps profiled 1000x faster than they run here: at the
+    # window's end the backend moves chunks to device steps (a CPU "device" runs them, the same bits),
+    # training stays exactly eager's, and the calls after the switch are timed against the new prediction.
+    from protrain_fx.calibrate import replan_gpu_optim
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
+    monkeypatch.setattr(autoplan, "replans_device_steps", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(profiler, "_device_step_staging_bytes", lambda itemsize: 0)  # host memory on a CPU device
+    fast = MachineProfile.from_dict({**PROFILE.to_dict(), "cpu_adam_params_per_s": 1e12, "device_step_bytes_per_s": 0.0})
+    from protrain_fx import autooffload
+
+    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: fast)
+    first, last = autoplan.STEP_TIMED_CALLS
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
+    with caplog.at_level(logging.INFO, logger="protrain_fx"):
+        _train_side_by_side(compiled, reference, opt, ref_opt, last)
+        record = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1]
+        auto = record.auto_plan
+        assert auto.config.n_gpu_optim == 0  # on the CPU the search steps none on the device
+        replan = auto.replanned
+        assert replan is not None, caplog.text
+        assert replan.before == auto.config and handle.n_gpu_optim == replan.after.n_gpu_optim > 0
+        assert replan.predicted_s == auto.estimate.step_s
+        # what the function decides from the same numbers
+        room = auto.allocated_cap_bytes - max(auto.analysed_peak_bytes, auto.measured_peak_bytes or 0)
+        assert replan == replan_gpu_optim(auto.problem, auto.config, auto.training_rates, predicted_s=auto.estimate.step_s,
+                                          room_bytes=room)
+        assert "re-planned at the rates training reached" in caplog.text and "re-planned" in auto.table()
+        steps_before = handle.device_adam.chunk_steps
+        _train_side_by_side(compiled, reference, opt, ref_opt, last - first - 1)
+        assert replan.step_check is None  # calls last+1 .. 2*last+1-first are timed
+        _train_side_by_side(compiled, reference, opt, ref_opt, 2)
+    assert handle.device_adam.chunk_steps > steps_before
+    _assert_same_params(handle, model, reference)
+    check = replan.step_check
+    assert check is not None and check.calls == (last + 1, 2 * last + 1 - first)
+    assert len(check.intervals_s) == last - first and check.predicted_step_s == replan.after_s
+    assert "after the re-plan" in caplog.text
+    assert auto.step_check.predicted_step_s == auto.estimate.step_s  # the first window: the first plan
