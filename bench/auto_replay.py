@@ -59,8 +59,23 @@ def main() -> None:
                     for b in problem.blocks])
             est = CostModel(problem).estimate(config)
             steps = r["breakdown"][1:] or r["breakdown"]  # the first step compiles
-            med = {k: statistics.median(s[k] for s in steps) for k in ("forward_s", "backward_s", "cpu_optimizer_busy_s")}
             step = r["step_s"]
+            replan = ap.get("replan")  # since s16: n_gpu_optim changed at the start of call 8 (calibrate.Replan)
+            if replan:  # the first plan ran the timed steps before call 8 (the bench times from call 3)
+                first, last = replan["calls"] or (9, 14)
+                before = r["step_times_s"][: first - 4]
+                after = r["step_times_s"][first - 3 :]
+                step = statistics.median(before)
+                steps = steps[: len(before)]
+                c0, c1 = Config.from_dict(replan["before"]), Config.from_dict(replan["after"])
+                measured = f"{replan['measured_after_s'] * 1e3:.0f} ms" if replan["measured_after_s"] else "not timed"
+                print(f"{Path(f).name} {r['size']} cap {r['cap_gib']:g} GiB: re-planned at the training rates, n_gpu_optim "
+                      f"{c0.n_gpu_optim} -> {c1.n_gpu_optim}: predicted {replan['after_s'] * 1e3:.0f} ms (the first plan "
+                      f"{replan['before_s'] * 1e3:.0f} at those rates, {replan['predicted_s'] * 1e3:.0f} first predicted); "
+                      f"measured after: backend's period (calls {first}-{last}) {measured}, the bench's steps "
+                      + (f"{statistics.median(after) * 1e3:.0f} ms ({100 * (replan['after_s'] / statistics.median(after) - 1):+.1f}%)"
+                         if after else "none"))
+            med = {k: statistics.median(s[k] for s in steps) for k in ("forward_s", "backward_s", "cpu_optimizer_busy_s")}
             c = config
             print(f"{Path(f).name} {r['size']} cap {r['cap_gib']:g} GiB, {c.n_persist}/{c.n_buffer}/{c.n_swap}/"
                   f"{c.n_checkpoint}/{c.n_gpu_optim} of {len(problem.chunks)}: step {est.step_s * 1e3:.0f} ms predicted, "

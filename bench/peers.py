@@ -619,6 +619,17 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
     return result
 
 
+def _replan(replan) -> dict | None:
+    """A ``calibrate.Replan`` as plain data (``None``: the running plan was not changed)."""
+    if replan is None:
+        return None
+    check = replan.step_check
+    return {"before": replan.before.to_dict(), "after": replan.after.to_dict(), "predicted_s": replan.predicted_s,
+            "before_s": replan.before_s, "after_s": replan.after_s,
+            "measured_after_s": check.measured_step_s if check is not None else None,
+            "calls": list(check.calls) if check is not None else None}
+
+
 def _protrain_prediction() -> dict:
     """What the backend predicted for the training graph (peak, swapped bytes, pool size)."""
     import protrain_fx
@@ -644,6 +655,9 @@ def _protrain_prediction() -> dict:
             "backend_step_s": a.step_check.measured_step_s if a.step_check else None,
             # the runtime's CPU and device optimizer rates over those calls (protrain_fx.calibrate)
             "training_rates": dataclasses.asdict(a.training_rates) if a.training_rates is not None else None,
+            # n_gpu_optim chosen again at those rates (protrain_fx.calibrate.Replan), and the step period
+            # measured after it against its prediction; config and predicted_step_s stay the first plan's
+            "replan": _replan(a.replanned),
             "problem_s": a.problem_s, "choose_s": a.choose_s,
             "problem": a.problem.to_dict(),
         }}

@@ -10,6 +10,7 @@ temporary directory here, so the test also covers the measurement).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -121,3 +122,47 @@ def test_what_fits_minimum_trains(tmp_path, monkeypatch):
     compiled = torch.compile(model, backend="protrain", options={"memory_budget": report.min_budget_bytes})
     losses = _train(model, compiled, batch, 1, optimizer)
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_re_plan_of_the_device_steps_keeps_training_within_the_budget(tmp_path, monkeypatch):
+    # The re-plan at the end of the rate window (calibrate.replan_gpu_optim) applied on CUDA. Which
+    # count the measured rates pick depends on this host's CPU, so the decision is forced here to the
+    # nearest other count that fits the plan's room (the decision itself is tested on the CPU,
+    # tests/test_calibrate.py): the switch between calls, the losses against eager's, the budget.
+    from protrain_fx import autoplan
+    from protrain_fx.calibrate import Replan
+    from protrain_fx.cost import CostModel
+
+    forced = []
+
+    def nearest_other(problem, config, rates, *, predicted_s, room_bytes, **_):
+        model = CostModel(rates.priced(problem))
+        p, b, s, c, g = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint, config.n_gpu_optim
+        fits = [k for k in range(model.n_chunks - p + 1) if k != g
+                and model.static_bytes(p, b, k) - model.static_bytes(p, b, g) <= room_bytes]
+        assert fits, f"no other n_gpu_optim fits the room of {room_bytes} bytes"
+        k = min(fits, key=lambda k: (abs(k - g), -k))
+        forced.append(Replan(before=config, after=dataclasses.replace(config, n_gpu_optim=k), predicted_s=predicted_s,
+                             before_s=model.step_time(p, b, s, c, g), after_s=model.step_time(p, b, s, c, k)))
+        return forced[-1]
+
+    monkeypatch.setattr(autoplan, "replan_gpu_optim", nearest_other)
+    first, last = autoplan.STEP_TIMED_CALLS
+    steps = 2 * last + 1 - first  # through the calls timed after the re-plan
+    model, batch, eager, all_on_device = _model_and_eager(tmp_path, monkeypatch, steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
+    torch.cuda.empty_cache()
+    budget = int(0.6 * all_on_device)  # as in the first test: some chunks stream
+    compiled = torch.compile(model, backend="protrain", options={"memory_budget": budget})
+    losses = _train(model, compiled, batch, steps, optimizer)
+    handle.synchronize()
+    (record,) = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
+    auto = record.auto_plan
+    assert auto is not None and auto.offload and handle.store is not None, "nothing was offloaded"
+    (replan,) = forced
+    assert auto.replanned is replan and handle.n_gpu_optim == replan.after.n_gpu_optim != auto.config.n_gpu_optim
+    assert replan.step_check is not None and replan.step_check.calls == (last + 1, steps)
+    print(auto.table(record.index))
+    assert torch.cuda.max_memory_reserved() <= budget * 1.02  # the allocator stayed within the budget
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=2e-2, atol=0)
