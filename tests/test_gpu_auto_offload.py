@@ -4,7 +4,7 @@ prediction, and the bf16 losses follow eager's. Skipped without CUDA; run on the
 ``python -m pytest -q tests/test_gpu_auto_offload.py``.
 
 The machine's rates are measured on the first compile (``profiler.measure_machine``, cached in a
-temporary directory here, so the test also covers the measurement).
+temporary directory for this module, so the first test also covers the measurement).
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CONFIG = gpt_config("125M", n_layer=8)
 
 
-def _model_and_eager(tmp_path, monkeypatch, steps: int):
+@pytest.fixture(scope="module")
+def machine_cache(tmp_path_factory):
+    """One machine-cache directory for this module: the first test measures the machine, the others
+    read it (each measurement took about 60 s of a test on the H200)."""
+    return tmp_path_factory.mktemp("machine")
+
+
+def _model_and_eager(machine_cache, monkeypatch, steps: int):
     """The test GPT on the GPU, a batch, the losses of ``steps`` eager steps of a copy of it and
     their allocated peak (every parameter on the device). Machine rates are measured into
-    ``tmp_path``."""
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    ``machine_cache`` (once for the module)."""
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(machine_cache))
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
     batch = random_batch(CONFIG, 4, 512, device="cuda", generator=torch.Generator().manual_seed(0))
@@ -41,8 +48,8 @@ def _model_and_eager(tmp_path, monkeypatch, steps: int):
     return model, batch, eager, all_on_device
 
 
-def test_counts_chosen_for_a_budget_train_within_it(tmp_path, monkeypatch):
-    model, batch, eager, all_on_device = _model_and_eager(tmp_path, monkeypatch, 3)
+def test_counts_chosen_for_a_budget_train_within_it(machine_cache, monkeypatch):
+    model, batch, eager, all_on_device = _model_and_eager(machine_cache, monkeypatch, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
     torch.cuda.empty_cache()
@@ -70,11 +77,11 @@ def test_counts_chosen_for_a_budget_train_within_it(tmp_path, monkeypatch):
     print(check.line())
 
 
-def test_what_fits_places_nothing_and_a_second_shape_keeps_the_counts(tmp_path, monkeypatch):
+def test_what_fits_places_nothing_and_a_second_shape_keeps_the_counts(machine_cache, monkeypatch):
     """``what_fits`` on an offload without counts answers as training chooses and leaves no chunk
     placed; training then chooses and places the counts, and a second input shape compiles its own
     activation plan for the chunks as placed (both are CPU-tested; this is the GPU run)."""
-    model, batch, _, all_on_device = _model_and_eager(tmp_path, monkeypatch, 1)
+    model, batch, _, all_on_device = _model_and_eager(machine_cache, monkeypatch, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
     budget = int(0.6 * all_on_device)
@@ -111,9 +118,9 @@ def test_what_fits_places_nothing_and_a_second_shape_keeps_the_counts(tmp_path, 
     print(second.auto_plan.table(second.index))
 
 
-def test_what_fits_minimum_trains(tmp_path, monkeypatch):
+def test_what_fits_minimum_trains(machine_cache, monkeypatch):
     """The smallest budget ``what_fits`` names for an offload without counts is one training accepts."""
-    model, batch, _, all_on_device = _model_and_eager(tmp_path, monkeypatch, 1)
+    model, batch, _, all_on_device = _model_and_eager(machine_cache, monkeypatch, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -124,7 +131,7 @@ def test_what_fits_minimum_trains(tmp_path, monkeypatch):
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
-def test_a_re_plan_of_the_device_steps_keeps_training_within_the_budget(tmp_path, monkeypatch):
+def test_a_re_plan_of_the_device_steps_keeps_training_within_the_budget(machine_cache, monkeypatch):
     # The re-plan at the end of the rate window (calibrate.replan_gpu_optim) applied on CUDA. Which
     # count the measured rates pick depends on this host's CPU, so the decision is forced here to the
     # nearest other count that fits the plan's room (the decision itself is tested on the CPU,
@@ -149,7 +156,7 @@ def test_a_re_plan_of_the_device_steps_keeps_training_within_the_budget(tmp_path
     monkeypatch.setattr(autoplan, "replan_gpu_optim", nearest_other)
     first, last = autoplan.STEP_TIMED_CALLS
     steps = 2 * last + 1 - first  # through the calls timed after the re-plan
-    model, batch, eager, all_on_device = _model_and_eager(tmp_path, monkeypatch, steps)
+    model, batch, eager, all_on_device = _model_and_eager(machine_cache, monkeypatch, steps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
     torch.cuda.empty_cache()
