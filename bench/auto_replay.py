@@ -64,7 +64,7 @@ def main() -> None:
             if replan:  # the first plan ran the timed steps before call 8 (the bench times from call 3)
                 first, last = replan["calls"] or (9, 14)
                 before = r["step_times_s"][: first - 4]
-                after = r["step_times_s"][first - 3 :]
+                after = r["step_times_s"][first - 3 : last - 3]  # calls first .. last - 1 (a revert starts at last)
                 step = statistics.median(before)
                 steps = steps[: len(before)]
                 c0, c1 = Config.from_dict(replan["before"]), Config.from_dict(replan["after"])
@@ -74,7 +74,8 @@ def main() -> None:
                       f"{replan['before_s'] * 1e3:.0f} at those rates, {replan['predicted_s'] * 1e3:.0f} first predicted); "
                       f"measured after: backend's period (calls {first}-{last}) {measured}, the bench's steps "
                       + (f"{statistics.median(after) * 1e3:.0f} ms ({100 * (replan['after_s'] / statistics.median(after) - 1):+.1f}%)"
-                         if after else "none"))
+                         if after else "none")
+                      + {True: "; kept", False: "; undone (measured slower than before it)"}.get(replan.get("kept"), ""))
             med = {k: statistics.median(s[k] for s in steps) for k in ("forward_s", "backward_s", "cpu_optimizer_busy_s")}
             c = config
             print(f"{Path(f).name} {r['size']} cap {r['cap_gib']:g} GiB, {c.n_persist}/{c.n_buffer}/{c.n_swap}/"

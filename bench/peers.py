@@ -627,7 +627,8 @@ def _replan(replan) -> dict | None:
     return {"before": replan.before.to_dict(), "after": replan.after.to_dict(), "predicted_s": replan.predicted_s,
             "before_s": replan.before_s, "after_s": replan.after_s,
             "measured_after_s": check.measured_step_s if check is not None else None,
-            "calls": list(check.calls) if check is not None else None}
+            "calls": list(check.calls) if check is not None else None,
+            "measured_before_s": replan.measured_before_s, "kept": replan.kept}
 
 
 def _protrain_prediction() -> dict:

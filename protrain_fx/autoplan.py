@@ -81,7 +81,7 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx as fx
@@ -99,6 +99,9 @@ from protrain_fx.plan import Plan
 from protrain_fx.profiler import device_op_times, problem_from_record
 from protrain_fx.readable import human_bytes
 from protrain_fx.search import NoPlanFits, SearchResult, search
+
+if TYPE_CHECKING:
+    from protrain_fx.param_offload import OffloadHandle
 
 log = logging.getLogger("protrain_fx")
 
@@ -769,6 +772,7 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
     after: tuple[int, int] | None = None  # the calls timed after a re-plan
 
     window: list[RateWindow] = []  # the offload runtime's rates over the same calls (protrain_fx.calibrate)
+    replanned: list[OffloadHandle] = []  # the handle whose n_gpu_optim the rates changed
 
     def intervals(a: int, b: int) -> list[float]:
         return [y - x for x, y in zip(starts[a - 1 : b - 1], starts[a:b])]
@@ -780,12 +784,12 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
             if len(starts) == first:
                 window.extend(_open_rate_window(record))  # none without offloaded optimizer steps
             if len(starts) == last:
-                replanned = [w for w in window if _close_rate_window(record, w) is not None]
+                replanned.extend(w.handle for w in window if _close_rate_window(record, w) is not None)
                 record_step_period(record, intervals(first, last))
                 if replanned:  # the call starting now waits for the switch; time the ones after it
                     after = (last + 1, 2 * last + 1 - first)
             elif after is not None and len(starts) == after[1]:
-                record_replan_period(record, intervals(*after), after)
+                record_replan_period(record, intervals(*after), after, replanned[0])
         return compiled(*args)
 
     if getattr(compiled, "_boxed_call", False):
@@ -848,16 +852,25 @@ def replans_device_steps(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def record_replan_period(record: CapturedGraph, intervals_s: Sequence[float], calls: tuple[int, int]) -> StepCheck | None:
+def record_replan_period(
+    record: CapturedGraph, intervals_s: Sequence[float], calls: tuple[int, int], handle: OffloadHandle
+) -> StepCheck | None:
     """Stores and logs the step period measured after a re-plan (``Replan.step_check``) against the
-    re-planned step's prediction."""
+    re-planned step's prediction, and undoes the re-plan on ``handle`` when that period is longer
+    than the one measured before it (``AutoPlan.step_check``): the measurement decides, not the
+    cost model that proposed the change."""
     auto = record.auto_plan
     if auto is None or auto.replanned is None or not intervals_s:
         return None
-    check = StepCheck(predicted_step_s=auto.replanned.after_s, intervals_s=tuple(intervals_s), calls=calls)
-    auto.replanned.step_check = check
-    log.info("protrain_fx: graph %d: after the re-plan (n_gpu_optim=%d): %s", record.index,
-             auto.replanned.after.n_gpu_optim, check.line())
+    replan = auto.replanned
+    check = StepCheck(predicted_step_s=replan.after_s, intervals_s=tuple(intervals_s), calls=calls)
+    replan.step_check = check
+    if auto.step_check is not None:
+        replan.measured_before_s = auto.step_check.measured_step_s
+        replan.kept = check.measured_step_s <= replan.measured_before_s
+        if not replan.kept and handle.n_gpu_optim == replan.after.n_gpu_optim:
+            handle.set_gpu_optim(replan.before.n_gpu_optim)
+    log.info("protrain_fx: graph %d: %s", record.index, replan.line())
     return check
 
 

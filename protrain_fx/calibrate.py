@@ -26,8 +26,11 @@ Then the one count the running step can change is chosen again at these rates:
 ``n_gpu_optim``, which offloaded chunks the CPU steps and which stream through the device
 (:func:`replan_gpu_optim`). A faster count (by :data:`REPLAN_MIN_GAIN`, and only where its device
 staging fits under the cap) is applied between two calls (``OffloadHandle.set_gpu_optim``) and the
-calls after it are timed against its prediction (:class:`Replan`). The chunk counts (where the
-optimizer state lives) and the activation plan (compiled in) stay.
+calls after it are timed against its prediction (:class:`Replan`). Measured slower than the
+calls before it, the change is undone: the cost model can be wrong about it (on the H200, B24
+1.3B at 16 GiB, one more device-stepped chunk was predicted 6% faster and ran 4% slower: the
+device steps held backward up more than modelled). The chunk counts (where the optimizer state
+lives) and the activation plan (compiled in) stay.
 """
 
 from __future__ import annotations
@@ -140,6 +143,10 @@ class Replan:
     before_s: float
     after_s: float
     step_check: object | None = None
+    #: The step period measured before the change (calls 3-8); ``kept``: whether the change stayed
+    #: once measured (``None`` until then). A change measured slower than that period is undone.
+    measured_before_s: float | None = None
+    kept: bool | None = None
 
     def line(self) -> str:
         line = (f"re-planned at the rates training reached: n_gpu_optim {self.before.n_gpu_optim} -> "
@@ -148,6 +155,10 @@ class Replan:
                 f"(first predicted {self.predicted_s * 1e3:.1f} ms)")
         if self.step_check is not None:
             line += f"; after it: {self.step_check.line()}"
+        if self.kept is not None and self.measured_before_s is not None:
+            line += (f"; kept (measured before it: {self.measured_before_s * 1e3:.1f} ms)" if self.kept else
+                     f"; slower than the {self.measured_before_s * 1e3:.1f} ms measured before it, so undone: "
+                     f"n_gpu_optim back to {self.before.n_gpu_optim}")
         return line
 
 

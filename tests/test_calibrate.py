@@ -264,11 +264,25 @@ def test_a_cpu_slower_in_training_moves_chunks_to_device_steps_and_only_when_it_
     assert back is not None and back.after.n_gpu_optim < n - 1
 
 
-def test_training_slower_than_profiled_re_plans_the_running_step_and_times_it_again(tmp_path, monkeypatch, caplog):
-    # The tiny GPT of the test above, its CPU steps profiled 1000x faster than they run here: at the
+@pytest.mark.parametrize("faster", [True, False])
+def test_training_slower_than_profiled_re_plans_the_running_step_and_times_it_again(tmp_path, monkeypatch, caplog,
+                                                                                      faster):
+    # The tiny GPT of the test above, its CPU steps profiled 10^5x faster than they run here: at the
     # window's end the backend moves chunks to device steps (a CPU "device" runs them, the same bits),
-    # training stays exactly eager's, and the calls after the switch are timed against the new prediction.
+    # training stays exactly eager's, and the calls after the switch are timed against the new
+    # prediction. The clock of those calls is driven: a period measured longer than before the
+    # switch undoes it, a shorter one keeps it.
     from protrain_fx.calibrate import replan_gpu_optim
+
+    calls = []
+
+    def clock() -> float:  # 100 ms a call through call `last`, then 50 or 200 ms
+        calls.append(None)
+        k = len(calls)
+        cut = autoplan.STEP_TIMED_CALLS[1]
+        return 0.1 * min(k, cut) + (0.05 if faster else 0.2) * max(0, k - cut)
+
+    monkeypatch.setattr(autoplan, "_clock", clock)
 
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
     _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
@@ -294,14 +308,26 @@ def test_training_slower_than_profiled_re_plans_the_running_step_and_times_it_ag
         assert replan == replan_gpu_optim(auto.problem, auto.config, auto.training_rates, predicted_s=auto.estimate.step_s,
                                           room_bytes=room)
         assert "re-planned at the rates training reached" in caplog.text and "re-planned" in auto.table()
-        steps_before = handle.device_adam.chunk_steps
+        device = handle.device_adam
+        steps_before = device.chunk_steps
         _train_side_by_side(compiled, reference, opt, ref_opt, last - first - 1)
         assert replan.step_check is None  # calls last+1 .. 2*last+1-first are timed
         _train_side_by_side(compiled, reference, opt, ref_opt, 2)
-    assert handle.device_adam.chunk_steps > steps_before
+        after = device.chunk_steps
+        _train_side_by_side(compiled, reference, opt, ref_opt, 2)  # on the count kept, or undone
+    assert after > steps_before
     _assert_same_params(handle, model, reference)
     check = replan.step_check
     assert check is not None and check.calls == (last + 1, 2 * last + 1 - first)
     assert len(check.intervals_s) == last - first and check.predicted_step_s == replan.after_s
-    assert "after the re-plan" in caplog.text
     assert auto.step_check.predicted_step_s == auto.estimate.step_s  # the first window: the first plan
+    assert auto.step_check.measured_step_s == pytest.approx(0.1) and replan.measured_before_s == pytest.approx(0.1)
+    assert check.measured_step_s == pytest.approx(0.05 if faster else 0.2)
+    assert replan.kept is faster
+    if faster:
+        assert handle.n_gpu_optim == replan.after.n_gpu_optim and device.chunk_steps > after
+        assert "kept (measured before it" in caplog.text
+    else:  # undone: the CPU steps every offloaded chunk again
+        assert handle.n_gpu_optim == replan.before.n_gpu_optim == 0 and handle.device_adam is None
+        assert device.chunk_steps == after
+        assert "so undone: n_gpu_optim back to 0" in caplog.text

@@ -168,8 +168,11 @@ def test_a_re_plan_of_the_device_steps_keeps_training_within_the_budget(machine_
     auto = record.auto_plan
     assert auto is not None and auto.offload and handle.store is not None, "nothing was offloaded"
     (replan,) = forced
-    assert auto.replanned is replan and handle.n_gpu_optim == replan.after.n_gpu_optim != auto.config.n_gpu_optim
+    assert auto.replanned is replan and replan.after.n_gpu_optim != auto.config.n_gpu_optim
     assert replan.step_check is not None and replan.step_check.calls == (last + 1, steps)
+    # measured slower than before it, the change is undone at the start of the last call
+    assert replan.kept is not None
+    assert handle.n_gpu_optim == (replan.after if replan.kept else replan.before).n_gpu_optim
     print(auto.table(record.index))
     assert torch.cuda.max_memory_reserved() <= budget * 1.02  # the allocator stayed within the budget
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=2e-2, atol=0)
