@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from protrain_fx.cost import Config, CostModel, Problem
 
 if TYPE_CHECKING:
+    from protrain_fx.autoplan import StepCheck
     from protrain_fx.param_offload import OffloadHandle
 
 
@@ -142,7 +143,7 @@ class Replan:
     predicted_s: float
     before_s: float
     after_s: float
-    step_check: object | None = None
+    step_check: StepCheck | None = None
     #: The step period measured before the change (calls 3-8); ``kept``: whether the change stayed
     #: once measured (``None`` until then). A change measured slower than that period is undone.
     measured_before_s: float | None = None

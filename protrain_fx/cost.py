@@ -38,9 +38,8 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   offload finished earliest (the same rank rule). A swap block's reload is issued when the previous
   backward step starts (one block ahead) and after its offload ended. A checkpoint block adds
   ``recompute_s`` (``recompute_chained_s`` when the next block is checkpointed too). When a step
-  ends, the gradients of the runs it finishes enter the D2H queue; when a
-  chunk's last gradient lands, CPU Adam runs on it (``n_params / cpu_adam_params_per_s``, one chunk at
-  a time). GPU Adam of the persistent chunks runs after backward on the GPU stream.
+  ends, the gradients of the runs it finishes enter the D2H queue; when a chunk's last gradient
+  lands, CPU Adam runs on it (``n_params / cpu_adam_params_per_s``, one chunk at a time). GPU Adam of the persistent chunks runs after backward on the GPU stream.
 * Link: a copy runs at the one-way rate, or at ``min(one-way, duplex_bytes_per_s / 2)`` when the other
   direction is busy. "Busy" is decided on a static reference timeline (compute only, no recompute):
   a copy is shared when its reference interval (issued one step before use, lasting bytes / one-way
@@ -163,9 +162,10 @@ class BlockProfile:
     adds to backward, and ``recompute_chained_s`` (default ``recompute_s``) the same when the next
     block is checkpointed too: the partitioner then keeps this block's output as the next one's
     input, so less is rerun (``profiler._recompute_times``). ``saved_bytes``: activations kept for
-    backward; ``checkpoint_saved_bytes``: what a checkpointed block still keeps (its input); ``swap_bytes``: what a swap moves to the CPU
-    (at most ``saved_bytes``; the rest stays); ``transient_bytes``: peak working memory inside the
-    block's forward or backward on top of the live activations. ``chunk_ids``: parameter chunks used.
+    backward; ``checkpoint_saved_bytes``: what a checkpointed block still keeps (its input);
+    ``swap_bytes``: what a swap moves to the CPU (at most ``saved_bytes``; the rest stays);
+    ``transient_bytes``: peak working memory inside the block's forward or backward on top of the
+    live activations. ``chunk_ids``: parameter chunks used.
     """
 
     name: str
