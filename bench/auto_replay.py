@@ -82,6 +82,13 @@ def main() -> None:
                   f"{c.n_checkpoint}/{c.n_gpu_optim} of {len(problem.chunks)}: step {est.step_s * 1e3:.0f} ms predicted, "
                   f"{step * 1e3:.0f} measured ({100 * (est.step_s / step - 1):+.1f}%); forward {est.fwd_s * 1e3:.0f} / "
                   f"{med['forward_s'] * 1e3:.0f}, backward {est.bwd_s * 1e3:.0f} / {med['backward_s'] * 1e3:.0f} ms")
+            if r.get("stream_step_s"):  # since s17: steps with no device sync between them (peers.py --stream-steps)
+                stream, ran = r["stream_step_s"], est.step_s
+                if replan and replan.get("kept"):  # the stream steps ran the re-planned count
+                    ran = replan["after_s"]
+                print(f"    with no sync between steps ({len(r['stream_starts_s'])} steps after the timed ones): "
+                      f"{stream * 1e3:.0f} ms per step, predicted {ran * 1e3:.0f} ({100 * (ran / stream - 1):+.1f}%); "
+                      f"the synced steps' median {100 * (step / stream - 1):+.1f}% above it")
             machine = problem.machine
             device_steps = [d for s in steps for _, d, _ in s.get("device_steps", [])]
             if device_steps:  # timed since the ninth session (DeviceAdamW.timing)

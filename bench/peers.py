@@ -431,8 +431,10 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
     loss_fn = _loss_fn(run, size)
     last_busy, last_wait, last_landing = [0.0], [0.0], [handle.landing_wait_s]
 
+    untimed = [False]  # run_one's stream phase: no events, no sync, no breakdown
+
     def step(idx, targets):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda and not untimed[0] else []
         if events:
             events[0].record()
         ctx = torch.autocast(device, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
@@ -444,8 +446,10 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
                                    host_store_bytes=handle.store.host_bytes() if handle.store else 0,
                                    host_bytes_per_param=handle.host_bytes_per_param())
         worker, device_adam = handle.worker, handle.device_adam
-        if cuda and device_adam is not None and device_adam.timing is None:
+        if events and device_adam is not None and device_adam.timing is None:
             device_adam.timing = []  # time each device step (runtime/device_adam.py)
+        if not events and device_adam is not None:
+            device_adam.timing = None
         if events:
             events[1].record()
         loss.backward()
@@ -480,6 +484,7 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
             last_wait[0] = device_adam.wait_s if device_adam else 0.0
         return loss
 
+    step.untimed = untimed
     return step, model, info
 
 
@@ -561,7 +566,7 @@ def _build_deepspeed(size: str):
 
 
 def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq: int, cap_gib: float,
-            device: str) -> dict:
+            device: str, stream_steps: int = 0) -> dict:
     """Train ``size`` with ``system`` in this process; the result dict (never raises for a failed run)."""
     import torch
 
@@ -594,6 +599,24 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
             times.append(time.perf_counter() - start)
         step_s = statistics.median(times)
         tokens_per_s = batch * seq / step_s
+        if stream_steps:
+            # How a training loop runs: no device sync between steps, so device work still queued at
+            # one step's end (device optimizer steps on their own streams) overlaps the next step.
+            # The timed steps above sync after each (and a protrain_offload step records events).
+            # Wall time per step here, one sync at each end; the starts' spacing kept too.
+            untimed = getattr(step, "untimed", None)
+            if untimed is not None:
+                untimed[0] = True
+            starts = []
+            sync()
+            start = time.perf_counter()
+            for _ in range(stream_steps):
+                starts.append(time.perf_counter())
+                loss = step(idx, targets)
+            sync()
+            end = time.perf_counter()
+            result.update(stream_step_s=(end - start) / stream_steps,
+                          stream_starts_s=[t - start for t in starts], stream_end_s=end - start)
         result.update(
             status="ok",
             step_s=step_s,
@@ -833,8 +856,8 @@ def _spawn(size: str, system: str, args, timeout: float) -> tuple[dict, bool, fl
     """Run one (size, system) in a child process: (result, timed out, wall seconds). Interruptions
     (:class:`Interrupted`, ``KeyboardInterrupt``) kill the child and propagate."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run", size, system, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--cap-gib", str(args.cap_gib), "--device", args.device, "--out", str(args.out)]
+           "--stream-steps", str(args.stream_steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+           "--seq", str(args.seq), "--cap-gib", str(args.cap_gib), "--device", args.device, "--out", str(args.out)]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 no threads here
@@ -1158,6 +1181,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "check and protrain_fx's chunk store use it instead of MemAvailable")
     parser.add_argument("--ladder", action="store_true", help="per system, stop at its first failing size")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--stream-steps", type=int, default=0,
+                        help="after the timed steps, this many more with no device sync between them "
+                             "(stream_step_s: their wall time over their count, one sync at each end)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (at least 1; the first compiles)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
@@ -1208,8 +1234,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.run:
-        result = run_one(*args.run, steps=args.steps, warmup=args.warmup, batch=args.batch, seq=args.seq,
-                         cap_gib=args.cap_gib, device=args.device)
+        result = run_one(*args.run, steps=args.steps, stream_steps=args.stream_steps, warmup=args.warmup,
+                         batch=args.batch, seq=args.seq, cap_gib=args.cap_gib, device=args.device)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.report:

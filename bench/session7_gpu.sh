@@ -33,6 +33,8 @@ EXTRA=${EXTRA-}
 HOST_GIB=${HOST_GIB-120}
 # measured steps after the 2 warm-up ones; 6 reaches the backend's own step and rate window (calls 3-8)
 STEPS=${STEPS-6}
+# STREAM: steps after those with no device sync between them (peers.py --stream-steps; 0: none)
+STREAM=${STREAM-0}
 JOBS_A=${JOBS_A-"24|compile|350M;24|auto|350M 760M 1.3B 4.2B"}
 JOBS_B=${JOBS_B-}
 
@@ -67,11 +69,11 @@ lane() {  # lane NAME JOBS
     local resume=(); [ -f "$out/peers.json" ] && resume=(--resume "$out/peers.json")
     # shellcheck disable=SC2086
     python3 bench/peers.py --sizes $sizes --systems $systems "${extra[@]}" --cap-gib "$cap" --host-ram-gib "$HOST_GIB" --steps "$STEPS" \
-      --out "$out" "${resume[@]}" --deadline-s "$(left)" >> "$O/$name/peers_cap$cap.log" 2>&1
+      --stream-steps "$STREAM" --out "$out" "${resume[@]}" --deadline-s "$(left)" >> "$O/$name/peers_cap$cap.log" 2>&1
   done
 }
 
-vars="O=$O END=$END HOST_GIB='$HOST_GIB' STEPS='$STEPS' TESTS='$TESTS' MAIN='$MAIN' EXTRA='$EXTRA'"
+vars="O=$O END=$END HOST_GIB='$HOST_GIB' STEPS='$STEPS' STREAM='$STREAM' TESTS='$TESTS' MAIN='$MAIN' EXTRA='$EXTRA'"
 if [ "$LANES" = "ab" ]; then  # the one-GPU machine
   bash -c "$(declare -f lane); $vars lane a '$JOBS_A'; $vars lane b '$JOBS_B'"
 else
