@@ -190,13 +190,15 @@ def chunk_adam_rate(
     *,
     cache: str | os.PathLike[str] | None = None,
     refresh: bool = False,
-    repeat: int = 3,
+    repeat: int = 7,
 ) -> float:
     """Parameters per second of the offload runtime's CPU step of chunks of ``chunk_params``
     parameters (:func:`_chunk_adam_params_per_s`: on the worker thread, under copy traffic and
     kernel launches on CUDA), at that size rounded up to :data:`CHUNK_RATE_GRANULE`; measured once
     per size, with one progress line, and kept in ``device``'s profile file
-    (``"cpu_adam_by_chunk"``), which :func:`measure_machine` makes first.
+    (``"cpu_adam_by_chunk"``), which :func:`measure_machine` makes first. The median of ``repeat``
+    steps: 7, as :func:`measure_machine`'s own CPU rate takes (the median of 3 read 2.4x the others
+    once in five on one H200 host, ``bench/cpu_rate_rounds.py``, sixteenth session).
 
     Why the chunk's own size: a step streams the chunk's master, moments, gradient and working copy
     through host memory, and the rate fell with the size. On the development CPU (32 MiB L3,
@@ -340,9 +342,19 @@ def training_rates(
 
     * ``device_step_bytes_per_s``: the median of those kept.
     * ``cpu_adam_params_per_s`` (the rate of chunks of ``chunk_params``): the median of those kept for
-      this chunk size; for a size not trained yet, ``profile``'s rate scaled by the median ratio of
-      training's rate to the profiler's (``"cpu_adam_by_chunk"``) over the sizes trained. Without
-      ``chunk_params`` it is left as it is."""
+      this chunk size; for a size not trained yet, the median of the trained sizes' rates within
+      :data:`NEAR_CHUNK_FACTOR` of it; failing those, ``profile``'s rate scaled by the median ratio
+      of training's rate to the profiler's (``"cpu_adam_by_chunk"``) over the sizes trained. Without
+      ``chunk_params`` it is left as it is.
+
+    Why a near size's rate and not the scaled profile: on the six H200 hosts of 2026-12-01 that
+    trained chunks of both 117M and 234M parameters, the profiler's reading of each size missed its
+    training rate by 0.69-1.28x, and not by one factor for both sizes of a host. Predicting each
+    size's training rate from the other size on the same host, the scaled profile missed by 18% on
+    average (4-35%), the size's own profiled rate by 14%, the other size's training rate by 11%.
+    Scaled, one size's miss lands on the other: a 4.2B run's 234M chunks profiled at 0.99 and
+    trained at 1.43, so the 1.3B run after it priced its 117M chunks at 1.33 x 1.44 = 1.92 G/s and
+    trained at 1.48 (``docs/results.md``, seventeenth session)."""
     try:
         data = json.loads(cache_path(device, cache).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -358,8 +370,11 @@ def training_rates(
     by_chunk = {k: r for k, v in by_chunk.items() if (r := _median_rate(v))} if isinstance(by_chunk, dict) else {}
     if chunk_params and by_chunk:
         n = str(_granule(chunk_params))
+        near = [r for k, r in by_chunk.items() if k.isdigit() and _near_size(int(k), int(n))]
         if n in by_chunk:
             changes["cpu_adam_params_per_s"] = by_chunk[n]
+        elif near:
+            changes["cpu_adam_params_per_s"] = statistics.median(near)
         else:
             profiled = data.get("cpu_adam_by_chunk")
             profiled = profiled if isinstance(profiled, dict) else {}
@@ -367,6 +382,17 @@ def training_rates(
             if ratios:
                 changes["cpu_adam_params_per_s"] = profile.cpu_adam_params_per_s * statistics.median(ratios)
     return dataclasses.replace(profile, **changes), sorted(changes)
+
+
+#: A chunk size not trained yet takes the CPU rate training reached on sizes within this factor of
+#: it (:func:`training_rates`). Chunks of 16M parameters stepped faster than those of 100M-230M
+#: (0.51-0.87x the 16M rate on the H200's host; :func:`chunk_adam_rate`), while 117M and 234M stepped
+#: alike in training.
+NEAR_CHUNK_FACTOR = 4
+
+
+def _near_size(a: int, b: int) -> bool:
+    return a > 0 and b > 0 and max(a, b) <= NEAR_CHUNK_FACTOR * min(a, b)
 
 
 def _median_rate(values: object) -> float:

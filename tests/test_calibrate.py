@@ -55,9 +55,12 @@ def test_rates_kept_from_training_replace_the_profiled_ones(tmp_path):
     assert trained.cpu_adam_params_per_s == 0.6e9  # the median of those kept for this chunk size
     assert trained.device_step_bytes_per_s == 39e9
     assert trained.h2d_bytes_per_s == PROFILE.h2d_bytes_per_s
-    # a size not trained: its profiled rate scaled as training scaled the trained size's (0.6 of 1.0)
+    # a size not trained, within NEAR_CHUNK_FACTOR of a trained one: the trained size's rate
     other = MachineProfile.from_dict({**PROFILE.to_dict(), "cpu_adam_params_per_s": 0.8e9})
-    assert profiler.training_rates("cpu", other, 4 * GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == pytest.approx(0.48e9)
+    assert profiler.NEAR_CHUNK_FACTOR == 4
+    assert profiler.training_rates("cpu", other, 4 * GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == 0.6e9
+    # farther: its profiled rate scaled as training scaled the trained size's (0.6 of 1.0)
+    assert profiler.training_rates("cpu", other, 5 * GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == pytest.approx(0.48e9)
     # without a chunk size the CPU rate stays
     assert profiler.training_rates("cpu", PROFILE, None, cache=tmp_path)[1] == ["device_step_bytes_per_s"]
     # only the newest TRAINING_KEEP are kept
@@ -65,6 +68,25 @@ def test_rates_kept_from_training_replace_the_profiled_ones(tmp_path):
         profiler.note_training_rates("cpu", device_step_bytes_per_s=rate * 1e9, cache=tmp_path)
     kept = json.loads(profiler.cache_path("cpu", tmp_path).read_text())["in_training"]["device_step_bytes_per_s"]
     assert kept == [r * 1e9 for r in range(2, profiler.TRAINING_KEEP + 2)]
+
+
+def test_a_size_not_trained_takes_the_rates_of_trained_sizes_near_it(tmp_path):
+    # profiled at 1.0 (8 granules) and 2.0 (1 granule); trained at 8 and 16 granules
+    _profile_file(tmp_path, {8 * GRANULE: 1e9, GRANULE: 2e9})
+    for n, rate in ((8 * GRANULE, 1.4e9), (16 * GRANULE, 1.2e9), (16 * GRANULE, 1.0e9)):
+        profiler.note_training_rates("cpu", chunk_params=n, cpu_adam_params_per_s=rate, cache=tmp_path)
+    def rate(n: int, profiled: float = 2e9) -> float:
+        other = MachineProfile.from_dict({**PROFILE.to_dict(), "cpu_adam_params_per_s": profiled})
+        trained, names = profiler.training_rates("cpu", other, n, cache=tmp_path)
+        assert names == ["cpu_adam_params_per_s"]
+        return trained.cpu_adam_params_per_s
+    assert rate(8 * GRANULE) == 1.4e9 and rate(16 * GRANULE) == 1.1e9  # their own
+    assert rate(4 * GRANULE) == pytest.approx(1.25e9)  # both within 4x: the median of 1.4 and 1.1
+    assert rate(2 * GRANULE) == 1.4e9  # only 8 granules within 4x
+    assert rate(64 * GRANULE) == 1.1e9  # only 16 granules
+    # none within 4x (1 granule): the profile scaled by training's median ratio to the profiler's,
+    # over the sizes profiled and trained (8 granules: 1.4 of 1.0; 16 were never profiled)
+    assert rate(GRANULE, profiled=2e9) == pytest.approx(2.8e9)
 
 
 def test_no_profile_file_or_another_version_keeps_nothing(tmp_path):
