@@ -83,12 +83,16 @@ def main() -> None:
                   f"{step * 1e3:.0f} measured ({100 * (est.step_s / step - 1):+.1f}%); forward {est.fwd_s * 1e3:.0f} / "
                   f"{med['forward_s'] * 1e3:.0f}, backward {est.bwd_s * 1e3:.0f} / {med['backward_s'] * 1e3:.0f} ms")
             if r.get("stream_step_s"):  # since s17: steps with no device sync between them (peers.py --stream-steps)
-                stream, ran = r["stream_step_s"], est.step_s
-                if replan and replan.get("kept"):  # the stream steps ran the re-planned count
-                    ran = replan["after_s"]
-                print(f"    with no sync between steps ({len(r['stream_starts_s'])} steps after the timed ones): "
+                stream, ran, which = r["stream_step_s"], est.step_s, ""
+                first_stream = 3 + len(r["step_times_s"])  # calls 1-2 warm up, then the timed ones
+                if replan and (replan.get("kept") or first_stream < (replan["calls"] or (9, 14))[1]):
+                    # the stream steps ran the re-planned count (kept, or still on trial before its undo)
+                    ran, which = replan["after_s"], " (the re-planned count)"
+                print(f"    with no sync between steps{which} ({len(r['stream_starts_s'])} steps from call {first_stream}): "
                       f"{stream * 1e3:.0f} ms per step, predicted {ran * 1e3:.0f} ({100 * (ran / stream - 1):+.1f}%); "
-                      f"the synced steps' median {100 * (step / stream - 1):+.1f}% above it")
+                      + (f"the synced steps' median {100 * (step / stream - 1):+.1f}% above it" if not which else
+                         f"the backend's synced period after the re-plan {100 * (replan['measured_after_s'] / stream - 1):+.1f}% "
+                         "above it" if replan.get("measured_after_s") else ""))
             machine = problem.machine
             device_steps = [d for s in steps for _, d, _ in s.get("device_steps", [])]
             if device_steps:  # timed since the ninth session (DeviceAdamW.timing)

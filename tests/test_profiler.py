@@ -187,6 +187,18 @@ def test_fused_times_count_only_what_enters_and_leaves_a_pointwise_chain():
     assert sum(fused[n] for n in chain) == pytest.approx(expected)
     assert sum(plain[n] for n in chain) > 3 * expected  # unfused: every intermediate goes through memory
 
+    def twice(x, w):
+        y = torch.mm(x, w)
+        return (y * 2 + y).relu() * y  # three nodes of one kernel read the product: it is read once
+
+    gm = make_fx(twice, tracing_mode="fake")(torch.randn(256, 128), torch.randn(128, 512))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    chain = [n for n in nodes if n.target is not torch.ops.aten.mm.default]
+    fused = fused_node_times(nodes, H200)
+    # reads the product once, writes the result (both 256 x 512 fp32)
+    expected = LAUNCH_S + 2 * 256 * 512 * 4 / (H200.hbm_bytes * H200.hbm_efficiency)
+    assert sum(fused[n] for n in chain) == pytest.approx(expected)
+
 
 def test_cpu_chunk_rate_is_measured_per_chunk_size_and_cached(tmp_path, monkeypatch, capsys):
     kw = {"copy_bytes": 8 * 2**20, "adam_params": 2**20, "repeat": 1}
