@@ -4,11 +4,13 @@ Each (size, system) trains in its own process (an OOM in one must not poison the
 ``examples/gpt.py`` (or, with ``--model llama1b``, a Hugging Face ``LlamaForCausalLM`` of 1.1B
 parameters with no pretrained weights) at batch 8 x 1024, bf16 autocast, AdamW, on a GPU capped at
 ``--cap-gib`` GiB with ``torch.cuda.set_per_process_memory_fraction`` (before anything is allocated),
-2 warm-up steps and ``--steps`` timed steps. Per run: tokens/s, step time, peak allocated and reserved
-GPU memory, host RAM peak, loss after the timed steps, MFU against the measured 786 TFLOP/s, or the
-OOM / crash and its reason; and where the time went: ``wall_s`` (the whole process, compile
-included), ``start_s`` (when it began, seconds into this call), ``setup_s`` (imports, CUDA start),
-``build_s`` (model and optimizer), ``first_step_s`` (first step, compile included), ``warmup_s``.
+2 warm-up steps and ``--steps`` timed steps (each followed by a device sync; ``--stream-steps N``
+adds N steps with none between them, as a training loop runs: ``stream_step_s``). Per run:
+tokens/s, step time, peak allocated and reserved GPU memory, host RAM peak, loss after the timed
+steps, MFU against the measured 786 TFLOP/s, or the OOM / crash and its reason; and where the time
+went: ``wall_s`` (the whole process, compile included), ``start_s`` (when it began, seconds into
+this call), ``setup_s`` (imports, CUDA start), ``build_s`` (model and optimizer), ``first_step_s``
+(first step, compile included), ``warmup_s``.
 
     python bench/peers.py --sizes 350M 760M --out OUT            # every system at each size
     python bench/peers.py --ladder --sizes 350M 760M 1.3B --out OUT  # per system, up to its first failure

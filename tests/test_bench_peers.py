@@ -198,3 +198,15 @@ def test_merged_results_take_reruns_keep_results_over_not_run_and_pick_the_best_
     best = merged[("4.2B", "protrain_offload[best hand plan]")]
     assert best["tokens_per_s"] == 6.0 and best["settings"] == "protrain_offload[persist=3,buffer=3]"
     assert not any(s.startswith("protrain_offload[") and "best" not in s for _, s in merged)
+
+
+def test_stream_steps_run_after_the_timed_ones():
+    # (an offloaded step's switch to untimed steps only drops CUDA events: checked on the GPU by
+    # bench/session7_gpu.sh STREAM=N, which records stream_step_s beside the synced steps)
+    result = peers.run_one("tiny", "eager", steps=2, warmup=1, batch=2, seq=16, cap_gib=0.0, device="cpu",
+                           stream_steps=3)
+    assert result["status"] == "ok", result.get("reason")
+    assert len(result["step_times_s"]) == 2 and len(result["stream_starts_s"]) == 3
+    starts = result["stream_starts_s"]
+    assert starts == sorted(starts) and result["stream_end_s"] > starts[-1]
+    assert result["stream_step_s"] == pytest.approx(result["stream_end_s"] / 3)
