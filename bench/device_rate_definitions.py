@@ -1,0 +1,79 @@
+"""Replays every recorded run with device steps (``docs/raw/session1[3-7]_call*_peers.json``) at the
+rates its own steps measured, with the device-step rate defined two ways:
+
+* ``span``: each step's bytes out over its own span, first copy in to last copy out (what
+  ``calibrate.RateWindow`` takes);
+* ``lane``: over the time the out-lane spent on it alone, from the later of its start and the
+  previous step's end (the cost model runs one step's copies out after another's).
+
+The CPU rate is the backend's own window's (``auto_plan.training_rates``). Prints each run's
+predicted step error against its measured synced median (the calls before any re-plan) both ways,
+and the means.
+
+    python bench/device_rate_definitions.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from protrain_fx.cost import Config, CostModel, Problem  # noqa: E402
+
+
+def device_rates(record: dict, model: CostModel, config: Config) -> tuple[float, float] | None:
+    """(span, lane) rates: medians over the timed steps before any re-plan; None without device steps."""
+    replan = record["auto_plan"].get("replan")
+    before = replan["calls"][0] - 4 if replan and replan.get("calls") else len(record["step_times_s"])
+    span, lane = [], []
+    for step in record["breakdown"][1:][:before]:  # the first step compiles
+        previous_end = None
+        for chunk, seconds, start in sorted((d for d in step["device_steps"] if d[2] > 0), key=lambda d: d[2]):
+            out_bytes = model.dev_out_bytes[chunk + config.n_persist]
+            span.append(out_bytes / seconds)
+            alone = seconds if previous_end is None else start + seconds - max(start, previous_end)
+            lane.append(out_bytes / alone)
+            previous_end = start + seconds
+    return (statistics.median(span), statistics.median(lane)) if span else None
+
+
+def main() -> None:
+    errors: list[tuple[float, float]] = []
+    for path in sorted((ROOT / "docs" / "raw").glob("session1[3-7]_call*_peers.json")):
+        for record in json.loads(path.read_text()):
+            auto = record.get("auto_plan")
+            if not auto or not record.get("breakdown") or not record.get("step_s") or not auto.get("training_rates"):
+                continue
+            config, problem = Config.from_dict(auto["config"]), Problem.from_dict(auto["problem"])
+            rates = device_rates(record, CostModel(problem), config) if config.n_gpu_optim else None
+            if rates is None:
+                continue
+            window = auto["training_rates"]
+            cpu = window["cpu_params"] / window["cpu_s"] if window["cpu_s"] else problem.machine.cpu_adam_params_per_s
+            replan = auto.get("replan")
+            before = replan["calls"][0] - 4 if replan and replan.get("calls") else len(record["step_times_s"])
+            measured = statistics.median(record["step_times_s"][:before])
+            pair = []
+            for rate in rates:
+                machine = dataclasses.replace(problem.machine, cpu_adam_params_per_s=cpu, device_step_bytes_per_s=rate)
+                step = CostModel(dataclasses.replace(problem, machine=machine)).estimate(config).step_s
+                pair.append(100 * (step / measured - 1))
+            errors.append((pair[0], pair[1]))
+            print(f"{path.name[:24]:24} {record['size']:>5} {record['cap_gib']:3g} GiB g={config.n_gpu_optim:2d}  "
+                  f"span {rates[0] / 1e9:.1f} GB/s, lane {rates[1] / 1e9:.1f}  step error: span {pair[0]:+5.1f}%, "
+                  f"lane {pair[1]:+5.1f}%")
+    span, lane = zip(*errors)
+    print(f"{len(errors)} runs: mean |error| span {statistics.mean(map(abs, span)):.2f}%, lane "
+          f"{statistics.mean(map(abs, lane)):.2f}%; mean error span {statistics.mean(span):+.2f}%, lane "
+          f"{statistics.mean(lane):+.2f}%; within 5%: span {sum(abs(e) <= 5 for e in span)}, "
+          f"lane {sum(abs(e) <= 5 for e in lane)}")
+
+
+if __name__ == "__main__":
+    main()
