@@ -4,7 +4,9 @@ rates its own steps measured, with the device-step rate defined two ways:
 * ``span``: each step's bytes out over its own span, first copy in to last copy out (what
   ``calibrate.RateWindow`` takes);
 * ``lane``: over the time the out-lane spent on it alone, from the later of its start and the
-  previous step's end (the cost model runs one step's copies out after another's).
+  previous step's end (the cost model runs one step's copies out after another's);
+* ``per chunk``: the span rate, and each chunk timed at the median of its own steps' seconds
+  (``cost.Problem.device_step_s``, as ``calibrate.TrainingRates.priced`` prices the running plan).
 
 The CPU rate is the backend's own window's (``auto_plan.training_rates``). Prints each run's
 predicted step error against its measured synced median (the calls before any re-plan) both ways,
@@ -27,20 +29,29 @@ sys.path.insert(0, str(ROOT))
 from protrain_fx.cost import Config, CostModel, Problem  # noqa: E402
 
 
-def device_rates(record: dict, model: CostModel, config: Config) -> tuple[float, float] | None:
-    """(span, lane) rates: medians over the timed steps before any re-plan; None without device steps."""
+def device_rates(
+    record: dict, model: CostModel, config: Config
+) -> tuple[float, float, tuple[tuple[int, float], ...]] | None:
+    """(span rate, lane rate, per chunk seconds): medians over the timed steps before any re-plan;
+    None without device steps."""
     replan = record["auto_plan"].get("replan")
     before = replan["calls"][0] - 4 if replan and replan.get("calls") else len(record["step_times_s"])
-    span, lane = [], []
+    span, lane, by_chunk = [], [], {}
     for step in record["breakdown"][1:][:before]:  # the first step compiles
         previous_end = None
-        for chunk, seconds, start in sorted((d for d in step["device_steps"] if d[2] > 0), key=lambda d: d[2]):
+        for chunk, seconds, start in sorted(step["device_steps"], key=lambda d: d[2]):
+            by_chunk.setdefault(chunk + config.n_persist, []).append(seconds)
+            if start <= 0:  # the last step's, finished after it: no previous end to compare with
+                continue
             out_bytes = model.dev_out_bytes[chunk + config.n_persist]
             span.append(out_bytes / seconds)
             alone = seconds if previous_end is None else start + seconds - max(start, previous_end)
             lane.append(out_bytes / alone)
             previous_end = start + seconds
-    return (statistics.median(span), statistics.median(lane)) if span else None
+    if not span:
+        return None
+    return (statistics.median(span), statistics.median(lane),
+            tuple((k, statistics.median(v)) for k, v in sorted(by_chunk.items())))
 
 
 def main() -> None:
@@ -59,20 +70,19 @@ def main() -> None:
             replan = auto.get("replan")
             before = replan["calls"][0] - 4 if replan and replan.get("calls") else len(record["step_times_s"])
             measured = statistics.median(record["step_times_s"][:before])
-            pair = []
-            for rate in rates:
+            row = []
+            for rate, timed in ((rates[0], ()), (rates[1], ()), (rates[0], rates[2])):
                 machine = dataclasses.replace(problem.machine, cpu_adam_params_per_s=cpu, device_step_bytes_per_s=rate)
-                step = CostModel(dataclasses.replace(problem, machine=machine)).estimate(config).step_s
-                pair.append(100 * (step / measured - 1))
-            errors.append((pair[0], pair[1]))
+                priced = dataclasses.replace(problem, machine=machine, device_step_s=timed)
+                row.append(100 * (CostModel(priced).estimate(config).step_s / measured - 1))
+            errors.append(tuple(row))
             print(f"{path.name[:24]:24} {record['size']:>5} {record['cap_gib']:3g} GiB g={config.n_gpu_optim:2d}  "
-                  f"span {rates[0] / 1e9:.1f} GB/s, lane {rates[1] / 1e9:.1f}  step error: span {pair[0]:+5.1f}%, "
-                  f"lane {pair[1]:+5.1f}%")
-    span, lane = zip(*errors)
-    print(f"{len(errors)} runs: mean |error| span {statistics.mean(map(abs, span)):.2f}%, lane "
-          f"{statistics.mean(map(abs, lane)):.2f}%; mean error span {statistics.mean(span):+.2f}%, lane "
-          f"{statistics.mean(lane):+.2f}%; within 5%: span {sum(abs(e) <= 5 for e in span)}, "
-          f"lane {sum(abs(e) <= 5 for e in lane)}")
+                  f"span {rates[0] / 1e9:.1f} GB/s, lane {rates[1] / 1e9:.1f}  step error: span {row[0]:+5.1f}%, "
+                  f"lane {row[1]:+5.1f}%, per chunk {row[2]:+5.1f}%")
+    print(f"{len(errors)} runs:")
+    for name, column in zip(("span", "lane", "per chunk"), zip(*errors)):
+        print(f"  {name:9}: mean |error| {statistics.mean(map(abs, column)):.2f}%, mean error "
+              f"{statistics.mean(column):+.2f}%, within 5%: {sum(abs(e) <= 5 for e in column)}")
 
 
 if __name__ == "__main__":

@@ -55,12 +55,15 @@ class TrainingRates:
     (0 and 0: none); ``device_steps``: (chunk in the host store's numbering, from 0 at the first
     offloaded chunk; seconds) of each device step timed (empty: none, or
     not on CUDA) and ``device_step_bytes_per_s`` the median of each one's bytes copied out over its
-    seconds (0: none timed)."""
+    seconds (0: none timed). ``device_step_s``: per chunk timed (in the cost model's numbering, all
+    chunks from 0), the median of its steps' seconds: the running plan is priced with them
+    (:meth:`priced`, ``cost.Problem.device_step_s``), the chunks not timed at the median rate."""
 
     cpu_params: int
     cpu_s: float
     device_steps: tuple[tuple[int, float], ...] = ()
     device_step_bytes_per_s: float = 0.0
+    device_step_s: tuple[tuple[int, float], ...] = ()
 
     @property
     def cpu_adam_params_per_s(self) -> float:
@@ -74,7 +77,8 @@ class TrainingRates:
             changes["cpu_adam_params_per_s"] = self.cpu_adam_params_per_s
         if self.device_step_bytes_per_s:
             changes["device_step_bytes_per_s"] = self.device_step_bytes_per_s
-        return dataclasses.replace(problem, machine=dataclasses.replace(problem.machine, **changes))
+        timed = self.device_step_s or problem.device_step_s
+        return dataclasses.replace(problem, machine=dataclasses.replace(problem.machine, **changes), device_step_s=timed)
 
     def line(self, problem: Problem, config: Config) -> str:
         """One log line: the rates against the profile's, and ``config``'s step predicted at them."""
@@ -109,6 +113,7 @@ class RateWindow:
         seconds, params = adam.computed if adam is not None else (0.0, 0)
         cpu_s, cpu_params = seconds - self._cpu_start[0], params - self._cpu_start[1]
         timed: list[tuple[int, float]] = []
+        by_chunk: dict[int, list[float]] = {}
         rate = 0.0
         if self._device is not None:
             entries, self._device.window = self._device.window or [], None
@@ -120,8 +125,10 @@ class RateWindow:
                 k = c + config.n_persist
                 if 0 <= k < len(model.dev_out_bytes) and s > 0:
                     rates.append((model.dev_in_bytes[k] if k >= lean_from else model.dev_out_bytes[k]) / s)
+                    by_chunk.setdefault(k, []).append(s)
             rate = statistics.median(rates) if rates else 0.0
-        return TrainingRates(cpu_params=cpu_params, cpu_s=cpu_s, device_steps=tuple(timed), device_step_bytes_per_s=rate)
+        return TrainingRates(cpu_params=cpu_params, cpu_s=cpu_s, device_steps=tuple(timed), device_step_bytes_per_s=rate,
+                             device_step_s=tuple((k, statistics.median(s)) for k, s in sorted(by_chunk.items())))
 
 
 #: How much faster (a fraction of its own step at the measured rates) another ``n_gpu_optim`` must be

@@ -252,6 +252,13 @@ class Problem:
     ``runtime/chunk_store.auto_lean``), never more than are offloaded and never more with more
     persistent chunks. ``lean_staging_bytes``: device bytes of the fp32 staging lean chunks are
     fetched through (``ChunkBufferPool.staging_bytes``), resident when any chunk is lean.
+
+    ``device_step_s``: ``(chunk id, seconds)`` of chunks whose device step was timed in training
+    (``calibrate.TrainingRates``): that chunk's step takes those seconds instead of its bytes over
+    ``machine.device_step_bytes_per_s`` (its copies in scaled alike). On the H200 the device step of
+    the first offloaded chunk, issued last in backward, ran 47 ms where the others ran 34; priced per
+    chunk, 23 of the 24 recorded runs with device steps replay within 5% of their step, against 20 at
+    the median rate (``docs/results.md``, seventeenth session).
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -268,10 +275,23 @@ class Problem:
     persistent_param_bytes: int = 0
     lean_chunks: tuple[int, ...] = ()
     lean_staging_bytes: int = 0
+    device_step_s: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for n in ("blocks", "chunks", "outside_chunk_ids", "lean_chunks"):
             object.__setattr__(self, n, tuple(getattr(self, n)))
+        object.__setattr__(self, "device_step_s", tuple(tuple(x) for x in self.device_step_s))
+        for pair in self.device_step_s:
+            if len(pair) != 2 or not isinstance(pair[0], int) or isinstance(pair[0], bool):
+                raise ValueError(f"Problem: device_step_s entry {pair!r} is not (chunk id, seconds)")
+            if not 0 <= pair[0] < len(self.chunks):
+                raise ValueError(f"Problem: device_step_s chunk id {pair[0]} out of range (there are "
+                                 f"{len(self.chunks)} chunks)")
+            if not (_is_number(pair[1]) and pair[1] > 0):
+                raise ValueError(f"Problem: device_step_s of chunk {pair[0]} is {pair[1]!r}; it must be a "
+                                 "number of seconds > 0")
+        if len({k for k, _ in self.device_step_s}) != len(self.device_step_s):
+            raise ValueError("Problem: device_step_s names a chunk twice")
         for n in ("outside_fwd_s", "outside_bwd_s"):
             _check_seconds("Problem", n, getattr(self, n))
         for n in ("outside_peak_bytes", "fixed_bytes", "master_bytes_per_param", "adam_state_bytes_per_param",
@@ -342,6 +362,7 @@ class Problem:
             "persistent_param_bytes": self.persistent_param_bytes,
             "lean_chunks": list(self.lean_chunks),
             "lean_staging_bytes": self.lean_staging_bytes,
+            "device_step_s": [list(x) for x in self.device_step_s],
         }
 
     @classmethod
@@ -482,6 +503,10 @@ class CostModel:
         self._d2h_dev = d2h_shared
         self.dev_in_s = [x / h2d_shared for x in self.dev_in_bytes]
         self.dev_out_s = [x / d2h_shared for x in self.dev_out_bytes]  # a lean chunk's: _PerPersist.dev_out_s
+        for k, seconds in p.device_step_s:  # timed in training: that chunk's own time, its copies in alike
+            if self.dev_out_s[k] > 0:
+                self.dev_in_s[k] *= seconds / self.dev_out_s[k]
+            self.dev_out_s[k] = seconds
 
         # Static reference timeline (compute only, no recompute) and the copies' reference intervals.
         fs = [0.0] * (N + 1)
@@ -951,6 +976,8 @@ class _PerPersist:
                 x if c >= lean_from else y for c, (x, y) in enumerate(zip(m.dev_in_bytes, m.dev_out_bytes))
             ]
             dev_out_s = [x / m._d2h_dev for x in dev_out_bytes]
+            for k, seconds in m.problem.device_step_s:  # timed in training (CostModel.__init__)
+                dev_out_s[k] = seconds
         else:
             fetch_bytes, h_d1, h_d2, dev_out_bytes, dev_out_s = m.run_bytes, m.h_d1, m.h_d2, m.dev_out_bytes, m.dev_out_s
 

@@ -178,9 +178,16 @@ def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their
     assert handle.device_adam.window is None  # no longer timed
     assert len(rates.device_steps) == 3
     assert rates.device_step_bytes_per_s == pytest.approx(40e9)
+    # each timed chunk's own median seconds, in the cost model's numbering
+    assert [k for k, _ in rates.device_step_s] == [2, 3]
+    assert [s for _, s in rates.device_step_s] == pytest.approx([(out[0] / 40e9 + out[0] / 50e9) / 2, out[1] / 30e9])
     priced = rates.priced(problem)
     assert priced.machine.device_step_bytes_per_s == pytest.approx(40e9)
     assert priced.machine.cpu_adam_params_per_s == problem.machine.cpu_adam_params_per_s  # nothing on the CPU
+    assert priced.device_step_s == rates.device_step_s
+    timed = CostModel(priced)
+    assert timed.dev_out_s[3] == pytest.approx(out[1] / 30e9)  # its own time, not the median rate's
+    assert timed.dev_out_s[4:] == pytest.approx([b / 40e9 for b in model.dev_out_bytes[4:]])  # not timed: the rate
     assert "device steps 40.0 GB/s each way over 3 steps" in rates.line(problem, config)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import random
 
@@ -487,6 +488,40 @@ def test_a_measured_device_step_rate_prices_the_device_steps() -> None:
     assert Problem.from_dict(d).machine.device_step_bytes_per_s == 0
     with pytest.raises(ValueError, match="device_step_bytes_per_s=-1.0 must be a number >= 0"):
         dataclasses.replace(problem.machine, device_step_bytes_per_s=-1.0)
+
+
+def test_a_device_step_timed_in_training_is_priced_at_its_own_time() -> None:
+    # calibrate.TrainingRates hands the cost model each timed chunk's own device-step seconds
+    # (Problem.device_step_s): that chunk's copies take them, the others keep the rate.
+    problem = make_problem(11, n_blocks=4, cpu_adam_params_per_s=0.2e9, h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9,
+                           duplex_bytes_per_s=100e9)
+    problem = dataclasses.replace(problem, machine=dataclasses.replace(problem.machine, device_step_bytes_per_s=40e9))
+    base = CostModel(problem)
+    n = base.n_chunks
+    # its own time as the rate prices it: nothing changes
+    same = CostModel(dataclasses.replace(problem, device_step_s=[(0, base.dev_out_s[0])]))
+    assert same.dev_out_s == base.dev_out_s and same.dev_in_s == pytest.approx(base.dev_in_s)
+    # chunk 0 timed at 3x: its copies in and out 3x, the other chunks as before
+    slow = CostModel(dataclasses.replace(problem, device_step_s=((0, 3 * base.dev_out_s[0]),)))
+    assert slow.dev_out_s[0] == pytest.approx(3 * base.dev_out_s[0]) and slow.dev_in_s[0] == pytest.approx(3 * base.dev_in_s[0])
+    assert slow.dev_out_s[1:] == base.dev_out_s[1:] and slow.dev_in_s[1:] == base.dev_in_s[1:]
+    b = base.buffer_range(0).start
+    assert slow.step_time(0, b, 0, 0, n) > base.step_time(0, b, 0, 0, n)
+    for cfg in all_configs(problem, gpu_optim=True):
+        t = base.step_time(*astuple(cfg))
+        assert same.step_time(*astuple(cfg)) == pytest.approx(t)
+        assert slow.step_time(*astuple(cfg)) >= t - 1e-12
+        assert slow.step_time(*astuple(cfg)) >= slow.device_step_bound(cfg.n_persist, cfg.n_gpu_optim) - 1e-12
+    # kept in the dump; a dump without it prices every chunk at the rate
+    timed = dataclasses.replace(problem, device_step_s=((0, 0.5), (2, 0.25)))
+    assert Problem.from_dict(json.loads(json.dumps(timed.to_dict()))) == timed
+    d = timed.to_dict()
+    d.pop("device_step_s")
+    assert Problem.from_dict(d).device_step_s == ()
+    for bad, match in (([(n, 0.1)], "out of range"), ([(0, 0.0)], "seconds > 0"), ([(0, 0.1), (0, 0.2)], "twice"),
+                       ([(0.5, 0.1)], "not \\(chunk id, seconds\\)")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(problem, device_step_s=bad)
 
 
 def test_a_device_step_does_not_hold_up_backwards_refetches() -> None:
