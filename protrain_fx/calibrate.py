@@ -78,7 +78,8 @@ class TrainingRates:
         if self.device_step_bytes_per_s:
             changes["device_step_bytes_per_s"] = self.device_step_bytes_per_s
         timed = self.device_step_s or problem.device_step_s
-        return dataclasses.replace(problem, machine=dataclasses.replace(problem.machine, **changes), device_step_s=timed)
+        machine = dataclasses.replace(problem.machine, **changes)
+        return dataclasses.replace(problem, machine=machine, device_step_s=timed)
 
     def line(self, problem: Problem, config: Config) -> str:
         """One log line: the rates against the profile's, and ``config``'s step predicted at them."""
@@ -127,7 +128,8 @@ class RateWindow:
                     rates.append((model.dev_in_bytes[k] if k >= lean_from else model.dev_out_bytes[k]) / s)
                     by_chunk.setdefault(k, []).append(s)
             rate = statistics.median(rates) if rates else 0.0
-        return TrainingRates(cpu_params=cpu_params, cpu_s=cpu_s, device_steps=tuple(timed), device_step_bytes_per_s=rate,
+        return TrainingRates(cpu_params=cpu_params, cpu_s=cpu_s, device_steps=tuple(timed),
+                             device_step_bytes_per_s=rate,
                              device_step_s=tuple((k, statistics.median(s)) for k, s in sorted(by_chunk.items())))
 
 

@@ -503,7 +503,8 @@ def test_a_device_step_timed_in_training_is_priced_at_its_own_time() -> None:
     assert same.dev_out_s == base.dev_out_s and same.dev_in_s == pytest.approx(base.dev_in_s)
     # chunk 0 timed at 3x: its copies in and out 3x, the other chunks as before
     slow = CostModel(dataclasses.replace(problem, device_step_s=((0, 3 * base.dev_out_s[0]),)))
-    assert slow.dev_out_s[0] == pytest.approx(3 * base.dev_out_s[0]) and slow.dev_in_s[0] == pytest.approx(3 * base.dev_in_s[0])
+    assert slow.dev_out_s[0] == pytest.approx(3 * base.dev_out_s[0])
+    assert slow.dev_in_s[0] == pytest.approx(3 * base.dev_in_s[0])
     assert slow.dev_out_s[1:] == base.dev_out_s[1:] and slow.dev_in_s[1:] == base.dev_in_s[1:]
     b = base.buffer_range(0).start
     assert slow.step_time(0, b, 0, 0, n) > base.step_time(0, b, 0, 0, n)
