@@ -19,8 +19,9 @@ So the runtime's own work is timed while the user trains. Between the starts of 
 At the window's end the rates are kept in the device's profile file
 (``profiler.note_training_rates``) and later plans on this machine are priced at them
 (``profiler.training_rates``: a restart, another budget or model, a new input shape). The running
-plan's step is predicted again at these rates and logged beside the measured step period
-(:class:`TrainingRates`).
+plan's step is predicted again at these rates, each timed chunk's device step at its own median
+time (``cost.Problem.device_step_s``: the one issued last in backward runs longer than the rest),
+and logged beside the measured step period (:class:`TrainingRates`).
 
 Then the one count the running step can change is chosen again at these rates:
 ``n_gpu_optim``, which offloaded chunks the CPU steps and which stream through the device

@@ -39,7 +39,8 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   backward step starts (one block ahead) and after its offload ended. A checkpoint block adds
   ``recompute_s`` (``recompute_chained_s`` when the next block is checkpointed too). When a step
   ends, the gradients of the runs it finishes enter the D2H queue; when a chunk's last gradient
-  lands, CPU Adam runs on it (``n_params / cpu_adam_params_per_s``, one chunk at a time). GPU Adam of the persistent chunks runs after backward on the GPU stream.
+  lands, CPU Adam runs on it (``n_params / cpu_adam_params_per_s``, one chunk at a time). GPU Adam
+  of the persistent chunks runs after backward on the GPU stream.
 * Link: a copy runs at the one-way rate, or at ``min(one-way, duplex_bytes_per_s / 2)`` when the other
   direction is busy. "Busy" is decided on a static reference timeline (compute only, no recompute):
   a copy is shared when its reference interval (issued one step before use, lasting bytes / one-way
