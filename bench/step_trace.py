@@ -1,0 +1,189 @@
+"""Where a step's device time goes, measured against the cost model's estimate, per kind of work.
+
+    python bench/step_trace.py --size 760M [--batch 8 --seq 1024 --steps 3 --json out.json]
+
+Runs B24 ``size`` through ``torch.compile(backend="protrain")`` with the empty plan (what the
+automatic plan runs when everything fits: Inductor codegen, parameters kept), traces ``--steps``
+steps with ``torch.profiler`` (a device sync after the forward, so kernels split into forward and
+backward by their start), and sums the kernels' device time per kind: matrix products (cuBLAS),
+attention, Inductor's generated kernels, other. Beside it, the estimate the cost model prices the
+same graphs at (``profiler._node_times`` with the fused roofline and the measured op times, as
+``profiler.problem_from_record`` does): the timed ops split into products and attention, the rest
+(the fused roofline). The question it answers: do the products run faster inside the step than
+measured alone, or is the fused roofline high. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+KINDS = ("products", "attention", "generated", "other")
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of work of a CUDA kernel, from its name."""
+    low = name.lower()
+    if "flash" in low or "fmha" in low or "attention" in low or "sdpa" in low:
+        return "attention"
+    if low.startswith("triton") or "triton_" in low:
+        return "generated"
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm100_", "splitk")):
+        return "products"
+    return "other"
+
+
+def node_kind(target: str) -> str:
+    """The kind of work of a timed graph node (one with a measured op time)."""
+    return "attention" if "attention" in target or "sdpa" in target else "products"
+
+
+def estimate(record, machine, op_times) -> dict:
+    """The estimate's seconds per phase and kind (nodes with a FLOP formula are products or attention,
+    measured when ``op_times`` has them; the rest is the fused roofline), and node counts."""
+    from protrain_fx.opprofile import op_signature
+    from protrain_fx.profiler import _node_times
+
+    out: dict = {}
+    for phase, graph in (("forward", record.forward), ("backward", record.backward)):
+        nodes = [n for n in graph.graph.nodes if n.op not in ("placeholder", "output")]
+        times = _node_times(nodes, machine, fused=True, op_times=op_times)
+        sums = dict.fromkeys(KINDS, 0.0)
+        counts = dict.fromkeys(KINDS, 0)
+        timed = 0
+        for n, t in times.items():
+            sig = op_signature(n)
+            kind = node_kind(str(n.target)) if sig is not None else "generated"
+            sums[kind] += t
+            counts[kind] += 1
+            timed += sig is not None and bool(op_times) and sig in op_times
+        out[phase] = {"seconds": sums, "nodes": counts, "timed_nodes": timed}
+    return out
+
+
+def trace(step_parts, steps: int) -> dict:
+    """Kernel device seconds per phase and kind, the medians over ``steps`` traced steps; and the
+    phases' wall times."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    walls = {"forward": [], "backward": [], "optimizer": []}
+    marks = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.profiler.record_function("pt_forward"):
+                loss = step_parts["forward"]()
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            with torch.profiler.record_function("pt_backward"):
+                loss.backward()
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            with torch.profiler.record_function("pt_optimizer"):
+                step_parts["optimizer"]()
+                torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            walls["forward"].append(t1 - t0)
+            walls["backward"].append(t2 - t1)
+            walls["optimizer"].append(t3 - t2)
+    events = prof.events()
+    for e in events:
+        if e.name in ("pt_forward", "pt_backward", "pt_optimizer") and e.device_type == torch.autograd.DeviceType.CPU:
+            marks.append((e.time_range.start, e.time_range.end, e.name.removeprefix("pt_")))
+    marks.sort()
+    per: dict = {p: {k: 0.0 for k in KINDS} for p in walls}
+    names: dict = {p: {} for p in walls}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start = e.time_range.start
+        phase = next((p for s, end, p in marks if s <= start <= end), None)
+        if phase is None:
+            continue
+        dur = e.time_range.elapsed_us() * 1e-6
+        kind = kernel_kind(e.name)
+        per[phase][kind] += dur / steps
+        names[phase][e.name] = names[phase].get(e.name, 0.0) + dur / steps
+    top = {p: sorted(v.items(), key=lambda kv: -kv[1])[:12] for p, v in names.items()}
+    return {"kernels_s": per, "wall_s": {p: statistics.median(v) for p, v in walls.items()}, "top_kernels": top}
+
+
+def main() -> None:
+    import torch
+
+    import peers
+    from protrain_fx import capture
+    from protrain_fx import machine as machines
+    from protrain_fx.backend import register
+    from protrain_fx.profiler import device_op_times
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", default="760M")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("step_trace.py needs CUDA")
+    register()
+    capture.reset()
+    with torch.device("cuda"):
+        model = peers.build_model(args.size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    run = torch.compile(model, backend="protrain", options={"auto_plan": False})
+    idx, targets = peers.make_batch(args.size, args.batch, args.seq, "cuda")
+    loss_fn = peers._loss_fn(run, args.size)
+
+    def forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return loss_fn(idx, targets)
+
+    def opt():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # compile, then warm
+        forward().backward()
+        opt()
+    torch.cuda.synchronize()
+    measured = trace({"forward": forward, "optimizer": opt}, args.steps)
+    record = next(g for g in capture.captured_graphs() if g.backward is not None)
+    machine = machines.machine_for(torch.device("cuda"))
+    op_times = device_op_times(record)
+    est = estimate(record, machine, op_times)
+    result = {"size": args.size, "batch": args.batch, "seq": args.seq, "device": torch.cuda.get_device_name(),
+              "measured": measured, "estimate": est}
+    print(f"{args.size} B{args.batch}x{args.seq} on {result['device']}: ms per step (median of {args.steps})")
+    print(f"{'phase':10} {'kind':10} {'kernels':>9} {'estimate':>9}")
+    for phase in ("forward", "backward"):
+        for kind in KINDS:
+            m = measured["kernels_s"][phase][kind] * 1e3
+            e = est[phase]["seconds"][kind] * 1e3
+            print(f"{phase:10} {kind:10} {m:9.2f} {e:9.2f}")
+        m = sum(measured["kernels_s"][phase].values()) * 1e3
+        e = sum(est[phase]["seconds"].values()) * 1e3
+        print(f"{phase:10} {'sum':10} {m:9.2f} {e:9.2f}   wall {measured['wall_s'][phase] * 1e3:.2f}")
+    print(f"optimizer kernels {sum(measured['kernels_s']['optimizer'].values()) * 1e3:.2f} ms, "
+          f"wall {measured['wall_s']['optimizer'] * 1e3:.2f}")
+    for phase, top in measured["top_kernels"].items():
+        print(f"\n{phase}: largest kernels")
+        for name, s in top:
+            print(f"  {s * 1e3:8.3f} ms  {kernel_kind(name):9}  {name[:110]}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
