@@ -105,7 +105,9 @@ def trace(step_parts, steps: int) -> dict:
     per: dict = {p: {k: 0.0 for k in KINDS} for p in walls}
     names: dict = {p: {} for p in walls}
     for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+        # the record_function ranges show on the device too (as annotations): not kernels
+        if (e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False)
+                or e.name.startswith(("pt_", "Optimizer.step#"))):
             continue
         start = e.time_range.start
         phase = next((p for s, end, p in marks if s <= start <= end), None)
