@@ -6,8 +6,10 @@
 ``opprofile.measure_op_times`` had timed them, and 350M's 25-36% (H200, 2026-12-02). This times a
 few of those products (B24 350M's and 760M's linear layers, bf16, bias fused) under four conditions:
 
-* ``profiler``: as ``opprofile._time_node`` does (clocks warmed 0.2 s, then 5 calls back to back
+* ``profiler``: as ``opprofile._time_node`` did (clocks warmed 0.2 s, then 5 calls back to back
   between two events, three times, the median of the means);
+* ``prefilled``: the same with the GPU kept busy (``torch.cuda._sleep``) while the calls are queued,
+  so that the start event does not wait for the first call's launch;
 * ``kernel``: the same calls traced with ``torch.profiler``: the kernels' own device time (no launch
   gaps between them);
 * ``interleaved``: each call after a memory-bound kernel (a 256 MiB in-place scale), timed alone
@@ -42,8 +44,10 @@ SHAPES = [
 ]
 
 
-def _events_s(fn, repeat: int) -> float:
+def _events_s(fn, repeat: int, prefill: bool = False) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if prefill:  # the GPU busy while the calls are queued: the events see no launch latency
+        torch.cuda._sleep(2_000_000)
     start.record()
     for _ in range(repeat):
         fn()
@@ -76,12 +80,14 @@ def main() -> None:
         op()
         _warm_clocks(device)
         profiler = statistics.median(_events_s(op, 5) for _ in range(3))
+        prefilled = statistics.median(_events_s(op, 5, prefill=True) for _ in range(3))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(15):
                 op()
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and not getattr(e, "is_user_annotation", False)]
+        kernels = [e for e in kernels if not e.name.startswith("Memset")]  # cuBLASLt's workspace memsets
         kernel = statistics.median(e.time_range.elapsed_us() * 1e-6 for e in kernels) if kernels else 0.0
         names = sorted({e.name for e in kernels})
         inter = []
@@ -90,9 +96,9 @@ def main() -> None:
             inter.append(_events_s(op, 1))
         burst = _events_s(op, 200)
         flops = 2 * m * k * n
-        out[name] = {"profiler_s": profiler, "kernel_s": kernel, "interleaved_s": statistics.median(inter[5:]),
+        out[name] = {"profiler_s": profiler, "prefilled_s": prefilled, "kernel_s": kernel, "interleaved_s": statistics.median(inter[5:]),
                      "burst_s": burst, "flops": flops, "kernels": names}
-        print(f"{name}: profiler {profiler * 1e6:7.1f} us, kernel {kernel * 1e6:7.1f}, interleaved "
+        print(f"{name}: profiler {profiler * 1e6:7.1f} us, prefilled {prefilled * 1e6:7.1f}, kernel {kernel * 1e6:7.1f}, interleaved "
               f"{statistics.median(inter[5:]) * 1e6:7.1f}, burst {burst * 1e6:7.1f} "
               f"({flops / profiler / 1e12:.0f} / {flops / max(kernel, 1e-12) / 1e12:.0f} / "
               f"{flops / statistics.median(inter[5:]) / 1e12:.0f} / {flops / burst / 1e12:.0f} TFLOP/s)  {names}",
