@@ -1,0 +1,65 @@
+"""bench/step_trace.py without a GPU: how it names kernels' kinds of work, and how it splits the cost
+model's estimate of a captured step into the same kinds."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx import capture
+from protrain_fx import machine as machines
+from protrain_fx.backend import register
+from protrain_fx.opprofile import op_signature
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # step_trace imports peers from there
+_SPEC = importlib.util.spec_from_file_location("bench_step_trace", ROOT / "bench" / "step_trace.py")
+step_trace = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(step_trace)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [  # kernels of B24 760M's compiled step on the H200 (2026-12-02)
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", "products"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0",
+         "attention"),
+        ("triton_per_fused__to_copy_add_native_layer_norm_backward_view_9", "generated"),
+        ("void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float>>", "other"),
+        ("Memset (Device)", "other"),
+    ],
+)
+def test_kernel_kind(name, kind):
+    assert step_trace.kernel_kind(name) == kind
+
+
+def test_estimate_splits_the_step_by_kind():
+    register()
+    capture.reset()
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    run = torch.compile(model, backend="protrain", options={"auto_plan": False, "codegen": "eager"})
+    idx, targets = random_batch(gpt_config("tiny"), 2, 32)
+    run(idx, targets).backward()
+    record = next(g for g in capture.captured_graphs() if g.backward is not None)
+    machine = machines.H200
+    plain = step_trace.estimate(record, machine, None)
+    for phase, graph in (("forward", record.forward), ("backward", record.backward)):
+        nodes = [n for n in graph.graph.nodes if n.op not in ("placeholder", "output")]
+        assert sum(plain[phase]["nodes"].values()) == len(nodes)
+        assert plain[phase]["seconds"]["products"] > 0 and plain[phase]["seconds"]["generated"] > 0
+        assert plain[phase]["timed_nodes"] == 0
+    # a measured time for every product: those nodes' seconds become it, counted as products
+    nodes = [n for g in (record.forward, record.backward) for n in g.graph.nodes]
+    op_times = {sig: 1.0 for n in nodes if (sig := op_signature(n)) is not None}
+    timed = step_trace.estimate(record, machine, op_times)
+    for phase in ("forward", "backward"):
+        products = timed[phase]["nodes"]["products"] + timed[phase]["nodes"]["attention"]
+        assert timed[phase]["timed_nodes"] == products > 0
+        assert timed[phase]["seconds"]["products"] == pytest.approx(timed[phase]["nodes"]["products"])
+        assert timed[phase]["seconds"]["generated"] == pytest.approx(plain[phase]["seconds"]["generated"])
