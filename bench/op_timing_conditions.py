@@ -6,7 +6,7 @@
 ``opprofile.measure_op_times`` had timed them, and 350M's 25-36% (H200, 2026-12-02). This times a
 few of those products (B24 350M's and 760M's linear layers, bf16, bias fused) under four conditions:
 
-* ``profiler``: as ``opprofile._time_node`` did (clocks warmed 0.2 s, then 5 calls back to back
+* ``profiler``: as ``opprofile._time_node`` does (clocks warmed 0.2 s, then 5 calls back to back
   between two events, three times, the median of the means);
 * ``prefilled``: the same with the GPU kept busy (``torch.cuda._sleep``) while the calls are queued,
   so that the start event does not wait for the first call's launch;
