@@ -529,6 +529,7 @@ def _device_step_bytes_per_s(
 def device_step_spans(
     n: int, chunks: int = 3, repeat: int = 3, *, cpu: bool = True, beside: str | None = "matmul", priority: int = 0,
     parts: Sequence[int] = (), while_waiting: bool = False, cpu_rates: list[float] | None = None,
+    step_spans: list[float] | None = None, refetch: bool = False,
 ) -> list[float]:
     """Seconds, per round, of ``chunks`` chunks of ``n`` fp32 parameters (bf16 working copies, pinned
     store) stepped through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW` one after another,
@@ -544,7 +545,10 @@ def device_step_spans(
     compares them). ``parts``: the sizes of each chunk's parameters (summing to ``n``; empty: one
     parameter), as a model's chunk holds its blocks' weights, biases and norms. ``cpu_rates``: a list
     that gets, per timed round, the CPU step's parameters per second over that round (its worker's
-    compute, ``ChunkAdamW.computed``). CUDA only."""
+    compute, ``ChunkAdamW.computed``). ``step_spans``: a list that gets each timed step's own span
+    (its first copy in to its last copy out, as ``calibrate.RateWindow`` times training's steps).
+    ``refetch``: before each step, copy ``n`` compute-dtype elements in from pinned memory on a
+    stream of their own (backward's re-fetch of the next chunk's working copy). CUDA only."""
     from protrain_fx.chunks import ParamInfo, pack
     from protrain_fx.runtime.chunk_store import ChunkStore
     from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
@@ -564,6 +568,10 @@ def device_step_spans(
     steps.timing = []
     grad = torch.full((n,), 1e-3, dtype=torch.bfloat16, device="cuda")  # read only: views for all
     cpu_grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    if refetch:
+        fetch_src = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+        fetch_dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        fetch_stream = torch.cuda.Stream()
 
     def grads_of(c: int, source: torch.Tensor) -> dict[str, torch.Tensor]:
         out, at = {}, 0
@@ -597,6 +605,9 @@ def device_step_spans(
                 if c and while_waiting:
                     run_beside(room)
                 steps.make_room()
+                if refetch:
+                    with torch.cuda.stream(fetch_stream):
+                        fetch_dst.copy_(fetch_src, non_blocking=True)
                 steps.step_chunk(c, grads_of(c, grad))
             last = steps.timing[-1][2]
 
@@ -607,10 +618,13 @@ def device_step_spans(
             run_beside(done)
             if i:
                 spans.append(steps.timing[0][1].elapsed_time(last) / 1e3)
+                if step_spans is not None:
+                    step_spans.extend(start.elapsed_time(end) / 1e3 for _, start, end in steps.timing)
             worker.wait_all()
             seconds, params = (a - b for a, b in zip(adam.computed, computed))
             if i and cpu_rates is not None and seconds > 0:
                 cpu_rates.append(params / seconds)
+    torch.cuda.synchronize()  # a re-fetch copy may still be reading
     del steps, grad
     torch.cuda.empty_cache()
     return spans

@@ -1,0 +1,105 @@
+"""Why the profiler's device-step rate misses training's: the same measurement
+(``profiler.device_step_spans``, beside the CPU step and matrix products) read two ways, over
+longer chains of steps, and with backward's re-fetch traffic beside it. GPU only.
+
+    python bench/device_step_chain.py [--layouts 1.3B,4.2B] [--chunks 3,6,10] [--out FILE.json]
+
+For each chunk layout (B24 GPT blocks: 1.3B's chunk is 2 blocks of width 2048, 100.7M parameters;
+4.2B's 2 blocks of width 3072, 226.6M; 24 tensors each) and each number of device-stepped chunks per
+round, it prints two rates of the bytes a step copies out (14 per parameter):
+
+* ``round``: all the round's steps over the round's span, first copy in to last copy out: what
+  ``profiler._device_step_bytes_per_s`` takes (with 3 chunks) and the cost model prices with;
+* ``step``: each step's bytes over its own span (the median over the timed steps): what
+  ``calibrate.RateWindow`` takes from training's steps.
+
+The variant ``+refetch`` copies one chunk's compute-dtype working copy in (2 bytes per parameter) on a
+stream of its own before each step, as backward re-fetches the next chunk while the steps run.
+
+The question (eighteenth session): at 4.2B's layout the profile read 45.7-46.7 GB/s on five hosts of
+six where training reached 39.2-41.8; at 1.3B's it read 34.5-35.3 where training reached 36.6-40.5.
+Longer chains use more pinned memory (``(chunks + 1) * 18`` bytes per parameter), which also tests
+whether a larger DMA working set slows the copies (training pins about 46 GB at 4.2B, the profile 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: B24 chunk layouts: 2 GPT blocks of this width per chunk (the auto plan's chunks at these sizes).
+LAYOUTS = {"1.3B": 2048, "4.2B": 3072}
+
+
+def block_parts(width: int, blocks: int = 2) -> list[int]:
+    """Parameter sizes, in order, of ``blocks`` GPT blocks of ``width``: two norms (weight, bias),
+    fused QKV weight and bias, projection weight and bias, two more norm tensors, MLP up and down
+    (``bench/device_step_rate.gpt_parts``'s order)."""
+    d = width
+    return [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d] * blocks
+
+
+def rates(n: int, chunks: int, round_spans: list[float], step_spans: list[float]) -> dict:
+    """The two rates (bytes out per second) of a measurement: ``round`` the median round's
+    ``chunks`` steps over its span, ``step`` the median step's own; and ``step_after_first`` the
+    median over steps that are not first in their round (those wait behind no earlier step)."""
+    out_bytes = 14 * n
+    later = [s for i, s in enumerate(step_spans) if i % chunks]
+    return {
+        "round": chunks * out_bytes / statistics.median(round_spans),
+        "step": out_bytes / statistics.median(step_spans),
+        "step_after_first": out_bytes / statistics.median(later) if later else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", default="1.3B,4.2B", help="comma-separated, of: " + ", ".join(LAYOUTS))
+    parser.add_argument("--chunks", default="3,6,10", help="device-stepped chunks per round, comma-separated")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--no-refetch", action="store_true", help="skip the +refetch variant (3 chunks)")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    layouts = [x for x in args.layouts.split(",") if x]
+    if unknown := [x for x in layouts if x not in LAYOUTS]:
+        sys.exit(f"device_step_chain: unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    counts = [int(x) for x in args.chunks.split(",") if x]
+    if not counts or min(counts) <= 0:
+        sys.exit(f"device_step_chain: --chunks must be positive counts, got {args.chunks!r}")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("device_step_chain: needs a GPU")
+    from protrain_fx.profiler import device_step_spans
+
+    out: dict = {"device": torch.cuda.get_device_name(), "runs": []}
+    for layout in layouts:
+        parts = block_parts(LAYOUTS[layout])
+        n = sum(parts)
+        variants = [(k, False) for k in counts] + ([] if args.no_refetch else [(min(counts), True)])
+        for k, refetch in variants:
+            t = time.perf_counter()
+            steps: list[float] = []
+            spans = device_step_spans(n, k, args.repeat, cpu=True, beside="matmul", parts=parts,
+                                      step_spans=steps, refetch=refetch)
+            run = {"layout": layout, "params": n, "chunks": k, "refetch": refetch,
+                   "round_spans_s": spans, "step_spans_s": steps, "wall_s": time.perf_counter() - t,
+                   **rates(n, k, spans, steps)}
+            out["runs"].append(run)
+            print(f"{layout:>5} chunks {k:>2}{' +refetch' if refetch else '':9}: round {run['round'] / 1e9:5.1f} GB/s, "
+                  f"step {run['step'] / 1e9:5.1f}, step after the first {run['step_after_first'] / 1e9:5.1f} "
+                  f"({run['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+            if args.out:  # after each run: a deadline keeps what was measured
+                Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
