@@ -13,8 +13,16 @@ round, it prints two rates of the bytes a step copies out (14 per parameter):
 * ``step``: each step's bytes over its own span (the median over the timed steps): what
   ``calibrate.RateWindow`` takes from training's steps.
 
-The variant ``+refetch`` copies one chunk's compute-dtype working copy in (2 bytes per parameter) on a
-stream of its own before each step, as backward re-fetches the next chunk while the steps run.
+Variants (``--variants``), each at every ``--chunks`` count:
+
+* ``plain``: the profiler's: matrix products beside the steps once the last one is issued, nothing
+  while the issuing thread waits for room for the next step;
+* ``refetch``: and one chunk's compute-dtype working copy (2 bytes per parameter) copied in on a
+  stream of its own before each step, as backward re-fetches the next chunk while the steps run;
+* ``waiting``: products also while the issuing thread waits (backward's kernels run beside every
+  step in training);
+* ``deep_waiting``: a kernel queue about 48 deep (products and memory-bound kernels), not drained
+  when the load returns, also while waiting.
 
 The question (eighteenth session): at 4.2B's layout the profile read 45.7-46.7 GB/s on five hosts of
 six where training reached 39.2-41.8; at 1.3B's it read 34.5-35.3 where training reached 36.6-40.5.
@@ -25,6 +33,7 @@ whether a larger DMA working set slows the copies (training pins about 46 GB at 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -32,6 +41,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: variant -> (what runs beside the steps, also while waiting, re-fetch copies) for ``device_step_spans``
+VARIANTS = {
+    "plain": ("matmul", False, False),
+    "refetch": ("matmul", False, True),
+    "waiting": ("matmul", True, False),
+    "deep_waiting": ("deep_kept", True, False),
+}
 
 #: B24 chunk layouts: 2 GPT blocks of this width per chunk (the auto plan's chunks at these sizes).
 LAYOUTS = {"1.3B": 2048, "4.2B": 3072}
@@ -63,12 +80,15 @@ def main() -> None:
     parser.add_argument("--layouts", default="1.3B,4.2B", help="comma-separated, of: " + ", ".join(LAYOUTS))
     parser.add_argument("--chunks", default="3,6,10", help="device-stepped chunks per round, comma-separated")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--no-refetch", action="store_true", help="skip the +refetch variant (3 chunks)")
+    parser.add_argument("--variants", default="plain,refetch", help="comma-separated, of: " + ", ".join(VARIANTS))
     parser.add_argument("--out")
     args = parser.parse_args()
     layouts = [x for x in args.layouts.split(",") if x]
     if unknown := [x for x in layouts if x not in LAYOUTS]:
         sys.exit(f"device_step_chain: unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    variants = [x for x in args.variants.split(",") if x]
+    if not variants or (unknown := [x for x in variants if x not in VARIANTS]):
+        sys.exit(f"device_step_chain: --variants must name some of: {', '.join(VARIANTS)}; got {args.variants!r}")
     counts = [int(x) for x in args.chunks.split(",") if x]
     if not counts or min(counts) <= 0:
         sys.exit(f"device_step_chain: --chunks must be positive counts, got {args.chunks!r}")
@@ -83,17 +103,17 @@ def main() -> None:
     for layout in layouts:
         parts = block_parts(LAYOUTS[layout])
         n = sum(parts)
-        variants = [(k, False) for k in counts] + ([] if args.no_refetch else [(min(counts), True)])
-        for k, refetch in variants:
+        for k, variant in itertools.product(counts, variants):
+            beside, waiting, refetch = VARIANTS[variant]
             t = time.perf_counter()
             steps: list[float] = []
-            spans = device_step_spans(n, k, args.repeat, cpu=True, beside="matmul", parts=parts,
-                                      step_spans=steps, refetch=refetch)
-            run = {"layout": layout, "params": n, "chunks": k, "refetch": refetch,
+            spans = device_step_spans(n, k, args.repeat, cpu=True, beside=beside, parts=parts,
+                                      while_waiting=waiting, step_spans=steps, refetch=refetch)
+            run = {"layout": layout, "params": n, "chunks": k, "variant": variant, "refetch": refetch,
                    "round_spans_s": spans, "step_spans_s": steps, "wall_s": time.perf_counter() - t,
                    **rates(n, k, spans, steps)}
             out["runs"].append(run)
-            print(f"{layout:>5} chunks {k:>2}{' +refetch' if refetch else '':9}: round {run['round'] / 1e9:5.1f} GB/s, "
+            print(f"{layout:>5} chunks {k:>2} {variant:>12}: round {run['round'] / 1e9:5.1f} GB/s, "
                   f"step {run['step'] / 1e9:5.1f}, step after the first {run['step_after_first'] / 1e9:5.1f} "
                   f"({run['wall_s']:.0f} s)", file=sys.stderr, flush=True)
             if args.out:  # after each run: a deadline keeps what was measured
