@@ -22,7 +22,12 @@ Variants (``--variants``), each at every ``--chunks`` count:
 * ``waiting``: products also while the issuing thread waits (backward's kernels run beside every
   step in training);
 * ``deep_waiting``: a kernel queue about 48 deep (products and memory-bound kernels), not drained
-  when the load returns, also while waiting.
+  when the load returns, also while waiting;
+* ``block`` / ``block_waiting``: in place of 8192^3 products, the kernels of one GPT block of the
+  layout's width recomputed and differentiated (B24: 8 x 1024 tokens, heads of 128; its four
+  products forward and both gradients, causal attention forward and backward, layer norm, GELU),
+  over and over: the nineteenth session found 1.3B's device steps ran 36 ms beside its own backward
+  and 40-46 ms beside 8192^3 products, so the load's own size matters.
 
 The question (eighteenth session): at 4.2B's layout the profile read 45.7-46.7 GB/s on five hosts of
 six where training reached 39.2-41.8; at 1.3B's it read 34.5-35.3 where training reached 36.6-40.5.
@@ -33,6 +38,7 @@ whether a larger DMA working set slows the copies (training pins about 46 GB at 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -42,12 +48,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-#: variant -> (what runs beside the steps, also while waiting, re-fetch copies) for ``device_step_spans``
+#: variant -> (what runs beside the steps, also while waiting, re-fetch copies) for ``device_step_spans``;
+#: ``"block"``: :func:`block_backward_until` at the layout's width
 VARIANTS = {
     "plain": ("matmul", False, False),
     "refetch": ("matmul", False, True),
     "waiting": ("matmul", True, False),
     "deep_waiting": ("deep_kept", True, False),
+    "block": ("block", False, False),
+    "block_waiting": ("block", True, False),
 }
 
 #: B24 chunk layouts: 2 GPT blocks of this width per chunk (the auto plan's chunks at these sizes).
@@ -60,6 +69,56 @@ def block_parts(width: int, blocks: int = 2) -> list[int]:
     (``bench/device_step_rate.gpt_parts``'s order)."""
     d = width
     return [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d] * blocks
+
+
+def block_backward_until(
+    done, width: int, batch: int = 8, seq: int = 1024, head_dim: int = 128, device: str = "cuda"
+) -> None:
+    """Until ``done()``: the kernels of one GPT block of ``width`` (bf16, ``batch`` x ``seq`` tokens)
+    as a checkpointed block's backward runs them, one block at a time (waiting for each): recompute
+    (QKV, causal attention, projection, layer norm, MLP up, GELU, down), then each product's two
+    gradient products, attention's backward, and GELU's and the norm's. On ``device`` (the tests
+    run it on the CPU at a small width)."""
+    import torch
+    import torch.nn.functional as F
+
+    d, t = width, batch * seq
+    heads = d // head_dim
+    kw = {"dtype": torch.bfloat16, "device": device}
+    x = torch.randn(t, d, **kw)
+    w = {"qkv": torch.randn(d, 3 * d, **kw) * d**-0.5, "proj": torch.randn(d, d, **kw) * d**-0.5,
+         "up": torch.randn(d, 4 * d, **kw) * d**-0.5, "down": torch.randn(4 * d, d, **kw) * (4 * d) ** -0.5}
+    ln_w = torch.ones(d, **kw)
+
+    def heads_of(a):
+        return a.view(batch, seq, heads, head_dim).transpose(1, 2)
+
+    while not done():
+        qkv = x @ w["qkv"]
+        q, k, v = (heads_of(c).detach().requires_grad_() for c in qkv.split(d, dim=1))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        att2 = att.detach().transpose(1, 2).reshape(t, d)
+        pre = (att2 @ w["proj"] + x).requires_grad_()
+        n = F.layer_norm(pre, (d,), ln_w)
+        h = (n.detach() @ w["up"]).requires_grad_()
+        g = F.gelu(h, approximate="tanh")
+        dout = torch.ones(t, d, **kw)
+        _ = g.detach() @ w["down"]
+        # backward: each product's two gradient products, GELU's, the norm's and attention's
+        dg = dout @ w["down"].T
+        _ = g.detach().T @ dout
+        (dh,) = torch.autograd.grad(g, h, dg)
+        dn = dh @ w["up"].T
+        _ = n.detach().T @ dh
+        (dpre,) = torch.autograd.grad(n, pre, dn)
+        datt = dpre @ w["proj"].T
+        _ = att2.T @ dpre
+        grads = torch.autograd.grad(att, (q, k, v), datt.view(batch, seq, heads, head_dim).transpose(1, 2))
+        dqkv = torch.cat([z.transpose(1, 2).reshape(t, d) for z in grads], dim=1)
+        _ = dqkv @ w["qkv"].T
+        _ = x.T @ dqkv
+        if x.is_cuda:
+            torch.cuda.current_stream().synchronize()
 
 
 def rates(n: int, chunks: int, round_spans: list[float], step_spans: list[float]) -> dict:
@@ -105,6 +164,8 @@ def main() -> None:
         n = sum(parts)
         for k, variant in itertools.product(counts, variants):
             beside, waiting, refetch = VARIANTS[variant]
+            if beside == "block":
+                beside = functools.partial(block_backward_until, width=LAYOUTS[layout])
             t = time.perf_counter()
             steps: list[float] = []
             spans = device_step_spans(n, k, args.repeat, cpu=True, beside=beside, parts=parts,

@@ -527,7 +527,8 @@ def _device_step_bytes_per_s(
 
 
 def device_step_spans(
-    n: int, chunks: int = 3, repeat: int = 3, *, cpu: bool = True, beside: str | None = "matmul", priority: int = 0,
+    n: int, chunks: int = 3, repeat: int = 3, *, cpu: bool = True,
+    beside: str | Callable[[Callable[[], bool]], None] | None = "matmul", priority: int = 0,
     parts: Sequence[int] = (), while_waiting: bool = False, cpu_rates: list[float] | None = None,
     step_spans: list[float] | None = None, refetch: bool = False,
 ) -> list[float]:
@@ -539,7 +540,8 @@ def device_step_spans(
     (:func:`_matmuls_until`, backward's kernels), ``"deep"`` (:func:`_deep_queue_until`: products and
     memory-bound kernels, the queue kept full), ``"deep_kept"`` (the same, its queue left to run when
     it returns), ``"launch"`` (:func:`_launch_until`, the training
-    loop's launches) or nothing; with ``while_waiting``, also while the issuing thread waits for room
+    loop's launches), nothing, or a function of its own that takes ``done`` and returns once
+    ``done()`` is true (``bench/device_step_chain.py``: a GPT block's backward); with ``while_waiting``, also while the issuing thread waits for room
     for the next step (as backward goes on meanwhile; without it, nothing runs beside the first step
     while the third waits for it). ``priority``: the update stream's (``bench/device_step_rate.py``
     compares them). ``parts``: the sizes of each chunk's parameters (summing to ``n``; empty: one
@@ -580,8 +582,9 @@ def device_step_spans(
             at += size
         return out
 
-    run_beside = {"matmul": _matmuls_until, "deep": _deep_queue_until, "launch": _launch_until,
-                  "deep_kept": functools.partial(_deep_queue_until, drain=False), None: _sync_until}[beside]
+    run_beside = beside if callable(beside) else {
+        "matmul": _matmuls_until, "deep": _deep_queue_until, "launch": _launch_until,
+        "deep_kept": functools.partial(_deep_queue_until, drain=False), None: _sync_until}[beside]
     spans = []
     with OptimizerWorker(adam.step_chunk) as worker:
 

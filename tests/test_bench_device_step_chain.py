@@ -28,3 +28,21 @@ def test_round_and_step_rates():
     assert got["step_after_first"] == pytest.approx(14 * n / 2.0)
     one = chain.rates(n, 1, [1.0], [1.0])
     assert one["step_after_first"] == 0.0  # no step waits behind another
+
+
+def test_block_load_runs_a_whole_block_backward_until_done():
+    # a shape mistake in any of its products or gradients raises here
+    calls = []
+
+    def done():
+        calls.append(1)
+        return len(calls) > 2
+
+    chain.block_backward_until(done, width=128, batch=2, seq=16, head_dim=32, device="cpu")
+    assert len(calls) == 3  # two blocks, then done
+
+
+def test_every_variant_is_known_to_the_profiler_or_the_block_load():
+    for beside, waiting, refetch in chain.VARIANTS.values():
+        assert beside in ("matmul", "deep_kept", "block")
+        assert isinstance(waiting, bool) and isinstance(refetch, bool)
