@@ -540,10 +540,10 @@ def device_step_spans(
     (:func:`_matmuls_until`, backward's kernels), ``"deep"`` (:func:`_deep_queue_until`: products and
     memory-bound kernels, the queue kept full), ``"deep_kept"`` (the same, its queue left to run when
     it returns), ``"launch"`` (:func:`_launch_until`, the training
-    loop's launches), nothing, or a function of its own that takes ``done`` and returns once
-    ``done()`` is true (``bench/device_step_chain.py``: a GPT block's backward); with ``while_waiting``, also while the issuing thread waits for room
-    for the next step (as backward goes on meanwhile; without it, nothing runs beside the first step
-    while the third waits for it). ``priority``: the update stream's (``bench/device_step_rate.py``
+    loop's launches), nothing, or a function of the caller's that takes ``done`` and returns once
+    ``done()`` is true (``bench/device_step_chain.py``: a GPT block's backward); with
+    ``while_waiting``, also while the issuing thread waits for room for the next step (as backward
+    goes on meanwhile; without it, nothing runs beside the first step while the third waits for it). ``priority``: the update stream's (``bench/device_step_rate.py``
     compares them). ``parts``: the sizes of each chunk's parameters (summing to ``n``; empty: one
     parameter), as a model's chunk holds its blocks' weights, biases and norms. ``cpu_rates``: a list
     that gets, per timed round, the CPU step's parameters per second over that round (its worker's
