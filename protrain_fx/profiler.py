@@ -544,8 +544,9 @@ def device_step_spans(
     ``done()`` is true (``bench/device_step_chain.py``: a GPT block's backward); with
     ``while_waiting``, also while the issuing thread waits for room for the next step (as backward
     goes on meanwhile; without it, nothing runs beside the first step while the third waits for it).
-    ``priority``: the update stream's (``bench/device_step_rate.py`` compares them). ``parts``: the sizes of each chunk's parameters (summing to ``n``; empty: one
-    parameter), as a model's chunk holds its blocks' weights, biases and norms. ``cpu_rates``: a list
+    ``priority``: the update stream's (``bench/device_step_rate.py`` compares them). ``parts``: the
+    sizes of each chunk's parameters (summing to ``n``; empty: one parameter), as a model's chunk
+    holds its blocks' weights, biases and norms. ``cpu_rates``: a list
     that gets, per timed round, the CPU step's parameters per second over that round (its worker's
     compute, ``ChunkAdamW.computed``). ``step_spans``: a list that gets each timed step's own span
     (its first copy in to its last copy out, as ``calibrate.RateWindow`` times training's steps).
