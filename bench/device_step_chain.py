@@ -33,6 +33,11 @@ The question (eighteenth session): at 4.2B's layout the profile read 45.7-46.7 G
 six where training reached 39.2-41.8; at 1.3B's it read 34.5-35.3 where training reached 36.6-40.5.
 Longer chains use more pinned memory (``(chunks + 1) * 18`` bytes per parameter), which also tests
 whether a larger DMA working set slows the copies (training pins about 46 GB at 4.2B, the profile 16).
+
+What it found (nineteenth session, ``docs/results.md``): longer chains read higher, not lower (more
+of their steps run with nothing beside them); with products beside, none of ``plain``, ``waiting``,
+``deep_waiting`` and ``refetch`` read like training at both layouts (at 1.3B's all read 8-12% low on
+the host where both layouts trained). ``block`` and ``block_waiting`` came after and have not run.
 """
 
 from __future__ import annotations
