@@ -69,11 +69,11 @@ LAYOUTS = {"1.3B": 2048, "4.2B": 3072}
 
 
 def block_parts(width: int, blocks: int = 2) -> list[int]:
-    """Parameter sizes, in order, of ``blocks`` GPT blocks of ``width``: two norms (weight, bias),
-    fused QKV weight and bias, projection weight and bias, two more norm tensors, MLP up and down
-    (``bench/device_step_rate.gpt_parts``'s order)."""
-    d = width
-    return [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d] * blocks
+    """Parameter sizes, in order, of ``blocks`` GPT blocks of ``width``
+    (``bench/device_step_rate.gpt_parts``'s block: norms, QKV, projection, MLP)."""
+    from bench.device_step_rate import gpt_parts
+
+    return gpt_parts(1, width) * blocks  # one block fills at least one parameter
 
 
 def block_backward_until(

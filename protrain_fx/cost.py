@@ -504,10 +504,10 @@ class CostModel:
         self._d2h_dev = d2h_shared
         self.dev_in_s = [x / h2d_shared for x in self.dev_in_bytes]
         self.dev_out_s = [x / d2h_shared for x in self.dev_out_bytes]  # a lean chunk's: _PerPersist.dev_out_s
-        for k, seconds in p.device_step_s:  # timed in training: that chunk's own time, its copies in alike
+        for k, seconds in p.device_step_s:  # timed in training: its copies in scaled as its step
             if self.dev_out_s[k] > 0:
                 self.dev_in_s[k] *= seconds / self.dev_out_s[k]
-            self.dev_out_s[k] = seconds
+        self.dev_out_s = self.timed_steps(self.dev_out_s)
 
         # Static reference timeline (compute only, no recompute) and the copies' reference intervals.
         fs = [0.0] * (N + 1)
@@ -714,6 +714,12 @@ class CostModel:
     def gpu_adam_time(self, n_persist: int) -> float:
         """Seconds of GPU Adam of the persistent chunks in a step."""
         return self._gpu_before[n_persist]
+
+    def timed_steps(self, dev_out_s: list[float]) -> list[float]:
+        """``dev_out_s`` (seconds per chunk of its device step's copies out) with each chunk timed in
+        training (:attr:`Problem.device_step_s`) at its own seconds."""
+        timed = dict(self.problem.device_step_s)
+        return [timed.get(k, x) for k, x in enumerate(dev_out_s)]
 
     def device_step_bound(self, n_persist: int, n_gpu_optim: int) -> float:
         """A lower bound of the step time of every config with these two counts: the device steps'
@@ -976,9 +982,7 @@ class _PerPersist:
             dev_out_bytes = [
                 x if c >= lean_from else y for c, (x, y) in enumerate(zip(m.dev_in_bytes, m.dev_out_bytes))
             ]
-            dev_out_s = [x / m._d2h_dev for x in dev_out_bytes]
-            for k, seconds in m.problem.device_step_s:  # timed in training (CostModel.__init__)
-                dev_out_s[k] = seconds
+            dev_out_s = m.timed_steps([x / m._d2h_dev for x in dev_out_bytes])
         else:
             fetch_bytes, h_d1, h_d2, dev_out_bytes, dev_out_s = m.run_bytes, m.h_d1, m.h_d2, m.dev_out_bytes, m.dev_out_s
 
