@@ -62,6 +62,7 @@ VARIANTS = {
     "deep_waiting": ("deep_kept", True, False),
     "block": ("block", False, False),
     "block_waiting": ("block", True, False),
+    "ops": ("ops", False, False),
 }
 
 #: B24 chunk layouts: 2 GPT blocks of this width per chunk (the auto plan's chunks at these sizes).
@@ -126,6 +127,21 @@ def block_backward_until(
             torch.cuda.current_stream().synchronize()
 
 
+def block_nodes(width: int, device: str = "cuda", **shape: int) -> list:
+    """The nodes of one pass of :func:`block_backward_until` at ``width`` (and its other ``shape``
+    arguments), traced (``make_fx``, fake tensors): what ``opprofile.compute_load`` builds the
+    profiler's load from, as it does from a captured model's forward and backward graphs."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def once(x):
+        flags = iter([False, True])
+        block_backward_until(lambda: next(flags), width=width, device=device, **shape)
+        return x
+
+    return list(make_fx(once, tracing_mode="fake")(torch.zeros(1, device=device)).graph.nodes)
+
+
 def rates(n: int, chunks: int, round_spans: list[float], step_spans: list[float]) -> dict:
     """The two rates (bytes out per second) of a measurement: ``round`` the median round's
     ``chunks`` steps over its span, ``step`` the median step's own; and ``step_after_first`` the
@@ -161,6 +177,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("device_step_chain: needs a GPU")
+    from protrain_fx.opprofile import compute_load
     from protrain_fx.profiler import device_step_spans
 
     out: dict = {"device": torch.cuda.get_device_name(), "runs": []}
@@ -171,6 +188,8 @@ def main() -> None:
             beside, waiting, refetch = VARIANTS[variant]
             if beside == "block":
                 beside = functools.partial(block_backward_until, width=LAYOUTS[layout])
+            elif beside == "ops":  # the profiler's load: the block's products and attention only
+                beside = compute_load(block_nodes(LAYOUTS[layout]), "cuda")[0]
             t = time.perf_counter()
             steps: list[float] = []
             spans = device_step_spans(n, k, args.repeat, cpu=True, beside=beside, parts=parts,

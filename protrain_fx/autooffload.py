@@ -214,12 +214,15 @@ def offload_machine(
     with the CPU Adam rate measured the same way (the one rate a CPU step depends on). With
     ``chunk_params``, the CPU Adam rate is that of chunks of this size (``profiler.chunk_adam_rate``,
     cached per size): the rate fell with the chunk's size. With ``parts`` (:func:`chunk_parts`),
-    on CUDA, the device-step rate is that of chunks laid out so (``profiler.device_step_rate``, cached
-    per layout): one tensor of 64M parameters read 15% above what training reached."""
+    on CUDA, the device-step rate is that of chunks laid out so, stepped beside the model's own
+    matrix and attention kernels (``profiler.device_step_rate``, cached per layout and load): one
+    tensor of 64M parameters read 15% above what training reached."""
     measured = measure_machine(device)
     if chunk_params:
         measured = dataclasses.replace(measured, cpu_adam_params_per_s=chunk_adam_rate(device, chunk_params))
-    if device.type == "cuda" and parts and (rate := device_step_rate(device, parts)):
+    graphs = [g for g in (record.forward, record.backward) if g is not None]
+    load_nodes = [node for g in graphs for node in g.graph.nodes]  # beside the steps: the model's own kernels
+    if device.type == "cuda" and parts and (rate := device_step_rate(device, parts, load_nodes=load_nodes)):
         log.info("protrain_fx: graph %d: device_step_bytes_per_s %.4g, measured on this model's chunk layout "
                  "(%.4g on one tensor)", record.index, rate, measured.device_step_bytes_per_s)
         measured = dataclasses.replace(measured, device_step_bytes_per_s=rate)

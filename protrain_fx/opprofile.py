@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -197,17 +197,24 @@ def _warm_clocks(device: torch.device) -> None:
     del a
 
 
-def _real_args(value: Any, device: torch.device) -> Any:
-    """``value`` with every node replaced by a real tensor (or number) like its traced value."""
+def _real_args(value: Any, device: torch.device, pool: dict[str, torch.Tensor] | None = None) -> Any:
+    """``value`` with every node replaced by a real tensor (or number) like its traced value. With
+    ``pool``, tensors of one shape, stride, dtype and device are made once and shared (keyed by
+    :func:`_describe`): :func:`compute_load` keeps many ops' inputs at once."""
     if isinstance(value, fx.Node):
-        return _real_args(value.meta["val"], device)
+        return _real_args(value.meta["val"], device, pool)
     if isinstance(value, torch.Tensor):
-        return _real_tensor(value, device)
+        if pool is None:
+            return _real_tensor(value, device)
+        key = _describe(value)
+        if key not in pool:
+            pool[key] = _real_tensor(value, device)
+        return pool[key]
     if isinstance(value, (list, tuple)):  # plain lists and tuples (fx keeps immutable ones)
-        items = [_real_args(v, device) for v in value]
+        items = [_real_args(v, device, pool) for v in value]
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
-        return {k: _real_args(v, device) for k, v in value.items()}
+        return {k: _real_args(v, device, pool) for k, v in value.items()}
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return _concrete_scalar(value)
     return value
@@ -229,6 +236,63 @@ def _real_tensor(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
     else:
         flat = torch.zeros(extent, dtype=dtype, device=dev)
     return flat.as_strided(shape, stride)
+
+
+#: Most bytes of inputs :func:`compute_load` keeps on the device (its ops' outputs come and go).
+LOAD_MAX_BYTES = 1 << 30
+
+
+def compute_load(
+    nodes: Iterable[fx.Node], device: torch.device | str, *, max_bytes: int = LOAD_MAX_BYTES
+) -> tuple[Callable[[Callable[[], bool]], None], list[str]] | None:
+    """A stand-in for a model's own kernels, to run beside a measurement: ``(load, signatures)``,
+    where ``load(done)`` runs each distinct compute-bound call of ``nodes`` (:func:`op_signature`:
+    matrix products, attention, convolutions) once, in the order of the nodes, on real inputs of
+    the traced shapes (made once, inputs of one shape shared, at most ``max_bytes`` of them), over and
+    over until ``done()``, waiting for the device after each pass; ``signatures`` are the calls it
+    runs. ``None`` when no call can run (none has a signature, or each raised when tried once here,
+    as out of memory would).
+
+    Why: the device steps of offloaded chunks (``profiler.device_step_rate``) share the GPU with
+    backward's kernels, and how long they take depends on those kernels' sizes. B24 1.3B's chunk
+    steps read 35.7 GB/s beside 8192^3 products and 40.6 beside a GPT block's own recompute and
+    backward, where its training reached 40.3 (H200, 2026-12-02, ``bench/device_step_chain.py``)."""
+    device = torch.device(device)
+    first: dict[str, fx.Node] = {}
+    for node in nodes:
+        sig = op_signature(node)
+        if sig is not None:
+            first.setdefault(sig, node)
+    pool: dict[str, torch.Tensor] = {}
+    calls: list[tuple[Any, tuple, dict]] = []
+    names: list[str] = []
+    with unset_fake_temporarily(), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        for sig, node in first.items():
+            kept = dict(pool)
+            try:
+                args, kwargs = _real_args((node.args, dict(node.kwargs)), device, pool)
+                if sum(t.untyped_storage().nbytes() for t in pool.values()) > max_bytes:
+                    pool = kept  # this call's new inputs would pass the limit: left out
+                    continue
+                node.target(*args, **kwargs)  # once: it runs (and warms its kernel selection)
+            except Exception as exc:  # noqa: BLE001 - any failure: this call is left out of the load
+                log.debug("protrain_fx: load leaves out %s: %s: %s", sig, type(exc).__name__, exc)
+                pool = kept
+                continue
+            calls.append((node.target, args, kwargs))
+            names.append(sig)
+    if not calls:
+        return None
+
+    def load(done: Callable[[], bool]) -> None:
+        with unset_fake_temporarily(), torch.no_grad(), torch.autocast(device.type, enabled=False):
+            while not done():
+                for op, args, kwargs in calls:
+                    op(*args, **kwargs)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+
+    return load, names
 
 
 def _read(path: Path) -> dict[str, float]:
@@ -254,4 +318,4 @@ def _write(path: Path, times: dict[str, float], device: torch.device) -> None:
     })
 
 
-__all__ = ["measure_op_times", "op_signature", "ops_cache_path"]
+__all__ = ["compute_load", "measure_op_times", "op_signature", "ops_cache_path"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +41,14 @@ from protrain_fx import chunks as chunks_mod
 from protrain_fx import cost, meta
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
-from protrain_fx.opprofile import measure_op_times, op_signature
+from protrain_fx.opprofile import compute_load, measure_op_times, op_signature
 from protrain_fx.passes.estimate import fused_node_times, node_time
 from protrain_fx.passes.memory import _output_args, default_granule
 from protrain_fx.passes.params import parameter_infos
 
 MiB = 2**20
 #: Version of the machine cache file; a file of another version is measured again.
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 #: Default sizes of the measurements (``measure_machine`` arguments).
 COPY_BYTES = 256 * MiB
 ADAM_PARAMS = 16 * 2**20
@@ -234,8 +235,6 @@ LAYOUT_STEP_CHUNKS = 3
 def layout_key(parts: Sequence[int]) -> str:
     """The key of a chunk layout (its parameters' sizes in order) in the profile file: parameters,
     count, and a digest of the sizes."""
-    import hashlib
-
     digest = hashlib.sha1(",".join(map(str, parts)).encode()).hexdigest()[:12]
     return f"{sum(parts)}:{len(parts)}:{digest}"
 
@@ -244,23 +243,32 @@ def device_step_rate(
     device: torch.device | str,
     parts: Sequence[int],
     *,
+    load_nodes: Iterable[fx.Node] = (),
     cache: str | os.PathLike[str] | None = None,
     refresh: bool = False,
     repeat: int = 5,
 ) -> float:
     """Bytes per second each way of device steps (``runtime/device_adam.DeviceAdamW``) of chunks laid
-    out as a model's: ``parts`` are the sizes, in order, of one chunk's parameters. Measured as
-    :func:`_device_step_bytes_per_s` measures 64M parameters in one tensor (:func:`device_step_spans`
-    beside the CPU step and matrix products), on :data:`LAYOUT_STEP_CHUNKS` such chunks; once per
-    layout, with one progress line, kept in ``device``'s profile file (``"device_step_by_layout"``,
-    with the CPU step's rate beside the device steps, for comparison with training's). 0 where there
-    is nothing to measure: not CUDA, no parts, or a host whose available memory is under 4x the
-    pinned memory the measurement takes (its store of ``LAYOUT_STEP_CHUNKS + 1`` chunks). A size
-    that is not positive raises ``ValueError``.
+    out as a model's: ``parts`` are the sizes, in order, of one chunk's parameters. Measured by
+    :func:`device_step_spans` on :data:`LAYOUT_STEP_CHUNKS` such chunks, beside the CPU step and
+    the model's own compute-bound kernels (``opprofile.compute_load`` of ``load_nodes``, the
+    captured forward and backward graphs' nodes; 8192^3 matrix products where there are none), as
+    each step's 14 bytes a parameter copied out over the median step's own span (first copy in to
+    last copy out, as ``calibrate.RateWindow`` times training's steps); once per layout and load, with
+    one progress line, kept in ``device``'s profile file (``"device_step_by_layout"``, with the
+    round's rate, as :func:`_device_step_bytes_per_s` reads one, and the CPU step's rate beside the
+    device steps, for comparison with training's). 0 where there is nothing to measure: not CUDA, no
+    parts, or a host whose available memory is under 4x the pinned memory the measurement takes (its
+    store of ``LAYOUT_STEP_CHUNKS + 1`` chunks). A size that is not positive raises ``ValueError``.
 
     Why the layout: the steps' copies and updates run per slice and per parameter, and on the H200
     (2026-12-01, ``bench/device_step_rate.py``) one 64M-parameter tensor read 47.9 GB/s where chunks
-    of B24 1.3B's and 4.2B's blocks read 39.9 and 44.4, and their training reached 41.1 and 41.4."""
+    of B24 1.3B's and 4.2B's blocks read 39.9 and 44.4, and their training reached 41.1 and 41.4.
+    Why the load and the step's span: beside 8192^3 products, the round's rate read 34.5-35.3 GB/s at
+    1.3B's layout on four hosts where training reached 36.6-40.5, and 45.7-46.7 at 4.2B's on five
+    hosts of six where it reached 39.2-41.8. Beside a GPT block's own kernels, each step's span read
+    40.6 and 42.2 where that host's training reached 40.3 and 41.1 (2026-12-02,
+    ``bench/device_step_chain.py``)."""
     device = torch.device(device)
     parts = [int(x) for x in parts]
     if parts and min(parts) <= 0:
@@ -269,9 +277,11 @@ def device_step_rate(
         return 0.0
     measure_machine(device, cache=cache)  # the file this rate is kept in
     path = cache_path(device, cache)
+    signatures = sorted({sig for node in load_nodes if (sig := op_signature(node)) is not None})
+    load_key = "ops:" + hashlib.sha1("\n".join(signatures).encode()).hexdigest()[:12] if signatures else "matmul"
     data = json.loads(path.read_text(encoding="utf-8"))
     rates = data.setdefault("device_step_by_layout", {})
-    key = layout_key(parts)
+    key = f"{layout_key(parts)}|{load_key}"
     got = rates.get(key)
     if not refresh and isinstance(got, dict) and (rate := _median_rate([got.get("device_step_bytes_per_s")])):
         return rate
@@ -284,11 +294,20 @@ def device_step_rate(
         print(f"protrain_fx: not measuring device steps of this chunk layout: it pins {need / 2**30:.1f} GiB and "
               f"{available / 2**30:.1f} GiB of host memory are available", file=sys.stderr, flush=True)
         return 0.0
+    load = compute_load(load_nodes, device) if signatures else None
+    beside, what = (load[0], f"{len(load[1])} of the model's ops") if load else ("matmul", "matrix products")
     print(f"protrain_fx: measuring device steps of chunks of {n / 2**20:.0f}M parameters in {len(parts)} tensors "
-          f"on {device_name(device)} (once per layout, cached in {path})", file=sys.stderr, flush=True)
+          f"on {device_name(device)} beside {what} (once per layout, cached in {path})", file=sys.stderr, flush=True)
     cpu: list[float] = []
-    rate = _device_step_bytes_per_s(n, LAYOUT_STEP_CHUNKS, repeat, parts=parts, cpu_rates=cpu)
+    steps: list[float] = []
+    spans = device_step_spans(n, LAYOUT_STEP_CHUNKS, repeat, cpu=True, beside=beside, parts=parts,
+                              cpu_rates=cpu, step_spans=steps)
+    del load, beside
+    torch.cuda.empty_cache()  # the load's inputs go back (a compile may measure under a budget)
+    rate = 14 * n / max(statistics.median(steps), 1e-9)
     rates[key] = {"params": n, "tensors": len(parts), "device_step_bytes_per_s": rate,
+                  "round_bytes_per_s": LAYOUT_STEP_CHUNKS * 14 * n / max(statistics.median(spans), 1e-9),
+                  "beside": what,
                   "cpu_adam_params_per_s_beside": statistics.median(cpu) if cpu else 0.0}
     _write_json(path, data)
     return rate

@@ -1,5 +1,5 @@
 """bench/device_step_chain.py's CPU parts: the chunk layouts it measures are the auto plan's B24
-chunks (the sizes the profile files recorded), and the two rate definitions."""
+chunks (the sizes the profile files recorded), the two rate definitions, and the loads."""
 
 import importlib.util
 from pathlib import Path
@@ -42,7 +42,21 @@ def test_block_load_runs_a_whole_block_backward_until_done():
     assert len(calls) == 3  # two blocks, then done
 
 
+def test_the_profilers_load_of_a_block_is_its_products():
+    # ``ops``: opprofile.compute_load of the block's traced nodes. On the CPU attention has no FLOP
+    # formula, so the load is the block's matrix products: 4 forward, 8 gradient, each shape once.
+    from protrain_fx.opprofile import compute_load
+
+    nodes = chain.block_nodes(128, device="cpu", batch=2, seq=16, head_dim=32)
+    load, signatures = compute_load(nodes, "cpu")
+    assert len(signatures) == 12 and all(s.startswith("aten.mm.default(") for s in signatures)
+    assert signatures[0].startswith("aten.mm.default(T[32,128](128,1)bfloat16@cpu, T[128,384]")  # QKV
+    calls = []
+    load(lambda: calls.append(1) or len(calls) > 2)
+    assert len(calls) == 3
+
+
 def test_every_variant_is_known_to_the_profiler_or_the_block_load():
     for beside, waiting, refetch in chain.VARIANTS.values():
-        assert beside in ("matmul", "deep_kept", "block")
+        assert beside in ("matmul", "deep_kept", "block", "ops")
         assert isinstance(waiting, bool) and isinstance(refetch, bool)

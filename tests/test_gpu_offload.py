@@ -170,22 +170,32 @@ def test_the_measured_device_step_rate_is_bounded_by_the_link():
 
 def test_the_device_step_rate_of_a_chunk_layout_is_measured_once_and_kept(tmp_path, monkeypatch):
     # Chunks laid out as a model's (here three tensors, as a block's weights, bias and norm) are
-    # measured once per layout; the profile file keeps the rate and the CPU step's rate beside them.
+    # measured once per layout and load; the profile file keeps the rate, the round's rate and the
+    # CPU step's rate beside them. Beside the model's own ops when there are any (a traced product).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     from protrain_fx import profiler
 
     parts = [3 * 2**20, 64, 2**20]
-    rate = profiler.device_step_rate("cuda", parts, cache=tmp_path, repeat=1)
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    nodes = list(make_fx(lambda a: a @ a.T, tracing_mode="fake")(x).graph.nodes)
     h2d, d2h, duplex = profiler._cuda_copy_rates(torch.device("cuda"), 64 * 2**20, 2)
-    assert 0.05 * duplex / 2 < rate <= 1.1 * d2h, (rate, d2h, duplex)
-    kept = json.loads(profiler.cache_path("cuda", tmp_path).read_text())["device_step_by_layout"]
-    entry = kept[profiler.layout_key(parts)]
-    assert entry["device_step_bytes_per_s"] == rate and entry["params"] == sum(parts) and entry["tensors"] == 3
-    assert entry["cpu_adam_params_per_s_beside"] > 0
+    kept = {}
+    for load_nodes, beside in (((), "matrix products"), (nodes, "1 of the model's ops")):
+        rate = profiler.device_step_rate("cuda", parts, load_nodes=load_nodes, cache=tmp_path, repeat=1)
+        assert 0.05 * duplex / 2 < rate <= 1.1 * d2h, (rate, d2h, duplex)
+        kept = json.loads(profiler.cache_path("cuda", tmp_path).read_text())["device_step_by_layout"]
+        suffix = "|ops:" if load_nodes else "|matmul"
+        (entry,) = [v for k, v in kept.items() if k.startswith(profiler.layout_key(parts) + suffix)]
+        assert entry["device_step_bytes_per_s"] == rate and entry["params"] == sum(parts) and entry["tensors"] == 3
+        assert entry["cpu_adam_params_per_s_beside"] > 0 and entry["round_bytes_per_s"] > 0
+        assert entry["beside"] == beside
+    assert len(kept) == 2
 
     def measure_again(*args, **kwargs):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(profiler, "device_step_spans", measure_again)
-    assert profiler.device_step_rate("cuda", parts, cache=tmp_path) == rate
+    assert profiler.device_step_rate("cuda", parts, load_nodes=nodes, cache=tmp_path) == rate
     with pytest.raises(AssertionError, match="measured again"):  # another layout is measured
         profiler.device_step_rate("cuda", parts[::-1], cache=tmp_path)

@@ -93,3 +93,27 @@ def test_phase_times_use_measured_op_times():
     c_measured = {opprofile.op_signature(c): big}
     fused_measured = profiler._phase_times(nodes, [], H200, fused=True, op_times=c_measured)
     assert fused_measured["blocks.0"][0] == pytest.approx(fused + big - node_time(c, H200))
+
+
+def test_the_load_runs_each_distinct_call_in_order_until_done():
+    nodes, (a, _, c) = _graph()
+    load, signatures = opprofile.compute_load(nodes, "cpu")
+    assert signatures == [opprofile.op_signature(a), opprofile.op_signature(c)]  # b shares a's call
+    passes = []
+    load(lambda: passes.append(1) or len(passes) > 3)
+    assert len(passes) == 4  # three passes, then done
+    # with no compute-bound call there is no load
+    assert opprofile.compute_load([n for n in nodes if opprofile.op_signature(n) is None], "cpu") is None
+
+
+def test_the_load_keeps_its_inputs_under_the_limit_and_leaves_out_what_fails(caplog):
+    nodes, (a, _, c) = _graph()
+    # a's inputs (64x32 and 32x48 fp32) take 14336 bytes; c adds 32x16 (2048) to the shared x
+    assert opprofile.compute_load(nodes, "cpu", max_bytes=14336)[1] == [opprofile.op_signature(a)]
+    assert opprofile.compute_load(nodes, "cpu", max_bytes=16384)[1] == [opprofile.op_signature(a),
+                                                                      opprofile.op_signature(c)]
+    assert opprofile.compute_load(nodes, "cpu", max_bytes=1000) is None
+    c.args[1].meta["val"] = c.args[1].meta["val"].new_empty(5, 16)  # c raises when tried
+    with caplog.at_level("DEBUG", logger="protrain_fx.opprofile"):
+        assert opprofile.compute_load(nodes, "cpu")[1] == [opprofile.op_signature(a)]
+    assert "load leaves out aten.mm.default" in caplog.text
