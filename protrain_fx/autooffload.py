@@ -213,8 +213,9 @@ def offload_machine(
     ``profiler.training_rates``); elsewhere the backend's ``machine`` constants (``autoplan.machine_profile``)
     with the CPU Adam rate measured the same way (the one rate a CPU step depends on). With
     ``chunk_params``, the CPU Adam rate is that of chunks of this size (``profiler.chunk_adam_rate``,
-    cached per size): the rate fell with the chunk's size. With ``parts`` (:func:`chunk_parts`),
-    on CUDA, the device-step rate is that of chunks laid out so, stepped beside the model's own
+    cached per size): the rate fell with the chunk's size; on CUDA, the faster of two readings, one
+    before and one after the device steps' measurement (a host's CPU can be slow for a while). With
+    ``parts`` (:func:`chunk_parts`), on CUDA, the device-step rate is that of chunks laid out so, stepped beside the model's own
     matrix and attention kernels (``profiler.device_step_rate``, cached per layout and load): one
     tensor of 64M parameters read 15% above what training reached."""
     measured = measure_machine(device)
@@ -226,6 +227,8 @@ def offload_machine(
         log.info("protrain_fx: graph %d: device_step_bytes_per_s %.4g, measured on this model's chunk layout "
                  "(%.4g on one tensor)", record.index, rate, measured.device_step_bytes_per_s)
         measured = dataclasses.replace(measured, device_step_bytes_per_s=rate)
+    if device.type == "cuda" and chunk_params:  # a second reading of the CPU step, apart in time: the faster
+        measured = dataclasses.replace(measured, cpu_adam_params_per_s=chunk_adam_rate(device, chunk_params, readings=2))
     profiled = measured
     measured, trained = training_rates(device, measured, chunk_params)  # what training reached here before
     for name in trained:
