@@ -83,6 +83,76 @@ def cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None 
     return cache_dir(cache) / f"machine-{slug}.json"
 
 
+#: Above this fraction of the host's CPUs busy with other processes, a measurement of a CPU rate
+#: on CUDA waits (:func:`wait_for_quiet_cpus`), at most :data:`QUIET_WAIT_S` seconds.
+BUSY_ELSEWHERE_LIMIT = 0.15
+QUIET_WAIT_S = 60.0
+#: What is left of :data:`QUIET_WAIT_S` for this process: the waits of all measurements share it, so a
+#: host that is always this busy costs one minute, not one per measurement.
+_quiet_wait_left = [QUIET_WAIT_S]
+
+
+def _cpu_ticks() -> tuple[int, int, int]:
+    """The host's CPU ticks so far (``/proc/stat``): all, idle (with I/O wait), and this process's
+    (``/proc/self/stat``: user and system)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]  # user .. steal (guest time is in user)
+    with open("/proc/self/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": field 3 on
+    return sum(ticks), ticks[3] + ticks[4], int(fields[11]) + int(fields[12])
+
+
+def cpus_busy_elsewhere(window_s: float = 0.5) -> float | None:
+    """The fraction of the host's CPU time that processes other than this one used over the next
+    ``window_s`` seconds (``/proc/stat`` against ``/proc/self/stat``); ``None`` where those files
+    cannot be read (not Linux)."""
+
+    try:
+        total0, idle0, own0 = _cpu_ticks()
+        time.sleep(window_s)
+        total1, idle1, own1 = _cpu_ticks()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    if total <= 0:
+        return None
+    return max(0.0, ((total - (idle1 - idle0)) - (own1 - own0)) / total)
+
+
+def wait_for_quiet_cpus(device: torch.device, what: str, max_wait_s: float | None = None) -> float | None:
+    """On CUDA, before ``what`` (a measurement of a CPU rate) starts: wait, up to ``max_wait_s``
+    seconds (default: what is left of this process's :data:`QUIET_WAIT_S`), until at most
+    :data:`BUSY_ELSEWHERE_LIMIT` of the host's CPUs are busy with other processes, with one
+    progress line if it waits. Returns the last fraction seen (``None`` off CUDA or off Linux).
+
+    Why: on two fresh H200 hosts (2026-12-02) a 4.2B compile read the CPU step at 0.19-0.69 G
+    params/s, where training on one of them reached 1.07 and a later process on the other read
+    1.08-1.22; the plan built on the low reading stepped every offloaded chunk on the GPU. A likely
+    cause, not yet confirmed on the GPU: ``torch._inductor.compile_fx`` wakes Inductor's pool of
+    compile workers (one subprocess per ``TORCHINDUCTOR_COMPILE_THREADS``, 8 there, each importing
+    torch) as the compile starts, and the profile runs inside that compile. The file keeps the
+    fraction seen at each measurement (``"busy_elsewhere"``)."""
+    if device.type != "cuda":
+        return None
+    shared = max_wait_s is None
+    max_wait_s = _quiet_wait_left[0] if shared else max_wait_s
+    start = time.perf_counter()
+    busy = cpus_busy_elsewhere()
+    if busy is None or busy <= BUSY_ELSEWHERE_LIMIT:
+        return busy
+    print(f"protrain_fx: waiting for the host's CPUs before {what}: {busy:.0%} busy with other processes "
+          f"(up to {max_wait_s:.0f} s)", file=sys.stderr, flush=True)
+    while busy is not None and busy > BUSY_ELSEWHERE_LIMIT and time.perf_counter() - start < max_wait_s:
+        busy = cpus_busy_elsewhere()
+    waited = time.perf_counter() - start
+    if shared:
+        _quiet_wait_left[0] = max(0.0, _quiet_wait_left[0] - waited)
+    if busy is not None and busy > BUSY_ELSEWHERE_LIMIT:
+        print(f"protrain_fx: measuring {what} with {busy:.0%} of the host's CPUs busy with other processes "
+              f"(waited {waited:.0f} s); the rate may read low", file=sys.stderr, flush=True)
+    return busy
+
+
 def measure_machine(
     device: torch.device | str,
     *,
@@ -137,6 +207,7 @@ def measure_machine(
     )
     # the two rates training pays on every step: medians of more rounds (3 rounds read from 1.14 to
     # 1.81 G params/s on H200 machines whose training ran at 1.14 to 1.36)
+    busy = wait_for_quiet_cpus(device, "the CPU step")
     cpu_adam = _chunk_adam_params_per_s(device.type == "cuda", adam_params, 2 * repeat + 1)
     stand_ins: list[str] = []
     if device.type == "cuda":
@@ -169,6 +240,8 @@ def measure_machine(
         "adam_params": adam_params,
         "stand_ins": stand_ins,
         "profile": profile.to_dict(),
+        # per CPU measurement: what, and the fraction of the host's CPUs busy elsewhere as it started
+        "busy_elsewhere": [["machine", busy]] if busy is not None else [],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_json(path, data)
@@ -235,7 +308,10 @@ def chunk_adam_rate(
             file=sys.stderr,
             flush=True,
         )
+        busy = wait_for_quiet_cpus(device, "the CPU step")
         taken.append(_chunk_adam_params_per_s(device.type == "cuda", n, repeat))
+        if busy is not None:
+            data.setdefault("busy_elsewhere", []).append([f"cpu_adam_by_chunk {n}", busy])
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rates[str(n)] = max(taken)
@@ -314,6 +390,7 @@ def device_step_rate(
     beside, what = (load[0], f"{len(load[1])} of the model's ops") if load else ("matmul", "matrix products")
     print(f"protrain_fx: measuring device steps of chunks of {n / 2**20:.0f}M parameters in {len(parts)} tensors "
           f"on {device_name(device)} beside {what} (once per layout, cached in {path})", file=sys.stderr, flush=True)
+    busy = wait_for_quiet_cpus(device, "the device steps beside the CPU step")
     cpu: list[float] = []
     steps: list[float] = []
     spans = device_step_spans(n, LAYOUT_STEP_CHUNKS, repeat, cpu=True, beside=beside, parts=parts,
@@ -323,7 +400,7 @@ def device_step_rate(
     rate = 14 * n / max(statistics.median(steps), 1e-9)
     rates[key] = {"params": n, "tensors": len(parts), "device_step_bytes_per_s": rate,
                   "round_bytes_per_s": LAYOUT_STEP_CHUNKS * 14 * n / max(statistics.median(spans), 1e-9),
-                  "beside": what,
+                  "beside": what, "busy_elsewhere": busy,
                   "cpu_adam_params_per_s_beside": statistics.median(cpu) if cpu else 0.0}
     _write_json(path, data)
     return rate
@@ -1131,6 +1208,7 @@ def _mean_param_element_size(record: CapturedGraph) -> float:
 
 
 __all__ = [
-    "cache_dir", "cache_path", "chunk_adam_rate", "device_name", "device_op_times", "device_step_rate", "device_step_spans",
-    "layout_key", "measure_machine", "note_training_rates", "problem_from_record", "training_rates"
+    "cache_dir", "cache_path", "chunk_adam_rate", "cpus_busy_elsewhere", "device_name", "device_op_times",
+    "device_step_rate", "device_step_spans", "layout_key", "measure_machine", "note_training_rates",
+    "problem_from_record", "training_rates", "wait_for_quiet_cpus",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import pytest
 import torch
 
@@ -277,3 +278,38 @@ def test_the_typical_chunk_of_a_layout_is_a_blocks_chunk():
     assert [len(c.slots) for c in layout.chunks] == [1, 4, 4, 5]
     assert chunk_parts(handle) == [1000, 10, 2000, 11]
     assert chunk_parts(types.SimpleNamespace(param_dtype=torch.float32, layout=pack([], 64))) == []
+
+
+def test_cpu_time_of_other_processes_is_read_from_proc(monkeypatch):
+    busy = profiler.cpus_busy_elsewhere(0.05)
+    assert busy is None if not Path("/proc/stat").exists() else 0.0 <= busy <= 1.0
+    # over the window: 400 ticks, 100 idle, 120 this process's -> 180 of 400 elsewhere
+    ticks = iter([(1000, 500, 50), (1400, 600, 170)])
+    monkeypatch.setattr(profiler, "_cpu_ticks", lambda: next(ticks))
+    monkeypatch.setattr(profiler.time, "sleep", lambda s: None)
+    assert profiler.cpus_busy_elsewhere() == pytest.approx(180 / 400)
+    monkeypatch.setattr(profiler, "_cpu_ticks", lambda: (_ for _ in ()).throw(OSError("no /proc")))
+    assert profiler.cpus_busy_elsewhere() is None
+
+
+def test_cpu_measurements_on_cuda_wait_for_the_host_to_be_quiet(monkeypatch, capsys):
+    seen = iter([0.5, 0.4, 0.05])
+    monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: next(seen))
+    assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.05
+    err = capsys.readouterr().err
+    assert "waiting for the host's CPUs before the CPU step: 50% busy" in err and "may read low" not in err
+    # off CUDA nothing is read or awaited; off Linux (None) nothing is awaited
+    monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: pytest.fail("read"))
+    assert profiler.wait_for_quiet_cpus(torch.device("cpu"), "the CPU step") is None
+    monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: None)
+    assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") is None
+    # a host that stays busy: it gives up at the deadline and says the rate may read low; the
+    # process's waits share one budget, so once it is spent the next measurement does not wait
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: 0.9)
+    monkeypatch.setattr(profiler, "_quiet_wait_left", [25.0])
+    assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.9
+    assert "may read low" in capsys.readouterr().err and profiler._quiet_wait_left == [0.0]
+    assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.9
+    assert "(up to 0 s)" in capsys.readouterr().err
