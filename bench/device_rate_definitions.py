@@ -1,4 +1,4 @@
-"""Replays every recorded run with device steps (``docs/raw/session1[3-9]_call*_peers.json``) at the
+"""Replays every recorded run with device steps (``docs/raw/session{1[3-9],2[0-9]}_call*_peers.json``) at the
 rates its own steps measured, with the device-step rate defined two ways:
 
 * ``span``: each step's bytes out over its own span, first copy in to last copy out (what
@@ -56,7 +56,8 @@ def device_rates(
 
 def main() -> None:
     errors: list[tuple[float, float]] = []
-    for path in sorted((ROOT / "docs" / "raw").glob("session1[3-9]_call*_peers.json")):
+    for path in sorted([*(ROOT / "docs" / "raw").glob("session1[3-9]_call*_peers.json"),
+                       *(ROOT / "docs" / "raw").glob("session2[0-9]_call*_peers.json")]):
         for record in json.loads(path.read_text()):
             auto = record.get("auto_plan")
             if not auto or not record.get("breakdown") or not record.get("step_s") or not auto.get("training_rates"):
