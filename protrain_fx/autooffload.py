@@ -215,9 +215,9 @@ def offload_machine(
     ``chunk_params``, the CPU Adam rate is that of chunks of this size (``profiler.chunk_adam_rate``,
     cached per size): the rate fell with the chunk's size; on CUDA, the faster of two readings, one
     before and one after the device steps' measurement (a host's CPU can be slow for a while). With
-    ``parts`` (:func:`chunk_parts`), on CUDA, the device-step rate is that of chunks laid out so, stepped beside the model's own
-    matrix and attention kernels (``profiler.device_step_rate``, cached per layout and load): one
-    tensor of 64M parameters read 15% above what training reached."""
+    ``parts`` (:func:`chunk_parts`), on CUDA, the device-step rate is that of chunks laid out so,
+    stepped beside the model's own matrix and attention kernels (``profiler.device_step_rate``,
+    cached per layout and load): one tensor of 64M parameters read 15% above what training reached."""
     measured = measure_machine(device)
     if chunk_params:
         measured = dataclasses.replace(measured, cpu_adam_params_per_s=chunk_adam_rate(device, chunk_params))

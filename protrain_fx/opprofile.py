@@ -251,12 +251,16 @@ def compute_load(
     the traced shapes (made once, inputs of one shape shared, at most ``max_bytes`` of them), over and
     over until ``done()``, waiting for the device after each pass; ``signatures`` are the calls it
     runs. ``None`` when no call can run (none has a signature, or each raised when tried once here,
-    as out of memory would).
+    as out of memory would). Should the device run out of memory while ``load`` runs (the
+    measurement beside it allocates too), it stops loading, waits for ``done()`` and sets
+    ``load.out_of_memory``. ``load.calls``: the ``(op, args, kwargs)`` it runs, in order.
 
     Why: the device steps of offloaded chunks (``profiler.device_step_rate``) share the GPU with
     backward's kernels, and how long they take depends on those kernels' sizes. B24 1.3B's chunk
-    steps read 35.7 GB/s beside 8192^3 products and 40.6 beside a GPT block's own recompute and
-    backward, where its training reached 40.3 (H200, 2026-12-02, ``bench/device_step_chain.py``)."""
+    steps (each step's span) read 35.7 GB/s beside 8192^3 products and 40.6 beside a GPT block's
+    own recompute and backward, where its training reached 40.3; on another host 32.9 and 38.8
+    (38.6 beside this load of the block), where training reached 35.3 (H200, 2026-12-02,
+    ``bench/device_step_chain.py``)."""
     device = torch.device(device)
     first: dict[str, fx.Node] = {}
     for node in nodes:
@@ -286,12 +290,20 @@ def compute_load(
 
     def load(done: Callable[[], bool]) -> None:
         with unset_fake_temporarily(), torch.no_grad(), torch.autocast(device.type, enabled=False):
-            while not done():
-                for op, args, kwargs in calls:
-                    op(*args, **kwargs)
+            while not load.out_of_memory and not done():
+                try:
+                    for op, args, kwargs in load.calls:
+                        op(*args, **kwargs)
+                except torch.OutOfMemoryError:
+                    log.info("protrain_fx: the load of %d ops ran out of device memory; it stops", len(load.calls))
+                    load.out_of_memory = True
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
+        while load.out_of_memory and not done():  # nothing beside the measurement from here on
+            time.sleep(1e-3)
 
+    load.calls = calls  # (op, args, kwargs), in the order it runs them
+    load.out_of_memory = False
     return load, names
 
 

@@ -287,10 +287,11 @@ def chunk_adam_rate(
     host (2026-12-02) a fresh 4.2B compile read 0.19 G/s on its 224M chunk, where the same host
     read 1.2 a few minutes later and 0.51 with device steps beside it seconds later; two of the 27
     profiles recorded in sessions 12-19 read under 0.4 once, where their other readings were
-    0.87-1.22 (``docs/raw/session1[78]_machine_c3.json``). A rate read
-    too low makes the plan step every offloaded chunk on the GPU, so no chunk's CPU step is timed
-    in training and the rate is never corrected (``calibrate``); one read too high is, once
-    training's steps are timed."""
+    0.87-1.22 (``docs/raw/session1[78]_machine_c3.json``). A rate read too low makes the plan step
+    every offloaded chunk on the GPU, so no chunk's CPU step is timed in training and the rate is
+    never corrected (``calibrate``); one read too high is, once training's steps are timed. On
+    another host the second reading read lower still (0.69, then 0.32): hence also
+    :func:`wait_for_quiet_cpus` before each reading."""
     device = torch.device(device)
     measure_machine(device, cache=cache)  # the file this rate is kept in
     path = cache_path(device, cache)
@@ -358,9 +359,11 @@ def device_step_rate(
     of B24 1.3B's and 4.2B's blocks read 39.9 and 44.4, and their training reached 41.1 and 41.4.
     Why the load and the step's span: beside 8192^3 products, the round's rate read 34.5-35.3 GB/s at
     1.3B's layout on four hosts where training reached 36.6-40.5, and 45.7-46.7 at 4.2B's on five
-    hosts of six where it reached 39.2-41.8. Beside a GPT block's own kernels, each step's span read
-    40.6 and 42.2 where that host's training reached 40.3 and 41.1 (2026-12-02,
-    ``bench/device_step_chain.py``)."""
+    hosts of six where it reached 39.2-41.8. In ``bench/device_step_chain.py`` (2026-12-02), each
+    step's span beside a GPT block's own kernels read 40.6 and 42.2 where that host's training
+    reached 40.3 and 41.1, and 38.8 and 41.7 on another host where it reached 35.3 and 41.9. In the
+    compile, on two hosts, this measurement then read 5.7-13.9% above what training reached
+    (``docs/results.md``, twentieth session): not yet shown better than the products it replaced."""
     device = torch.device(device)
     parts = [int(x) for x in parts]
     if parts and min(parts) <= 0:
@@ -395,6 +398,8 @@ def device_step_rate(
     steps: list[float] = []
     spans = device_step_spans(n, LAYOUT_STEP_CHUNKS, repeat, cpu=True, beside=beside, parts=parts,
                               cpu_rates=cpu, step_spans=steps)
+    if load is not None and load[0].out_of_memory:
+        what += ", until the device ran out of memory"
     del load, beside
     torch.cuda.empty_cache()  # the load's inputs go back (a compile may measure under a budget)
     rate = 14 * n / max(statistics.median(steps), 1e-9)

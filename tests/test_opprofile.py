@@ -117,3 +117,19 @@ def test_the_load_keeps_its_inputs_under_the_limit_and_leaves_out_what_fails(cap
     with caplog.at_level("DEBUG", logger="protrain_fx.opprofile"):
         assert opprofile.compute_load(nodes, "cpu")[1] == [opprofile.op_signature(a)]
     assert "load leaves out aten.mm.default" in caplog.text
+
+
+def test_a_load_that_runs_out_of_memory_stops_and_says_so():
+    nodes, (a, _, c) = _graph()
+    load, _ = opprofile.compute_load(nodes, "cpu")
+    assert load.out_of_memory is False
+    calls = []
+
+    def oom(*args, **kwargs):
+        calls.append(1)
+        raise torch.OutOfMemoryError("planted")
+
+    load.calls = [load.calls[0], (oom, (), {}), load.calls[1]]
+    checks = []
+    load(lambda: checks.append(1) or len(checks) > 5)
+    assert load.out_of_memory is True and len(calls) == 1 and len(checks) == 6  # it stopped, then waited
