@@ -119,6 +119,38 @@ def cpus_busy_elsewhere(window_s: float = 0.5) -> float | None:
     return max(0.0, ((total - (idle1 - idle0)) - (own1 - own0)) / total)
 
 
+def busiest_elsewhere(window_s: float = 0.5, top: int = 3) -> list[tuple[str, int, float]]:
+    """The ``top`` other processes that used the most CPU over the next ``window_s`` seconds, as
+    ``(name, pid, CPUs' worth)``, from ``/proc/<pid>/stat``; empty where that cannot be read."""
+
+    def ticks() -> dict[int, tuple[str, int]]:
+        out = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as f:
+                    text = f.read()
+                name = text[text.index("(") + 1 : text.rindex(")")]
+                fields = text.rsplit(")", 1)[1].split()
+                out[int(entry.name)] = (name, int(fields[11]) + int(fields[12]))
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile, or unreadable
+        return out
+
+    try:
+        before = ticks()
+        start = time.perf_counter()
+        time.sleep(window_s)
+        after = ticks()
+        elapsed = time.perf_counter() - start
+    except OSError:
+        return []
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    used = [(name, pid, (t - before[pid][1]) / hz / elapsed) for pid, (name, t) in after.items() if pid in before]
+    return sorted((u for u in used if u[2] > 0), key=lambda u: -u[2])[:top]
+
+
 def wait_for_quiet_cpus(device: torch.device, what: str, max_wait_s: float | None = None) -> float | None:
     """On CUDA, before ``what`` (a measurement of a CPU rate) starts: wait, up to ``max_wait_s``
     seconds (default: what is left of this process's :data:`QUIET_WAIT_S`), until at most
@@ -140,8 +172,9 @@ def wait_for_quiet_cpus(device: torch.device, what: str, max_wait_s: float | Non
     busy = cpus_busy_elsewhere()
     if busy is None or busy <= BUSY_ELSEWHERE_LIMIT:
         return busy
+    names = ", ".join(f"{name} {pid} ({cpus:.1f} CPUs)" for name, pid, cpus in busiest_elsewhere())
     print(f"protrain_fx: waiting for the host's CPUs before {what}: {busy:.0%} busy with other processes "
-          f"(up to {max_wait_s:.0f} s)", file=sys.stderr, flush=True)
+          f"({names or 'not named'}; up to {max_wait_s:.0f} s)", file=sys.stderr, flush=True)
     while busy is not None and busy > BUSY_ELSEWHERE_LIMIT and time.perf_counter() - start < max_wait_s:
         busy = cpus_busy_elsewhere()
     waited = time.perf_counter() - start
@@ -1213,7 +1246,7 @@ def _mean_param_element_size(record: CapturedGraph) -> float:
 
 
 __all__ = [
-    "cache_dir", "cache_path", "chunk_adam_rate", "cpus_busy_elsewhere", "device_name", "device_op_times",
+    "busiest_elsewhere", "cache_dir", "cache_path", "chunk_adam_rate", "cpus_busy_elsewhere", "device_name", "device_op_times",
     "device_step_rate", "device_step_spans", "layout_key", "measure_machine", "note_training_rates",
     "problem_from_record", "training_rates", "wait_for_quiet_cpus",
 ]

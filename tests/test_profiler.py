@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
+
 import pytest
 import torch
 
@@ -292,12 +295,33 @@ def test_cpu_time_of_other_processes_is_read_from_proc(monkeypatch):
     assert profiler.cpus_busy_elsewhere() is None
 
 
+def test_the_busiest_other_processes_are_named():
+    # a child process spinning for the window is found, by name and pid; this process is not
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/stat").exists():
+        assert profiler.busiest_elsewhere(0.05) == []
+        return
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)
+        top = profiler.busiest_elsewhere(0.5, top=5)
+    finally:
+        child.kill()
+        child.wait()
+    assert any(pid == child.pid and cpus > 0.3 for _, pid, cpus in top), top
+    assert all(pid != os.getpid() for _, pid, _ in top)
+
+
 def test_cpu_measurements_on_cuda_wait_for_the_host_to_be_quiet(monkeypatch, capsys):
     seen = iter([0.5, 0.4, 0.05])
     monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: next(seen))
+    monkeypatch.setattr(profiler, "busiest_elsewhere", lambda: [("python3", 42, 1.0)])
     assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.05
     err = capsys.readouterr().err
     assert "waiting for the host's CPUs before the CPU step: 50% busy" in err and "may read low" not in err
+    assert "(python3 42 (1.0 CPUs); up to 60 s)" in err
     # off CUDA nothing is read or awaited; off Linux (None) nothing is awaited
     monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: pytest.fail("read"))
     assert profiler.wait_for_quiet_cpus(torch.device("cpu"), "the CPU step") is None
@@ -312,4 +336,4 @@ def test_cpu_measurements_on_cuda_wait_for_the_host_to_be_quiet(monkeypatch, cap
     assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.9
     assert "may read low" in capsys.readouterr().err and profiler._quiet_wait_left == [0.0]
     assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.9
-    assert "(up to 0 s)" in capsys.readouterr().err
+    assert "; up to 0 s)" in capsys.readouterr().err
