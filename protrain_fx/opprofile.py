@@ -58,6 +58,16 @@ def op_signature(node: fx.Node) -> str | None:
     return f"{node.target}({args}{'; ' + kwargs if kwargs else ''})"
 
 
+def distinct_calls(nodes: Iterable[fx.Node]) -> dict[str, fx.Node]:
+    """The first node of each :func:`op_signature` among ``nodes``, in their order."""
+    first: dict[str, fx.Node] = {}
+    for node in nodes:
+        sig = op_signature(node)
+        if sig is not None:
+            first.setdefault(sig, node)
+    return first
+
+
 class _NoValue(Exception):
     """An input node without a traced value: its cost cannot be keyed (nor measured)."""
 
@@ -115,11 +125,7 @@ def measure_op_times(
     nodes keep the roofline.
     """
     device = torch.device(device)
-    first: dict[str, fx.Node] = {}
-    for node in nodes:
-        sig = op_signature(node)
-        if sig is not None:
-            first.setdefault(sig, node)
+    first = distinct_calls(nodes)
     path = ops_cache_path(device, cache)
     cached = {} if refresh else _read(path)
     known = {sig: cached[sig] for sig in first if sig in cached}
@@ -262,11 +268,7 @@ def compute_load(
     (38.6 beside this load of the block), where training reached 35.3 (H200, 2026-12-02,
     ``bench/device_step_chain.py``)."""
     device = torch.device(device)
-    first: dict[str, fx.Node] = {}
-    for node in nodes:
-        sig = op_signature(node)
-        if sig is not None:
-            first.setdefault(sig, node)
+    first = distinct_calls(nodes)
     pool: dict[str, torch.Tensor] = {}
     calls: list[tuple[Any, tuple, dict]] = []
     names: list[str] = []
@@ -330,4 +332,4 @@ def _write(path: Path, times: dict[str, float], device: torch.device) -> None:
     })
 
 
-__all__ = ["compute_load", "measure_op_times", "op_signature", "ops_cache_path"]
+__all__ = ["compute_load", "distinct_calls", "measure_op_times", "op_signature", "ops_cache_path"]

@@ -41,7 +41,7 @@ from protrain_fx import chunks as chunks_mod
 from protrain_fx import cost, meta
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
-from protrain_fx.opprofile import compute_load, measure_op_times, op_signature
+from protrain_fx.opprofile import compute_load, distinct_calls, measure_op_times, op_signature
 from protrain_fx.passes.estimate import fused_node_times, node_time
 from protrain_fx.passes.memory import _output_args, default_granule
 from protrain_fx.passes.params import parameter_infos
@@ -405,7 +405,8 @@ def device_step_rate(
         return 0.0
     measure_machine(device, cache=cache)  # the file this rate is kept in
     path = cache_path(device, cache)
-    signatures = sorted({sig for node in load_nodes if (sig := op_signature(node)) is not None})
+    load_nodes = list(load_nodes)  # read twice: the key, then the load
+    signatures = sorted(distinct_calls(load_nodes))
     load_key = "ops:" + hashlib.sha1("\n".join(signatures).encode()).hexdigest()[:12] if signatures else "matmul"
     data = json.loads(path.read_text(encoding="utf-8"))
     rates = data.setdefault("device_step_by_layout", {})
