@@ -91,6 +91,9 @@ class TrainingRates:
         if self.device_step_bytes_per_s:
             parts.append(f"device steps {self.device_step_bytes_per_s / 1e9:.1f} GB/s each way over "
                          f"{len(self.device_steps)} steps (profiled {m.device_step_bytes_per_s / 1e9:.1f})")
+            if not self.cpu_adam_params_per_s:  # a profiled CPU rate read too low is never corrected then
+                parts.append(f"no CPU step timed (the profiled CPU rate, {m.cpu_adam_params_per_s / 1e9:.2f} G "
+                             "params/s, stands untested)")
         if not parts:
             return "no offloaded optimizer step was timed in training"
         step = CostModel(self.priced(problem)).estimate(config).step_s

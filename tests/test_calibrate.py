@@ -188,7 +188,11 @@ def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their
     timed = CostModel(priced)
     assert timed.dev_out_s[3] == pytest.approx(out[1] / 30e9)  # its own time, not the median rate's
     assert timed.dev_out_s[4:] == pytest.approx([b / 40e9 for b in model.dev_out_bytes[4:]])  # not timed: the rate
-    assert "device steps 40.0 GB/s each way over 3 steps" in rates.line(problem, config)
+    line = rates.line(problem, config)
+    assert "device steps 40.0 GB/s each way over 3 steps" in line
+    # nothing stepped on the CPU: the line says the profiled CPU rate was not put to the test
+    cpu = problem.machine.cpu_adam_params_per_s / 1e9
+    assert f"no CPU step timed (the profiled CPU rate, {cpu:.2f} G params/s, stands untested)" in line
 
 
 def test_a_chunk_step_counts_its_seconds_and_the_parameters_it_stepped():
