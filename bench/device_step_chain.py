@@ -192,7 +192,10 @@ def main() -> None:
             if beside == "block":
                 beside = functools.partial(block_backward_until, width=LAYOUTS[layout])
             elif beside == "ops":  # the profiler's load: the block's products and attention only
-                beside = compute_load(block_nodes(LAYOUTS[layout]), "cuda")[0]
+                load = compute_load(block_nodes(LAYOUTS[layout]), "cuda")
+                if load is None:
+                    sys.exit(f"device_step_chain: no op of the {layout} block could run as a load")
+                beside = load[0]
             t = time.perf_counter()
             steps: list[float] = []
             spans = device_step_spans(n, k, args.repeat, cpu=True, beside=beside, parts=parts,
