@@ -6,7 +6,10 @@ rates its own steps measured, with the device-step rate defined two ways:
 * ``lane``: over the time the out-lane spent on it alone, from the later of its start and the
   previous step's end (the cost model runs one step's copies out after another's);
 * ``per chunk``: the span rate, and each chunk timed at the median of its own steps' seconds
-  (``cost.Problem.device_step_s``, as ``calibrate.TrainingRates.priced`` prices the running plan).
+  (``cost.Problem.device_step_s``, as ``calibrate.TrainingRates.priced`` prices the running plan);
+* ``alone``: the chunks' median seconds less the backward re-fetches the cost model puts beside
+  them (``calibrate.alone_rate``, what the window keeps since the twenty-first session), every
+  chunk priced at it with those re-fetches added back: how a later plan on that machine is priced.
 
 The CPU rate is the backend's own window's (``auto_plan.training_rates``). Prints each run's
 predicted step error against its measured synced median (the calls before any re-plan) both ways,
@@ -26,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from protrain_fx.calibrate import alone_rate  # noqa: E402
 from protrain_fx.cost import Config, CostModel, Problem  # noqa: E402
 
 
@@ -72,16 +76,17 @@ def main() -> None:
             before = replan["calls"][0] - 4 if replan and replan.get("calls") else len(record["step_times_s"])
             measured = statistics.median(record["step_times_s"][:before])
             row = []
-            for rate, timed in ((rates[0], ()), (rates[1], ()), (rates[0], rates[2])):
+            alone = alone_rate(CostModel(dataclasses.replace(problem, device_step_s=())), config, dict(rates[2]))
+            for rate, timed in ((rates[0], ()), (rates[1], ()), (rates[0], rates[2]), (alone, ())):
                 machine = dataclasses.replace(problem.machine, cpu_adam_params_per_s=cpu, device_step_bytes_per_s=rate)
                 priced = dataclasses.replace(problem, machine=machine, device_step_s=timed)
                 row.append(100 * (CostModel(priced).estimate(config).step_s / measured - 1))
             errors.append(tuple(row))
             print(f"{path.name[:24]:24} {record['size']:>5} {record['cap_gib']:3g} GiB g={config.n_gpu_optim:2d}  "
                   f"span {rates[0] / 1e9:.1f} GB/s, lane {rates[1] / 1e9:.1f}  step error: span {row[0]:+5.1f}%, "
-                  f"lane {row[1]:+5.1f}%, per chunk {row[2]:+5.1f}%")
+                  f"lane {row[1]:+5.1f}%, per chunk {row[2]:+5.1f}%, alone ({alone / 1e9:.1f} GB/s) {row[3]:+5.1f}%")
     print(f"{len(errors)} runs:")
-    for name, column in zip(("span", "lane", "per chunk"), zip(*errors)):
+    for name, column in zip(("span", "lane", "per chunk", "alone"), zip(*errors)):
         print(f"  {name:9}: mean |error| {statistics.mean(map(abs, column)):.2f}%, mean error "
               f"{statistics.mean(column):+.2f}%, within 5%: {sum(abs(e) <= 5 for e in column)}")
 

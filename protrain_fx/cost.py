@@ -57,8 +57,7 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   working copy (``bytes``) out, on the steps' own copy lanes (the runtime's load and drain streams:
   one step after another in each direction, beside the fetches and gradient offloads, which they do
   not hold up), at :attr:`MachineProfile.device_step_bytes_per_s` where that was measured (beside
-  the CPU step and matrix products; it read 12-16% above what the steps reached in training on the
-  H200, ``docs/results.md``), else at the shared rate;
+  the CPU step and the model's own kernels), else at the shared rate;
   the chunk is updated when both end (that is its ``adam_done``). (Until the twelfth session the
   steps' copies queued in the fetches' FIFO: each backward re-fetch then waited behind a whole step's
   copies in, and B24 4.2B@16 GiB's backward was predicted at 1033 ms against 879 measured.) At most
@@ -69,8 +68,12 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   backward held up by the in-flight limit): a swap-in (issued when the next block's backward starts,
   lasting bytes / one-way rate) that overlaps a step there lengthens that step's copies in by its
   duration (B24 1.3B at 16 GiB on the H200: the step in flight during the swap-ins took 61-71 ms,
-  the others 33-39; 4.2B at 24 GiB: 113-116 against 67-90). Not modelled: the reference backward
-  leaves out recompute, so it places the steps earlier against backward than they run. The
+  the others 33-39; 4.2B at 24 GiB: 113-116 against 67-90), and so does a backward re-fetch, by
+  its whole duration on both lanes (``CostModel._dev_refetch``: the steps copy near the link's
+  duplex rate; 4.2B at 24 GiB: 67-70 ms with none beside them where 69 was priced, 73-88 with one).
+  A step timed in training (:attr:`Problem.device_step_s`) has its re-fetches in its seconds. Not
+  modelled: the reference backward leaves out recompute, so it places the steps earlier against
+  backward than they run (it gives the first step issued more re-fetches than ran beside it). The
   link-sharing of the other copies is decided on the reference timeline without device steps.
 
 Every time is built from ``max`` and ``+`` of non-negative durations in a fixed order decided by the
@@ -507,6 +510,9 @@ class CostModel:
         for k, seconds in p.device_step_s:  # timed in training: its copies in scaled as its step
             if self.dev_out_s[k] > 0:
                 self.dev_in_s[k] *= seconds / self.dev_out_s[k]
+        self._step_timed = [False] * len(p.chunks)  # its re-fetches are in its seconds (_dev_refetch)
+        for k, _ in p.device_step_s:
+            self._step_timed[k] = True
         self.dev_out_s = self.timed_steps(self.dev_out_s)
 
         # Static reference timeline (compute only, no recompute) and the copies' reference intervals.
@@ -581,6 +587,7 @@ class CostModel:
 
         self._per_p: dict[tuple[int, int], _PerPersist] = {}
         self._per_pb: dict[tuple[int, int], _PerBuffer] = {}
+        self._per_pbg: dict[tuple[int, int, int], list[float]] = {}
         self._policies: dict[tuple[int, int], tuple[int, ...]] = {}
         self._fwd_cache: dict[tuple[int, int, int], _Forward] = {}
         static_persist = [0]
@@ -808,6 +815,7 @@ class CostModel:
         N = self.n_blocks
         P = self._pp(p, g if optimizer else 0)
         PB = self._pb(p, b)
+        dev_refetch = self._dev_refetch(p, b, g) if optimizer and g else None
         pol = self.policies(s, c)
         cb, rc = self.cb, self.recomputes(s, c)
         h_d1, h_d2, g_d1, g_d2 = P.h_d1, P.h_d2, self.g_d1, self.g_d2
@@ -858,6 +866,9 @@ class CostModel:
                             if i < s:
                                 dev_in += d  # take the host-to-device link from its copies in
                         dev_out = (dev_out if dev_out > h_start else h_start) + P.dev_out_s[ch]
+                        if dev_refetch is not None and dev_refetch[ch]:  # re-fetches beside it: both ways
+                            dev_in += dev_refetch[ch]
+                            dev_out += dev_refetch[ch]
                         if dev_in > dev_out:
                             dev_out = dev_in
                         dev_done.append(dev_out)
@@ -914,6 +925,55 @@ class CostModel:
             got = self._per_p[(p, g)] = _PerPersist.build(self, p, g)
         return got
 
+    def refetch_beside_steps(self, config: Config) -> list[float]:
+        """Chunk -> seconds ``config``'s device step of it is lengthened by the backward re-fetches
+        beside it (0 for a chunk not stepped on the device, or timed in training): see
+        :meth:`_dev_refetch`."""
+        p, b, g = config.n_persist, config.n_buffer, config.n_gpu_optim
+        return list(self._dev_refetch(p, b, g)) if g else [0.0] * self.n_chunks
+
+    def _dev_refetch(self, p: int, b: int, g: int) -> list[float]:
+        """Chunk -> seconds its device step is lengthened by the backward re-fetches beside it.
+
+        Decided on the device steps' reference timeline (:meth:`_device_chain`, kept by
+        :class:`_PerPersist`), as the swap-ins are: a run re-fetched in backward (``n_buffer = b``) is
+        issued when the backward of the step after its last use starts and lasts its bytes over the
+        one-way rate, and it is over when the backward of its last use starts (that backward waits
+        for it); the first step it overlaps there is lengthened by its whole duration, its copies in
+        and out alike. A step timed in training (:attr:`Problem.device_step_s`) has them in its seconds
+        and is not lengthened. Fixed by the config alone (never by the simulated timing), so the
+        step time stays built from ``max`` and ``+`` of durations the config decides, and it is
+        non-increasing in ``b`` (the runs re-fetched with ``b + 1`` buffers are among those with ``b``).
+
+        Why both ways: a step moves 12 bytes a parameter in and 14 out, near the link's duplex
+        rate, so what else crosses the link while it runs delays the whole step. On the H200 (B24 4.2B
+        at 24 GiB, 3/3/0/35/11, twenty-first session) the steps with no re-fetch beside them took
+        67-70 ms where the profile priced 69, and the others 73-88, where one re-fetch alone takes
+        8.4 ms."""
+        key = (p, b, g)
+        got = self._per_pbg.get(key)
+        if got is not None:
+            return got
+        if len(self._per_pbg) > 4096:
+            self._per_pbg.clear()
+        P, PB = self._pp(p, g), self._pb(p, b)
+        got = [0.0] * self.n_chunks
+        N = self.n_blocks
+        for r in P.runs:
+            if not PB.refetch[r]:
+                continue
+            j = self.run_last[r]
+            a = P.dev_bwd_start[j + 1] if j < N else P.dev_bwd_start[N]
+            # over by the time block j's backward starts (it waits for it): a step issued then is not beside it
+            e = min(a + P.h_d1[r], P.dev_bwd_start[j])
+            for ch, x, y in P.dev_chain:
+                if a < y and x < e:
+                    if not self._step_timed[ch]:
+                        got[ch] += P.h_d1[r]
+                    break
+        self._per_pbg[key] = got
+        return got
+
     def _pb(self, p: int, b: int) -> _PerBuffer:
         got = self._per_pb.get((p, b))
         if got is None:
@@ -949,6 +1009,8 @@ class _PerPersist:
     dev_out_bytes: list[int]  # chunk -> bytes its device step copies out (a lean chunk: no working copy)
     dev_out_s: list[float]
     dev_swap_in: list[list[tuple[int, float]]]  # chunk -> [(block, seconds of its swap-in alone)] stalling its step
+    dev_chain: list[tuple[int, float, float]]  # the device steps on their reference timeline (chunk, start, end)
+    dev_bwd_start: list[float]  # forward step -> when its backward starts on that timeline
 
     @classmethod
     def build(cls, m: CostModel, p: int, g: int = 0) -> _PerPersist:
@@ -989,6 +1051,8 @@ class _PerPersist:
         # A swap-in that overlaps a device step on the reference timeline (CostModel._device_chain)
         # stalls that step: it takes the host-to-device link from the step's copies in.
         dev_swap_in: list[list[tuple[int, float]]] = [[] for _ in range(m.n_chunks)]
+        steps: list[tuple[int, float, float]] = []
+        bwd_start: list[float] = []
         if g:
             steps, bwd_start = m._device_chain(dev_trigger, offload_at, dev_out_s)
             for i in range(N):
@@ -1024,6 +1088,8 @@ class _PerPersist:
             dev_out_bytes=dev_out_bytes,
             dev_out_s=dev_out_s,
             dev_swap_in=dev_swap_in,
+            dev_chain=steps,
+            dev_bwd_start=bwd_start,
         )
 
 

@@ -448,6 +448,11 @@ def device_step_rate(
 #: How many in-training measurements of each rate a profile file keeps (the newest); the rate used
 #: is their median.
 TRAINING_KEEP = 5
+#: The key under ``"in_training"`` of the device steps' rates (``calibrate.alone_rate``: without the
+#: re-fetches beside them). Until the twenty-first session the window kept the median span's rate,
+#: re-fetches included, under ``"device_step_bytes_per_s"``; those entries are not read, since the
+#: cost model now adds the re-fetches to the rate it is given.
+TRAINING_DEVICE_KEY = "device_step_alone_bytes_per_s"
 
 
 def note_training_rates(
@@ -460,7 +465,8 @@ def note_training_rates(
 ) -> Path | None:
     """Keep rates measured in training (``protrain_fx.calibrate``) in ``device``'s profile file
     (``"in_training"``), for :func:`training_rates`: the CPU chunk step's (per chunk size, rounded as
-    :func:`chunk_adam_rate` rounds it) and the device steps'. A rate of 0 is not kept. Without a
+    :func:`chunk_adam_rate` rounds it) and the device steps' (without the re-fetches beside them, under
+:data:`TRAINING_DEVICE_KEY`). A rate of 0 is not kept. Without a
     profile file (nothing was measured on this machine) nothing is written; measuring the profile again
     (``refresh``, another cache version) starts without them. Returns the file written, else ``None``."""
     path = cache_path(device, cache)
@@ -472,7 +478,7 @@ def note_training_rates(
         return None
     kept = data.setdefault("in_training", {})
     if device_step_bytes_per_s > 0:
-        kept["device_step_bytes_per_s"] = (kept.get("device_step_bytes_per_s", []) + [device_step_bytes_per_s])[-TRAINING_KEEP:]
+        kept[TRAINING_DEVICE_KEY] = (kept.get(TRAINING_DEVICE_KEY, []) + [device_step_bytes_per_s])[-TRAINING_KEEP:]
     if cpu_adam_params_per_s > 0 and chunk_params:
         n = str(_granule(chunk_params))
         by_chunk = kept.setdefault("cpu_adam_by_chunk", {})
@@ -515,7 +521,7 @@ def training_rates(
     kept = data.get("in_training")
     kept = kept if isinstance(kept, dict) else {}
     changes: dict[str, float] = {}
-    if device := _median_rate(kept.get("device_step_bytes_per_s")):
+    if device := _median_rate(kept.get(TRAINING_DEVICE_KEY)):
         changes["device_step_bytes_per_s"] = device
     by_chunk = kept.get("cpu_adam_by_chunk")
     by_chunk = {k: r for k, v in by_chunk.items() if (r := _median_rate(v))} if isinstance(by_chunk, dict) else {}

@@ -66,8 +66,21 @@ def test_rates_kept_from_training_replace_the_profiled_ones(tmp_path):
     # only the newest TRAINING_KEEP are kept
     for rate in range(1, profiler.TRAINING_KEEP + 2):
         profiler.note_training_rates("cpu", device_step_bytes_per_s=rate * 1e9, cache=tmp_path)
-    kept = json.loads(profiler.cache_path("cpu", tmp_path).read_text())["in_training"]["device_step_bytes_per_s"]
+    kept = json.loads(profiler.cache_path("cpu", tmp_path).read_text())["in_training"][profiler.TRAINING_DEVICE_KEY]
     assert kept == [r * 1e9 for r in range(2, profiler.TRAINING_KEEP + 2)]
+
+
+def test_device_step_rates_kept_before_the_refetches_were_modelled_are_not_read(tmp_path):
+    # until the twenty-first session the window kept spans with backward's re-fetches in them, under
+    # "device_step_bytes_per_s"; the cost model now adds those re-fetches itself
+    _profile_file(tmp_path, {GRANULE: 1e9})
+    path = profiler.cache_path("cpu", tmp_path)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "in_training": {"device_step_bytes_per_s": [30e9, 31e9]}}))
+    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
+    profiler.note_training_rates("cpu", device_step_bytes_per_s=44e9, cache=tmp_path)
+    trained, names = profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)
+    assert names == ["device_step_bytes_per_s"] and trained.device_step_bytes_per_s == 44e9
 
 
 def test_a_size_not_trained_takes_the_rates_of_trained_sizes_near_it(tmp_path):
@@ -95,9 +108,9 @@ def test_no_profile_file_or_another_version_keeps_nothing(tmp_path):
     _profile_file(tmp_path, {})
     path = profiler.cache_path("cpu", tmp_path)
     data = json.loads(path.read_text())
-    path.write_text(json.dumps({**data, "version": profiler.CACHE_VERSION - 1, "in_training": {"device_step_bytes_per_s": [1.0]}}))
+    path.write_text(json.dumps({**data, "version": profiler.CACHE_VERSION - 1, "in_training": {profiler.TRAINING_DEVICE_KEY: [1.0]}}))
     profiler.note_training_rates("cpu", device_step_bytes_per_s=40e9, cache=tmp_path)
-    assert json.loads(path.read_text())["in_training"] == {"device_step_bytes_per_s": [1.0]}
+    assert json.loads(path.read_text())["in_training"] == {profiler.TRAINING_DEVICE_KEY: [1.0]}
     assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
 
 
@@ -106,7 +119,7 @@ def test_an_edited_profile_file_prices_only_at_the_rates_it_still_holds(tmp_path
     path = profiler.cache_path("cpu", tmp_path)
     data = json.loads(path.read_text())
     for junk in ("fast", {"a": 1}, [None, "x", -1.0, 0, True]):
-        path.write_text(json.dumps({**data, "in_training": {"device_step_bytes_per_s": junk,
+        path.write_text(json.dumps({**data, "in_training": {profiler.TRAINING_DEVICE_KEY: junk,
                                                             "cpu_adam_by_chunk": {str(GRANULE): junk}}}))
         assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, []), junk
     # the numbers that are rates still count: 0.5e9 for this size, and for another size scaled by 0.5
@@ -177,19 +190,23 @@ def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their
     rates = window.close(problem, config)
     assert handle.device_adam.window is None  # no longer timed
     assert len(rates.device_steps) == 3
-    assert rates.device_step_bytes_per_s == pytest.approx(40e9)
     # each timed chunk's own median seconds, in the cost model's numbering
     assert [k for k, _ in rates.device_step_s] == [2, 3]
-    assert [s for _, s in rates.device_step_s] == pytest.approx([(out[0] / 40e9 + out[0] / 50e9) / 2, out[1] / 30e9])
+    seconds = [(out[0] / 40e9 + out[0] / 50e9) / 2, out[1] / 30e9]
+    assert [s for _, s in rates.device_step_s] == pytest.approx(seconds)
+    # the rate: their bytes out over their seconds less the re-fetches the model puts beside them
+    added = model.refetch_beside_steps(config)
+    rate = (out[0] + out[1]) / (seconds[0] + seconds[1] - added[2] - added[3])
+    assert rates.device_step_bytes_per_s == pytest.approx(rate)
     priced = rates.priced(problem)
-    assert priced.machine.device_step_bytes_per_s == pytest.approx(40e9)
+    assert priced.machine.device_step_bytes_per_s == pytest.approx(rate)
     assert priced.machine.cpu_adam_params_per_s == problem.machine.cpu_adam_params_per_s  # nothing on the CPU
     assert priced.device_step_s == rates.device_step_s
     timed = CostModel(priced)
     assert timed.dev_out_s[3] == pytest.approx(out[1] / 30e9)  # its own time, not the median rate's
-    assert timed.dev_out_s[4:] == pytest.approx([b / 40e9 for b in model.dev_out_bytes[4:]])  # not timed: the rate
+    assert timed.dev_out_s[4:] == pytest.approx([b / rate for b in model.dev_out_bytes[4:]])  # not timed: the rate
     line = rates.line(problem, config)
-    assert "device steps 40.0 GB/s each way over 3 steps" in line
+    assert f"device steps {rate / 1e9:.1f} GB/s each way without the re-fetches beside them, over 3 steps" in line
     # nothing stepped on the CPU: the line says the profiled CPU rate was not put to the test
     cpu = problem.machine.cpu_adam_params_per_s / 1e9
     assert f"no CPU step timed (the profiled CPU rate, {cpu:.2f} G params/s, stands untested)" in line
