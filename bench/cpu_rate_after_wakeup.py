@@ -7,8 +7,14 @@ as a compile with CUDA inputs begins, and the profile runs inside that compile. 
 measures the CPU chunk step (``profiler._chunk_adam_params_per_s``, as ``chunk_adam_rate`` does)
 on a quiet host, then wakes the pool as ``compile_fx`` does and measures it again and again for
 ``--seconds``, each time with the fraction of the host's CPUs busy in other processes
-(``profiler.cpus_busy_elsewhere``) and the busiest of them (``profiler.busiest_elsewhere``).
+(``profiler.cpus_busy_elsewhere``) and the busiest of them (``profiler.busiest_elsewhere``), and
+the share of CPU time the hypervisor stole while it stepped (``/proc/stat``'s ``steal``).
 ``--no-wakeup``: the same without waking the pool (the control).
+
+On the H200 host of the twenty-first session's first call, the reading moved between 0.63 and 1.55
+G params/s within a minute while at most 6% of the CPUs were busy in other processes, and the pool
+was busy for about 10 s after waking: not the pool. The steal share is there to tell whether the
+virtual machine's CPUs were taken from it when a reading came out low.
 
     python bench/cpu_rate_after_wakeup.py [--params 234881024] [--seconds 60] [--out FILE.json]
 """
@@ -24,15 +30,38 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def cpu_times() -> list[int] | None:
+    """The host's summed CPU times (``/proc/stat``'s ``cpu`` line, in clock ticks: user, nice, system,
+    idle, iowait, irq, softirq, steal, ...); None where it cannot be read."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    return [int(x) for x in fields[1:]] if fields and fields[0] == "cpu" else None
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of the CPUs' time between two :func:`cpu_times` that the hypervisor gave to others
+    (``steal``, the eighth field): a virtual machine's CPUs taken while it wanted to run. None where
+    not readable or no time passed."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    return (after[7] - before[7]) / total if total > 0 else None
+
+
 def reading(cuda: bool, params: int, repeat: int, t0: float) -> dict:
-    """One CPU-step reading with the host's state just before it."""
+    """One CPU-step reading with the host's state just before it, and the steal while it ran."""
     from protrain_fx import profiler
 
     busy = profiler.cpus_busy_elsewhere(0.5)
     top = profiler.busiest_elsewhere(0.5)
     start = time.perf_counter() - t0
+    ticks = cpu_times()
     rate = profiler._chunk_adam_params_per_s(cuda, params, repeat)
-    return {"t_s": start, "busy_elsewhere": busy, "busiest": top, "params_per_s": rate}
+    return {"t_s": start, "busy_elsewhere": busy, "busiest": top, "params_per_s": rate,
+            "steal": steal_share(ticks, cpu_times())}
 
 
 def main() -> None:
@@ -62,8 +91,9 @@ def main() -> None:
         for r in out[phase]:
             top = ", ".join(f"{n} {p} {c:.1f}" for n, p, c in r["busiest"])
             busy = "?" if r["busy_elsewhere"] is None else f"{r['busy_elsewhere']:.0%}"
-            print(f"{phase:>6} {r['t_s']:6.1f} s: {r['params_per_s'] / 1e9:5.2f} G params/s, busy elsewhere {busy} ({top})",
-                  flush=True)
+            steal = "?" if r["steal"] is None else f"{r['steal']:.1%}"
+            print(f"{phase:>6} {r['t_s']:6.1f} s: {r['params_per_s'] / 1e9:5.2f} G params/s, busy elsewhere {busy} "
+                  f"({top}), steal while stepping {steal}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
