@@ -13,8 +13,12 @@ timed them. Then the step replayed with the in-training CPU rate, and with both 
 with the cap raised by 3 GiB as ``autoplan.raised_choice`` could). With ``--recompute-factor K``,
 every block's recompute is replayed at ``K`` times its forward (the profile priced it at 1 until the
 fifteenth session), and with ``--chained-factor K2`` at ``K2`` times when the next block is
-checkpointed too (``cost.BlockProfile.recompute_chained_s``). Every
-replay is a prediction: nothing here was measured with the replayed config.
+checkpointed too (``cost.BlockProfile.recompute_chained_s``). With ``--summary``, one line per run
+instead: the step the run's plan was predicted at when it ran, the step this code's cost model
+replays from the same dumped problem (the profile's rates), and the measured step, with the mean
+errors over the runs with device steps and over the others (how a change to the cost model would
+have predicted the recorded first plans). Every replay is a prediction: nothing here was measured
+with the replayed config.
 """
 
 from __future__ import annotations
@@ -42,9 +46,14 @@ def main() -> None:
     parser.add_argument("--chained-factor", type=float, default=None,
                         help="with --recompute-factor: the factor when the next block is checkpointed too "
                              "(default: the same)")
+    parser.add_argument("--summary", action="store_true",
+                        help="one line per run: as predicted when it ran, as replayed now, measured")
     args = parser.parse_args()
     if args.chained_factor is not None and args.recompute_factor is None:
         parser.error("--chained-factor needs --recompute-factor")
+    if args.summary:
+        summary(args.files)
+        return
     for f in args.files:
         for r in json.loads(Path(f).read_text()):
             ap = r.get("auto_plan")
@@ -145,6 +154,35 @@ def main() -> None:
                     b = found.best
                     print(f"    search at the training rates, cap +{raised >> 30} GiB: {b.n_persist}/{b.n_buffer}/"
                           f"{b.n_swap}/{b.n_checkpoint}/{b.n_gpu_optim}, {found.estimate.step_s * 1e3:.0f} ms predicted")
+
+
+def summary(files: list[str]) -> None:
+    """``--summary``: each auto run's first plan as predicted when it ran and as replayed by this
+    code's cost model from its dumped problem, against its measured step (the timed calls before
+    any re-plan)."""
+    rows: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for f in files:
+        for r in json.loads(Path(f).read_text()):
+            ap = r.get("auto_plan")
+            if not ap or not r.get("step_s") or not ap.get("problem"):
+                continue
+            problem, config = Problem.from_dict(ap["problem"]), Config.from_dict(ap["config"])
+            replan = ap.get("replan")
+            step = (statistics.median(r["step_times_s"][: (replan["calls"] or (9, 14))[0] - 4])
+                    if replan else r["step_s"])
+            then, now = ap["predicted_step_s"], CostModel(problem).estimate(config).step_s
+            rows[config.n_gpu_optim > 0].append((then / step - 1, now / step - 1))
+            c = config
+            print(f"{Path(f).name[:34]:34} {r['size']:>5} {r['cap_gib']:3g} GiB {c.n_persist}/{c.n_buffer}/{c.n_swap}/"
+                  f"{c.n_checkpoint}/{c.n_gpu_optim}: measured {step * 1e3:7.1f} ms; predicted then {then * 1e3:7.1f} "
+                  f"({100 * (then / step - 1):+5.1f}%), replayed now {now * 1e3:7.1f} ({100 * (now / step - 1):+5.1f}%)")
+    for device, errors in rows.items():
+        if errors:
+            then, now = zip(*errors)
+            print(f"{len(errors)} runs {'with' if device else 'without'} device steps: mean error then "
+                  f"{100 * statistics.mean(then):+.2f}%, now {100 * statistics.mean(now):+.2f}%; mean |error| then "
+                  f"{100 * statistics.mean(map(abs, then)):.2f}%, now {100 * statistics.mean(map(abs, now)):.2f}%; "
+                  f"within 5% then {sum(abs(e) <= 0.05 for e in then)}, now {sum(abs(e) <= 0.05 for e in now)}")
 
 
 if __name__ == "__main__":
