@@ -395,8 +395,12 @@ def device_step_rate(
     hosts of six where it reached 39.2-41.8. In ``bench/device_step_chain.py`` (2026-12-02), each
     step's span beside a GPT block's own kernels read 40.6 and 42.2 where that host's training
     reached 40.3 and 41.1, and 38.8 and 41.7 on another host where it reached 35.3 and 41.9. In the
-    compile, on two hosts, this measurement then read 5.7-13.9% above what training reached
-    (``docs/results.md``, twentieth session): not yet shown better than the products it replaced."""
+    compile, on two hosts, this measurement then read 5.7-13.9% above the median span training
+    reached (``docs/results.md``, twentieth session). That span includes the copies beside the
+    steps, which the cost model now adds itself (``cost.CostModel._dev_refetch``); against
+    training's rate without them (``calibrate.alone_rate``) it read +1.5%, +3.3% (one host), -7.4%,
+    -2.9% (another) and -14.1% (a third, whose pinned copies both ways also read 10-15% below the
+    other hosts' at profile time; twenty-first session)."""
     device = torch.device(device)
     parts = [int(x) for x in parts]
     if parts and min(parts) <= 0:
