@@ -1,0 +1,43 @@
+"""bench/auto_replay.py --summary: each recorded first plan as predicted then and as replayed now."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from protrain_fx.cost import Config, CostModel
+from tests.test_cost_search import make_problem
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(problem, config, predicted_s, steps, replan=None):
+    return {"size": "tiny", "cap_gib": 8, "step_s": sorted(steps)[len(steps) // 2], "step_times_s": steps,
+            "breakdown": [{}], "auto_plan": {"problem": problem.to_dict(), "config": config.to_dict(),
+                                             "predicted_step_s": predicted_s, "replan": replan}}
+
+
+def test_the_summary_replays_each_recorded_first_plan_and_names_the_means(tmp_path):
+    problem = make_problem(5, n_blocks=4)
+    with_steps, without = Config(1, 2, 0, 0, 1), Config(1, 2, 0, 0, 0)
+    model = CostModel(problem)
+    now = model.estimate(with_steps).step_s
+    runs = [
+        _run(problem, with_steps, 0.9 * now, [now / 1.1] * 3),  # predicted then 10% under now; measured
+        # re-planned at call 9: only the calls before it count (the first 5 of the bench's steps; the median of all 11 is 9x)
+        _run(problem, with_steps, now, [now] * 5 + [9 * now] * 6, replan={"calls": [9, 14]}),
+        _run(problem, without, model.estimate(without).step_s, [model.estimate(without).step_s] * 3),
+    ]
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps(runs))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "auto_replay.py"), "--summary", str(path)],
+                         check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    lines = [line for line in out.splitlines() if "predicted then" in line]
+    assert len(lines) == 3
+    errors = [tuple(float(x) for x in re.findall(r"\(\s*([+-][\d.]+)%\)", line)) for line in lines]
+    assert errors[0] == (-1.0, 10.0)  # 0.9 * 1.1 - 1 and 1.1 - 1
+    assert errors[1] == (0.0, 0.0)  # the re-planned calls left out
+    assert errors[2] == (0.0, 0.0)
+    assert "2 runs with device steps: mean error then -0.50%, now +5.00%" in out
+    assert "1 runs without device steps: mean error then +0.00%, now +0.00%" in out
