@@ -657,6 +657,43 @@ def test_raised_search_keeps_a_faster_plan_only_when_the_analysis_fits():
     assert autoplan.raised_choice(search_at, run, first, fitted, trials, 100).best.n_persist == 1 and runs == [1]
 
 
+def test_a_raised_config_above_the_cap_is_left_out_and_the_search_runs_again_under_it():
+    # B24 4.2B at 24 GiB (twenty-first session): raised from 3/3/0/35/11 the search picked a config
+    # analysed over the cap, while one predicted just under it analysed 0.7 GB under. Here the config
+    # that fitted (1) was predicted 20 above its analysis: raised by 25, the search finds 3 (predicted
+    # 119, analysed over the cap); under 119 (a raise of 18) it finds 2, which fits and is kept. The
+    # raise from 2 finds 3 again, tried: done, with 2's graphs in the record.
+    from protrain_fx.cost import Config, Estimate
+    from protrain_fx.search import SearchResult
+
+    def fixture(outcomes):
+        runs, trials = [], []
+
+        def result(p):
+            return SearchResult(Config(p, 0, 0, 0), Estimate(1.0 / p, outcomes[p][0], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                                1, 0, 0, 1, 0.0)
+
+        def search_at(lowered):
+            return result(3 if -lowered >= 20 else 2 if -lowered >= 10 else 1)
+
+        def run(config):
+            runs.append(config.n_persist)
+            trials.append(autoplan.Trial(config, *outcomes[config.n_persist]))
+            return trials[-1]
+
+        first = result(1)
+        return autoplan.raised_choice(search_at, run, first, run(first.best), trials, 100), runs
+
+    kept, runs = fixture({1: (100, 80), 2: (115, 95), 3: (119, 101)})
+    assert kept.best.n_persist == 2 and runs == [1, 3, 2]
+    # 2 over the cap too: under 115 (a raise of 14) the search finds 2 again, tried; 1 is applied again
+    kept, runs = fixture({1: (100, 80), 2: (115, 101), 3: (119, 101)})
+    assert kept.best.n_persist == 1 and runs == [1, 3, 2, 1]
+    # the lowered cap would be at or under the cap itself: no search under it
+    kept, runs = fixture({1: (100, 80), 2: (115, 95), 3: (100, 101)})
+    assert kept.best.n_persist == 1 and runs == [1, 3, 1]
+
+
 def test_widened_moves_a_negative_reserve_into_the_budget():
     assert autoplan.widened(100, 10) == (100, 10)
     assert autoplan.widened(100, -10) == (110, 0)
