@@ -70,7 +70,8 @@ host-to-device and device-to-host copy queues (each FIFO in a fixed order) and o
   duration (B24 1.3B at 16 GiB on the H200: the step in flight during the swap-ins took 61-71 ms,
   the others 33-39; 4.2B at 24 GiB: 113-116 against 67-90), and so does a backward re-fetch, by
   its whole duration on both lanes (``CostModel._dev_refetch``: the steps copy near the link's
-  duplex rate; 4.2B at 24 GiB: 67-70 ms with none beside them where 69 was priced, 73-88 with one).
+  duplex rate; 4.2B at 24 GiB: 67-70 ms for the two issued after backward's last re-fetch, where
+  69 was priced, and 72-85 for the others).
   A step timed in training (:attr:`Problem.device_step_s`) has its re-fetches in its seconds. Not
   modelled: the reference backward leaves out recompute, so it places the steps earlier against
   backward than they run (it gives the first step issued more re-fetches than ran beside it). The
@@ -947,9 +948,9 @@ class CostModel:
 
         Why both ways: a step moves 12 bytes a parameter in and 14 out, near the link's duplex
         rate, so what else crosses the link while it runs delays the whole step. On the H200 (B24 4.2B
-        at 24 GiB, 3/3/0/35/11, twenty-first session) the steps with no re-fetch beside them took
-        67-70 ms where the profile priced 69, and the others 73-88, where one re-fetch alone takes
-        8.4 ms."""
+        at 24 GiB, 3/3/0/35/11, twenty-first session) the two steps issued after backward's last
+        re-fetch took 67-70 ms where the profile priced 69, and the others 72-85 (medians of calls
+        3-8), where one re-fetch alone takes 8.4 ms."""
         key = (p, b, g)
         got = self._per_pbg.get(key)
         if got is not None:

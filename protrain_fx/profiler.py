@@ -469,10 +469,10 @@ def note_training_rates(
 ) -> Path | None:
     """Keep rates measured in training (``protrain_fx.calibrate``) in ``device``'s profile file
     (``"in_training"``), for :func:`training_rates`: the CPU chunk step's (per chunk size, rounded as
-    :func:`chunk_adam_rate` rounds it) and the device steps' (without the re-fetches beside them, under
-:data:`TRAINING_DEVICE_KEY`). A rate of 0 is not kept. Without a
-    profile file (nothing was measured on this machine) nothing is written; measuring the profile again
-    (``refresh``, another cache version) starts without them. Returns the file written, else ``None``."""
+    :func:`chunk_adam_rate` rounds it) and the device steps' (without the re-fetches beside them,
+    under :data:`TRAINING_DEVICE_KEY`). A rate of 0 is not kept. Without a profile file (nothing was
+    measured on this machine) nothing is written; measuring the profile again (``refresh``, another
+    cache version) starts without them. Returns the file written, else ``None``."""
     path = cache_path(device, cache)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

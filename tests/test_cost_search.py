@@ -589,8 +589,8 @@ def test_a_swap_in_beside_a_device_step_stalls_that_step() -> None:
 
 
 def test_a_refetch_beside_a_device_step_lengthens_that_step() -> None:
-    # B24 4.2B at 24 GiB on the H200 (twenty-first session, 3/3/0/35/11): the device steps with no
-    # backward re-fetch beside them took 67-70 ms where the profile priced 69, the others 73-88; one
+    # B24 4.2B at 24 GiB on the H200 (twenty-first session, 3/3/0/35/11): the two device steps issued
+    # after backward's last re-fetch took 67-70 ms where the profile priced 69, the others 72-85; one
     # re-fetch alone takes 8.4 ms there. Four blocks (1 ms forward, 2 ms backward), chunk 0 the outside
     # work's and persistent, chunks 1-3 stepped on the GPU, chunk 4 on the CPU. A fetch takes 6.7 ms,
     # a step 20.1 ms in and 26.8 out. On the reference timeline backward runs 4.5-13.5 ms; chunk 3's
