@@ -31,14 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def cpu_times() -> list[int] | None:
-    """The host's summed CPU times (``/proc/stat``'s ``cpu`` line, in clock ticks: user, nice, system,
-    idle, iowait, irq, softirq, steal, ...); None where it cannot be read."""
+    """``profiler.host_cpu_times`` (user, nice, system, idle, iowait, irq, softirq, steal); None where
+    it cannot be read."""
+    from protrain_fx import profiler
+
     try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = f.readline().split()
-    except OSError:
+        return profiler.host_cpu_times()
+    except (OSError, ValueError):
         return None
-    return [int(x) for x in fields[1:]] if fields and fields[0] == "cpu" else None
 
 
 def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:

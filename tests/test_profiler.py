@@ -297,6 +297,15 @@ def test_cpu_time_of_other_processes_is_read_from_proc(monkeypatch):
     assert profiler.cpus_busy_elsewhere() is None
 
 
+def test_a_process_stat_line_gives_its_name_and_cpu_ticks():
+    # the name may hold spaces and parentheses; utime and stime are fields 14 and 15
+    line = "4242 (py (worker) 2) S 1 2 3 4 5 6 7 8 9 10 700 55 0 0 20 0 1"
+    assert profiler._process_ticks(line) == ("py (worker) 2", 755)
+    if Path("/proc/stat").exists():
+        times = profiler.host_cpu_times()
+        assert len(times) == 8 and all(t >= 0 for t in times) and sum(times) > 0
+
+
 def test_the_busiest_other_processes_are_named():
     # a child process spinning for the window is found, by name and pid; this process is not
     import subprocess
