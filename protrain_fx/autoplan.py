@@ -638,9 +638,11 @@ def raised_choice(
     :data:`RAISE_MIN_GAIN` faster and was not tried is applied and analysed. Under the cap it is kept
     and the next raise starts from it. Above it, the search runs again with the raised cap lowered to
     just under that config's predicted peak (it, and every config the model puts at or above it,
-    left out), and so on, :data:`MAX_RAISES` searches in all; at the end the last config that fitted
-    is applied again if another was tried after it (the record must hold its graphs). The analysis
-    stays the judge: nothing is kept that it puts above the cap.
+    left out) and at the point where the line through the fitted config's and the overshooting
+    config's (predicted, analysed) peaks reaches the cap (:func:`lowered_raise`), and so on,
+    :data:`MAX_RAISES` searches in all; at the end the last config that fitted is applied again if
+    another was tried after it (the record must hold its graphs). The analysis stays the judge:
+    nothing is kept that it puts above the cap.
 
     Why lower rather than stop: the predicted-to-analysed ratio is not one number. B24 4.2B at 24
     GiB on the H200 (twenty-first session): the config that fitted, 3/3/0/35/11, was predicted at
@@ -667,7 +669,7 @@ def raised_choice(
         t = run(raised.best)
         applied = raised.best
         if t.analysed_peak_bytes > cap:
-            raise_by = raised.estimate.peak_bytes - 1 - cap  # leave it and all predicted above it out
+            raise_by = lowered_raise(fitted, t, cap)
             if raise_by <= 0:
                 break
             continue
@@ -675,6 +677,27 @@ def raised_choice(
     if applied != found.best:
         run(found.best)
     return found
+
+
+def lowered_raise(fitted: Trial, over: Trial, cap: int) -> int:
+    """The raise of the next search after ``over`` (a raised config) analysed above ``cap``, where
+    ``fitted`` analysed under it: to just under ``over``'s predicted peak (it, and every config the
+    cost model puts at or above it, left out), and no higher than where the line through the two
+    trials' (predicted, analysed) peaks puts an analysed peak of ``cap``.
+
+    Why the line: one step under the overshooting config can take one raise per buffer. B24 4.2B at
+    40 GiB on the H200 (twenty-second session): 7/9/0/36/9 fitted, predicted 39.75 GB and analysed
+    32.22 under a cap of 39.77; raised by its ratio, the search found 10/5/0/36/6 (48.79, analysed
+    41.26), then, one step under each, 10/4 and 10/3 (48.33 and 47.87, analysed 40.80 and 40.34), and
+    the raises ran out with 7.5 GB unused. All four differed from their analysis by 7.53 GB, so the
+    line puts the cap at a predicted 47.30, where the search finds 10/2/2/34/6 (47.21, predicted
+    721 ms against 7/9/0/36/9's 816)."""
+    top = over.predicted_peak_bytes - 1
+    predicted_rise = over.predicted_peak_bytes - fitted.predicted_peak_bytes
+    analysed_rise = over.analysed_peak_bytes - fitted.analysed_peak_bytes
+    if predicted_rise > 0 and analysed_rise > 0:
+        top = min(top, fitted.predicted_peak_bytes + (cap - fitted.analysed_peak_bytes) * predicted_rise // analysed_rise)
+    return top - cap
 
 
 def widened(budget: int, reserve: int) -> tuple[int, int]:

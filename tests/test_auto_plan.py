@@ -694,6 +694,42 @@ def test_a_raised_config_above_the_cap_is_left_out_and_the_search_runs_again_und
     assert kept.best.n_persist == 1 and runs == [1, 3, 1]
 
 
+def test_after_an_overshoot_the_next_raise_is_where_the_line_through_both_trials_meets_the_cap():
+    # B24 4.2B at 40 GiB (twenty-second session), in miniature: every config is predicted 20 above
+    # its analysis. From 1 (100, 80) the ratio's raise of 25 finds 5 (125, 105), over the cap of 100.
+    # One step under it would find 4 (124, 104) and 3 (122, 102), both over, and the raises would run
+    # out; the line through (100, 80) and (125, 105) meets the cap at a predicted 120, where the
+    # search finds 2 (120, 100), which fits.
+    from protrain_fx.cost import Config, Estimate
+    from protrain_fx.search import SearchResult
+
+    outcomes = {1: (100, 80), 2: (120, 100), 3: (122, 102), 4: (124, 104), 5: (125, 105)}
+    runs, trials = [], []
+
+    def result(p):
+        return SearchResult(Config(p, 0, 0, 0), Estimate(1.0 / p, outcomes[p][0], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                            1, 0, 0, 1, 0.0)
+
+    def search_at(lowered):  # the fastest config predicted at most 100 - lowered
+        return result(max(p for p, (pred, _) in outcomes.items() if pred <= 100 - lowered))
+
+    def run(config):
+        runs.append(config.n_persist)
+        trials.append(autoplan.Trial(config, *outcomes[config.n_persist]))
+        return trials[-1]
+
+    first = result(1)
+    kept = autoplan.raised_choice(search_at, run, first, run(first.best), trials, 100)
+    assert kept.best.n_persist == 2 and runs == [1, 5, 2]
+    # the line alone: never at or above the overshooting config's own prediction
+    fitted, over = autoplan.Trial(Config(1, 0, 0, 0), 100, 80), autoplan.Trial(Config(5, 0, 0, 0), 125, 105)
+    assert autoplan.lowered_raise(fitted, over, 100) == 20
+    just_over = autoplan.Trial(Config(5, 0, 0, 0), 125, 101)  # the line meets the cap at 100 + 20 * 25 / 21
+    assert autoplan.lowered_raise(fitted, just_over, 100) == 23
+    lower = autoplan.Trial(Config(5, 0, 0, 0), 99, 101)  # predicted under the fitted config: no line, and no raise
+    assert autoplan.lowered_raise(fitted, lower, 100) == -2
+
+
 def test_widened_moves_a_negative_reserve_into_the_budget():
     assert autoplan.widened(100, 10) == (100, 10)
     assert autoplan.widened(100, -10) == (110, 0)
