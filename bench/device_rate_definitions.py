@@ -60,6 +60,7 @@ def device_rates(
 
 def main() -> None:
     errors: list[tuple[float, float]] = []
+    readings: dict[str, list[tuple[float, float, float, float]]] = {}  # size -> (profile, alone, CPU profile, CPU window)
     for path in sorted([*(ROOT / "docs" / "raw").glob("session1[3-9]_call*_peers.json"),
                        *(ROOT / "docs" / "raw").glob("session2[0-9]_call*_peers.json")]):
         for record in json.loads(path.read_text()):
@@ -82,13 +83,28 @@ def main() -> None:
                 priced = dataclasses.replace(problem, machine=machine, device_step_s=timed)
                 row.append(100 * (CostModel(priced).estimate(config).step_s / measured - 1))
             errors.append(tuple(row))
+            profiled = problem.machine.device_step_bytes_per_s
+            if profiled:
+                readings.setdefault(record["size"], []).append(
+                    (profiled, alone, problem.machine.cpu_adam_params_per_s, cpu))
             print(f"{path.name[:24]:24} {record['size']:>5} {record['cap_gib']:3g} GiB g={config.n_gpu_optim:2d}  "
-                  f"span {rates[0] / 1e9:.1f} GB/s, lane {rates[1] / 1e9:.1f}  step error: span {row[0]:+5.1f}%, "
+                  f"profile {profiled / 1e9:.1f}, span {rates[0] / 1e9:.1f} GB/s, lane {rates[1] / 1e9:.1f}  step error: span {row[0]:+5.1f}%, "
                   f"lane {row[1]:+5.1f}%, per chunk {row[2]:+5.1f}%, alone ({alone / 1e9:.1f} GB/s) {row[3]:+5.1f}%")
     print(f"{len(errors)} runs:")
     for name, column in zip(("span", "lane", "per chunk", "alone"), zip(*errors)):
         print(f"  {name:9}: mean |error| {statistics.mean(map(abs, column)):.2f}%, mean error "
               f"{statistics.mean(column):+.2f}%, within 5%: {sum(abs(e) <= 5 for e in column)}")
+    print("The profile's readings against training's on the same host (the window's CPU rate; the device steps' alone):")
+    for size, rows in sorted(readings.items()):
+        if len(rows) < 3:
+            continue
+        for what, a, b in (("device steps", 0, 1), ("CPU step", 2, 3)):
+            prof, train = [r[a] for r in rows], [r[b] for r in rows]
+            mean = statistics.mean(train)
+            print(f"  {size:>5} {what:12}: {len(rows)} runs, training {mean / 1e9:.2f} (sd {statistics.stdev(train) / mean:.1%}), "
+                  f"correlation {statistics.correlation(prof, train):+.2f}; mean |profile / training - 1| "
+                  f"{statistics.mean(abs(x / y - 1) for x, y in zip(prof, train)):.1%}, mean |training's mean / training - 1| "
+                  f"{statistics.mean(abs(mean / y - 1) for y in train):.1%}")
 
 
 if __name__ == "__main__":
