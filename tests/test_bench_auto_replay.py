@@ -41,3 +41,20 @@ def test_the_summary_replays_each_recorded_first_plan_and_names_the_means(tmp_pa
     assert errors[2] == (0.0, 0.0)
     assert "2 runs with device steps: mean error then -0.50%, now +5.00%" in out
     assert "1 runs without device steps: mean error then +0.00%, now +0.00%" in out
+
+
+def test_device_rate_definitions_compares_each_size_profile_with_training_on_the_recorded_runs():
+    # bench/device_rate_definitions.py over docs/raw: per size with three runs or more, how the
+    # profile's readings track training's on the same host. Its numbers are the recorded runs'
+    # (docs/results.md, twenty-second session); here: every line is there and well formed.
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "device_rate_definitions.py")],
+                         check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    assert re.search(r"^\d+ runs:$", out, re.M)
+    rows = re.findall(r"^\s+(\S+) (device steps|CPU step)\s*: (\d+) runs, .* correlation ([+-][\d.]+); "
+                      r"mean \|profile / training - 1\| ([\d.]+)%, mean \|training's mean / training - 1\| ([\d.]+)%$",
+                      out, re.M)
+    sizes = {size for size, *_ in rows}
+    assert {"1.3B", "4.2B"} <= sizes
+    for size, what, n, corr, profile_err, constant_err in rows:
+        assert int(n) >= 3 and -1 <= float(corr) <= 1 and float(profile_err) >= 0 and float(constant_err) >= 0
+    assert len(rows) == 2 * len(sizes)  # both rates for every size
