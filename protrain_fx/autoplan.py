@@ -17,7 +17,7 @@ budget and no plan by hand (``pipeline.wants_auto_plan``), the backend's partiti
    last the config of least predicted memory is tried. A searched plan that fits is a measure of the
    cost model's margin: the search runs again with the cap raised by it, and a plan predicted faster
    is kept if its analysis fits too; one analysed above the cap is left out and the search runs
-   again just under it (:func:`raised_choice`).
+   again under it, where the line through the two trials' peaks meets the cap (:func:`raised_choice`).
 5. When nothing fits, :class:`~protrain_fx.search.NoPlanFits` (a ``ValueError``) is raised while
    compiling, before the step runs, naming the smallest budget in bytes and GiB.
 
@@ -691,7 +691,10 @@ def lowered_raise(fitted: Trial, over: Trial, cap: int) -> int:
     41.26), then, one step under each, 10/4 and 10/3 (48.33 and 47.87, analysed 40.80 and 40.34), and
     the raises ran out with 7.5 GB unused. All four differed from their analysis by 7.53 GB, so the
     line puts the cap at a predicted 47.30, where the search finds 10/2/2/34/6 (47.21, predicted
-    721 ms against 7/9/0/36/9's 816)."""
+    721 ms against 7/9/0/36/9's 816). On the next call, with this rule, the raise found 10/6/3/33/5
+    (48.95, analysed 42.87: this difference was 6.08), the line put the cap at 46.27, and 9/7/0/36/6
+    (46.08) analysed at 38.55 GB and peaked at 36.32 in training; after the window's re-plan it ran
+    798 ms a step (10.3k tok/s) where 7/9/0/36/9 had run 881 ms (9.3k) on the call before."""
     top = over.predicted_peak_bytes - 1
     predicted_rise = over.predicted_peak_bytes - fitted.predicted_peak_bytes
     analysed_rise = over.analysed_peak_bytes - fitted.analysed_peak_bytes
