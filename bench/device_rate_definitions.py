@@ -13,7 +13,11 @@ rates its own steps measured, with the device-step rate defined two ways:
 
 The CPU rate is the backend's own window's (``auto_plan.training_rates``). Prints each run's
 predicted step error against its measured synced median (the calls before any re-plan) both ways,
-and the means.
+and the means. Then, per size with three runs or more, how the profile's readings (the device
+steps' and the CPU step's rates the plan was priced at) track what training reached on the same
+host (the ``alone`` rate; the window's CPU rate): their correlation, and the mean error of the
+reading against that of training's mean over the hosts (twenty-second session: at 4.2B the
+device-step reading did no better than a constant).
 
     python bench/device_rate_definitions.py
 """
