@@ -171,14 +171,14 @@ def wait_for_quiet_cpus(device: torch.device, what: str, max_wait_s: float | Non
 
     Why: on two fresh H200 hosts (2026-12-02) a 4.2B compile read the CPU step at 0.19-0.69 G
     params/s, where training on one of them reached 1.07 and a later process on the other read
-    1.08-1.22; the plan built on the low reading stepped every offloaded chunk on the GPU. A likely
-    cause, not yet confirmed on the GPU: ``torch._inductor.compile_fx`` wakes Inductor's pool of
-    compile workers (one subprocess per ``TORCHINDUCTOR_COMPILE_THREADS``, 8 there, each importing
-    torch) as the compile starts, and the profile runs inside that compile. Measured on two H200
-    hosts since (twenty-first session, ``bench/cpu_rate_after_wakeup.py``), the pool kept at most 9%
-    of the CPUs busy, for about 10 s, the CPU step still moved 0.63-1.55 G params/s within a minute
-    with nothing busy and under 1% steal, and this wait never waited in three compiles: the cause is
-    outside what the guest sees. The wait stays, as it costs half a second when the host is quiet.
+    1.08-1.22; the plan built on the low reading stepped every offloaded chunk on the GPU. The cause
+    suspected then: ``torch._inductor.compile_fx`` wakes Inductor's pool of compile workers (one
+    subprocess per ``TORCHINDUCTOR_COMPILE_THREADS``, 8 there, each importing torch) as the compile
+    starts, and the profile runs inside that compile. It was ruled out on two H200 hosts
+    (twenty-first session, ``bench/cpu_rate_after_wakeup.py``): the pool kept at most 9% of the CPUs
+    busy, for about 10 s, the CPU step still moved 0.63-1.55 G params/s within a minute with nothing
+    busy and under 1% steal, and this wait never waited in three compiles (nor in the twenty-second
+    session's): the cause is outside what the guest sees. The wait stays, as it costs half a second when the host is quiet.
     The file keeps the fraction seen at each measurement (``"busy_elsewhere"``)."""
     if device.type != "cuda":
         return None
@@ -1274,7 +1274,6 @@ def _mean_param_element_size(record: CapturedGraph) -> float:
 
 __all__ = [
     "busiest_elsewhere", "cache_dir", "cache_path", "chunk_adam_rate", "cpus_busy_elsewhere", "device_name", "device_op_times",
-    "host_cpu_times",
-    "device_step_rate", "device_step_spans", "layout_key", "measure_machine", "note_training_rates",
+    "device_step_rate", "device_step_spans", "host_cpu_times", "layout_key", "measure_machine", "note_training_rates",
     "problem_from_record", "training_rates", "wait_for_quiet_cpus",
 ]
