@@ -19,7 +19,9 @@ model keeps them as device tensors *without memory* (storage of 0 bytes: shapes 
 and the backend rewrites every captured graph to read them from ``n_buffer`` device chunk buffers
 (``passes/gather.py``). Their gradients go to the store, and a worker thread steps them with the
 optimizer's hyper-parameters (``runtime/cpu_adam.py``) while backward goes on; the next forward waits
-only for the chunks it needs, in order.
+only for the chunks it needs, in order. A chunk's step takes its group's hyper-parameters as its
+gradient lands (a step that runs into the next forward keeps them, whatever a scheduler set since),
+so a learning rate set between backward and ``optimizer.step()`` reaches only the persistent chunks.
 
 Use ``handle.accumulate()`` around the backward passes of all but the last micro-batch of a step,
 ``handle.state_dict()`` / ``handle.optimizer_state_dict()`` for checkpoints (ordinary full tensors),
@@ -261,7 +263,7 @@ class OffloadHandle:
         ) if offloaded else None
         self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
-        self.worker = OptimizerWorker(self.adam.step_chunk) if self.adam else None
+        self.worker = OptimizerWorker(self.adam.step_chunk, self.adam.hyper) if self.adam else None
         self.device_adam = DeviceAdamW(self.adam, self.device) if self.adam and n_gpu_optim else None
         self.pool = (
             ChunkBufferPool(self.store, n_buffer, self.device, wait_host=self.worker.wait) if self.store else None

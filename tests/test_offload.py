@@ -105,6 +105,30 @@ def _assert_same_params(handle, model, reference, exact=True):
             torch.testing.assert_close(state[name], p.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_a_cpu_step_that_runs_after_the_scheduler_keeps_its_own_steps_learning_rate(monkeypatch):
+    # The CPU steps of the last chunks to land overlap the next forward, so they can run after the
+    # user's scheduler.step(). Each chunk step is held back here until well after it: they must
+    # still use the learning rate of the step that queued them, bit-exact against eager (before,
+    # they read the scheduler's next rate: the loss differed from the second step on).
+    import time
+
+    from protrain_fx.runtime import cpu_adam
+
+    step_chunk = cpu_adam.ChunkAdamW.step_chunk
+
+    def late(self, chunk_id, *hyper):
+        time.sleep(0.02)
+        return step_chunk(self, chunk_id, *hyper)
+
+    monkeypatch.setattr(cpu_adam.ChunkAdamW, "step_chunk", late)
+    model, reference, opt, ref_opt, handle, compiled = _setup(0, 2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    _train_side_by_side(compiled, reference, opt, ref_opt, 3, schedules=(schedule, ref_schedule))
+    handle.synchronize()
+    _assert_same_params(handle, model, reference)
+
+
 @pytest.mark.parametrize(("n_persist", "n_buffer"), [(0, 2), (1, 2), (3, 2), (5, 4)])
 def test_training_equals_eager_adamw(n_persist, n_buffer):
     model, reference, opt, ref_opt, handle, compiled = _setup(n_persist, n_buffer)

@@ -2,9 +2,13 @@
 
 :class:`ChunkAdamW` binds a :class:`~protrain_fx.runtime.chunk_store.ChunkStore` to the optimizer
 the user built on the model's parameters. The user's optimizer stays the source of truth for the
-hyper-parameters: every chunk step reads ``lr``, ``betas``, ``eps``, ``weight_decay`` and
-``maximize`` from its ``param_groups`` at that moment, so learning-rate schedulers attached to it
-keep working. The moments live in the store (not in ``optimizer.state``) and the step is torch's
+hyper-parameters: a chunk step takes ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``maximize``
+from its ``param_groups`` when it is queued (:meth:`ChunkAdamW.hyper`, in the thread that queues
+it: as the chunk's gradient lands in backward, or at ``optimizer.step()`` for accumulated
+gradients), as the device steps do, so learning-rate schedulers attached to it keep working. A step
+that runs later, overlapping the next forward, still uses its own step's values: read when it ran,
+a scheduler stepped after ``optimizer.step()`` reached the chunks still queued (the learning rate of
+the next step, one chunk in three of a tiny GPT on the CPU, found by ``tests/test_offload.py``). The moments live in the store (not in ``optimizer.state``) and the step is torch's
 fused CPU kernel (design.md: as fast as DeepSpeed's CPUAdam) on per-parameter views of the flat
 master, with the chunk's gradient converted to fp32.
 
@@ -80,8 +84,16 @@ class ChunkAdamW:
         """Whether ``slot`` is in the optimizer (else its values never change)."""
         return slot in self._group_of
 
-    def step_chunk(self, chunk_id: int) -> None:
-        """One Adam(W) step of the chunk's parameters that have a gradient, then its new working copy.
+    def hyper(self, chunk_id: int) -> dict[int, tuple[Callable[..., None], dict[str, Any]]]:
+        """Param group -> :meth:`kernel` of it, read now: what :meth:`step_chunk` of a step queued now
+        uses (``OptimizerWorker``'s ``prepare``)."""
+        return {g: self.kernel(g) for g in range(len(self.optimizer.param_groups))}
+
+    def step_chunk(
+        self, chunk_id: int, hyper: Mapping[int, tuple[Callable[..., None], dict[str, Any]]] | None = None
+    ) -> None:
+        """One Adam(W) step of the chunk's parameters that have a gradient, then its new working copy,
+        with ``hyper`` (:meth:`hyper` when the step was queued; ``None``: the groups' values now).
 
         Parameters without a gradient are skipped, as torch skips ``grad is None``."""
         slots = [s for s in self.store.grad_slots(chunk_id) if s in self._group_of]
@@ -93,12 +105,16 @@ class ChunkAdamW:
         store.before_host_write(chunk_id)  # (a fetch may still be reading the working copy)
         start = _clock()
         for g in sorted({self._group_of[s] for s in slots}):
-            self._step_group(chunk_id, g, [s for s in slots if self._group_of[s] == g])
+            self._step_group(chunk_id, g, [s for s in slots if self._group_of[s] == g],
+                             None if hyper is None else hyper[g])
         store.finish_step(chunk_id, refreshed=slots)
         seconds, params = self.computed
         self.computed = (seconds + _clock() - start, params + sum(s.numel for s in slots))
 
-    def _step_group(self, chunk_id: int, g: int, slots: list[ParamSlot]) -> None:
+    def _step_group(
+        self, chunk_id: int, g: int, slots: list[ParamSlot],
+        kernel: tuple[Callable[..., None], dict[str, Any]] | None = None,
+    ) -> None:
         """The fused kernel over slices of at most ``slice_elems`` elements: per slice the
         gradient's fp32 copy (bf16 compute), the update, and the slice's new working copy, while
         the slice is still in the CPU's caches. Measured on the H200 host (16 threads, 200M
@@ -107,7 +123,7 @@ class ChunkAdamW:
         parameters alone: the bf16<->fp32 conversions, not DRAM passes, cost the difference."""
         store = self.store
         steps = self.advance(slots)
-        fused, hyper = self.kernel(g)
+        fused, hyper = self.kernel(g) if kernel is None else kernel
         grad, master = store.grad_flat(chunk_id), store.flat("master", chunk_id)
         working = None if store.is_lean(chunk_id) else store.flat("working", chunk_id)  # == grad
         exp_avg, exp_avg_sq = store.flat("exp_avg", chunk_id), store.flat("exp_avg_sq", chunk_id)
@@ -261,14 +277,17 @@ def worker_threads(process_threads: int | None = None) -> int:
 
 class OptimizerWorker:
     """Runs ``step_chunk(chunk_id)`` on one background thread, in submission order, with an OpenMP
-    team of :func:`worker_threads` (the caller's thread count is not changed).
+    team of :func:`worker_threads` (the caller's thread count is not changed). With ``prepare``,
+    :meth:`submit` calls ``prepare(chunk_id)`` in the caller's thread and the step runs
+    ``step_chunk(chunk_id, prepared)`` (``ChunkAdamW.hyper``: the hyper-parameters as of queueing).
 
     An exception in a step is raised in the caller at the next :meth:`submit`, :meth:`wait` or
     :meth:`wait_all` (with a note naming the chunk), and only once.
     """
 
-    def __init__(self, step_chunk: Callable[[int], None]) -> None:
+    def __init__(self, step_chunk: Callable[..., None], prepare: Callable[[int], Any] | None = None) -> None:
         self._step_chunk = step_chunk
+        self._prepare = prepare
         #: OpenMP threads of the worker's steps.
         self.threads = worker_threads()
         self._executor = ThreadPoolExecutor(
@@ -292,7 +311,8 @@ class OptimizerWorker:
             raise RuntimeError(
                 f"chunk {chunk_id} submitted again while its last step is still queued or running"
             )
-        self._pending[chunk_id] = self._executor.submit(self._step, chunk_id)
+        args = () if self._prepare is None else (self._prepare(chunk_id),)
+        self._pending[chunk_id] = self._executor.submit(self._step, chunk_id, *args)
 
     def pending(self, chunk_id: int) -> bool:
         """Whether the chunk's step is queued or running."""
@@ -329,10 +349,10 @@ class OptimizerWorker:
         else:  # already failing: do not mask that error with a step's
             self._executor.shutdown(wait=True)
 
-    def _step(self, chunk_id: int) -> None:
+    def _step(self, chunk_id: int, *prepared: Any) -> None:
         start = time.perf_counter()
         try:
-            self._step_chunk(chunk_id)
+            self._step_chunk(chunk_id, *prepared)
         except BaseException as error:
             error.add_note(f"(in the CPU optimizer worker, stepping chunk {chunk_id})")
             raise
