@@ -103,6 +103,7 @@ def trace(step_parts, steps: int) -> dict:
             marks.append((e.time_range.start, e.time_range.end, e.name.removeprefix("pt_")))
     marks.sort()
     per: dict = {p: {k: 0.0 for k in KINDS} for p in walls}
+    counts: dict = {p: {k: 0.0 for k in KINDS} for p in walls}
     names: dict = {p: {} for p in walls}
     for e in events:
         # the record_function ranges show on the device too (as annotations): not kernels
@@ -116,9 +117,37 @@ def trace(step_parts, steps: int) -> dict:
         dur = e.time_range.elapsed_us() * 1e-6
         kind = kernel_kind(e.name)
         per[phase][kind] += dur / steps
+        counts[phase][kind] += 1 / steps
         names[phase][e.name] = names[phase].get(e.name, 0.0) + dur / steps
     top = {p: sorted(v.items(), key=lambda kv: -kv[1])[:12] for p, v in names.items()}
-    return {"kernels_s": per, "wall_s": {p: statistics.median(v) for p, v in walls.items()}, "top_kernels": top}
+    return {"kernels_s": per, "kernels_per_step": counts, "wall_s": {p: statistics.median(v) for p, v in walls.items()},
+            "top_kernels": top}
+
+
+def protocol_rounds(record, machine, rounds: int, device: str = "cuda") -> dict:
+    """The graphs' products and attention timed afresh ``rounds`` times under each of two protocols of
+    ``opprofile._time_node``: ``events`` (the profiler's: 5 calls back to back between two events) and
+    ``prefilled`` (the same with the device kept busy while they are queued); per round and protocol,
+    the estimate's seconds per phase and kind at those times (nothing cached is read or written)."""
+    import torch
+
+    from protrain_fx.opprofile import _time_node, _warm_clocks, distinct_calls
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    nodes = [*record.forward.graph.nodes, *record.backward.graph.nodes]
+    calls = distinct_calls(nodes)
+    device = torch.device(device)
+    out: dict = {"events": [], "prefilled": []}
+    with unset_fake_temporarily(), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        if device.type == "cuda":
+            _warm_clocks(device)
+        for _ in range(rounds):
+            for protocol in ("events", "prefilled"):
+                times = {sig: _time_node(node, device, 5, prefill=protocol == "prefilled")
+                         for sig, node in calls.items()}
+                est = estimate(record, machine, times)
+                out[protocol].append({ph: est[ph]["seconds"] for ph in ("forward", "backward")})
+    return out
 
 
 def main() -> None:
@@ -136,6 +165,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--protocols", type=int, default=0, metavar="R",
+                        help="also time the ops afresh R times under each timing protocol (protocol_rounds)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_trace.py needs CUDA")
@@ -167,6 +198,8 @@ def main() -> None:
     est = estimate(record, machine, op_times)
     result = {"size": args.size, "batch": args.batch, "seq": args.seq, "device": torch.cuda.get_device_name(),
               "measured": measured, "estimate": est}
+    if args.protocols:
+        result["protocols"] = protocol_rounds(record, machine, args.protocols)
     print(f"{args.size} B{args.batch}x{args.seq} on {result['device']}: ms per step (median of {args.steps})")
     print(f"{'phase':10} {'kind':10} {'kernels':>9} {'estimate':>9}")
     for phase in ("forward", "backward"):
@@ -176,7 +209,13 @@ def main() -> None:
             print(f"{phase:10} {kind:10} {m:9.2f} {e:9.2f}")
         m = sum(measured["kernels_s"][phase].values()) * 1e3
         e = sum(est[phase]["seconds"].values()) * 1e3
-        print(f"{phase:10} {'sum':10} {m:9.2f} {e:9.2f}   wall {measured['wall_s'][phase] * 1e3:.2f}")
+        n = sum(measured["kernels_per_step"][phase].values())
+        print(f"{phase:10} {'sum':10} {m:9.2f} {e:9.2f}   wall {measured['wall_s'][phase] * 1e3:.2f}, "
+              f"{n:.0f} kernels")
+    for protocol, rounds in result.get("protocols", {}).items():
+        for phase in ("forward", "backward"):
+            cells = "  ".join(f"{r[phase]['products'] * 1e3:6.2f}/{r[phase]['attention'] * 1e3:5.2f}" for r in rounds)
+            print(f"{protocol:10} {phase:9} products/attention ms per round: {cells}")
     print(f"optimizer kernels {sum(measured['kernels_s']['optimizer'].values()) * 1e3:.2f} ms, "
           f"wall {measured['wall_s']['optimizer'] * 1e3:.2f}")
     for phase, top in measured["top_kernels"].items():
