@@ -120,8 +120,70 @@ def trace(step_parts, steps: int) -> dict:
         counts[phase][kind] += 1 / steps
         names[phase][e.name] = names[phase].get(e.name, 0.0) + dur / steps
     top = {p: sorted(v.items(), key=lambda kv: -kv[1])[:12] for p, v in names.items()}
+    try:
+        gaps = gap_analysis(prof, steps)
+    except Exception as exc:  # noqa: BLE001 - the raw events' interface moved: the rest still stands
+        gaps = {"error": f"{type(exc).__name__}: {exc}"}
     return {"kernels_s": per, "kernels_per_step": counts, "wall_s": {p: statistics.median(v) for p, v in walls.items()},
-            "top_kernels": top}
+            "top_kernels": top, "gaps": gaps}
+
+
+def idle_time(kernels, launches, start: float, end: float) -> dict:
+    """Where the device sat idle in one phase of one step: ``kernels`` are ``(start, end, name,
+    correlation)`` of the phase's kernels (seconds, any order), ``launches`` maps a correlation to its
+    launch call's ``(start, end)`` on the host, ``start``/``end`` the phase's host range.
+
+    ``preamble_s``: from the phase's start to its first kernel; ``idle_s``: the time between kernels
+    with none running; ``host_bound_s``: the part of it before kernels whose launch call began after
+    the device had gone idle (the device waited for the host); ``by_kernel``: that part per name of
+    the kernel that ended the wait; ``tail_s``: from the last kernel's end to the phase's end."""
+    ks = sorted(kernels)
+    out = {"preamble_s": 0.0, "idle_s": 0.0, "host_bound_s": 0.0, "gaps": 0, "tail_s": 0.0, "by_kernel": {}}
+    if not ks:
+        return out
+    out["preamble_s"] = max(0.0, ks[0][0] - start)
+    busy_until = ks[0][1]
+    for k_start, k_end, name, corr in ks[1:]:
+        if k_start > busy_until:
+            gap = k_start - busy_until
+            out["idle_s"] += gap
+            out["gaps"] += 1
+            launch = launches.get(corr)
+            if launch is not None and launch[0] > busy_until:
+                out["host_bound_s"] += gap
+                out["by_kernel"][name] = out["by_kernel"].get(name, 0.0) + gap
+        busy_until = max(busy_until, k_end)
+    out["tail_s"] = max(0.0, end - busy_until)
+    return out
+
+
+def gap_analysis(prof, steps: int) -> dict:
+    """:func:`idle_time` per phase of the traced steps (from the profiler's raw events: kernels matched
+    to their launch calls by correlation), the means over the steps; ``by_kernel`` the 8 largest."""
+    import torch
+
+    events = prof.profiler.kineto_results.events()
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    phases = sorted((e.start_ns() * 1e-9, e.end_ns() * 1e-9, e.name().removeprefix("pt_")) for e in events
+                    if e.device_type() == cpu and e.name() in ("pt_forward", "pt_backward", "pt_optimizer"))
+    launches = {e.correlation_id(): (e.start_ns() * 1e-9, e.end_ns() * 1e-9) for e in events
+                if e.device_type() == cpu and e.name().startswith("cu") and e.correlation_id()}
+    kernels = [(e.start_ns() * 1e-9, e.end_ns() * 1e-9, e.name(), e.correlation_id()) for e in events
+               if e.device_type() == cuda and not e.is_user_annotation() and not e.name().startswith("pt_")]
+    out: dict = {}
+    for start, end, phase in phases:
+        mine = [k for k in kernels if start <= k[0] <= end]
+        got = idle_time(mine, launches, start, end)
+        got["matched"] = sum(k[3] in launches for k in mine) / max(1, len(mine))
+        acc = out.setdefault(phase, {"preamble_s": 0.0, "idle_s": 0.0, "host_bound_s": 0.0, "gaps": 0.0,
+                                     "tail_s": 0.0, "matched": 0.0, "by_kernel": {}})
+        for key in ("preamble_s", "idle_s", "host_bound_s", "gaps", "tail_s", "matched"):
+            acc[key] += got[key] / steps
+        for name, t in got["by_kernel"].items():
+            acc["by_kernel"][name] = acc["by_kernel"].get(name, 0.0) + t / steps
+    for acc in out.values():
+        acc["by_kernel"] = dict(sorted(acc["by_kernel"].items(), key=lambda kv: -kv[1])[:8])
+    return out
 
 
 def protocol_rounds(record, machine, rounds: int, device: str = "cuda") -> dict:
@@ -212,6 +274,15 @@ def main() -> None:
         n = sum(measured["kernels_per_step"][phase].values())
         print(f"{phase:10} {'sum':10} {m:9.2f} {e:9.2f}   wall {measured['wall_s'][phase] * 1e3:.2f}, "
               f"{n:.0f} kernels")
+    for phase, g in measured["gaps"].items():
+        if phase == "error":
+            print(f"gaps: {g}")
+            continue
+        print(f"{phase:10} device idle: {g['preamble_s'] * 1e3:.2f} ms before its first kernel, {g['idle_s'] * 1e3:.2f} "
+              f"between kernels ({g['gaps']:.0f} gaps), {g['host_bound_s'] * 1e3:.2f} of it waiting for a launch, "
+              f"{g['tail_s'] * 1e3:.2f} after the last (launches matched {g['matched']:.0%})")
+        for name, t in g["by_kernel"].items():
+            print(f"    {t * 1e3:7.3f} ms before {name[:100]}")
     for protocol, rounds in result.get("protocols", {}).items():
         for phase in ("forward", "backward"):
             cells = "  ".join(f"{r[phase]['products'] * 1e3:6.2f}/{r[phase]['attention'] * 1e3:5.2f}" for r in rounds)

@@ -83,3 +83,22 @@ def test_protocol_rounds_times_every_product_afresh_under_both_protocols():
                 # measured on this CPU: far slower than the H200's roofline the untimed estimate uses
                 assert r[phase]["products"] > plain[phase]["seconds"]["products"]
                 assert r[phase]["generated"] == pytest.approx(plain[phase]["seconds"]["generated"])
+
+
+def test_idle_time_splits_the_device_idle_time_by_who_it_waited_for():
+    kernels = [  # (start, end, name, correlation), out of order
+        (5.0, 7.0, "b", 2),
+        (1.0, 3.0, "a", 1),
+        (7.5, 9.0, "c", 3),  # its launch began at 7.2, after "b" ended: the device waited for the host
+        (8.0, 10.0, "d", 4),  # overlaps "c" (another stream): no gap
+        (10.5, 11.0, "e", 5),  # launched long before: a gap, but not the host's
+    ]
+    launches = {1: (0.5, 0.6), 2: (4.0, 4.1), 3: (7.2, 7.3), 4: (7.4, 7.45), 5: (2.0, 2.1)}
+    got = step_trace.idle_time(kernels, launches, 0.0, 12.0)
+    assert got["preamble_s"] == pytest.approx(1.0)
+    assert got["gaps"] == 3
+    assert got["idle_s"] == pytest.approx(2.0 + 0.5 + 0.5)
+    assert got["host_bound_s"] == pytest.approx(2.0 + 0.5)  # "b" launched at 4.0 > 3.0; "c" at 7.2 > 7.0
+    assert got["by_kernel"] == pytest.approx({"b": 2.0, "c": 0.5})
+    assert got["tail_s"] == pytest.approx(1.0)
+    assert step_trace.idle_time([], launches, 0.0, 1.0)["idle_s"] == 0.0
