@@ -1079,9 +1079,10 @@ def _overlap_table(results: list[dict]) -> list[str]:
 
         serial = med("forward_s") + med("backward_s") + med("cpu_optimizer_busy_s")
         per_param = r.get("offload", {}).get("host_bytes_per_param")
+        host = f"{per_param:.2f}" if per_param else "–"  # nothing kept on the host: the cell, not the row
         lines.append(f"| {r['size']} | {r['system']} | {med('forward_s'):.0f} | {med('backward_s'):.0f} | "
                      f"{med('gpu_optimizer_s'):.0f} | {med('cpu_optimizer_busy_s'):.0f} | {serial:.0f} | "
-                     f"{1000 * r['step_s']:.0f} | {per_param:.2f} |" if per_param else "–")
+                     f"{1000 * r['step_s']:.0f} | {host} |")
     return lines
 
 

@@ -210,3 +210,14 @@ def test_stream_steps_run_after_the_timed_ones():
     starts = result["stream_starts_s"]
     assert starts == sorted(starts) and result["stream_end_s"] > starts[-1]
     assert result["stream_step_s"] == pytest.approx(result["stream_end_s"] / 3)
+
+
+def test_overlap_table_has_a_row_for_a_run_that_keeps_nothing_on_the_host():
+    step = {"forward_s": 0.016, "backward_s": 0.028, "gpu_optimizer_s": 0.003, "cpu_optimizer_busy_s": 0.0}
+    on_device = {"size": "350M", "system": "protrain_offload[auto]", "status": "ok", "steps": 2, "step_s": 0.048,
+                 "breakdown": [step, step, step], "offload": {"host_bytes_per_param": 0.0}}
+    offloaded = {**on_device, "size": "4.2B", "offload": {"host_bytes_per_param": 14.19}}
+    rows = [line for line in peers._overlap_table([on_device, offloaded]) if line.startswith("| 350M") or
+            line.startswith("| 4.2B")]
+    assert rows == ["| 350M | protrain_offload[auto] | 16 | 28 | 3 | 0 | 44 | 48 | – |",
+                    "| 4.2B | protrain_offload[auto] | 16 | 28 | 3 | 0 | 44 | 48 | 14.19 |"]
