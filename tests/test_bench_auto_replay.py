@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from protrain_fx.cost import Config, CostModel
 from tests.test_cost_search import make_problem
 
@@ -58,3 +60,17 @@ def test_device_rate_definitions_compares_each_size_profile_with_training_on_the
     for size, what, n, corr, profile_err, constant_err in rows:
         assert int(n) >= 3 and -1 <= float(corr) <= 1 and float(profile_err) >= 0 and float(constant_err) >= 0
     assert len(rows) == 2 * len(sizes)  # both rates for every size
+
+
+def test_phase_errors_tabulates_the_on_device_runs_and_their_spread():
+    # bench/phase_errors.py over docs/raw (docs/results.md, twenty-third session): every on-device run
+    # has a well-formed row, and the sizes with three plain runs or more a spread line.
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "phase_errors.py")],
+                         check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    runs = re.findall(r"^session\S+\s+(\S+)\s+\d+ GiB ck\s+(\d+)\s+fwd\s+([\d.]+) /\s+([\d.]+) \(\s*([+-][\d.]+)%\)", out, re.M)
+    assert len(runs) >= 10
+    for size, ck, pred, meas, err in runs:
+        p, m = float(pred), float(meas)  # printed to 0.1 ms: the error's rounding allowed for
+        assert float(err) == pytest.approx(100 * (p / m - 1), abs=100 * 0.05 * (1 / p + 1 / m) * p / m + 0.05)
+    spread = re.findall(r"^\s+(\S+) over (\d+) runs: fwd: measured [\d.]+ \(sd [\d.]+%\), predicted", out, re.M)
+    assert {"350M", "760M"} <= {size for size, _ in spread}

@@ -1,0 +1,74 @@
+"""The compute estimate per phase on the recorded runs that kept every chunk on the device (no GPU needed).
+
+    python bench/phase_errors.py [files...]   (default: docs/raw/session1[2-9]_call*_peers.json, session2*)
+
+For each ``protrain_offload[auto]`` run whose plan kept every chunk on the device (so its step is
+compute, recompute and the GPU optimizer: no copies and no CPU step), the cost model's forward,
+backward and step, replayed from the run's dumped ``Problem``, against the medians measured (CUDA
+events; the first call, which compiles, left out). Then per model size, over those runs without
+checkpointing (each call ran on its own host; two runs of one call at two caps share one): the spread
+of the measured phases and of the predicted ones. Where the predictions spread
+more than the measurements, the estimate's inputs (the op times the profile measured on each host)
+vary more than the step they price.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from protrain_fx.cost import Config, CostModel, Problem  # noqa: E402
+
+
+def rows(files: list[str]) -> list[dict]:
+    """One dict per on-device auto run: size, cap, checkpointed blocks, predicted and measured seconds."""
+    out = []
+    for f in files:
+        for r in json.loads(Path(f).read_text()):
+            ap = r.get("auto_plan")
+            if not ap or not r.get("breakdown") or not r.get("step_s"):
+                continue
+            problem, config = Problem.from_dict(ap["problem"]), Config.from_dict(ap["config"])
+            if config.n_persist < len(problem.chunks):
+                continue
+            est = CostModel(problem).estimate(config)
+            steps = r["breakdown"][1:] or r["breakdown"]
+            out.append({
+                "file": Path(f).name, "size": r["size"], "cap_gib": r["cap_gib"], "checkpoint": config.n_checkpoint,
+                "fwd": (est.fwd_s, statistics.median(s["forward_s"] for s in steps)),
+                "bwd": (est.bwd_s, statistics.median(s["backward_s"] for s in steps)),
+                "step": (est.step_s, r["step_s"]),
+            })
+    return out
+
+
+def main() -> None:
+    files = sys.argv[1:] or sorted([*glob.glob(str(ROOT / "docs/raw/session1[2-9]_call*_peers.json")),
+                                    *glob.glob(str(ROOT / "docs/raw/session2[0-9]_call*_peers.json"))])
+    table = rows(files)
+    print("ms, predicted / measured (error)")
+    for t in table:
+        cells = "  ".join(f"{k} {p * 1e3:6.1f} / {m * 1e3:6.1f} ({100 * (p / m - 1):+5.1f}%)"
+                          for k, (p, m) in ((k, t[k]) for k in ("fwd", "bwd", "step")))
+        print(f"{t['file'][:32]:32} {t['size']:>5} {t['cap_gib']:3g} GiB ck {t['checkpoint']:2d}  {cells}")
+    print("Per size, the plans without checkpointing: mean and spread (sd / mean) of the phases")
+    for size in sorted({t["size"] for t in table}):
+        plain = [t for t in table if t["size"] == size and t["checkpoint"] == 0]
+        if len(plain) < 3:
+            continue
+        parts = []
+        for k in ("fwd", "bwd", "step"):
+            pred, meas = [t[k][0] for t in plain], [t[k][1] for t in plain]
+            parts.append(f"{k}: measured {statistics.mean(meas) * 1e3:.1f} (sd {statistics.stdev(meas) / statistics.mean(meas):.1%}), "
+                         f"predicted {statistics.mean(pred) * 1e3:.1f} (sd {statistics.stdev(pred) / statistics.mean(pred):.1%})")
+        print(f"  {size:>5} over {len(plain)} runs: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
