@@ -1,6 +1,6 @@
 """Where a step's device time goes, measured against the cost model's estimate, per kind of work.
 
-    python bench/step_trace.py --size 760M [--batch 8 --seq 1024 --steps 3 --json out.json]
+    python bench/step_trace.py --size 760M [--batch 8 --seq 1024 --steps 3 --protocols R --json out.json]
 
 Runs B24 ``size`` through ``torch.compile(backend="protrain")`` with the empty plan (what the
 automatic plan runs when everything fits: Inductor codegen, parameters kept), traces ``--steps``
@@ -10,7 +10,11 @@ attention, Inductor's generated kernels, other. Beside it, the estimate the cost
 same graphs at (``profiler._node_times`` with the fused roofline and the measured op times, as
 ``profiler.problem_from_record`` does): the timed ops split into products and attention, the rest
 (the fused roofline). The question it answers: do the products run faster inside the step than
-measured alone, or is the fused roofline high. Needs CUDA.
+measured alone, or is the fused roofline high. Also per phase, where the device sat idle
+(:func:`gap_analysis`: before the first kernel, between kernels, and how much of it waited for the
+host to launch the next). With ``--protocols R``, the products and attention are timed afresh R
+times under the profiler's protocol and with the device kept busy while they are queued
+(:func:`protocol_rounds`). Needs CUDA.
 """
 
 from __future__ import annotations
