@@ -38,7 +38,8 @@ def test_kernel_kind(name, kind):
     assert step_trace.kernel_kind(name) == kind
 
 
-def test_estimate_splits_the_step_by_kind():
+def _tiny_step():
+    """The captured step (forward and backward graphs) of the tiny GPT, eager codegen."""
     register()
     capture.reset()
     torch.manual_seed(0)
@@ -46,7 +47,11 @@ def test_estimate_splits_the_step_by_kind():
     run = torch.compile(model, backend="protrain", options={"auto_plan": False, "codegen": "eager"})
     idx, targets = random_batch(gpt_config("tiny"), 2, 32)
     run(idx, targets).backward()
-    record = next(g for g in capture.captured_graphs() if g.backward is not None)
+    return next(g for g in capture.captured_graphs() if g.backward is not None)
+
+
+def test_estimate_splits_the_step_by_kind():
+    record = _tiny_step()
     machine = machines.H200
     plain = step_trace.estimate(record, machine, None)
     for phase, graph in (("forward", record.forward), ("backward", record.backward)):
@@ -66,14 +71,7 @@ def test_estimate_splits_the_step_by_kind():
 
 
 def test_protocol_rounds_times_every_product_afresh_under_both_protocols():
-    register()
-    capture.reset()
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny"))
-    run = torch.compile(model, backend="protrain", options={"auto_plan": False, "codegen": "eager"})
-    idx, targets = random_batch(gpt_config("tiny"), 2, 32)
-    run(idx, targets).backward()
-    record = next(g for g in capture.captured_graphs() if g.backward is not None)
+    record = _tiny_step()
     rounds = step_trace.protocol_rounds(record, machines.H200, 2, device="cpu")
     plain = step_trace.estimate(record, machines.H200, None)
     for protocol in ("events", "prefilled"):
