@@ -56,15 +56,18 @@ lane() {  # lane NAME JOBS
   if [ "$name" = a ] && [ -n "$MAIN" ]; then
     timeout 100 python3 examples/train_gpt.py --out "$O/a/main" > "$O/a/main.log" 2>&1; echo "exit $?" >> "$O/a/main.log"
   fi
-  local IFS_SAVE=$IFS job cap systems sizes extra out
+  local IFS_SAVE=$IFS job cap systems sizes extra out est
   IFS=';'; read -ra list <<< "$jobs"; IFS=$IFS_SAVE
   for job in "${list[@]}"; do
     [ -z "$job" ] && continue
     cap=${job%%|*}; systems=${job#*|}; sizes=${systems#*|}; systems=${systems%%|*}
     label=""; [[ "$sizes" == *"|"* ]] && { label=_${sizes#*|}; sizes=${sizes%%|*}; }
-    extra=(); [ "$systems" = auto ] && { systems=protrain_offload; extra=(--offload auto --default-estimate-s 150); }
-    [ "$systems" = autoi ] && { systems=protrain_offload; extra=(--offload auto:inductor --default-estimate-s 150); }
-    [ "$systems" = autog ] && { systems=protrain_offload; extra=(--offload auto:graph --default-estimate-s 150); }
+    # a run's expected wall (the preflight skips it with less left): the automatic runs' walls on the
+    # H200 so far, by the job's largest size (350M 105 s, 760M 124-131, 1.3B 202, 4.2B 217-360)
+    est=120; [[ "$sizes" == *760M* ]] && est=140; [[ "$sizes" == *1.3B* ]] && est=210; [[ "$sizes" == *4.2B* ]] && est=300
+    extra=(); [ "$systems" = auto ] && { systems=protrain_offload; extra=(--offload auto --default-estimate-s $est); }
+    [ "$systems" = autoi ] && { systems=protrain_offload; extra=(--offload auto:inductor --default-estimate-s $est); }
+    [ "$systems" = autog ] && { systems=protrain_offload; extra=(--offload auto:graph --default-estimate-s $est); }
     out="$O/$name/cap$cap$label"
     local resume=(); [ -f "$out/peers.json" ] && resume=(--resume "$out/peers.json")
     # shellcheck disable=SC2086
