@@ -178,8 +178,9 @@ def wait_for_quiet_cpus(device: torch.device, what: str, max_wait_s: float | Non
     (twenty-first session, ``bench/cpu_rate_after_wakeup.py``): the pool kept at most 9% of the CPUs
     busy, for about 10 s, the CPU step still moved 0.63-1.55 G params/s within a minute with nothing
     busy and under 1% steal, and this wait never waited in three compiles (nor in the twenty-second
-    session's): the cause is outside what the guest sees. The wait stays, as it costs half a second when the host is quiet.
-    The file keeps the fraction seen at each measurement (``"busy_elsewhere"``)."""
+    session's): the cause is outside what the guest sees. The wait stays, as it costs half a second
+    when the host is quiet. The file keeps the fraction seen at each measurement
+    (``"busy_elsewhere"``)."""
     if device.type != "cuda":
         return None
     shared = max_wait_s is None
