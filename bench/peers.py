@@ -640,6 +640,8 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     if system.startswith("protrain"):
         result.update(_protrain_prediction())
+        if cuda and result["status"] == "ok" and os.environ.get(REREAD_ENV):
+            result["reread"] = _reread(int(os.environ[REREAD_ENV]))
     result["host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
 
@@ -654,6 +656,59 @@ def _replan(replan) -> dict | None:
             "measured_after_s": check.measured_step_s if check is not None else None,
             "calls": list(check.calls) if check is not None else None,
             "measured_before_s": replan.measured_before_s, "kept": replan.kept}
+
+
+#: Environment variable: after a protrain run's timed steps, read the profile's inputs again on the
+#: same host (:func:`_reread`), the device steps that many times.
+REREAD_ENV = "PEERS_REREAD"
+
+
+def _reread(device_steps: int) -> dict:
+    """The profile's readings taken again after training, on the host that trained, into a copy of
+    the profile files (the lane's cache is left as it was): per graph phase, the summed times of its
+    matrix and attention nodes as the compile cached them (``cached``), timed afresh as the profiler
+    times them (``events``) and with the device kept busy (``prefilled``, ``opprofile._time_node``);
+    for a model with offloaded chunks, the device-step rate of its layout ``device_steps`` times and
+    the CPU chunk step's rate twice (``profiler.device_step_rate``, ``profiler.chunk_adam_rate``).
+    Any failure is recorded as its reason; the run's own results stand."""
+    import shutil
+    import tempfile
+
+    import protrain_fx
+    import torch
+    from protrain_fx import opprofile, profiler
+    from protrain_fx.autooffload import chunk_parts, placed_handle
+
+    out: dict = {}
+    try:
+        record = [g for g in protrain_fx.captured_graphs() if g.backward is not None and g.memory is not None][-1]
+        device = torch.device(record.memory.device)
+        phases = [list(record.forward.graph.nodes), list(record.backward.graph.nodes)]
+        nodes = [n for ph in phases for n in ph]
+        copy = Path(tempfile.mkdtemp(prefix="reread-"))
+        machine = profiler.cache_path(device)
+        if machine.exists():
+            shutil.copy(machine, copy / machine.name)
+        readings = {"cached": opprofile.measure_op_times(nodes, device),
+                    "events": opprofile.measure_op_times(nodes, device, cache=copy, refresh=True),
+                    "prefilled": opprofile.measure_op_times(nodes, device, cache=copy, refresh=True, prefill=True)}
+        signatures = [[opprofile.op_signature(n) for n in ph] for ph in phases]
+        common = set.intersection(*(set(r) for r in readings.values()))
+        out["op_sums_s"] = {name: [sum(times[s] for s in sigs if s in common) for sigs in signatures]
+                            for name, times in readings.items()}
+        out["ops_timed"] = [sum(s in common for s in sigs) for sigs in signatures]
+        handle = placed_handle(record)
+        if handle is not None and device_steps > 0:
+            parts = chunk_parts(handle)
+            out["device_step_bytes_per_s"] = [
+                profiler.device_step_rate(device, parts, load_nodes=nodes, cache=copy, refresh=True)
+                for _ in range(device_steps)]
+            out["cpu_adam_params_per_s"] = [
+                profiler.chunk_adam_rate(device, handle.chunk_params, cache=copy, refresh=True) for _ in range(2)]
+        shutil.rmtree(copy, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001 - a measurement after the run; the run's results stand
+        out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
 
 
 def _protrain_prediction() -> dict:

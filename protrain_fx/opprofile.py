@@ -94,13 +94,17 @@ def _concrete_scalar(v: Any) -> Any:
     return meta.concrete(v) if isinstance(v, torch.SymInt) else v.node.hint
 
 
-def ops_cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None = None) -> Path:
+def ops_cache_path(
+    device: torch.device | str, cache: str | os.PathLike[str] | None = None, *, prefill: bool = False
+) -> Path:
     """The JSON file of ``device``'s op times: ``ops-<device name>-torch<version>.json`` next to the
-    machine profile (``profiler.cache_path``)."""
+    machine profile (``profiler.cache_path``); ``ops-prefilled-...`` for times taken with the device
+    kept busy (:func:`_time_node`'s ``prefill``), which are not the same readings."""
     from protrain_fx.profiler import cache_path
 
     machine_file = cache_path(device, cache)
-    return machine_file.with_name("ops-" + machine_file.name.removeprefix("machine-"))
+    prefix = "ops-prefilled-" if prefill else "ops-"
+    return machine_file.with_name(prefix + machine_file.name.removeprefix("machine-"))
 
 
 def measure_op_times(
@@ -110,6 +114,7 @@ def measure_op_times(
     cache: str | os.PathLike[str] | None = None,
     refresh: bool = False,
     repeat: int = 5,
+    prefill: bool = False,
 ) -> dict[str, float]:
     """Seconds per :func:`op_signature` of ``nodes`` (those that have one) on ``device``, cached.
 
@@ -122,11 +127,12 @@ def measure_op_times(
     the means; on the CPU the median of ``repeat`` calls (``time.perf_counter``); outside any fake
     mode, autocast and autograd. An op
     that raises (shapes it cannot take, out of memory) is logged at debug level and left out: its
-    nodes keep the roofline.
+    nodes keep the roofline. With ``prefill`` (CUDA), each op is timed with the device kept busy while
+    its calls are queued (:func:`_time_node`), into a cache file of its own (:func:`ops_cache_path`).
     """
     device = torch.device(device)
     first = distinct_calls(nodes)
-    path = ops_cache_path(device, cache)
+    path = ops_cache_path(device, cache, prefill=prefill)
     cached = {} if refresh else _read(path)
     known = {sig: cached[sig] for sig in first if sig in cached}
     missing = [sig for sig in first if sig not in known]
@@ -146,7 +152,7 @@ def measure_op_times(
             _warm_clocks(device)
         for sig in missing:
             try:
-                measured[sig] = _time_node(first[sig], device, repeat)
+                measured[sig] = _time_node(first[sig], device, repeat, prefill=prefill)
             except Exception as exc:  # noqa: BLE001 - any failure: the roofline stays for this op
                 log.debug("protrain_fx: could not time %s: %s: %s", sig, type(exc).__name__, exc)
         if device.type == "cuda":

@@ -221,3 +221,15 @@ def test_overlap_table_has_a_row_for_a_run_that_keeps_nothing_on_the_host():
             line.startswith("| 4.2B")]
     assert rows == ["| 350M | protrain_offload[auto] | 16 | 28 | 3 | 0 | 44 | 48 | – |",
                     "| 4.2B | protrain_offload[auto] | 16 | 28 | 3 | 0 | 44 | 48 | 14.19 |"]
+
+
+def test_reread_after_a_run_sums_each_phases_timed_ops_under_each_protocol():
+    result = peers.run_one("tiny", "protrain", steps=1, warmup=1, batch=2, seq=16, cap_gib=0.0, device="cpu")
+    assert result["status"] == "ok", result.get("reason")
+    got = peers._reread(2)
+    assert "error" not in got, got
+    assert set(got["op_sums_s"]) == {"cached", "events", "prefilled"}
+    assert len(got["ops_timed"]) == 2 and min(got["ops_timed"]) > 0  # forward and backward both have products
+    for sums in got["op_sums_s"].values():
+        assert len(sums) == 2 and min(sums) > 0
+    assert "device_step_bytes_per_s" not in got  # no offloaded chunks: nothing of theirs to read

@@ -55,12 +55,19 @@ def test_measured_once_then_read_from_the_cache(tmp_path, capsys, monkeypatch):
     assert data["version"] == opprofile.CACHE_VERSION and data["times"] == times
 
     calls = []
-    monkeypatch.setattr(opprofile, "_time_node", lambda *a: calls.append(a) or 1.0)
+    monkeypatch.setattr(opprofile, "_time_node", lambda *a, **k: calls.append((a, k)) or 1.0)
     assert opprofile.measure_op_times(nodes, "cpu", cache=tmp_path) == times
     assert calls == [] and capsys.readouterr().err == ""
     # refresh measures again and rewrites the file
     again = opprofile.measure_op_times(nodes, "cpu", cache=tmp_path, refresh=True)
     assert len(calls) == 2 and set(again.values()) == {1.0}
+    assert json.loads(path.read_text())["times"] == again
+    # times taken with the device kept busy are other readings: measured into a file of their own
+    calls.clear()
+    prefilled = opprofile.measure_op_times(nodes, "cpu", cache=tmp_path, prefill=True)
+    assert len(calls) == 2 and all(k == {"prefill": True} for _, k in calls)
+    other = opprofile.ops_cache_path("cpu", tmp_path, prefill=True)
+    assert other != path and json.loads(other.read_text())["times"] == prefilled
     assert json.loads(path.read_text())["times"] == again
 
 
