@@ -10,6 +10,12 @@ checkpointing (each call ran on its own host; two runs of one call at two caps s
 of the measured phases and of the predicted ones. Where the predictions spread
 more than the measurements, the estimate's inputs (the op times the profile measured on each host)
 vary more than the step they price.
+
+Runs that read the profile's inputs again after training (``bench/peers.py``, ``PEERS_REREAD``) also
+get each phase priced with their matrix and attention nodes at the times read then, as the profiler
+times them (``events``) and with the device kept busy (``prefilled``): the cached times' sum in that
+phase is replaced by the new one. Those rows end with each phase's measured time less the
+``prefilled`` price, in ms: what the estimate would still have to model.
 """
 
 from __future__ import annotations
@@ -39,12 +45,18 @@ def rows(files: list[str]) -> list[dict]:
                 continue
             est = CostModel(problem).estimate(config)
             steps = r["breakdown"][1:] or r["breakdown"]
-            out.append({
+            row = {
                 "file": Path(f).name, "size": r["size"], "cap_gib": r["cap_gib"], "checkpoint": config.n_checkpoint,
                 "fwd": (est.fwd_s, statistics.median(s["forward_s"] for s in steps)),
                 "bwd": (est.bwd_s, statistics.median(s["backward_s"] for s in steps)),
                 "step": (est.step_s, r["step_s"]),
-            })
+            }
+            sums = (r.get("reread") or {}).get("op_sums_s")
+            if sums and config.n_checkpoint == 0:  # a recomputed block's products would count twice
+                for protocol in ("events", "prefilled"):
+                    d_fwd, d_bwd = (sums[protocol][i] - sums["cached"][i] for i in (0, 1))
+                    row[protocol] = (est.fwd_s + d_fwd, est.bwd_s + d_bwd, est.step_s + d_fwd + d_bwd)
+            out.append(row)
     return out
 
 
@@ -57,6 +69,11 @@ def main() -> None:
         cells = "  ".join(f"{k} {p * 1e3:6.1f} / {m * 1e3:6.1f} ({100 * (p / m - 1):+5.1f}%)"
                           for k, (p, m) in ((k, t[k]) for k in ("fwd", "bwd", "step")))
         print(f"{t['file'][:32]:32} {t['size']:>5} {t['cap_gib']:3g} GiB ck {t['checkpoint']:2d}  {cells}")
+        for protocol in ("events", "prefilled"):
+            if protocol in t:
+                errors = "  ".join(f"{k} {100 * (p / t[k][1] - 1):+5.1f}%" for k, p in zip(("fwd", "bwd", "step"), t[protocol]))
+                rest = ", ".join(f"{k} {1e3 * (t[k][1] - p):+.1f}" for k, p in zip(("fwd", "bwd", "step"), t[protocol]))
+                print(f"{'':>32} {'':>5} {'':>7} {'':>5}  reread {protocol:9}: {errors}; measured less priced (ms): {rest}")
     print("Per size, the plans without checkpointing: mean and spread (sd / mean) of the phases")
     for size in sorted({t["size"] for t in table}):
         plain = [t for t in table if t["size"] == size and t["checkpoint"] == 0]

@@ -74,3 +74,22 @@ def test_phase_errors_tabulates_the_on_device_runs_and_their_spread():
         assert float(err) == pytest.approx(100 * (p / m - 1), abs=100 * 0.05 * (1 / p + 1 / m) * p / m + 0.05)
     spread = re.findall(r"^\s+(\S+) over (\d+) runs: fwd: measured [\d.]+ \(sd [\d.]+%\), predicted", out, re.M)
     assert {"350M", "760M"} <= {size for size, _ in spread}
+
+
+def test_phase_errors_reprices_a_reread_run_with_the_times_read_after_training(tmp_path):
+    # an on-device run whose products were read again: each phase's cached sum is replaced by the new one
+    sys.path.insert(0, str(ROOT / "bench"))
+    import phase_errors
+
+    problem = make_problem(3)
+    config = Config(n_persist=len(problem.chunks), n_buffer=0, n_swap=0, n_checkpoint=0)
+    est = CostModel(problem).estimate(config)
+    run = _run(problem, config, est.step_s, [0.2, 0.2, 0.2])
+    run["breakdown"] = [{"forward_s": 0.05, "backward_s": 0.1}] * 3
+    run["reread"] = {"op_sums_s": {"cached": [0.03, 0.06], "events": [0.031, 0.058], "prefilled": [0.025, 0.05]}}
+    path = tmp_path / "run_peers.json"
+    path.write_text(json.dumps([run, {**run, "reread": None}]))
+    with_reread, without = phase_errors.rows([str(path)])
+    assert "prefilled" not in without
+    assert with_reread["prefilled"] == pytest.approx((est.fwd_s - 0.005, est.bwd_s - 0.01, est.step_s - 0.015))
+    assert with_reread["events"] == pytest.approx((est.fwd_s + 0.001, est.bwd_s - 0.002, est.step_s - 0.001))
