@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from protrain_fx.autooffload import prefer_persistent  # noqa: E402
 from protrain_fx.autoplan import widened  # noqa: E402
-from protrain_fx.cost import Config, CostModel, Problem  # noqa: E402
+from protrain_fx.cost import Config, CostModel, Problem, expected_estimate  # noqa: E402
 
 
 def main() -> None:
@@ -170,7 +170,10 @@ def summary(files: list[str]) -> None:
             replan = ap.get("replan")
             step = (statistics.median(r["step_times_s"][: (replan["calls"] or (9, 14))[0] - 4])
                     if replan else r["step_s"])
-            then, now = ap["predicted_step_s"], CostModel(problem).estimate(config).step_s
+            # a first plan predicted as the mean over the host rates' spread is replayed so (cost.expected_estimate)
+            spread = ap.get("rate_spread")
+            now = (expected_estimate(problem, config, spread) if spread else CostModel(problem).estimate(config)).step_s
+            then = ap["predicted_step_s"]
             rows[config.n_gpu_optim > 0].append((then / step - 1, now / step - 1))
             c = config
             print(f"{Path(f).name[:34]:34} {r['size']:>5} {r['cap_gib']:3g} GiB {c.n_persist}/{c.n_buffer}/{c.n_swap}/"

@@ -727,6 +727,7 @@ def _protrain_prediction() -> dict:
             "config": a.config.to_dict(), "how": a.how, "offload": a.offload, "budget_bytes": a.budget_bytes,
             "budget_source": a.budget_source, "allocated_cap_bytes": a.allocated_cap_bytes,
             "predicted_step_s": a.estimate.step_s, "cost_model_peak_bytes": a.predicted_peak_bytes,
+            "rate_spread": a.rate_spread,  # the predicted step: the mean over the host rates within it
             "analysed_peak_bytes": a.analysed_peak_bytes, "judged_by": a.judged_by,
             "search_s": a.search.seconds if a.search else None,
             "trials": len(a.trials), "trial_peaks": [(t.config.to_dict(), t.predicted_peak_bytes, t.analysed_peak_bytes,

@@ -50,7 +50,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -69,7 +69,16 @@ from protrain_fx.autoplan import (
     widened,
 )
 from protrain_fx.capture import CapturedGraph
-from protrain_fx.cost import Config, CostModel, MachineProfile, Problem, block_plan
+from protrain_fx.cost import (
+    RATE_SPREAD,
+    Config,
+    CostModel,
+    MachineProfile,
+    Problem,
+    block_plan,
+    expected_estimate,
+    steadiest_gpu_optim,
+)
 from protrain_fx.machine import machine_for
 from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
 from protrain_fx.plan import Plan
@@ -139,7 +148,8 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
         return chosen(record, model, config, how, found, trials, cap=cap, miss=miss, empty_peak_bytes=empty_peak,
                       empty_step_s=model.estimate(empty).step_s, offload=True, problem_s=problem_s, started=started,
-                      empty_by_inductor=empty_by_inductor)
+                      empty_by_inductor=empty_by_inductor,
+                      rate_spread=RATE_SPREAD if torch.device(record.memory.device).type == "cuda" else None)
 
     if empty_peak <= cap:
         return result(empty, "fits as is", None)
@@ -306,6 +316,32 @@ def prefer_persistent(problem: Problem, budget: int, reserve: int, *, gpu_optim:
     return dataclasses.replace(best, seconds=seconds)
 
 
+def steadier_gpu_optim(
+    handle: OffloadHandle, model: CostModel, kept: Trial, cap: int, trials: list[Trial],
+    spread: Mapping[str, float] = RATE_SPREAD,
+) -> Config:
+    """The chosen config ``kept.config`` with the ``n_gpu_optim`` of the least expected step over the
+    host rates' spread (``cost.steadiest_gpu_optim``), within the memory its judged peak leaves under
+    ``cap``; applied to ``handle`` and appended to ``trials`` (the judged peak raised by the static
+    bytes the change adds), with a log line, when it differs. The count changes no graph: the two
+    optimizer paths read and write the same host state (``OffloadHandle.set_gpu_optim``)."""
+    config = kept.config
+    steadier = steadiest_gpu_optim(model.problem, config, room_bytes=cap - kept.analysed_peak_bytes, spread=spread)
+    if steadier == config:
+        return config
+    p, b = config.n_persist, config.n_buffer
+    added = model.static_bytes(p, b, steadier.n_gpu_optim) - model.static_bytes(p, b, config.n_gpu_optim)
+    handle.set_gpu_optim(steadier.n_gpu_optim)
+    trials.append(Trial(steadier, model.estimate(steadier).peak_bytes, kept.analysed_peak_bytes + added,
+                        kept.by_inductor))
+    log.info("protrain_fx: n_gpu_optim %d -> %d: the least step expected with the host rates within %s of "
+             "their readings (%.4g s against %.4g at n_gpu_optim %d)", config.n_gpu_optim, steadier.n_gpu_optim,
+             ", ".join(f"{k} {100 * u:.0f}%" for k, u in spread.items()),
+             expected_estimate(model.problem, steadier, spread).step_s,
+             expected_estimate(model.problem, config, spread).step_s, config.n_gpu_optim)
+    return steadier
+
+
 def least_memory_config(model: CostModel) -> Config:
     """The config of least predicted peak: no persistent chunk, the fewest buffers, no device step,
     the activation counts of least memory (the faster among equals)."""
@@ -372,11 +408,15 @@ def choose_offload(
         return t
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+        spread = RATE_SPREAD if device.type == "cuda" else None  # the CPU device plans with fixed rates
+        kept = next((t for t in trials if t.config == config), None)
+        if spread and kept is not None:
+            config = steadier_gpu_optim(handle, model, kept, cap, trials, spread)
         if final:
             handle.finalize()
         return chosen(record, model, config, how, found, trials, cap=cap, miss=miss,
                       empty_peak_bytes=all_on_device_peak, empty_step_s=model.estimate(everything).step_s,
-                      offload=True, problem_s=problem_s, started=started)
+                      offload=True, problem_s=problem_s, started=started, rate_spread=spread)
 
     try:
         least = least_memory_config(model)

@@ -92,7 +92,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from protrain_fx import cost
 from protrain_fx.calibrate import RateWindow, Replan, TrainingRates, replan_gpu_optim
 from protrain_fx.capture import CapturedGraph
-from protrain_fx.cost import Config, CostModel, Estimate, Problem, block_plan
+from protrain_fx.cost import Config, CostModel, Estimate, Problem, block_plan, expected_estimate
 from protrain_fx.machine import Machine, machine_for
 from protrain_fx.passes.params import parameter_infos
 from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
@@ -297,6 +297,9 @@ class AutoPlan:
     cap_lowered_by: float = 0.0
     peak_check: PeakCheck | None = None
     step_check: StepCheck | None = None
+    #: The host rates' spread the predicted step was averaged over (``cost.expected_estimate``; ``None``:
+    #: the step at the readings).
+    rate_spread: dict[str, float] | None = None
     #: The offload runtime's CPU and device optimizer rates over the same training calls
     #: (``protrain_fx.calibrate.TrainingRates``; ``None`` until then, and without offloaded steps).
     training_rates: TrainingRates | None = None
@@ -353,6 +356,13 @@ class AutoPlan:
                 f"  chunks: n_persist={c.n_persist}, n_buffer={c.n_buffer}, n_gpu_optim={c.n_gpu_optim} of "
                 f"{len(p.chunks)} chunks ({human_bytes(p.buffer_bytes)} buffers); every parameter on the device "
                 "would be the 'no plan' above"
+            ))
+        if self.rate_spread and self.config.n_persist < len(self.problem.chunks):
+            at_readings = CostModel(self.problem).estimate(self.config).step_s
+            lines.insert(3, (
+                "  predicted step: the mean over the host rates within "
+                + ", ".join(f"{100 * u:.0f}% ({k})" for k, u in self.rate_spread.items())
+                + f" of the profile's readings; {at_readings * 1e3:.3f} ms at the readings"
             ))
         if self.search is not None:
             s = self.search
@@ -528,11 +538,14 @@ def chosen(
     problem_s: float = 0.0,
     started: float | None = None,
     empty_by_inductor: bool = False,
+    rate_spread: Mapping[str, float] | None = None,
 ) -> AutoPlan:
     """The :class:`AutoPlan` of ``config`` for ``record`` (as rewritten for it) under its budget;
     ``started``: ``time.perf_counter()`` when the choice began (for ``choose_s``);
-    ``empty_by_inductor``: ``empty_peak_bytes`` is Inductor's (:func:`judged_peak`)."""
-    est = model.estimate(config)
+    ``empty_by_inductor``: ``empty_peak_bytes`` is Inductor's (:func:`judged_peak`). With
+    ``rate_spread``, the predicted step is the mean over the host rates within that spread of their
+    readings (``cost.expected_estimate``)."""
+    est = expected_estimate(model.problem, config, rate_spread) if rate_spread else model.estimate(config)
     kept = next((t for t in trials if t.config == config), None)
     if kept is not None:
         analysed, by_inductor = kept.analysed_peak_bytes, kept.by_inductor
@@ -561,6 +574,7 @@ def chosen(
         choose_s=time.perf_counter() - started if started is not None else 0.0,
         judged_by="inductor" if by_inductor else "graph",
         empty_by_inductor=empty_by_inductor,
+        rate_spread=dict(rate_spread) if rate_spread else None,
     )
 
 

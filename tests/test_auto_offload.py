@@ -412,3 +412,40 @@ def test_verify_inductor_refuses_a_plan_inductor_compiles_above_the_cap(caplog, 
     assert again is not rec and again.auto_plan.judged_by == "inductor"
     assert again.memory.peak_bytes == again.auto_plan.analysed_peak_bytes <= cap
     assert not any("lowering a plan with Inductor" in r.message for r in caplog.records)
+
+
+def test_steadier_gpu_optim_applies_the_count_of_least_expected_step_and_records_its_memory():
+    from protrain_fx.autooffload import steadier_gpu_optim
+    from protrain_fx.autoplan import Trial
+    from protrain_fx.cost import Config, CostModel, expected_estimate
+    from tests.test_cost_search import make_problem
+
+    class Handle:  # what steadier_gpu_optim asks of an OffloadHandle
+        def __init__(self):
+            self.counts = []
+
+        def set_gpu_optim(self, g):
+            self.counts.append(g)
+
+    spread = {"cpu_adam_params_per_s": 0.25, "device_step_bytes_per_s": 0.1}
+    changed = 0
+    for seed in range(8):
+        model = CostModel(make_problem(seed, device_step_bytes_per_s=30e9, cpu_adam_params_per_s=2e9))
+        config = Config(0, max(1, model.min_buffers(0)), 0, 0, 0)
+        kept = Trial(config, model.estimate(config).peak_bytes, 10**9)
+        handle, trials = Handle(), [kept]
+        got = steadier_gpu_optim(handle, model, kept, cap=10**13, trials=trials, spread=spread)
+        best = min(expected_estimate(model.problem, Config(0, config.n_buffer, 0, 0, g), spread).step_s
+                   for g in range(model.n_chunks + 1))
+        assert expected_estimate(model.problem, got, spread).step_s == pytest.approx(best)
+        if got == config:
+            assert handle.counts == [] and trials == [kept]
+            continue
+        changed += 1
+        added = model.static_bytes(0, config.n_buffer, got.n_gpu_optim) - model.static_bytes(0, config.n_buffer, 0)
+        assert handle.counts == [got.n_gpu_optim]
+        assert trials[-1] == Trial(got, model.estimate(got).peak_bytes, 10**9 + added, False)
+        # no room under the cap for the device steps' staging: the count stays
+        none = steadier_gpu_optim(Handle(), model, kept, cap=10**9, trials=[kept], spread=spread)
+        assert none == config
+    assert changed  # the random steps include ones where stepping on the device is expected faster

@@ -24,6 +24,9 @@ from protrain_fx.cost import (
     Problem,
     block_plan,
     estimate,
+    expected_estimate,
+    rate_scenarios,
+    steadiest_gpu_optim,
 )
 from protrain_fx.plan import interleaved
 from protrain_fx.search import NoPlanFits, search
@@ -737,3 +740,59 @@ def test_lean_problems_replay_and_are_checked(tmp_path) -> None:
             dataclasses.replace(problem, lean_chunks=lean)
     with pytest.raises(ValueError, match=rf"chunks \[{n - 1}\] can be lean but have no lean_fetch_bytes"):
         dataclasses.replace(make_problem(5, n_blocks=3), lean_chunks=(1,) + (0,) * n)
+
+
+# ---------------------------------------------------------------- the host rates' spread
+
+
+def test_rate_scenarios_are_every_combination_of_each_rate_either_side_of_its_reading() -> None:
+    problem = make_problem(3, device_step_bytes_per_s=40e9)
+    cases = rate_scenarios(problem, {"cpu_adam_params_per_s": 0.25, "device_step_bytes_per_s": 0.1})
+    m = problem.machine
+    got = sorted((q.machine.cpu_adam_params_per_s / m.cpu_adam_params_per_s,
+                  q.machine.device_step_bytes_per_s / m.device_step_bytes_per_s) for q in cases)
+    want = sorted((c, d) for c in (0.75, 1, 1.25) for d in (0.9, 1, 1.1))
+    assert [x for pair in got for x in pair] == pytest.approx([x for pair in want for x in pair])
+    assert cases[len(cases) // 2].machine == m  # the middle case is the reading itself
+    for q in cases:  # nothing else moves
+        assert q.machine.h2d_bytes_per_s == m.h2d_bytes_per_s and q.blocks == problem.blocks
+    assert rate_scenarios(problem, {"cpu_adam_params_per_s": 0.0}) == [problem]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_expected_step_is_the_mean_over_the_scenarios_and_memory_is_the_readings(seed: int) -> None:
+    problem = make_problem(seed, device_step_bytes_per_s=30e9)
+    model = CostModel(problem)
+    spread = {"cpu_adam_params_per_s": 0.25, "device_step_bytes_per_s": 0.1}
+    for cfg in itertools.islice(all_configs(problem, gpu_optim=True), 0, None, 7):
+        plain, expected = model.estimate(cfg), expected_estimate(problem, cfg, spread)
+        assert expected.peak_bytes == plain.peak_bytes
+        if cfg.n_persist == len(problem.chunks):  # nothing offloaded: no host rate in the step
+            assert expected == plain
+            continue
+        cases = [CostModel(q).estimate(cfg).step_s for q in rate_scenarios(problem, spread)]
+        assert expected.step_s == pytest.approx(sum(cases) / len(cases))
+        assert expected_estimate(problem, cfg, {}) == plain
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_steadiest_gpu_optim_is_the_count_of_least_mean_step_within_the_room(seed: int) -> None:
+    problem = make_problem(seed, device_step_bytes_per_s=30e9, cpu_adam_params_per_s=2e9)
+    model = CostModel(problem)
+    spread = {"cpu_adam_params_per_s": 0.25, "device_step_bytes_per_s": 0.1}
+    n = len(problem.chunks)
+    for p in (0, n // 2):
+        b = max(1, model.min_buffers(p))
+        for g0 in (0, 1, n - p):
+            config = Config(p, b, 1, 1, g0)
+            for room in (0, 10**12):
+                got = steadiest_gpu_optim(problem, config, room_bytes=room, spread=spread)
+                here = model.static_bytes(p, b, g0)
+                allowed = [g for g in range(n - p + 1) if model.static_bytes(p, b, g) - here <= room]
+                mean = {g: expected_estimate(problem, dataclasses.replace(config, n_gpu_optim=g), spread).step_s
+                        for g in allowed}
+                assert got.n_gpu_optim in allowed
+                assert mean[got.n_gpu_optim] == pytest.approx(min(mean.values()))
+                assert dataclasses.replace(got, n_gpu_optim=g0) == config  # only the count moves
+    everything = Config(n, 0, 0, 0)
+    assert steadiest_gpu_optim(problem, everything, room_bytes=10**12) == everything
