@@ -689,7 +689,8 @@ def _reread(device_steps: int) -> dict:
         machine = profiler.cache_path(device)
         if machine.exists():
             shutil.copy(machine, copy / machine.name)
-        readings = {"cached": opprofile.measure_op_times(nodes, device),
+        # what the compile priced the plans with (profiler.device_op_times), then both protocols afresh
+        readings = {"cached": opprofile.measure_op_times(nodes, device, prefill=True),
                     "events": opprofile.measure_op_times(nodes, device, cache=copy, refresh=True),
                     "prefilled": opprofile.measure_op_times(nodes, device, cache=copy, refresh=True, prefill=True)}
         signatures = [[opprofile.op_signature(n) for n in ph] for ph in phases]
@@ -697,6 +698,7 @@ def _reread(device_steps: int) -> dict:
         out["op_sums_s"] = {name: [sum(times[s] for s in sigs if s in common) for sigs in signatures]
                             for name, times in readings.items()}
         out["ops_timed"] = [sum(s in common for s in sigs) for sigs in signatures]
+        out["compute_scale"] = profiler.IN_STEP_SCALE  # what the compile scaled its node times by
         handle = placed_handle(record)
         if handle is not None and device_steps > 0:
             parts = chunk_parts(handle)

@@ -12,9 +12,9 @@ more than the measurements, the estimate's inputs (the op times the profile meas
 vary more than the step they price.
 
 Runs that read the profile's inputs again after training (``bench/peers.py``, ``PEERS_REREAD``) also
-get each phase priced with their matrix and attention nodes at the times read then, as the profiler
-times them (``events``) and with the device kept busy (``prefilled``): the cached times' sum in that
-phase is replaced by the new one. Those rows end with each phase's measured time less the
+get each phase priced with their matrix and attention nodes at the times read then, with 5 calls
+between two events (``events``) and with the device kept busy (``prefilled``): the cached times' sum
+in that phase is replaced by the new one (times the scale the compile applied, ``compute_scale``). Those rows end with each phase's measured time less the
 ``prefilled`` price, in ms: what the estimate would still have to model.
 """
 
@@ -53,8 +53,9 @@ def rows(files: list[str]) -> list[dict]:
             }
             sums = (r.get("reread") or {}).get("op_sums_s")
             if sums and config.n_checkpoint == 0:  # a recomputed block's products would count twice
+                k = r["reread"].get("compute_scale", 1.0)  # the compile's profiler.IN_STEP_SCALE (1: before it)
                 for protocol in ("events", "prefilled"):
-                    d_fwd, d_bwd = (sums[protocol][i] - sums["cached"][i] for i in (0, 1))
+                    d_fwd, d_bwd = (k * (sums[protocol][i] - sums["cached"][i]) for i in (0, 1))
                     row[protocol] = (est.fwd_s + d_fwd, est.bwd_s + d_bwd, est.step_s + d_fwd + d_bwd)
             out.append(row)
     return out

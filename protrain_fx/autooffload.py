@@ -83,6 +83,7 @@ from protrain_fx.machine import machine_for
 from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
 from protrain_fx.plan import Plan
 from protrain_fx.profiler import (
+    IN_STEP_SCALE,
     chunk_adam_rate,
     device_op_times,
     device_step_rate,
@@ -274,7 +275,8 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
         persistent_param_bytes=param_size if compute_size != param_size else 0,
         estimate_machine=estimate_machine,
         min_swap_bytes=estimate_machine.min_swap_bytes,
-        op_times=device_op_times(record),
+        op_times=(op_times := device_op_times(record)),
+        compute_scale=IN_STEP_SCALE if op_times else 1.0,
     )
     lean = handle.lean_counts()
     if not lean[0]:

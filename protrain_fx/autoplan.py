@@ -97,7 +97,7 @@ from protrain_fx.machine import Machine, machine_for
 from protrain_fx.passes.params import parameter_infos
 from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
 from protrain_fx.plan import Plan
-from protrain_fx.profiler import device_op_times, problem_from_record
+from protrain_fx.profiler import IN_STEP_SCALE, device_op_times, problem_from_record
 from protrain_fx.readable import human_bytes
 from protrain_fx.search import NoPlanFits, SearchResult, search
 
@@ -412,7 +412,8 @@ def activation_problem(record: CapturedGraph) -> Problem:
         chunk_bytes=max(1, sum(p.nbytes for p in params)),
         estimate_machine=machine,
         min_swap_bytes=machine.min_swap_bytes,
-        op_times=device_op_times(record),
+        op_times=(op_times := device_op_times(record)),
+        compute_scale=IN_STEP_SCALE if op_times else 1.0,
     )
 
 

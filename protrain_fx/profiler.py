@@ -946,6 +946,7 @@ def problem_from_record(
     buffer_bytes_per_byte: float = 1.0,
     persistent_param_bytes: int = 0,
     op_times: Mapping[str, float] | None = None,
+    compute_scale: float = 1.0,
 ) -> cost.Problem:
     """The search's :class:`~protrain_fx.cost.Problem` for a captured training step.
 
@@ -977,6 +978,9 @@ def problem_from_record(
       ``op_times`` (``opprofile.op_signature`` -> seconds, as ``opprofile.measure_op_times``
       returns) replaces the roofline of the nodes it has a time for: the matrix products,
       convolutions and attention ops measured on the device; the other nodes keep the roofline.
+      ``compute_scale`` multiplies the times so estimated (not ``block_times``): what a step takes
+      beyond the sum of its nodes (:data:`IN_STEP_SCALE`, with op times taken as
+      :func:`device_op_times` takes them).
     * ``recompute_s`` / ``recompute_chained_s``: what a checkpointed block reruns in backward when the
       next block is not / is checkpointed too (:func:`_recompute_times`: the block's nodes the
       backward's reads depend on), as a fraction of the estimated forward applied to ``fwd_s``.
@@ -1018,6 +1022,8 @@ def problem_from_record(
     times = _label_times(fw_times, _node_times(bw_nodes, est, fused=fused, op_times=op_times))
     rerun = _recompute_times(fw_nodes, fw_times, _output_args(record.forward)[record.step.num_user_outputs :])
     estimated = dict(times)
+    if compute_scale != 1.0:  # the recompute fractions below stay those of the unscaled estimate
+        times = {label: (f * compute_scale, b * compute_scale) for label, (f, b) in times.items()}
     if block_times:
         for label, value in block_times.items():
             times[label] = _split(value)
@@ -1082,16 +1088,31 @@ def problem_from_record(
     )
 
 
+#: A training step's forward and backward over the sum of their nodes as :func:`problem_from_record`
+#: prices them with :func:`device_op_times` (matrix and attention ops timed with the device kept busy,
+#: the roofline for the rest). On the H200 (2026-12-02, ``bench/peers.py`` with ``PEERS_REREAD``:
+#: the ops timed again right after training, in the same process) B24 350M, 760M at 24 and 40 GiB
+#: and 1.3B at 40 GiB, on two hosts, took 1.047, 1.062, 1.055 and 1.068 times that (mean 1.058, sd
+#: 0.009). What the ratio holds, from the step's kernel traces (``bench/step_trace.py``, twenty-third
+#: session): the device's idle time, at each phase's start and between kernels, less what the timed
+#: products read above their in-step kernel time. The ops as the profiler timed them before (5 calls
+#: between two events, the first round cached) took 0.92-0.97 times the step in the same runs: a
+#: reading that moved twice as much, from host to host and between rounds.
+IN_STEP_SCALE = 1.058
+
+
 def device_op_times(record: CapturedGraph) -> dict[str, float] | None:
     """Measured seconds of the matrix, convolution and attention nodes of ``record``'s forward and
-    backward graphs (``opprofile.measure_op_times``: once per distinct call, device and torch
-    version, cached), for :func:`problem_from_record`'s ``op_times``; ``None`` off CUDA (the CPU
-    "device" plans with relative numbers, and its tests stay deterministic)."""
+    backward graphs (``opprofile.measure_op_times`` with the device kept busy while each op's calls
+    are queued: once per distinct call, device and torch version, cached), for
+    :func:`problem_from_record`'s ``op_times``, with ``compute_scale`` :data:`IN_STEP_SCALE`;
+    ``None`` off CUDA (the CPU "device" plans with relative numbers, and its tests stay
+    deterministic)."""
     device = torch.device(record.memory.device) if record.memory is not None else None
     if device is None or device.type != "cuda" or record.forward is None or record.backward is None:
         return None
     nodes = [*record.forward.graph.nodes, *record.backward.graph.nodes]
-    return measure_op_times(nodes, device)
+    return measure_op_times(nodes, device, prefill=True)
 
 
 def _device_step_staging_bytes(itemsize: int) -> int:

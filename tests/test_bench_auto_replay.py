@@ -88,8 +88,11 @@ def test_phase_errors_reprices_a_reread_run_with_the_times_read_after_training(t
     run["breakdown"] = [{"forward_s": 0.05, "backward_s": 0.1}] * 3
     run["reread"] = {"op_sums_s": {"cached": [0.03, 0.06], "events": [0.031, 0.058], "prefilled": [0.025, 0.05]}}
     path = tmp_path / "run_peers.json"
-    path.write_text(json.dumps([run, {**run, "reread": None}]))
-    with_reread, without = phase_errors.rows([str(path)])
+    # a compile that scaled its node times (profiler.IN_STEP_SCALE) scales the replaced sums too
+    scaled = {**run, "reread": {**run["reread"], "compute_scale": 2.0}}
+    path.write_text(json.dumps([run, {**run, "reread": None}, scaled]))
+    with_reread, without, twice = phase_errors.rows([str(path)])
     assert "prefilled" not in without
     assert with_reread["prefilled"] == pytest.approx((est.fwd_s - 0.005, est.bwd_s - 0.01, est.step_s - 0.015))
     assert with_reread["events"] == pytest.approx((est.fwd_s + 0.001, est.bwd_s - 0.002, est.step_s - 0.001))
+    assert twice["prefilled"] == pytest.approx((est.fwd_s - 0.01, est.bwd_s - 0.02, est.step_s - 0.03))

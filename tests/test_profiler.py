@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -135,6 +136,17 @@ def test_problem_options(record):
     timed = profiler.problem_from_record(record, MACHINE, block_times=times)
     assert [b.fwd_s for b in timed.blocks] == [0.001 * (i + 1) for i in range(N_LAYER)]
     assert timed.outside_fwd_s == pytest.approx(0.1) and timed.outside_bwd_s == pytest.approx(0.2)
+    # compute_scale multiplies every estimated time, recompute included, and leaves memory as it was
+    scaled = profiler.problem_from_record(record, MACHINE, compute_scale=1.5)
+    for b, s in zip(base.blocks, scaled.blocks):
+        for name in ("fwd_s", "bwd_s", "recompute_s", "recompute_chained_s"):
+            assert getattr(s, name) == pytest.approx(1.5 * getattr(b, name)) and getattr(b, name) > 0
+        assert dataclasses.replace(s, fwd_s=b.fwd_s, bwd_s=b.bwd_s, recompute_s=b.recompute_s,
+                                   recompute_chained_s=b.recompute_chained_s) == b
+    assert scaled.outside_bwd_s == pytest.approx(1.5 * base.outside_bwd_s)
+    # times given by hand are taken as given
+    timed_scaled = profiler.problem_from_record(record, MACHINE, block_times=times, compute_scale=1.5)
+    assert [b.fwd_s for b in timed_scaled.blocks] == [b.fwd_s for b in timed.blocks]
 
 
 def test_problem_needs_a_backward():
