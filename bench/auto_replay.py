@@ -66,7 +66,9 @@ def main() -> None:
                 problem = dataclasses.replace(problem, blocks=[
                     dataclasses.replace(b, recompute_s=k * b.fwd_s, recompute_chained_s=kc * b.fwd_s)
                     for b in problem.blocks])
-            est = CostModel(problem).estimate(config)
+            # predicted as the mean over the host rates' spread where the run recorded one (cost.expected_estimate)
+            spread = ap.get("rate_spread")
+            est = expected_estimate(problem, config, spread) if spread else CostModel(problem).estimate(config)
             steps = r["breakdown"][1:] or r["breakdown"]  # the first step compiles
             step = r["step_s"]
             replan = ap.get("replan")  # since s16: n_gpu_optim changed at the start of call 8 (calibrate.Replan)
