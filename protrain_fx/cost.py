@@ -503,10 +503,12 @@ def steadiest_gpu_optim(
     ``config``'s own count.
 
     Why: the search takes the count fastest at the rates read, and a rate read a little high makes it
-    step too much on that side, where the step then slows by more than a rate read low would cost. Over
-    the 48 recorded offloaded runs (2026-12-02), choosing by the mean over the scenarios lost 2.7% of
-    the best count's step on average and at most 13.4% (priced at the rates training reached), against
-    4.2% and 31.6% for the count fastest at the readings."""
+    step too much on that side, where the step then slows by more than a rate read low would cost.
+    Replayed on the 48 recorded offloaded runs of the H200 (``bench/gpu_optim_rules.py``, 2026-12-02),
+    each priced at the rates its training reached: this count's step was 2.9% slower than the best
+    count's on average and 13.4% at most, against 3.7% and 31.6% for the count fastest at the
+    readings; and the first plan's prediction (:func:`expected_estimate`) was within 5% of that
+    price on 25 runs, against 19 (mean error 4.8% against 7.2%)."""
     if config.n_persist >= len(problem.chunks):
         return config
     models = [CostModel(q) for q in rate_scenarios(problem, spread)]

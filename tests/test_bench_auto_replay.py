@@ -1,5 +1,6 @@
 """bench/auto_replay.py --summary: each recorded first plan as predicted then and as replayed now."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protrain_fx.cost import Config, CostModel
+from protrain_fx.cost import Config, CostModel, Problem, expected_estimate
 from tests.test_cost_search import make_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,3 +97,29 @@ def test_phase_errors_reprices_a_reread_run_with_the_times_read_after_training(t
     assert with_reread["prefilled"] == pytest.approx((est.fwd_s - 0.005, est.bwd_s - 0.01, est.step_s - 0.015))
     assert with_reread["events"] == pytest.approx((est.fwd_s + 0.001, est.bwd_s - 0.002, est.step_s - 0.001))
     assert twice["prefilled"] == pytest.approx((est.fwd_s - 0.01, est.bwd_s - 0.02, est.step_s - 0.03))
+
+
+def test_gpu_optim_rules_replays_both_choices_on_the_recorded_runs():
+    # bench/gpu_optim_rules.py over docs/raw (docs/results.md, twenty-fourth session): every offloaded
+    # run with a rate window gets both choices; the expected-step count is never slower in the mean
+    # over the scenarios, and the summary has a line per rule
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_optim_rules
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_optim_rules.py")],
+                         check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    runs = re.findall(r"readings: g=\s*(\d+) error\s+([+-][\d.]+)% loss\s+([\d.]+)%\s+expected: g=\s*(\d+) "
+                      r"error\s+([+-][\d.]+)% loss\s+([\d.]+)%", out)
+    assert len(runs) >= 40
+    assert all(float(loss) >= 0 for *_, loss in runs)
+    summary = re.findall(r"^\s+all (readings|expected): (\d+) runs", out, re.M)
+    assert [rule for rule, _ in summary] == ["readings", "expected"] and {n for _, n in summary} == {str(len(runs))}
+    # one run by hand: the expected-step count has the least mean over the scenarios
+    run = json.loads((ROOT / "docs/raw/session24_call1_cap24_peers.json").read_text())[1]
+    got = gpu_optim_rules.replay(run)
+    assert got["size"] == "4.2B"
+    problem, config = Problem.from_dict(run["auto_plan"]["problem"]), Config.from_dict(run["auto_plan"]["config"])
+    problem = dataclasses.replace(problem, device_step_s=())
+    means = {g: expected_estimate(problem, dataclasses.replace(config, n_gpu_optim=g)).step_s
+             for g in range(len(problem.chunks) - config.n_persist + 1)}
+    assert means[got["expected"]["g"]] == pytest.approx(min(means.values()))
