@@ -32,7 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from protrain_fx.calibrate import TrainingRates  # noqa: E402
-from protrain_fx.cost import RATE_SPREAD, Config, CostModel, Problem, expected_estimate, steadiest_gpu_optim  # noqa: E402
+from protrain_fx.cost import (  # noqa: E402
+    RATE_SPREAD,
+    Config,
+    CostModel,
+    Problem,
+    expected_estimate,
+    steadiest_gpu_optim,
+)
 
 
 def replay(run: dict) -> dict | None:

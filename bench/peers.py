@@ -666,11 +666,14 @@ REREAD_ENV = "PEERS_REREAD"
 def _reread(device_steps: int) -> dict:
     """The profile's readings taken again after training, on the host that trained, into a copy of
     the profile files (the lane's cache is left as it was): per graph phase, the summed times of its
-    matrix and attention nodes as the compile cached them (``cached``), timed afresh as the profiler
-    times them (``events``) and with the device kept busy (``prefilled``, ``opprofile._time_node``);
-    for a model with offloaded chunks, the device-step rate of its layout ``device_steps`` times and
-    the CPU chunk step's rate twice (``profiler.device_step_rate``, ``profiler.chunk_adam_rate``).
-    Any failure is recorded as its reason; the run's own results stand."""
+    matrix and attention nodes as the compile cached them (``cached``: with the device kept busy, as
+    ``profiler.device_op_times`` times them; before c104151, 2026-12-02, the plain events protocol),
+    timed afresh with 5 calls between two events (``events``) and with the device kept busy
+    (``prefilled``, ``opprofile._time_node``), and ``compute_scale``, what the compile multiplied its
+    node times by (``profiler.IN_STEP_SCALE``); for a model with offloaded chunks, the device-step
+    rate of its layout ``device_steps`` times and the CPU chunk step's rate twice
+    (``profiler.device_step_rate``, ``profiler.chunk_adam_rate``). Any failure is recorded as its
+    reason; the run's own results stand."""
     import shutil
     import tempfile
 

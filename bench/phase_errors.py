@@ -14,8 +14,9 @@ vary more than the step they price.
 Runs that read the profile's inputs again after training (``bench/peers.py``, ``PEERS_REREAD``) also
 get each phase priced with their matrix and attention nodes at the times read then, with 5 calls
 between two events (``events``) and with the device kept busy (``prefilled``): the cached times' sum
-in that phase is replaced by the new one (times the scale the compile applied, ``compute_scale``). Those rows end with each phase's measured time less the
-``prefilled`` price, in ms: what the estimate would still have to model.
+in that phase is replaced by the new one, times the scale the compile applied (``compute_scale``).
+Those rows end with each phase's measured time less the ``prefilled`` price, in ms: what the
+estimate would still have to model.
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ def main() -> None:
         print(f"{t['file'][:32]:32} {t['size']:>5} {t['cap_gib']:3g} GiB ck {t['checkpoint']:2d}  {cells}")
         for protocol in ("events", "prefilled"):
             if protocol in t:
-                errors = "  ".join(f"{k} {100 * (p / t[k][1] - 1):+5.1f}%" for k, p in zip(("fwd", "bwd", "step"), t[protocol]))
-                rest = ", ".join(f"{k} {1e3 * (t[k][1] - p):+.1f}" for k, p in zip(("fwd", "bwd", "step"), t[protocol]))
-                print(f"{'':>32} {'':>5} {'':>7} {'':>5}  reread {protocol:9}: {errors}; measured less priced (ms): {rest}")
+                priced = list(zip(("fwd", "bwd", "step"), t[protocol]))
+                errors = "  ".join(f"{k} {100 * (p / t[k][1] - 1):+5.1f}%" for k, p in priced)
+                rest = ", ".join(f"{k} {1e3 * (t[k][1] - p):+.1f}" for k, p in priced)
+                print(f"{'':>32} {'':>5} {'':>7} {'':>5}  reread {protocol:9}: {errors}; "
+                      f"measured less priced (ms): {rest}")
     print("Per size, the plans without checkpointing: mean and spread (sd / mean) of the phases")
     for size in sorted({t["size"] for t in table}):
         plain = [t for t in table if t["size"] == size and t["checkpoint"] == 0]

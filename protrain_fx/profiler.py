@@ -1095,9 +1095,10 @@ def problem_from_record(
 #: and 1.3B at 40 GiB, on two hosts, took 1.047, 1.062, 1.055 and 1.068 times that (mean 1.058, sd
 #: 0.009). What the ratio holds, from the step's kernel traces (``bench/step_trace.py``, twenty-third
 #: session): the device's idle time, at each phase's start and between kernels, less what the timed
-#: products read above their in-step kernel time. The ops as the profiler timed them before (5 calls
-#: between two events, the first round cached) took 0.92-0.97 times the step in the same runs: a
-#: reading that moved twice as much, from host to host and between rounds.
+#: products read above their in-step kernel time. Priced with the ops as the profiler timed them
+#: before (5 calls between two events, the first round cached), the same runs' forward and backward
+#: took 0.92-0.97 times their price: a ratio that moved twice as much, from host to host and between
+#: rounds, and put 760M@40's first plan 7.5% high.
 IN_STEP_SCALE = 1.058
 
 
