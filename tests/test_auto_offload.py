@@ -18,7 +18,7 @@ import torch
 
 import protrain_fx
 from protrain_fx import autooffload, autoplan
-from protrain_fx.cost import MachineProfile
+from protrain_fx.cost import CostModel, MachineProfile
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx.pipeline import allocated_cap_bytes
 from protrain_fx.plan import from_counts
@@ -77,6 +77,12 @@ def test_chosen_counts_stream_some_chunks_and_train_exactly_like_eager():
     assert "n_persist=" in auto.table()
     # the chunk step's rate measured on this CPU was part of describing the step, within the choice
     assert auto.choose_s >= auto.problem_s > 0 and "chosen in" in auto.table()
+    # the CPU device plans at fixed rates; a plan predicted over the host rates' spread (CUDA) says so
+    assert auto.rate_spread is None and "the mean over the host rates" not in auto.table()
+    spread = dataclasses.replace(auto, rate_spread={"cpu_adam_params_per_s": 0.25})
+    at_readings = f"{CostModel(auto.problem).estimate(c).step_s * 1e3:.3f} ms at the readings"
+    assert "the mean over the host rates within 25% (cpu_adam_params_per_s)" in spread.table()
+    assert at_readings in spread.table()
     host = {name for s in handle.store.slots for name in s.names}
     for name, p in model.named_parameters():
         assert (p.untyped_storage().nbytes() == 0) == (name in host), name
