@@ -9,6 +9,13 @@ shapes, and the result is cached as JSON next to the machine profile (``profiler
 Memory-bound nodes (the pointwise groups Inductor fuses) keep the roofline: what they cost depends
 on the fusion Inductor will choose, which a single op's timing does not show.
 
+Two ways of timing, each with its own cache file (:func:`ops_cache_path`): calls queued between two
+CUDA events, and the same with the device kept busy while they are queued (``prefill``), so the
+host's speed at that moment stays out of the reading. The profiler uses the second
+(``profiler.device_op_times``): on the H200 it read 5-11% above the step's own kernel time and
+steady to 2% between rounds, where the first read 19-30% above and moved by up to 6%
+(``docs/results.md``, twenty-third and twenty-fourth sessions).
+
 The signature captures everything a kernel choice can depend on: the op overload, and per argument
 (args and kwargs, through lists and tuples) a tensor's shape, stride, dtype and device type (from
 the input node's ``meta["val"]``), or a plain value's ``repr``. Two nodes with one signature cost the
