@@ -16,7 +16,9 @@ get each phase priced with their matrix and attention nodes at the times read th
 between two events (``events``) and with the device kept busy (``prefilled``): the cached times' sum
 in that phase is replaced by the new one, times the scale the compile applied (``compute_scale``).
 Those rows end with each phase's measured time less the ``prefilled`` price, in ms: what the
-estimate would still have to model.
+estimate would still have to model. The last two lines: over those runs, each phase's measured time
+over its unscaled ``prefilled`` price (and each run's surplus in ms), and each run left out in turn,
+priced with one scale for both phases (as ``profiler.IN_STEP_SCALE``) and with one per phase.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def rows(files: list[str]) -> list[dict]:
                 for protocol in ("events", "prefilled"):
                     d_fwd, d_bwd = (k * (sums[protocol][i] - sums["cached"][i]) for i in (0, 1))
                     row[protocol] = (est.fwd_s + d_fwd, est.bwd_s + d_bwd, est.step_s + d_fwd + d_bwd)
+                # each phase's compute at the ``prefilled`` times, unscaled: what a scale multiplies
+                row["unscaled"] = tuple(est_s / k + sums["prefilled"][i] - sums["cached"][i]
+                                        for i, est_s in enumerate((est.fwd_s, est.bwd_s)))
             out.append(row)
     return out
 
@@ -89,6 +94,38 @@ def main() -> None:
             parts.append(f"{k}: measured {statistics.mean(meas) * 1e3:.1f} (sd {statistics.stdev(meas) / statistics.mean(meas):.1%}), "
                          f"predicted {statistics.mean(pred) * 1e3:.1f} (sd {statistics.stdev(pred) / statistics.mean(pred):.1%})")
         print(f"  {size:>5} over {len(plain)} runs: " + "; ".join(parts))
+    phase_scales(table)
+
+
+def phase_scales(table: list[dict]) -> None:
+    """Measured over the unscaled ``prefilled`` price per phase, on the reread runs; then each run left
+    out in turn, its step priced with one scale for both phases (the mean of the others' forward plus
+    backward ratios, as ``profiler.IN_STEP_SCALE``) and with one per phase (the others' mean each)."""
+    runs = [t for t in table if "unscaled" in t]
+    if len(runs) < 3:
+        return
+    ratio = {k: [t[k][1] / t["unscaled"][i] for t in runs] for i, k in enumerate(("fwd", "bwd"))}
+    both = [(t["fwd"][1] + t["bwd"][1]) / sum(t["unscaled"]) for t in runs]
+    print(f"Measured / unscaled prefilled price over {len(runs)} reread runs: "
+          + "; ".join(f"{k} {statistics.mean(v):.3f} (sd {statistics.stdev(v):.3f})"
+                      for k, v in (*ratio.items(), ("fwd+bwd", both)))
+          + "; surplus (ms): " + ", ".join(
+              f"{t['size']} fwd {1e3 * (t['fwd'][1] - t['unscaled'][0]):.1f} bwd {1e3 * (t['bwd'][1] - t['unscaled'][1]):.1f}"
+              for t in runs))
+    err: dict[str, list[float]] = {"one scale": [], "per phase": []}
+    phase_err: dict[str, list[float]] = {"one scale": [], "per phase": []}
+    for i, t in enumerate(runs):
+        def others(v: list[float]) -> float:
+            return statistics.mean(v[:i] + v[i + 1:])
+        rest = t["step"][0] - t["fwd"][0] - t["bwd"][0]  # the optimizer and what follows backward
+        for name, (kf, kb) in (("one scale", (others(both),) * 2),
+                               ("per phase", (others(ratio["fwd"]), others(ratio["bwd"])))):
+            f, b = kf * t["unscaled"][0], kb * t["unscaled"][1]
+            err[name].append(abs((f + b + rest) / t["step"][1] - 1))
+            phase_err[name] += [abs(f / t["fwd"][1] - 1), abs(b / t["bwd"][1] - 1)]
+    print("  each run left out: mean |error| " + "; ".join(
+        f"{name}: step {100 * statistics.mean(err[name]):.2f}%, phases {100 * statistics.mean(phase_err[name]):.2f}%"
+        for name in err))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,29 @@ def test_phase_errors_reprices_a_reread_run_with_the_times_read_after_training(t
     assert with_reread["prefilled"] == pytest.approx((est.fwd_s - 0.005, est.bwd_s - 0.01, est.step_s - 0.015))
     assert with_reread["events"] == pytest.approx((est.fwd_s + 0.001, est.bwd_s - 0.002, est.step_s - 0.001))
     assert twice["prefilled"] == pytest.approx((est.fwd_s - 0.01, est.bwd_s - 0.02, est.step_s - 0.03))
+    # the phases at the prefilled times before any scale: what phase_scales fits a scale to
+    assert with_reread["unscaled"] == pytest.approx((est.fwd_s - 0.005, est.bwd_s - 0.01))
+    assert twice["unscaled"] == pytest.approx((est.fwd_s / 2 - 0.005, est.bwd_s / 2 - 0.01))
+
+
+def test_phase_scales_fits_per_phase_ratios_and_prices_each_run_left_out(capsys):
+    # runs whose forward took 1.2x its unscaled price and backward exactly its price: the per-phase
+    # scales fitted on the others price every left-out run exactly, one shared scale does not
+    sys.path.insert(0, str(ROOT / "bench"))
+    import phase_errors
+
+    table = []
+    for f, b in ((0.010, 0.020), (0.020, 0.050), (0.030, 0.060), (0.015, 0.045)):
+        fwd, bwd = 1.2 * f, b
+        table.append({"size": "x", "unscaled": (f, b), "fwd": (f, fwd), "bwd": (b, bwd),
+                      "step": (f + b + 0.003, fwd + bwd + 0.003)})
+    table.append({"size": "y", "fwd": (1, 1), "bwd": (1, 1), "step": (2, 2)})  # no reread: left out
+    phase_errors.phase_scales(table)
+    out = capsys.readouterr().out
+    assert "over 4 reread runs: fwd 1.200 (sd 0.000); bwd 1.000 (sd 0.000)" in out
+    one, per = re.search(r"one scale: step ([\d.]+)%, phases ([\d.]+)%; per phase: step ([\d.]+)%, phases ([\d.]+)%",
+                         out).group(1, 3)
+    assert float(per) == 0 and float(one) > 0.1
 
 
 def test_gpu_optim_rules_replays_both_choices_on_the_recorded_runs():
