@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import hashlib
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,6 +28,8 @@ from protrain_fx.autoplan import choose_plan, peaks_at_compile_start, specialize
 from protrain_fx.fit import answer, answer_offload
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
+from protrain_fx.errors import surfaced
+from protrain_fx.passes.blocks import block_at_end
 from protrain_fx.passes.memory import MemoryAnalysis, StepGraphs, _output_args
 from protrain_fx.passes.inductor_memory import analyze_inductor_memory, read_inductor_plan
 from protrain_fx.pipeline import (
@@ -49,18 +52,25 @@ _SOURCE_HASH = hashlib.sha256(
 
 def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None, **kwargs: Any) -> Callable:
     """Dynamo backend entry point (``backend="protrain"``); ``options`` is parsed by ``parse_options``."""
+    try:
+        return _protrain(gm, example_inputs, options, **kwargs)
+    except Exception as e:  # ours reach the user as themselves, not wrapped by Dynamo (errors.py)
+        error = surfaced(e)
+        if error is e:
+            raise
+        raise error.with_traceback(e.__traceback__) from e.__cause__
+
+
+def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None, **kwargs: Any) -> Callable:
     if kwargs.get("mode") is not None:
         raise ValueError(f"backend 'protrain' takes no mode= (got {kwargs['mode']!r}); use options=")
     config = parse_options(options)
     peaks_before = peaks_at_compile_start()
-    record = new_record(config, gm, example_inputs)
-    if record.graph_breaks_after:
-        # Dynamo counts a break before compiling the graph that the break ends.
-        log.warning(
-            "protrain_fx: graph %d ends at a graph break: %s",
-            record.index,
-            "; ".join(record.graph_breaks_after),
-        )
+    record = new_record(config, gm, example_inputs, inside_block=block_at_end(gm) or _frame_is_a_block())
+    for brk in record.breaks:  # Dynamo counts a break before compiling the graph that the break ends
+        log.warning("protrain_fx: graph %d ends at a graph break: %s%s", record.index, brk.line(),
+                    "; the blocks after it are not planned with the ones before (remove the break: a print, "
+                    ".item(), data-dependent control flow)" if brk.inside_block else "")
     if config.verbose:
         _log_to_stderr()
     if config.codegen == "eager":
@@ -68,6 +78,33 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = N
     else:
         compiled = _compile_inductor(gm, example_inputs, record)
     return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
+
+
+def _frame_is_a_block() -> str:
+    """The module path of the block (a child of a ``ModuleList`` / ``Sequential``: ``blocks.0``)
+    whose ``forward`` is the frame Dynamo compiles now, when the module calling it runs eagerly:
+    Dynamo gave up on the caller's frame at a graph break inside its loop over blocks and compiles
+    each block's frame on its own, so nothing around the blocks is captured and the blocks are not
+    planned together. ``""`` otherwise (or when the frames cannot be read)."""
+    import sys
+
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        module = InstructionTranslator.current_tx().f_locals.get("self")
+        if not isinstance(module, torch.nn.Module):
+            return ""
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and owner is not module:
+                name = next((n for n, m in owner.named_modules() if m is module), None)
+                if name is not None:
+                    return name if re.match(r"^(.*)\.(\d+)$", name) else ""
+            frame = frame.f_back
+    except Exception:  # noqa: BLE001 -- a diagnostic: never fails the compile
+        return ""
+    return ""
 
 
 def _log_to_stderr() -> None:

@@ -38,6 +38,24 @@ class PassRecord:
     summary: str
 
 
+@dataclass(frozen=True)
+class GraphBreak:
+    """One graph break: Dynamo's reason (its first line), where in the user's code it happened
+    (``file:line in function``, ``""`` when Dynamo kept no stack), and the repeated layer the graph
+    was inside when it broke (``"blocks.3"``; ``""`` outside every block). A break inside a block
+    splits the blocks over several graphs, or leaves those after it to run outside the backend:
+    they are then not in any plan."""
+
+    reason: str
+    where: str = ""
+    inside_block: str = ""
+
+    def line(self) -> str:
+        where = f" at {self.where}" if self.where else ""
+        inside = f", inside block {self.inside_block}" if self.inside_block else ""
+        return f"{self.reason}{where}{inside}"
+
+
 @dataclass
 class CapturedGraph:
     """Everything known about one Dynamo graph that went through the backend."""
@@ -48,6 +66,8 @@ class CapturedGraph:
     #: Reasons of the graph break that ended this graph (Dynamo counts a break before it compiles
     #: the graph the break ends); empty for a graph that ran to the end of the frame.
     graph_breaks_after: tuple[str, ...] = ()
+    #: The same breaks with where they happened (:class:`GraphBreak`).
+    breaks: tuple[GraphBreak, ...] = ()
     #: The Dynamo graph's example inputs (parameters first-class with inlined modules), tensors held
     #: weakly; AOTAutograd's flat inputs (``primals_*``) follow this order.
     example_inputs: tuple[Any, ...] = ()
@@ -107,30 +127,53 @@ class CapturedGraph:
 _lock = threading.Lock()
 _records: list[CapturedGraph] = []
 _breaks_seen: Counter[str] = Counter()
+_break_stacks_seen = 0  # entries of Dynamo's graph_break_reasons already attributed
 
 
 def new_record(
-    config: ProtrainConfig, dynamo_graph: fx.GraphModule, example_inputs: Sequence[Any] = ()
+    config: ProtrainConfig, dynamo_graph: fx.GraphModule, example_inputs: Sequence[Any] = (), *,
+    inside_block: str = "",
 ) -> CapturedGraph:
     """Register a graph handed to the backend, with the graph break(s) Dynamo logged since the last
-    one: the break that ends this graph."""
-    from torch._dynamo.utils import counters
+    one: the break that ends this graph. ``inside_block``: the block the graph's last operation ran
+    in (``passes.blocks.block_at_end``), where such a break happened."""
+    from torch._dynamo.utils import counters, graph_break_reasons
 
+    global _break_stacks_seen
     with _lock:
         now = Counter(counters["graph_break"])
         new_breaks = tuple(reason for reason in now if now[reason] > _breaks_seen[reason])
         _breaks_seen.clear()
         _breaks_seen.update(now)
+        if len(graph_break_reasons) < _break_stacks_seen:  # torch._dynamo.reset() cleared them
+            _break_stacks_seen = 0
+        stacks = [r.user_stack for r in graph_break_reasons[_break_stacks_seen:]]
+        _break_stacks_seen = len(graph_break_reasons)
+        inside = inside_block if new_breaks else ""
+        breaks = tuple(
+            GraphBreak(reason.splitlines()[0] if reason else reason, _where(stacks[i] if i < len(stacks) else None),
+                       inside)
+            for i, reason in enumerate(new_breaks)
+        )
         record = CapturedGraph(
             index=len(_records),
             config=config,
             dynamo_graph=dynamo_graph,
             graph_breaks_after=new_breaks,
+            breaks=breaks,
             example_inputs=tuple(weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs),
             dynamo_code=_compiling_code(),
         )
         _records.append(record)
         return record
+
+
+def _where(stack: Any) -> str:
+    """``file:line in function`` of the innermost user frame of a Dynamo break stack."""
+    if not stack:
+        return ""
+    frame = stack[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
 def _compiling_code() -> types.CodeType | None:
@@ -157,12 +200,14 @@ def graph_break_reasons() -> list[str]:
 
 def reset() -> None:
     """Forget captured graphs (``torch._dynamo.reset()`` is still needed to force recompilation)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters, graph_break_reasons
 
+    global _break_stacks_seen
     with _lock:
         _records.clear()
         _breaks_seen.clear()
         _breaks_seen.update(counters["graph_break"])
+        _break_stacks_seen = len(graph_break_reasons)
     from protrain_fx.autoplan import clear_peak_misses
     from protrain_fx.runtime.swap import POOL
 

@@ -143,8 +143,15 @@ class StepReport:
 
     def summary(self) -> str:
         """All graphs: kinds, graph breaks, and the block table of each training graph."""
-        lines = [f"protrain_fx: {len(self.graphs)} graph(s) captured, {len(self.graph_breaks)} graph break(s)"]
-        lines += [f"  graph break: {reason}" for reason in self.graph_breaks]
+        breaks = [b for g in self.graphs for b in g.breaks]
+        inside = [b for b in breaks if b.inside_block]
+        lines = [f"protrain_fx: {len(self.graphs)} graph(s) captured, {len(self.graph_breaks)} graph break(s)"
+                 + (f", {len(inside)} inside transformer blocks" if inside else "")]
+        lines += [f"  graph break: {b.line()}" for b in breaks]
+        if inside:
+            lines.append("  a break inside a block splits the blocks over graphs (or leaves the rest to run outside "
+                         "the backend): they are not planned together; remove it (a print, .item(), data-dependent "
+                         "control flow)")
         lines += [f"  {g.describe()}" for g in self.graphs]
         for g in self.graphs:
             if g.memory is not None:

@@ -245,3 +245,58 @@ def test_good_options_compile_and_are_recorded() -> None:
     assert record.config.memory_budget_bytes == 2**30
     assert record.config.optimizer == "sgd"
     assert record.memory is not None and record.memory.optimizer_state_bytes == 0
+
+
+def test_errors_of_ours_reach_the_user_as_themselves() -> None:
+    """No Dynamo wrapper and no "report a bug to PyTorch" footer: ``except ValueError`` and ``except
+    NoPlanFits`` around a training step catch them."""
+    from protrain_fx.search import NoPlanFits
+
+    compiled = torch.compile(torch.nn.Linear(3, 2), backend="protrain", options={"codegen": "triton"})
+    with pytest.raises(ValueError, match="'codegen'") as info:
+        compiled(torch.randn(4, 3))
+    assert "reporting a bug" not in str(info.value) and "TORCHDYNAMO_VERBOSE" not in str(info.value)
+
+    from examples.gpt import GPT, gpt_config, random_batch
+
+    torch._dynamo.reset()
+    config = gpt_config("tiny", n_layer=3)
+    compiled = torch.compile(GPT(config), backend="protrain", options={"codegen": "eager", "memory_budget": 1000})
+    with pytest.raises(NoPlanFits) as info:
+        compiled(*random_batch(config, 2, 16)).backward()
+    error = info.value
+    assert isinstance(error, ValueError) and error.min_budget_bytes > 1000
+    assert "reporting a bug" not in str(error) and f"{error.min_budget_bytes} bytes" in str(error)
+
+
+def test_an_absurd_budget_is_planned_for_at_once() -> None:
+    from protrain_fx.pipeline import allocated_cap_bytes, budget_for_peak, budget_verdict
+
+    huge = int(1e99)
+    assert budget_verdict(allocated_cap_bytes(huge), huge) == "fits"
+    assert budget_verdict(allocated_cap_bytes(huge) + 1, huge) != "fits"
+    assert budget_for_peak(allocated_cap_bytes(huge)) <= huge
+    compiled = torch.compile(torch.nn.Linear(3, 2), backend="protrain", options={"codegen": "eager",
+                                                                                 "memory_budget": 1e99})
+    compiled(torch.randn(4, 3)).sum().backward()  # fits as it is: no hang
+
+
+def test_a_graph_break_inside_a_block_is_counted_and_named(monkeypatch) -> None:
+    import protrain_fx
+    from examples import gpt
+
+    forward = gpt.Block.forward
+
+    def talkative(self, x):
+        x = forward(self, x)
+        print("block done")  # a graph break inside every block
+        return x
+
+    monkeypatch.setattr(gpt.Block, "forward", talkative)
+    config = gpt.gpt_config("tiny", n_layer=3)
+    compiled = torch.compile(gpt.GPT(config), backend="protrain", options={"codegen": "eager"})
+    compiled(*gpt.random_batch(config, 2, 16)).backward()
+    report = protrain_fx.step_report()
+    breaks = [b for g in report.graphs for b in g.breaks]
+    assert breaks and breaks[0].inside_block.startswith("blocks.") and "talkative" in breaks[0].where
+    assert "inside transformer blocks" in report.summary()

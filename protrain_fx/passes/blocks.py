@@ -68,6 +68,21 @@ def _stack(node: fx.Node) -> list[tuple[str, str]]:
     return out
 
 
+def block_at_end(gm: fx.GraphModule) -> str:
+    """The repeated layer (a child of a ``ModuleList`` / ``Sequential``: ``blocks.3``) that the
+    graph's last operation ran inside, ``""`` when none: a graph ending at a graph break there broke
+    inside that block."""
+    last = next((n for n in reversed(gm.graph.nodes) if n.op in ("call_function", "call_method", "call_module")), None)
+    if last is None:
+        return ""
+    for path, _cls in reversed(_stack(last)):
+        while path:
+            if _INDEXED.match(path):
+                return path
+            path = path.rsplit(".", 1)[0] if "." in path else ""
+    return ""
+
+
 def find_blocks(graphs: Sequence[fx.GraphModule]) -> BlockInfo:
     """Find the repeated container covering the most nodes (outermost on ties)."""
     children: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
