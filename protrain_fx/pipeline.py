@@ -36,6 +36,7 @@ import dataclasses
 import logging
 import math
 import os
+from fractions import Fraction
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -255,10 +256,24 @@ def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
     """Say where the step's budget comes from (``record.budget_source``), before partitioning: the
     user's ``memory_budget`` (``"user"``), else, when the backend would choose the plan (``auto_plan``
     on, no plan by hand, nothing offloaded), :func:`device_budget_bytes` of the device the step runs
-    on (``"device"``; ``record.config`` then carries it as ``memory_budget_bytes``), else none."""
+    on (``"device"``; ``record.config`` then carries it as ``memory_budget_bytes``), else none. A
+    ``memory_budget`` above what the process can reach on a CUDA device is lowered to that, with a
+    warning: a plan that fits the larger number would run out of memory there."""
     config = record.config
     if config.memory_budget_bytes is not None:
         record.budget_source = "user"
+        if not config.auto_plan or config.plan is not None:  # a budget only checked: as given
+            return
+        device = graph_device(joint)
+        reachable = device_budget_bytes(device)
+        if reachable is not None and config.memory_budget_bytes > reachable:
+            log.warning(
+                "protrain_fx: memory_budget %d bytes (%.4g GiB) is more than this process can reach on %s (%d bytes, "
+                "%.2f GiB: its per-process cap, free memory and what it already holds); graph %d is planned for that",
+                config.memory_budget_bytes, config.memory_budget_bytes / 2**30, device, reachable, reachable / 2**30,
+                record.index,
+            )
+            record.config = dataclasses.replace(config, memory_budget_bytes=reachable)
         return
     if not config.auto_plan or config.plan is not None or reads_hand_offloaded(record):
         return
@@ -275,10 +290,15 @@ def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
 ALLOCATOR_HEADROOM = 0.08
 
 
+def _with_headroom(peak_bytes: int) -> Fraction:
+    """``peak_bytes`` with :data:`ALLOCATOR_HEADROOM` on top, exactly (no float rounding at any size)."""
+    return Fraction(peak_bytes) * (1 + Fraction(ALLOCATOR_HEADROOM).limit_denominator(10**6))
+
+
 def budget_verdict(peak_bytes: int, budget_bytes: int) -> str:
     """``"fits"``, ``"tight"`` (the allocated peak fits, the allocator's usual headroom does not)
     or ``"over"``."""
-    if peak_bytes * (1 + ALLOCATOR_HEADROOM) <= budget_bytes:
+    if _with_headroom(peak_bytes) <= budget_bytes:
         return "fits"
     return "tight" if peak_bytes <= budget_bytes else "over"
 
@@ -287,23 +307,13 @@ def allocated_cap_bytes(budget_bytes: int) -> int:
     """The largest allocated peak that :func:`budget_verdict` calls ``"fits"`` under ``budget_bytes``:
     the budget caps what the allocator reserves, and reserved runs up to ``ALLOCATOR_HEADROOM`` above
     allocated."""
-    cap = int(budget_bytes / (1 + ALLOCATOR_HEADROOM))
-    while cap > 0 and budget_verdict(cap, budget_bytes) != "fits":
-        cap -= 1
-    while budget_verdict(cap + 1, budget_bytes) == "fits":
-        cap += 1
-    return cap
+    return math.floor(Fraction(budget_bytes) / _with_headroom(1))
 
 
 def budget_for_peak(peak_bytes: int) -> int:
     """The smallest budget under which an allocated peak of ``peak_bytes`` ``"fits"`` (the inverse of
     :func:`allocated_cap_bytes`)."""
-    budget = max(1, math.ceil(peak_bytes * (1 + ALLOCATOR_HEADROOM)))
-    while budget > 1 and budget_verdict(peak_bytes, budget - 1) == "fits":
-        budget -= 1
-    while budget_verdict(peak_bytes, budget) != "fits":
-        budget += 1
-    return budget
+    return max(1, math.ceil(_with_headroom(peak_bytes)))
 
 
 def device_limit_bytes(device: str | torch.device) -> int | None:
