@@ -27,21 +27,32 @@ Use ``handle.accumulate()`` around the backward passes of all but the last micro
 ``handle.state_dict()`` / ``handle.optimizer_state_dict()`` for checkpoints (ordinary full tensors),
 ``handle.load_state_dict(...)`` to resume.
 
-After ``offload`` the model runs only through ``torch.compile(model, backend="protrain")``: its
-offloaded parameters hold no bytes, so a plain call fails inside the first op that reads one.
+Gradient clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` between
+``backward()`` and ``optimizer.step()`` clips over every chunk, exactly as on a plain model
+(:meth:`OffloadHandle.clip_grad_norm_`). The chunks' steps then wait for the end of backward, where
+the norm is known, instead of overlapping it; the first step waits anyway, to learn whether the
+loop clips (``offload(..., grad_clipping=...)`` says it up front). A non-finite norm skips the
+step everywhere.
 
-Not supported yet (clear errors): optimizers other than Adam/AdamW, a chunk whose parameters are
-used by several captured graphs of one step (a graph break inside a block), gradient clipping over
-all parameters (the CPU steps start before every gradient exists).
+After ``offload`` the model runs only through ``torch.compile(model, backend="protrain")``: its
+offloaded parameters hold no bytes, so a plain call is refused with the way out.
+
+Not supported yet (clear errors): optimizers other than Adam/AdamW; a chunk whose parameters are
+used by several captured graphs of one step (a graph break inside a block) when its steps do not
+wait (``grad_clipping=False``); ``compute_dtype=torch.float16``, which needs ``GradScaler``'s loss
+scaling, whose unscaling never reaches the chunks' gradients (fp16 autocast with a ``GradScaler``
+cannot be seen here and is wrong the same way: train in bf16).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import logging
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -51,8 +62,11 @@ from protrain_fx.chunks import OUTSIDE, Chunk, ChunkLayout, ParamInfo, choose_la
 from protrain_fx.runtime import chunk_ops
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
 from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore, auto_lean, available_host_bytes
-from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
+from protrain_fx.errors import UnsupportedError
+from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker, _check_optimizer
 from protrain_fx.runtime.device_adam import DeviceAdamW
+
+log = logging.getLogger("protrain_fx")
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 #: ``offload(..., n_persist=AUTO, n_buffer=AUTO)``: the backend chooses the counts.
@@ -77,6 +91,7 @@ class OffloadHandle:
         n_gpu_optim: int | Literal["auto"] | None = None,
         n_lean: int | Literal["auto"] = "auto",
         grad_pool: int = GRAD_POOL,
+        grad_clipping: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -84,6 +99,17 @@ class OffloadHandle:
         named = dict(model.named_parameters(remove_duplicate=False))
         if not named:
             raise ValueError("offload: the model has no parameters")
+        _check_not_offloaded(named)
+        _check_optimizer(optimizer)  # the backend may offload any chunk: they are stepped by ChunkAdamW
+        if compute_dtype == torch.float16:
+            raise ValueError(
+                "offload: compute_dtype=torch.float16 needs loss scaling (GradScaler), whose unscaling does not reach "
+                "the offloaded chunks' gradients (they are stepped from the chunk store, not from .grad); use "
+                "compute_dtype=torch.bfloat16"
+            )
+        if grad_clipping not in (None, True, False):
+            raise ValueError(f"offload: grad_clipping must be None (learned at the first step), True or False, "
+                             f"got {grad_clipping!r}")
         on_meta = [n for n, p in named.items() if p.is_meta]
         if on_meta and init is None:
             raise ValueError(
@@ -135,16 +161,41 @@ class OffloadHandle:
         self._accumulating = False
         self._submitted: set[int] = set()
         self._pending: set[int] = set()  # chunks holding gradients not yet queued for a step
+        #: Per chunk, the parameter names whose gradients landed since the last optimizer step.
+        self._landed: dict[int, set[str]] = {}
+        #: Whether the loop clips gradients (``grad_clipping``; ``None``: not known until the first
+        #: optimizer step, whose chunk steps are held until then: see :meth:`clip_grad_norm_`).
+        self.grad_clipping: bool | None = grad_clipping
+        self._norms = _HeldNorms()
+        self._clipped = False  # clip_grad_norm_ ran in this step
+        self._released_early = False  # the first step's held chunks were stepped before its end
+        #: Optimizer steps whose offloaded chunk steps were skipped (a non-finite gradient norm).
+        self.skipped_steps = 0
         self._landed_lean: list[int] = []  # lean chunks queued for a CPU step, oldest first
         #: Seconds the landing thread waited for a lean chunk's landing buffer.
         self.landing_wait_s = 0.0
         for b in model.buffers():
             b.data = b.data.to(self.device)
-        self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+        self._hooks = (optimizer.register_step_pre_hook(lambda *_: self._before_step()),
+                       optimizer.register_step_post_hook(lambda *_: self._after_step()))
+        _install_clip_dispatch()
+        _install_shell_repr()
         if all(auto):
             self._defer()
         else:
+            n_chunks = len(self.layout.chunks)
+            if n_persist == n_chunks:
+                raise ValueError(
+                    f"offload: n_persist={n_persist} keeps all {n_chunks} chunk(s) of this model on the device "
+                    f"({sum(c.used_bytes for c in self.layout.chunks) / 2**20:.1f} MiB of parameters in chunks of "
+                    f"{self.layout.chunk_bytes / 2**20:.1f} MiB): nothing would be offloaded. Leave n_persist / "
+                    "n_buffer out (the backend chooses them for its memory budget), give a smaller chunk_bytes, or "
+                    "train without protrain_fx.offload"
+                )
             self._build(n_persist, n_buffer, n_gpu_optim or 0)
+        # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
+        # with the way out, before the first op reads one.
+        self._eager_guard = model.register_forward_pre_hook(_refuse_eager_call)
 
     # ---- automatic counts: chosen by the backend when it compiles the first training graph ---------
 
@@ -304,31 +355,66 @@ class OffloadHandle:
         self.pool.release(chunk)
 
     def land_grads(self, chunk: int, names: list[str], grads: list[torch.Tensor]) -> None:
+        landed = self._landed.setdefault(chunk, set())
         if chunk in self._submitted:
-            raise RuntimeError(
-                f"protrain_fx: chunk {chunk} got gradients from two graphs in one step (a graph break "
-                "inside the parameters of one chunk); this release needs each chunk's backward in one graph"
-            )
-        on_device = chunk < self.n_gpu_optim and not self._accumulating and not self.store.holds_grad(chunk)
+            raise UnsupportedError(self._second_landing(chunk, landed, names))
+        fresh = not self.store.holds_grad(chunk)
+        if (self.grad_clipping is None and not self._accumulating and not self._released_early
+                and self.store.is_lean(chunk) and fresh and self.store.landing_full()):
+            self._release_early()  # learning: held lean gradients may not take host memory beyond the pool
+        hold = self._accumulating or self.grad_clipping is True or (self.grad_clipping is None and not self._released_early)
+        on_device = chunk < self.n_gpu_optim and not hold and fresh
         if on_device:
             self.device_adam.make_room()  # bounds the device steps in flight, so their gradients' memory
         if self.device.type == "cuda":
             grads = _staged(grads, self.store.compute_dtype)
+        landed.update(names)
         if on_device:
             self.device_adam.step_chunk(chunk, dict(zip(names, grads)))  # its states stream through the GPU
             self._submitted.add(chunk)
             return
-        if self.store.is_lean(chunk) and not self.store.holds_grad(chunk):
+        if hold and self.grad_clipping is not False and not self._released_early:  # a clip may follow: its norms
+            self._norms.note(self.store, chunk, names, grads, fresh=fresh)
+        if self.store.is_lean(chunk) and fresh:
             self._wait_for_landing_buffer()
         self.store.write_grads(dict(zip(names, grads)), accumulate=True)
-        if self._accumulating:
+        if hold:
             self._pending.add(chunk)
         else:
-            self._pending.discard(chunk)
-            self._submitted.add(chunk)
-            self.worker.submit(chunk)
-            if self.store.is_lean(chunk):
-                self._landed_lean.append(chunk)
+            self._submit(chunk)
+
+    def _release_early(self) -> None:
+        """The first step, learning whether the loop clips, cannot hold every chunk's gradient: a lean
+        chunk's would take a landing buffer beyond the pool (host memory the store was not sized
+        for). The held chunks are stepped now and the rest of this step's as they land; a clip in
+        this step is then refused (:meth:`_check_clip`)."""
+        self._released_early = True
+        for chunk in sorted(self._pending):
+            self._submit(chunk)
+
+    def _submit(self, chunk: int, **kwargs: Any) -> None:
+        """Queue the chunk's CPU step (``kwargs`` to ``ChunkAdamW.step_chunk``)."""
+        self._pending.discard(chunk)
+        self._submitted.add(chunk)
+        self.worker.submit(chunk, **kwargs)
+        if self.store.is_lean(chunk):
+            self._landed_lean.append(chunk)
+
+    def _second_landing(self, chunk: int, landed: set[str], names: list[str]) -> str:
+        """Why a chunk already stepped in this step got gradients again, and what to do."""
+        if landed.intersection(names):
+            return (
+                f"protrain_fx: the parameters of offloaded chunk {chunk} got a second gradient before "
+                "optimizer.step(), but their optimizer step already ran as the first one landed (a second "
+                "backward per step: micro-batches). Wrap the backward passes of all but the last micro-batch "
+                "in `with handle.accumulate():` (handle = protrain_fx.offload(...)'s return value)"
+            )
+        return (
+            f"protrain_fx: offloaded chunk {chunk} got gradients from two graphs in one step (a graph break "
+            "inside the parameters of one chunk, after its first part was stepped); remove the graph break "
+            "(protrain_fx.step_report() names it), or pass grad_clipping=True to offload(...), which holds "
+            "every chunk's step until the gradients are complete"
+        )
 
     def _wait_for_landing_buffer(self) -> None:
         """While the lean chunks' landing pool is full, wait for the oldest queued CPU step to give
@@ -380,15 +466,125 @@ class OffloadHandle:
         if self.store is not None:
             self.store.wait_writes()
 
+    def _before_step(self) -> None:
+        """``optimizer.step()`` is about to run: the chunks still holding gradients are stepped now
+        (accumulated micro-batches; the first step, held to learn whether the loop clips, which it
+        does not when it steps without clipping first)."""
+        if self._pending and self.grad_clipping is None and not self._clipped:
+            self.grad_clipping = False
+        for chunk in sorted(self._pending):
+            self._submit(chunk)
+
     def _after_step(self) -> None:
-        for chunk in sorted(self._pending):  # accumulated, never queued: step them now
-            self.worker.submit(chunk)
-            if self.store.is_lean(chunk):
-                self._landed_lean.append(chunk)
-        self._pending.clear()
         if self.store is not None:  # forget lean chunks whose steps are over (else it grows every step)
             self._landed_lean = [c for c in self._landed_lean if self.store.holds_grad(c)]
         self._submitted.clear()
+        self._landed.clear()
+        self._norms.clear()
+        self._clipped = False
+        self._released_early = False
+
+    def clip_grad_norm_(
+        self,
+        parameters: Iterable[torch.Tensor] | torch.Tensor,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over ``parameters``, offloaded ones included: the norm
+        of every gradient, the persistent ones' ``.grad`` scaled in place and the offloaded chunks'
+        held steps queued with the same scale. ``torch.nn.utils.clip_grad_norm_`` comes here when
+        given parameters of this model (``offload`` installs the dispatch), so the loop is unchanged.
+
+        The offloaded chunks' steps run as their gradients land in backward, before a norm over all
+        of them exists; so the handle holds them (``grad_clipping``): always with ``True``; with
+        ``None`` (default) at the first step, and from then on when that step clipped. Held steps
+        start here, overlapping the optimizer's step of the persistent chunks and the next forward.
+        A non-finite norm skips the step everywhere (as ``GradScaler`` does): no offloaded chunk is
+        stepped and the persistent gradients are set to ``None``, so ``optimizer.step()`` leaves
+        those parameters too; ``error_if_nonfinite=True`` raises instead, as torch does."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        self._check_clip(params)
+        norm_type = float(norm_type)
+        norms: list[torch.Tensor] = []
+        persistent: list[torch.Tensor] = []
+        grads = [p.grad for p in params if chunk_ops.offloaded(p) is None and p.grad is not None]
+        by_id = dict(zip(map(id, grads), _group_norms(grads, norm_type, foreach)))
+        for p in params:
+            if chunk_ops.offloaded(p) is not None:
+                norm = self._norms.of(self.store, self.store.slot(chunk_ops.offloaded(p)[3]), norm_type)
+                if norm is not None:
+                    norms.append(norm)
+            elif p.grad is not None:
+                norms.append(by_id[id(p.grad)])
+                persistent.append(p)
+        if not norms:
+            return torch.tensor(0.0)
+        first = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+        finite = bool(torch.isfinite(total))  # (a device sync: the skip below is decided on the host)
+        if not finite and error_if_nonfinite:
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+                "anyway, set `error_if_nonfinite=False`"
+            )
+        self._clipped = True
+        if self.grad_clipping is None:
+            self.grad_clipping = True
+        if not finite:
+            self._skip_held_steps(persistent, total)
+            return total
+        torch.nn.utils.clip_grads_with_norm_(persistent, max_norm, total, foreach)  # as torch scales them
+        scale = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).to("cpu", torch.float32)
+        for chunk in sorted(self._pending):
+            self._submit(chunk, grad_scale=scale)
+        return total
+
+    def _check_clip(self, params: list[torch.Tensor]) -> None:
+        """Refuse a clip this handle cannot make exact (see :meth:`clip_grad_norm_`)."""
+        fix = ("pass grad_clipping=True to protrain_fx.offload(...), which holds the offloaded chunks' steps "
+               "until the norm is known (a loop that clips from its first step needs nothing)")
+        stepped = sorted(self._submitted)
+        if stepped:
+            if self._released_early:
+                lean = self.store.num_chunks - min(self.store.lean, default=self.store.num_chunks)
+                fix = (f"pass grad_clipping=True to protrain_fx.offload(...): every one of the {lean} lean chunks then "
+                       f"holds its gradient in a landing buffer of {self.store.chunk_numel * self.store.compute_dtype.itemsize} "
+                       "bytes of host memory until the norm is known")
+                why = "at the first step, its lean chunks' gradients could not all wait in the landing pool"
+            elif self.grad_clipping is False:
+                why = "this model's loop did not clip at its first step, so its chunks are stepped as their gradients land"
+            else:
+                why = "clip_grad_norm_ already ran in this step"
+            raise UnsupportedError(
+                f"protrain_fx: clip_grad_norm_ on an offloaded model whose chunks {stepped} were already "
+                f"stepped in this step, without clipping ({why}); {fix}"
+            )
+        given = {chunk_ops.offloaded(p)[3] for p in params if chunk_ops.offloaded(p) is not None}
+        held = {n for names in self._landed.values() for n in names}
+        missing = sorted(held - {n for name in given for n in self.store.slot(name).names})
+        if missing:
+            raise UnsupportedError(
+                f"protrain_fx: clip_grad_norm_ over part of an offloaded model's parameters ({missing[0]!r} has a "
+                "gradient but is not among them): the offloaded chunks are stepped together, with one "
+                "scale; clip over every parameter (model.parameters())"
+            )
+
+    def _skip_held_steps(self, persistent: list[torch.Tensor], total: torch.Tensor) -> None:
+        """A non-finite gradient norm: drop every held gradient, leave the persistent parameters
+        without one (``optimizer.step()`` skips them), count and say so."""
+        for chunk in sorted(self._pending):
+            self.store.finish_step(chunk)  # the working copy back from the master, the gradient gone
+            self._submitted.add(chunk)
+        self._pending.clear()
+        for p in persistent:
+            p.grad = None
+        self.skipped_steps += 1
+        log.warning("protrain_fx: the gradient norm is %s: this optimizer step is skipped (no offloaded chunk is "
+                    "stepped and the persistent parameters' gradients were set to None); %d step(s) skipped so far",
+                    float(total), self.skipped_steps)
 
     def host_bytes_per_param(self) -> float:
         """Host bytes per offloaded parameter (chunk buffers; see ``ChunkStore.bytes_per_param``)."""
@@ -475,7 +671,8 @@ class OffloadHandle:
         self.synchronize()
         if self.worker is not None:
             self.worker.close()
-        self._hook.remove()
+        for hook in (*self._hooks, self._eager_guard):
+            hook.remove()
         if self.id is not None:
             chunk_ops.unregister(self.id)
         chunk_ops.unregister_deferred(self)
@@ -502,6 +699,7 @@ def offload(
     n_gpu_optim: int | Literal["auto"] | None = None,
     n_lean: int | Literal["auto"] = "auto",
     grad_pool: int = GRAD_POOL,
+    grad_clipping: bool | None = None,
 ) -> OffloadHandle:
     """Put ``model``'s parameters into chunks (see the module docstring); call before ``torch.compile``.
 
@@ -525,7 +723,13 @@ def offload(
     instead of 14 bytes per parameter; the device fetches their fp32 master, twice the bytes) and
     land their gradients in ``grad_pool`` shared host buffers. ``"auto"`` (default): none when the
     store fits the host with 8 GiB to spare, else the fewest that fit (``handle.n_lean`` says how
-    many); a host too small even then is refused with the bytes needed."""
+    many); a host too small even then is refused with the bytes needed.
+
+    ``grad_clipping``: whether the training loop calls ``torch.nn.utils.clip_grad_norm_`` (which
+    then clips over every chunk: :meth:`OffloadHandle.clip_grad_norm_`). The offloaded chunks'
+    steps then wait for the end of backward instead of overlapping it. ``None`` (default): learned
+    at the first optimizer step, which waits; ``True``: always wait (a loop that starts clipping
+    later); ``False``: never wait, and a clip raises."""
     return OffloadHandle(
         model,
         optimizer,
@@ -539,6 +743,7 @@ def offload(
         n_gpu_optim=n_gpu_optim,
         n_lean=n_lean,
         grad_pool=grad_pool,
+        grad_clipping=grad_clipping,
     )
 
 
@@ -590,3 +795,162 @@ def _shell(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     shell = torch.empty(p.shape, dtype=p.dtype, device=device)
     shell.untyped_storage().resize_(0)
     return shell
+
+
+def _check_not_offloaded(named: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a model offloaded before: its parameters are shells of 0 bytes (their values are in
+    the first handle's chunk store), and copying from them would read no memory."""
+    for name, p in named.items():
+        if chunk_ops.offloaded(p) is not None or chunk_ops.deferred(p) is not None or (
+            not p.is_meta and p.numel() and p.untyped_storage().nbytes() == 0
+        ):
+            raise ValueError(
+                f"offload: this model is already offloaded (parameter {name!r} holds no values: they live in the "
+                "chunk store of an earlier offload(...) call). Keep using the handle that call returned, or build "
+                "the model again (and its optimizer) to offload it anew"
+            )
+
+
+class _HeldNorms:
+    """Per-parameter gradient norms of held chunks, for :meth:`OffloadHandle.clip_grad_norm_`:
+    the 2-norm taken where a chunk's gradient first lands (on the device, beside the copy to the
+    host), or, for a chunk whose held gradient was added to since (micro-batches, a chunk split by
+    a graph break) or another norm type, read back from the host store."""
+
+    def __init__(self) -> None:
+        self._norms: dict[Any, torch.Tensor] = {}
+        self._stale: set[int] = set()
+
+    def note(self, store: ChunkStore, chunk: int, names: list[str], grads: list[torch.Tensor], *,
+             fresh: bool) -> None:
+        if not fresh:
+            self._stale.add(chunk)
+            return
+        by_slot = store.grads_by_slot(dict(zip(names, grads)))
+        values = [g.detach() for g in by_slot.values()]
+        wide = any(v.dtype != torch.float32 for v in values)  # bf16 gradients: summed in fp32
+        norms = torch._foreach_norm(values, 2.0, dtype=torch.float32) if wide else torch._foreach_norm(values, 2.0)
+        self._norms.update(zip(by_slot, norms))
+
+    def of(self, store: ChunkStore, slot: Any, norm_type: float) -> torch.Tensor | None:
+        """The norm of ``slot``'s held gradient; ``None`` when it holds none (skipped, as torch
+        skips a ``.grad`` of ``None``)."""
+        if slot not in store.grad_slots(slot.chunk):
+            return None
+        if norm_type == 2.0 and slot.chunk not in self._stale and slot in self._norms:
+            return self._norms[slot]
+        store.wait_grad(slot.chunk)
+        view = store.grad_flat(slot.chunk)[slot.offset : slot.offset + slot.numel]
+        if view.dtype != torch.float32:
+            return torch.linalg.vector_norm(view, norm_type, dtype=torch.float32)
+        return torch._foreach_norm([view], norm_type)[0]  # as clip_grad_norm_ takes a CPU gradient's
+
+    def clear(self) -> None:
+        self._norms.clear()
+        self._stale.clear()
+
+
+def _group_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
+    """Each gradient's norm, computed as ``torch.nn.utils.get_total_norm`` computes it (foreach per
+    device and dtype where supported), in the order given."""
+    from torch.utils._foreach_utils import (
+        _device_has_foreach_support,
+        _group_tensors_by_device_and_dtype,
+        _has_foreach_support,
+    )
+
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    if not grads:
+        return []
+    grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
+    for (device, _), ([tensors], indices) in grouped.items():
+        if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
+            norms = torch._foreach_norm(tensors, norm_type)
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
+        for i, n in zip(indices, norms):
+            out[i] = n
+    return out  # type: ignore[return-value]
+
+
+_TORCH_CLIP_GRAD_NORM: Callable[..., torch.Tensor] | None = None
+
+
+def _install_clip_dispatch() -> None:
+    """Route ``torch.nn.utils.clip_grad_norm_`` to :meth:`OffloadHandle.clip_grad_norm_` when it is
+    given an offloaded model's parameters (their gradients are in the chunk store, not in
+    ``.grad``); any other call goes to torch's own function unchanged. Installed once, by the first
+    ``offload``; a name bound before it (``from torch.nn.utils import clip_grad_norm_``) still holds
+    torch's, which sees only the persistent chunks' gradients."""
+    global _TORCH_CLIP_GRAD_NORM
+    if _TORCH_CLIP_GRAD_NORM is not None:
+        return
+    from torch.nn.utils import clip_grad
+
+    original = _TORCH_CLIP_GRAD_NORM = clip_grad.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        handles = {}
+        for p in params:
+            found = chunk_ops.offloaded(p)
+            if found is not None:
+                handles[found[0]] = chunk_ops.handle(found[0])
+        if not handles:
+            return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        if len(handles) > 1:
+            raise UnsupportedError("protrain_fx: clip_grad_norm_ over the parameters of several offloaded models; "
+                                   "clip each model's parameters on their own")
+        (handle,) = handles.values()
+        return handle.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def _refuse_eager_call(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of an offloaded model: a call outside ``torch.compile`` (whose graphs read
+    the chunk buffers) would read parameters of 0 bytes."""
+    from torch._dynamo.eval_frame import _is_in_optimized_module
+
+    if torch.compiler.is_compiling() or _is_in_optimized_module():
+        return None
+    raise UnsupportedError(
+        f"protrain_fx: this {type(module).__name__} is offloaded (protrain_fx.offload): its offloaded parameters "
+        "hold no values outside the compiled graphs, so it runs only through torch.compile(model, "
+        "backend='protrain'); call the compiled module (handle.state_dict(model) gives the values, to load into "
+        "a plain copy of the model)"
+    )
+
+
+_TORCH_TENSOR_STR: Callable[..., str] | None = None
+
+
+def _install_shell_repr() -> None:
+    """Printing an offloaded parameter (a shell of 0 bytes) shows what it is instead of reading
+    memory it does not have (which crashes the process): ``torch._tensor_str._str``, which
+    ``Tensor.__repr__`` calls, is wrapped once; every other tensor prints as before."""
+    global _TORCH_TENSOR_STR
+    if _TORCH_TENSOR_STR is not None:
+        return
+    from torch import _tensor_str
+
+    original = _TORCH_TENSOR_STR = _tensor_str._str
+
+    @functools.wraps(original)
+    def _str(self, *, tensor_contents=None):
+        try:
+            hollow = (type(self) in (torch.Tensor, nn.Parameter) and not self.is_meta and self.numel() > 0
+                      and self.untyped_storage().nbytes() == 0)
+        except Exception:  # noqa: BLE001 -- tensors without a plain storage print as torch prints them
+            hollow = False
+        if hollow:
+            return (f"tensor(<no values here: offloaded by protrain_fx, they live in the chunk store; "
+                    f"handle.state_dict(model) gives them>, size={tuple(self.shape)}, dtype={self.dtype}, "
+                    f"device='{self.device}')")
+        return original(self, tensor_contents=tensor_contents)
+
+    _tensor_str._str = _str

@@ -168,9 +168,11 @@ def test_chunks_stepped_on_the_device_train_exactly_like_eager_adamw(n_persist, 
     ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
     _train_side_by_side(compiled, reference, opt, ref_opt, 3, schedules=(schedule, ref_schedule))
     _assert_same_params(handle, model, reference)
-    # Exactly the first n_gpu_optim offloaded chunks went through the device, once a step.
-    assert handle.device_adam.chunk_steps == 3 * n_gpu_optim
-    assert handle.worker.steps == 3 * (n_chunks - n_persist - n_gpu_optim)
+    # Exactly the first n_gpu_optim offloaded chunks went through the device, once a step after the
+    # first (whose chunk steps wait for the end of backward, to learn whether the loop clips, and
+    # run on the CPU).
+    assert handle.device_adam.chunk_steps == 2 * n_gpu_optim
+    assert handle.worker.steps == 3 * (n_chunks - n_persist - n_gpu_optim) + n_gpu_optim
     # Their moments are in the optimizer's state dict like the others'.
     state = handle.optimizer_state_dict()["state"]
     ref_state = ref_opt.state_dict()["state"]
@@ -467,7 +469,7 @@ def test_device_steps_with_bf16_compute_give_the_host_paths_bits():
 
     host_losses, host_state, host_working, _ = train(0)
     dev_losses, dev_state, dev_working, steps = train(3)
-    assert steps == 9
+    assert steps == 6  # 3 chunks on the device at steps 2 and 3 (the first step's wait for the end of backward)
     assert dev_losses == host_losses
     for name in host_state:
         assert torch.equal(dev_state[name], host_state[name]), name

@@ -91,10 +91,15 @@ class ChunkAdamW:
         return {g: self.kernel(g) for g in range(len(self.optimizer.param_groups))}
 
     def step_chunk(
-        self, chunk_id: int, hyper: Mapping[int, tuple[Callable[..., None], dict[str, Any]]] | None = None
+        self,
+        chunk_id: int,
+        hyper: Mapping[int, tuple[Callable[..., None], dict[str, Any]]] | None = None,
+        grad_scale: torch.Tensor | None = None,
     ) -> None:
         """One Adam(W) step of the chunk's parameters that have a gradient, then its new working copy,
         with ``hyper`` (:meth:`hyper` when the step was queued; ``None``: the groups' values now).
+        ``grad_scale`` (a 0-dim fp32 CPU tensor): the gradient is multiplied by it first, as
+        ``clip_grad_norm_`` multiplies a ``.grad`` (same bits).
 
         Parameters without a gradient are skipped, as torch skips ``grad is None``."""
         slots = [s for s in self.store.grad_slots(chunk_id) if s in self._group_of]
@@ -107,7 +112,7 @@ class ChunkAdamW:
         start = _clock()
         for g in sorted({self._group_of[s] for s in slots}):
             self._step_group(chunk_id, g, [s for s in slots if self._group_of[s] == g],
-                             None if hyper is None else hyper[g])
+                             None if hyper is None else hyper[g], grad_scale)
         store.finish_step(chunk_id, refreshed=slots)
         seconds, params = self.computed
         self.computed = (seconds + _clock() - start, params + sum(s.numel for s in slots))
@@ -115,6 +120,7 @@ class ChunkAdamW:
     def _step_group(
         self, chunk_id: int, g: int, slots: list[ParamSlot],
         kernel: tuple[Callable[..., None], dict[str, Any]] | None = None,
+        grad_scale: torch.Tensor | None = None,
     ) -> None:
         """The fused kernel over slices of at most ``slice_elems`` elements: per slice the
         gradient's fp32 copy (bf16 compute), the update, and the slice's new working copy, while
@@ -135,6 +141,8 @@ class ChunkAdamW:
                 grads = [grad[a:b] for a, b in ranges]
             else:
                 grads = [scratch[a:b].copy_(grad[a:b]) for a, b in ranges]
+            if grad_scale is not None:  # (the held gradient is consumed by this step: scaled in place)
+                torch._foreach_mul_(grads, grad_scale)
             fused(
                 [master[a:b] for a, b in ranges],
                 grads,
@@ -303,9 +311,9 @@ class OptimizerWorker:
         #: Chunk steps run so far.
         self.steps = 0
 
-    def submit(self, chunk_id: int) -> None:
+    def submit(self, chunk_id: int, **kwargs: Any) -> None:
         """Queue the chunk's step. Its gradient must have been written to the store (a copy from
-        the GPU may still be in flight: the step waits for it)."""
+        the GPU may still be in flight: the step waits for it). ``kwargs`` go to ``step_chunk``."""
         self._raise_failure()
         previous = self._pending.get(chunk_id)
         if previous is not None and not previous.done():
@@ -313,7 +321,7 @@ class OptimizerWorker:
                 f"chunk {chunk_id} submitted again while its last step is still queued or running"
             )
         args = () if self._prepare is None else (self._prepare(chunk_id),)
-        self._pending[chunk_id] = self._executor.submit(self._step, chunk_id, *args)
+        self._pending[chunk_id] = self._executor.submit(self._step, chunk_id, *args, **kwargs)
 
     def pending(self, chunk_id: int) -> bool:
         """Whether the chunk's step is queued or running."""
@@ -350,10 +358,10 @@ class OptimizerWorker:
         else:  # already failing: do not mask that error with a step's
             self._executor.shutdown(wait=True)
 
-    def _step(self, chunk_id: int, *prepared: Any) -> None:
+    def _step(self, chunk_id: int, *prepared: Any, **kwargs: Any) -> None:
         start = time.perf_counter()
         try:
-            self._step_chunk(chunk_id, *prepared)
+            self._step_chunk(chunk_id, *prepared, **kwargs)
         except BaseException as error:
             error.add_note(f"(in the CPU optimizer worker, stepping chunk {chunk_id})")
             raise

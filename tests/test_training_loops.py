@@ -1,0 +1,229 @@
+"""The loops users write around an offloaded model: gradient clipping, skipped steps, and misuse.
+
+CPU, fp32, eager codegen: everything is compared bit for bit with the same loop on a plain model and
+``torch.optim.AdamW(fused=True)``. The offloaded chunks' optimizer steps normally run as their
+gradients land in backward; clipping needs the norm over every chunk first, so the handle holds them
+(learned at the first step, or ``grad_clipping=True``) and ``torch.nn.utils.clip_grad_norm_`` reaches
+the handle for an offloaded model's parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain_fx
+from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx.errors import UnsupportedError
+
+CONFIG = gpt_config("tiny", n_layer=4)
+CHUNK = 64 * 1024
+
+
+def _batch(step: int):
+    return random_batch(CONFIG, 2, 32, generator=torch.Generator().manual_seed(step))
+
+
+def _pair(**offload_kwargs):
+    """An offloaded GPT compiled with eager codegen, and a plain copy, each with fused AdamW."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    kwargs = dict(n_persist=1, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
+    kwargs.update(offload_kwargs)
+    handle = protrain_fx.offload(model, opt, **kwargs)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
+    return model, reference, opt, ref_opt, handle, compiled
+
+
+def _assert_same_params(handle, model, reference):
+    state = handle.state_dict(model)
+    for name, p in reference.named_parameters():
+        assert torch.equal(state[name], p.detach()), name
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipped at every step / never clipped
+@pytest.mark.parametrize("settings", [
+    {},                                     # learned at the first step
+    {"grad_clipping": True, "n_persist": 0},
+    {"n_gpu_optim": 2},                     # held chunks meant for the device are stepped on the CPU
+    {"n_lean": 3, "grad_pool": 1, "grad_clipping": True},  # lean chunks hold landing buffers until the norm
+])
+def test_clip_grad_norm_on_an_offloaded_model_equals_eager(max_norm, settings):
+    model, reference, opt, ref_opt, handle, compiled = _pair(**settings)
+    norms = []
+    for step in range(3):
+        loss = compiled(*_batch(step))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step(), opt.zero_grad()
+        ref_loss = reference(*_batch(step))
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        ref_opt.step(), ref_opt.zero_grad()
+        assert torch.equal(loss, ref_loss) and torch.equal(norm, ref_norm), step
+        norms.append(float(norm))
+    assert (min(norms) > max_norm) if max_norm < 1 else (max(norms) < max_norm)  # both regimes exercised
+    assert handle.grad_clipping is True
+    _assert_same_params(handle, model, reference)
+    handle.close()
+
+
+def test_clipping_accumulated_micro_batches_equals_eager():
+    model, reference, opt, ref_opt, handle, compiled = _pair(grad_clipping=True)
+    for step in range(2):
+        with handle.accumulate():
+            compiled(*_batch(10 * step)).backward()
+        compiled(*_batch(10 * step + 1)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step(), opt.zero_grad()
+        reference(*_batch(10 * step)).backward()
+        reference(*_batch(10 * step + 1)).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        ref_opt.step(), ref_opt.zero_grad()
+        assert torch.equal(norm, ref_norm), step
+    _assert_same_params(handle, model, reference)
+    handle.close()
+
+
+def test_a_loop_without_clipping_is_learned_and_steps_chunks_during_backward():
+    model, reference, opt, ref_opt, handle, compiled = _pair()
+    for step in range(3):
+        compiled(*_batch(step)).backward()
+        if step == 1:  # from the second step on, the chunks' steps are queued as their gradients land
+            assert handle.worker.steps + len(handle.worker._pending) > 0 and not handle._pending
+        opt.step(), opt.zero_grad()
+        reference(*_batch(step)).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+    assert handle.grad_clipping is False
+    _assert_same_params(handle, model, reference)
+    # A clip after the chunks were stepped unclipped cannot be made exact: refused, naming the way out.
+    compiled(*_batch(5)).backward()
+    with pytest.raises(UnsupportedError, match="grad_clipping=True"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    handle.close()
+
+
+def test_lean_chunks_hold_their_gradients_for_a_clip_only_when_told():
+    # Learning at the first step, lean chunks may not take landing buffers beyond the pool (host
+    # memory the store was not sized for): they are stepped, and a clip in that step is refused.
+    model, _, opt, _, handle, compiled = _pair(n_lean=3, grad_pool=1)
+    compiled(*_batch(0)).backward()
+    with pytest.raises(UnsupportedError, match="grad_clipping=True .* lean chunks"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert handle.store.landing_buffers <= 1
+    handle.close()
+
+
+def test_an_offloaded_parameter_prints_without_reading_memory_it_lacks():
+    model, _, _, _, handle, _ = _pair()
+    shell = model.get_parameter("blocks.3.mlp.fc.weight")
+    assert "offloaded by protrain_fx" in repr(shell) and "dtype=torch.float32" in repr(shell)
+    assert "offloaded" not in repr(torch.ones(2))
+    handle.close()
+
+
+def test_clipping_part_of_an_offloaded_model_is_refused():
+    model, _, opt, _, handle, compiled = _pair(grad_clipping=True)
+    compiled(*_batch(0)).backward()
+    some = [p for name, p in model.named_parameters() if name.startswith("blocks.0.")]
+    with pytest.raises(UnsupportedError, match="every parameter"):
+        torch.nn.utils.clip_grad_norm_(some, 1.0)
+    handle.close()
+
+
+def test_a_non_finite_gradient_norm_skips_the_step_everywhere():
+    model, _, opt, _, handle, compiled = _pair()
+    compiled(*_batch(0)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(), opt.zero_grad()
+    before = handle.state_dict(model)
+    optimizer_before = copy.deepcopy(handle.optimizer_state_dict())
+    (compiled(*_batch(1)) * float("inf")).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert not torch.isfinite(norm)
+    opt.step(), opt.zero_grad()
+    after = handle.state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert handle.skipped_steps == 1
+    steps = lambda state: [float(s["step"]) for s in state["state"].values()]  # noqa: E731
+    assert steps(handle.optimizer_state_dict()) == steps(optimizer_before)
+    # ... and training goes on from there
+    compiled(*_batch(2)).backward()
+    assert torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    opt.step()
+    assert any(not torch.equal(after[k], v) for k, v in handle.state_dict(model).items())
+    with pytest.raises(RuntimeError, match="non-finite"):
+        (compiled(*_batch(3)) * float("nan")).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    handle.close()
+
+
+def test_clip_grad_norm_of_other_models_is_torchs_own():
+    model, reference, opt, _, handle, compiled = _pair()
+    reference(*_batch(0)).backward()
+    grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    assert torch.equal(norm, expected)
+    handle.close()
+
+
+def test_micro_batches_without_accumulate_name_the_fix():
+    model, _, opt, _, handle, compiled = _pair(grad_clipping=False)
+    compiled(*_batch(0)).backward()
+    with pytest.raises(UnsupportedError, match=r"handle\.accumulate\(\)"):
+        compiled(*_batch(1)).backward()
+    handle.close()
+
+
+def test_at_the_first_step_micro_batches_without_accumulate_add_up_as_in_eager():
+    # The first step holds every chunk's step (to learn whether the loop clips), so two backward
+    # passes before optimizer.step() add their gradients, as eager autograd does.
+    model, reference, opt, ref_opt, handle, compiled = _pair()
+    for m, o in ((compiled, opt), (reference, ref_opt)):
+        m(*_batch(0)).backward()
+        m(*_batch(1)).backward()
+        o.step(), o.zero_grad()
+    _assert_same_params(handle, model, reference)
+    handle.close()
+
+
+def test_offloading_a_model_twice_is_refused():
+    model, _, opt, _, handle, _ = _pair()
+    with pytest.raises(ValueError, match="already offloaded"):
+        protrain_fx.offload(model, torch.optim.AdamW(model.parameters()), n_persist=1, n_buffer=2, device="cpu",
+                            chunk_bytes=CHUNK)
+    handle.close()
+    with pytest.raises(ValueError, match="already offloaded"):  # closed: the parameters are still shells
+        protrain_fx.offload(model, opt, device="cpu")
+
+
+def test_calling_an_offloaded_model_without_compile_names_the_fix():
+    model, _, _, _, handle, compiled = _pair()
+    with pytest.raises(UnsupportedError, match="torch.compile"):
+        model(*_batch(0))
+    compiled(*_batch(0)).backward()  # the compiled module still runs
+    handle.close()
+
+
+def test_hand_counts_that_offload_nothing_are_refused():
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="nothing would be offloaded"):
+        protrain_fx.offload(model, opt, n_persist=1, n_buffer=1, device="cpu")  # one 32 MiB chunk holds it all
+
+
+def test_an_optimizer_the_chunks_cannot_step_is_refused_at_offload():
+    model = GPT(CONFIG)
+    with pytest.raises(TypeError, match="AdamW"):
+        protrain_fx.offload(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")  # counts: automatic
+    with pytest.raises(ValueError, match="grad_clipping"):
+        protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(model.parameters()), device="cpu", grad_clipping="yes")
+    with pytest.raises(ValueError, match="bfloat16"):
+        protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(model.parameters()), device="cpu",
+                            compute_dtype=torch.float16)
