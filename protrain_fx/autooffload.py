@@ -57,14 +57,14 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.autoplan import (
-    _PEAK_MISSES,
     AutoPlan,
     Trial,
     chosen,
     judged_peak,
     judged_trial,
     machine_profile,
-    miss_note,
+    plan_cap,
+    reserve_note,
     verified_choice,
     widened,
 )
@@ -137,8 +137,7 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     t0 = time.perf_counter()
     model = offload_cost_model(record, handle, "its activations cannot be planned for the placed chunks")
     problem_s = time.perf_counter() - t0
-    miss = _PEAK_MISSES.get(record.memory.device, 0.0)
-    cap = int(allocated_cap_bytes(budget) / (1 + miss))
+    cap, outside, source = plan_cap(record, budget)
     p, b, g = handle.n_persist, handle.n_buffer, handle.n_gpu_optim
     N = model.n_blocks
     configs = [Config(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
@@ -147,7 +146,8 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     trials: list[Trial] = []
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
-        return chosen(record, model, config, how, found, trials, cap=cap, miss=miss, empty_peak_bytes=empty_peak,
+        return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
+                      empty_peak_bytes=empty_peak,
                       empty_step_s=model.estimate(empty).step_s, offload=True, problem_s=problem_s, started=started,
                       empty_by_inductor=empty_by_inductor,
                       rate_spread=RATE_SPREAD if torch.device(record.memory.device).type == "cuda" else None)
@@ -176,13 +176,13 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     config, how, found, need = verified_choice(search_at, run, least, trials, cap)
     if config is not None:
         return result(config, how, found)
-    minimum = budget_for_peak(math.ceil(need * (1 + miss)))
+    minimum = budget_for_peak(need + outside)
     raise NoPlanFits(
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) for "
         f"graph {record.index} with the chunks placed at the model's first compile (n_persist={p}, n_buffer={b}, "
         f"n_gpu_optim={g}): the plan of least memory needs an allocated peak of {need} bytes, so the budget must "
-        f"be at least {minimum} bytes ({minimum / 2**30:.4g} GiB{miss_note(miss)}); "
-        + ("raise memory_budget (the chunk counts stay as placed)" if miss else
+        f"be at least {minimum} bytes ({minimum / 2**30:.4g} GiB{reserve_note(outside, source)}); "
+        + ("raise memory_budget (the chunk counts stay as placed)" if source == "measured" else
            "use the first shape's batch, or compile the largest shape first (the counts are chosen for the first)"),
         min_budget_bytes=minimum,
     )
@@ -397,8 +397,7 @@ def choose_offload(
     problem_s = time.perf_counter() - t0
     problem = model.problem
     device = torch.device(record.memory.device)
-    miss = _PEAK_MISSES.get(record.memory.device, 0.0)
-    cap = int(allocated_cap_bytes(budget) / (1 + miss))
+    cap, outside, source = plan_cap(record, budget)
     reserve = budget - cap
     all_on_device_peak = record.memory.peak_bytes
     everything = Config(model.n_chunks, 0, 0, 0)
@@ -416,7 +415,7 @@ def choose_offload(
             config = steadier_gpu_optim(handle, model, kept, cap, trials, spread)
         if final:
             handle.finalize()
-        return chosen(record, model, config, how, found, trials, cap=cap, miss=miss,
+        return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
                       empty_peak_bytes=all_on_device_peak, empty_step_s=model.estimate(everything).step_s,
                       offload=True, problem_s=problem_s, started=started, rate_spread=spread)
 
@@ -429,14 +428,14 @@ def choose_offload(
         )
         if config is not None:
             return result(config, how, found)
-        minimum = budget_for_peak(math.ceil(need * (1 + miss)))
+        minimum = budget_for_peak(need + outside)
         raise NoPlanFits(
             f"protrain_fx: no offload plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
             f"for graph {record.index}: the plan of least memory (n_persist=0, n_buffer={least.n_buffer} of "
             f"{model.n_chunks} chunks of {problem.buffer_bytes / 2**20:.4g} MiB, n_swap={least.n_swap}, "
             f"n_checkpoint={least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} "
             f"bytes, so the budget must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, "
-            f"{100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom included{miss_note(miss)}); raise memory_budget, "
+            f"{100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom included{reserve_note(outside, source)}); raise memory_budget, "
             "use a smaller batch, or smaller chunks (offload(..., chunk_bytes=...))",
             min_budget_bytes=minimum,
         )

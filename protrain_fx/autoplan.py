@@ -13,7 +13,7 @@ budget and no plan by hand (``pipeline.wants_auto_plan``), the backend's partiti
    ``cost.block_plan`` of it (checkpoint tags on the joint graph, swap after partitioning), so the
    compiled function executes that plan.
 4. The rewritten step is analysed again. If the analysis is above the cap after all (the cost model
-   is an approximation), the search runs again with the cap lowered by the miss, a few times, and
+   is an approximation), the search runs again with the cap lowered by the difference, a few times, and
    last the config of least predicted memory is tried. A searched plan that fits is a measure of the
    cost model's margin: the search runs again with the cap raised by it, and a plan predicted faster
    is kept if its analysis fits too; one analysed above the cap is left out and the search runs
@@ -53,14 +53,24 @@ the process' peak (the usual first step; call ``torch.cuda.reset_peak_memory_sta
 after other work peaked higher), and is otherwise logged as not measured. The first step starts
 without optimizer state (made at the first ``step()``), and memory outside the step (other
 tensors, cuBLAS workspaces) is not the plan's: the step's measured rise above its start is put on
-the predicted start (parameters, optimizer state, inputs) before comparing. The first step also compiles the backward graph, so it can only measure
-high. A measured peak above the plan's allocated cap is a miss: a warning names it, every later
-plan on that device in this process lowers its cap by the miss, and the graph is removed from
-Dynamo's cache (``remove_from_cache`` of the code object it was compiled for,
-``CapturedGraph.dynamo_code``), so its next call compiles it again under the lowered cap. The step
-that missed has already run; the next one runs the new plan. An offloaded model keeps its chunk
-counts (its optimizer state lives in the placed store): its activation plan is chosen again for
-the chunks as placed.
+the predicted start (parameters, optimizer state, inputs) before comparing. The first step also
+compiles the backward graph, so it can only measure high.
+
+The code around the graph. A training graph's large outputs handed back to the user's code
+(:func:`returned_outputs`: logits, when the loss is computed outside the compiled module) are what
+that code computes on between the forward and the backward, outside the graphs the analysis sees.
+A plan keeps :data:`OUTSIDE_BYTES_PER_ELEMENT` per element of them under its cap until a first step
+has measured what the step holds above the graph's analysed peak (``PeakCheck.outside_bytes``);
+then every later plan on that device keeps the measured bytes instead (:func:`outside_reserve`,
+:func:`plan_cap`; the plan table names the outputs and the reserve). A first step above the
+allocated cap is a miss: a warning names it, and the graph is removed from Dynamo's cache
+(``remove_from_cache`` of the code object it was compiled for, ``CapturedGraph.dynamo_code``), so
+its next call compiles it again with the measured reserve. The step that missed has already run;
+the next one runs the new plan. A step under its cap whose reserve was the estimate is compiled
+again the same way only when the measured reserve lets the cost model find a plan
+:data:`RAISE_MIN_GAIN` faster (:func:`faster_plan_under`). An offloaded model keeps its chunk counts
+(its optimizer state lives in the placed store): its activation plan is chosen again for the chunks
+as placed.
 
 What the cost model is told (:func:`activation_problem`): ``profiler.problem_from_record`` with
 roofline block times (``passes/estimate.py``, with the ``machine`` option's constants; on CUDA the
@@ -147,10 +157,11 @@ def judged_trial(record: CapturedGraph, config: Config, predicted_peak_bytes: in
     return Trial(config, predicted_peak_bytes, peak, by_inductor)
 
 
-#: Largest relative miss (measured step peak / predicted - 1) of a planned step over its allocated
-#: cap, per device, in this process (:func:`record_first_step`); later plans on that device lower
-#: their cap by it. Cleared by ``protrain_fx.reset()``.
-_PEAK_MISSES: dict[str, float] = {}
+#: Bytes a first step measured above its graph's analysed peak, per device, in this process (the
+#: user's code around the graph, such as a loss on returned logits, and whatever the analysis did not
+#: see; :func:`record_first_step`): later plans on that device keep that much under their cap
+#: instead of an estimate (:func:`outside_reserve`). Cleared by ``protrain_fx.reset()``.
+_MEASURED_OUTSIDE: dict[str, int] = {}
 #: Devices whose next planned graph resets the peak statistics before its first step (a miss
 #: made the process' peak there; :func:`watch_first_step`).
 _RESET_AFTER_MISS: dict[str, bool] = {}
@@ -165,6 +176,83 @@ _RESET_AFTER_MISS: dict[str, bool] = {}
 MISS_TOLERANCE = 0.005
 
 
+#: A training graph's outputs handed back to the user's code with a gradient to come (a tangent)
+#: of at least this many bytes are where that code computes (a loss on logits): named in the plan
+#: table, and what it holds at the step's peak is reserved (:data:`OUTSIDE_BYTES_PER_ELEMENT`).
+LARGE_OUTPUT_BYTES = 16 * 2**20
+#: Bytes per element of such an output kept under the cap for the user's code until a first step
+#: measures it: a loss in fp32 on it (``F.cross_entropy(logits.float(), y)``) holds an fp32 copy and
+#: its log-softmax at the forward's end, then the log-softmax and its gradient at the backward's
+#: start, 8 bytes per element (docs/results.md, "Loss outside the compiled model"); a quarter more
+#: for a loss with one more fp32 temporary.
+OUTSIDE_BYTES_PER_ELEMENT = 10
+
+
+@dataclass(frozen=True)
+class ReturnedOutput:
+    """A large output of a training graph returned to the user's code, which computes on it (a loss)
+    outside the plan: its position among the graph's differentiable outputs, shape and dtype."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def line(self) -> str:
+        return f"output {self.index} ({'x'.join(map(str, self.shape))} {self.dtype}, {human_bytes(self.nbytes)})"
+
+
+def returned_outputs(record: CapturedGraph) -> list[ReturnedOutput]:
+    """The training graph's differentiable outputs of at least :data:`LARGE_OUTPUT_BYTES` (the
+    backward graph's tangents: each gradient the user's code hands back), in order."""
+    step = record.step
+    if step is None or step.backward is None:
+        return []
+    out = []
+    tangents = [n for n in step.backward.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    for i, node in enumerate(tangents):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            nbytes = val.numel() * val.element_size()
+            if nbytes >= LARGE_OUTPUT_BYTES:
+                out.append(ReturnedOutput(i, tuple(int(d) for d in val.shape), str(val.dtype).replace("torch.", ""),
+                                          int(nbytes)))
+    return out
+
+
+def outside_reserve(record: CapturedGraph) -> tuple[int, str]:
+    """Bytes a plan of ``record`` keeps under its cap for the user's code around the graph, and
+    where the number comes from: ``"measured"`` (a first step on this device, :data:`_MEASURED_OUTSIDE`),
+    ``"outputs"`` (:data:`OUTSIDE_BYTES_PER_ELEMENT` per element of the large outputs returned to
+    that code: an estimate, measured and corrected at the first step), or ``""`` (nothing to keep)."""
+    assert record.memory is not None
+    measured = _MEASURED_OUTSIDE.get(record.memory.device)
+    if measured is not None:
+        return measured, "measured"
+    estimate = sum(OUTSIDE_BYTES_PER_ELEMENT * o.numel for o in returned_outputs(record))
+    return (estimate, "outputs") if estimate else (0, "")
+
+
+def plan_cap(record: CapturedGraph, budget: int) -> tuple[int, int, str]:
+    """``(cap, reserve, source)``: the allocated peak a plan of ``record`` may reach under ``budget``
+    (``pipeline.allocated_cap_bytes`` less :func:`outside_reserve`), the reserve and its source."""
+    reserve, source = outside_reserve(record)
+    return max(0, allocated_cap_bytes(budget) - reserve), reserve, source
+
+
+def reserve_note(reserve: int, source: str) -> str:
+    """For a refusal's minimum budget: the bytes it keeps for the user's code (``""`` without any)."""
+    if not reserve:
+        return ""
+    why = {"measured": "measured above the plan in an earlier first step on this device",
+           "outputs": "for the user's code on the outputs returned to it (a loss)"}.get(source, source)
+    return f", and {human_bytes(reserve)} {why}"
+
+
 @dataclass(frozen=True)
 class PeakCheck:
     """The first training step of a planned graph, measured on the GPU, against its prediction.
@@ -175,8 +263,8 @@ class PeakCheck:
     before the step's first node (parameters, optimizer state, inputs). ``step_peak_bytes`` puts the
     measured rise on the predicted start (module docstring: the first step has no optimizer state yet,
     and memory outside the step is not the plan's); ``error_pct`` compares it with the prediction.
-    ``over``: it is above ``allocated_cap_bytes``, the most the plan was allowed, by more than
-    :data:`MISS_TOLERANCE` of it.
+    ``over``: it is above ``allocated_cap_bytes``, the most the step was allowed (the plan's
+    graph peak plus what it kept for the user's code), by more than :data:`MISS_TOLERANCE` of it.
     """
 
     predicted_peak_bytes: int
@@ -199,9 +287,10 @@ class PeakCheck:
         return self.step_peak_bytes > self.allocated_cap_bytes * (1 + MISS_TOLERANCE)
 
     @property
-    def miss(self) -> float:
-        """How much later caps are lowered by (``cap / (1 + miss)``); 0 when not :attr:`over`."""
-        return self.step_peak_bytes / max(1, self.predicted_peak_bytes) - 1 if self.over else 0.0
+    def outside_bytes(self) -> int:
+        """What the step held above the graph's analysed peak (the user's code around the graph,
+        and what the analysis did not see; 0 when it stayed under the prediction)."""
+        return max(0, self.step_peak_bytes - self.predicted_peak_bytes)
 
     def line(self) -> str:
         above = self.step_peak_bytes - self.allocated_cap_bytes
@@ -270,8 +359,11 @@ class AutoPlan:
     was judged by: the memory analysis of the graphs as rewritten (``record.memory`` before Inductor
     refines it), or with ``judged_by == "inductor"`` (option ``verify``) Inductor's allocation plan
     of them (``empty_peak_bytes`` likewise).
-    ``allocated_cap_bytes`` is what that peak had to stay under (the budget less the allocator's
-    headroom, and by an earlier measured miss on this device: ``cap_lowered_by``). ``how``: ``"fits as
+    ``allocated_cap_bytes`` is what that peak had to stay under: the budget less the allocator's
+    headroom (``step_cap_bytes``, what the whole step may reach) less ``reserve_bytes`` kept for the
+    user's code around the graph (``reserve_source``: ``"outputs"``, estimated from ``returned``, the
+    large outputs handed back to it; ``"measured"``, by an earlier first step on this device; ``""``,
+    none: :func:`outside_reserve`). ``how``: ``"fits as
     is"``, ``"searched"`` or ``"least memory"``. ``trials``: every rewrite that was analysed, in order;
     ``search``: the last search's result. ``budget_source``: ``"user"`` (``memory_budget``) or
     ``"device"`` (none given: what the process could reach on its CUDA device). ``peak_check``: the
@@ -294,7 +386,9 @@ class AutoPlan:
     search: SearchResult | None = None
     trials: list[Trial] = field(default_factory=list)
     budget_source: str = "user"
-    cap_lowered_by: float = 0.0
+    reserve_bytes: int = 0
+    reserve_source: str = ""
+    returned: tuple[ReturnedOutput, ...] = ()
     peak_check: PeakCheck | None = None
     step_check: StepCheck | None = None
     #: The host rates' spread the predicted step was averaged over (``cost.expected_estimate``; ``None``:
@@ -324,6 +418,11 @@ class AutoPlan:
     recompile: bool = False
 
     @property
+    def step_cap_bytes(self) -> int:
+        """The allocated peak the whole step may reach: the graph's cap and the reserve."""
+        return self.allocated_cap_bytes + self.reserve_bytes
+
+    @property
     def measured_peak_bytes(self) -> int | None:
         """The first step's measured peak on the prediction's terms (``PeakCheck.step_peak_bytes``)."""
         return self.peak_check.step_peak_bytes if self.peak_check is not None else None
@@ -338,7 +437,9 @@ class AutoPlan:
         """The plan table with predicted step time and peak, for logs and reports."""
         where = f" for graph {index}" if index is not None else ""
         source = {"user": "memory_budget", "device": "reachable on the device"}.get(self.budget_source, self.budget_source)
-        lowered = f", lowered {100 * self.cap_lowered_by:.1f}% after a measured miss" if self.cap_lowered_by else ""
+        lowered = (f", {human_bytes(self.reserve_bytes)} of it kept for your code around the graph "
+                   f"({'measured in a first step' if self.reserve_source == 'measured' else 'estimated'})"
+                   if self.reserve_bytes else "")
         what = "offload and activation plan" if self.offload else "activation plan"
         judged = "in Inductor's allocation plan" if self.judged_by == "inductor" else "analysed"
         empty_judged = "in Inductor's allocation plan" if self.empty_by_inductor else "analysed"
@@ -364,6 +465,13 @@ class AutoPlan:
                 + ", ".join(f"{100 * u:.0f}% ({k})" for k, u in self.rate_spread.items())
                 + f" of the profile's readings; {at_readings * 1e3:.3f} ms at the readings"
             ))
+        if self.returned:
+            lines.append(
+                "  returned to your code: " + ", ".join(o.line() for o in self.returned)
+                + f"; what it computes on them (a loss) is outside the plan ({human_bytes(self.reserve_bytes)} kept "
+                "for it); computing the loss inside the compiled module (returned from forward) lowers the step's "
+                "peak by about that much"
+            )
         if self.search is not None:
             s = self.search
             lines.append(f"  search: {s.evaluated} of {s.total} configs simulated in {s.seconds * 1e3:.1f} ms")
@@ -464,8 +572,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     assert budget is not None
     trial(None)
     assert record.memory is not None
-    miss = _PEAK_MISSES.get(record.memory.device, 0.0)
-    cap = int(allocated_cap_bytes(budget) / (1 + miss))
+    cap, outside, source = plan_cap(record, budget)
     reserve = budget - cap
     if record.blocks is None or not record.blocks.labels:
         return None  # no block to checkpoint or swap: the budget is only checked, as with a plan by hand
@@ -479,9 +586,9 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     empty_est = model.estimate(empty)
 
     def result(config: Config, how: str, found: SearchResult | None, trials: list[Trial]) -> AutoPlan:
-        return chosen(record, model, config, how, found, trials, cap=cap, miss=miss, empty_peak_bytes=empty_peak,
-                      empty_step_s=empty_est.step_s, problem_s=problem_s, started=started,
-                      empty_by_inductor=empty_by_inductor)
+        return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
+                      empty_peak_bytes=empty_peak, empty_step_s=empty_est.step_s, problem_s=problem_s,
+                      started=started, empty_by_inductor=empty_by_inductor)
 
     if empty_peak <= cap:
         return result(empty, "fits as is", None, [])
@@ -504,23 +611,16 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     config, how, found, need = verified_choice(search_at, run, least, trials, cap)
     if config is not None:
         return result(config, how, found, trials)
-    minimum = budget_for_peak(math.ceil(need * (1 + miss)))
+    minimum = budget_for_peak(need + outside)
     raise NoPlanFits(
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
         f"for graph {record.index}: the plan of least memory (n_swap={least.n_swap}, n_checkpoint="
         f"{least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} bytes, so the budget "
         f"must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, {100 * ALLOCATOR_HEADROOM:.0f}% allocator "
-        f"headroom included{miss_note(miss)}); raise memory_budget, use a smaller batch, or offload parameters "
-        "with protrain_fx.offload(...)",
+        f"headroom included{reserve_note(outside, source)}); raise memory_budget, use a smaller batch, or offload "
+        "parameters with protrain_fx.offload(...)",
         min_budget_bytes=minimum,
     )
-
-
-def miss_note(miss: float) -> str:
-    """For a refusal's minimum budget: that it includes a measured miss (``""`` without one)."""
-    if not miss:
-        return ""
-    return f", and {100 * miss:.1f}% for the peak measured above its prediction in an earlier first step"
 
 
 def chosen(
@@ -532,7 +632,7 @@ def chosen(
     trials: list[Trial],
     *,
     cap: int,
-    miss: float,
+    reserve: tuple[int, str] = (0, ""),
     empty_peak_bytes: int,
     empty_step_s: float,
     offload: bool = False,
@@ -569,7 +669,9 @@ def chosen(
         search=found,
         trials=trials,
         budget_source=record.budget_source or "user",
-        cap_lowered_by=miss,
+        reserve_bytes=reserve[0],
+        reserve_source=reserve[1],
+        returned=tuple(returned_outputs(record)),
         offload=offload,
         problem_s=problem_s,
         choose_s=time.perf_counter() - started if started is not None else 0.0,
@@ -950,10 +1052,14 @@ def record_step_period(record: CapturedGraph, intervals_s: Sequence[float]) -> S
 def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[int, int]) -> PeakCheck | None:
     """The bookkeeping of :func:`watch_first_step`, from plain numbers: ``start`` and ``end`` are
     ``(memory_allocated, max_memory_allocated)`` at the forward's start and the backward's end.
-    Stores a :class:`PeakCheck` on ``record.auto_plan`` and logs it; a step above its allocated cap
-    logs a warning naming the numbers, lowers the cap of later plans on this device and removes the
-    graph from Dynamo's cache (its next call compiles it again under that cap). Returns
-    ``None`` (logged) when the step did not raise the process' peak, whose value is then unknown."""
+    Stores a :class:`PeakCheck` on ``record.auto_plan`` and logs it, and keeps what the step held
+    above the graph's analysed peak (``PeakCheck.outside_bytes``: the user's code around the graph)
+    as the reserve of later plans on this device (:func:`outside_reserve`). The graph is removed
+    from Dynamo's cache, so that its next call compiles it again with that reserve, when the step
+    went over its allocated cap (a warning names the numbers) or when the reserve it was planned
+    with was an estimate and, with the measured one, the cost model finds a plan
+    :data:`RAISE_MIN_GAIN` faster (:func:`faster_plan_under`). Returns ``None`` (logged) when the
+    step did not raise the process' peak, whose value is then unknown."""
     auto, memory = record.auto_plan, record.memory
     assert auto is not None and memory is not None
     (start_allocated, start_max), (_end_allocated, end_max) = start, end
@@ -970,50 +1076,70 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
         predicted_start_bytes=sum(memory.timeline.baseline_bytes.values()),
         measured_peak_bytes=end_max,
         measured_start_bytes=start_allocated,
-        allocated_cap_bytes=auto.allocated_cap_bytes,
+        allocated_cap_bytes=auto.step_cap_bytes,
     )
     auto.peak_check = check
     log.info("protrain_fx: graph %d: %s", record.index, check.line())
+    device = memory.device
+    outside = check.outside_bytes
+    _MEASURED_OUTSIDE[device] = max(_MEASURED_OUTSIDE.get(device, 0), outside)
     if check.over:
-        _PEAK_MISSES[memory.device] = max(_PEAK_MISSES.get(memory.device, 0.0), check.miss)
-        code = record.dynamo_code
-        if code is not None:  # the next call compiles this graph again, planned under the lowered cap
-            from torch._dynamo.eval_frame import remove_from_cache
+        why = (f"the first step peaked at {check.step_peak_bytes} bytes ({human_bytes(check.step_peak_bytes)}), "
+               f"{human_bytes(outside)} above the graph's analysed peak of {check.predicted_peak_bytes} bytes "
+               f"({human_bytes(check.predicted_peak_bytes)})"
+               f" and over the allocated cap of {check.allocated_cap_bytes} bytes "
+               f"({human_bytes(check.allocated_cap_bytes)}) that the plan (n_swap={auto.config.n_swap}, "
+               f"n_checkpoint={auto.config.n_checkpoint}) was chosen for under a budget of {auto.budget_bytes} bytes "
+               f"({human_bytes(auto.reserve_bytes)} of it kept for the code around the graph)")
+        level = logging.WARNING
+    elif auto.reserve_source == "outputs" and (better := faster_plan_under(auto, auto.step_cap_bytes - outside)):
+        why = (f"the code around the graph held {human_bytes(outside)} at the step's peak, where "
+               f"{human_bytes(auto.reserve_bytes)} was kept for it: with that measured, n_swap={better.n_swap}, "
+               f"n_checkpoint={better.n_checkpoint} is predicted at least {100 * RAISE_MIN_GAIN:.0f}% faster")
+        level = logging.INFO
+    else:
+        return check
+    code = record.dynamo_code
+    if code is not None:  # the next call compiles this graph again, with the measured reserve
+        from torch._dynamo.eval_frame import remove_from_cache
 
-            remove_from_cache(code)
-            auto.recompile = True
-        _RESET_AFTER_MISS[memory.device] = True
-        what = (
-            f"this graph is compiled again at its next call ({code.co_name}), and it and"
-            if code is not None
-            else "this graph keeps its plan (it was compiled outside Dynamo), and"
-        )
-        log.warning(
-            "protrain_fx: graph %d: the first step peaked at %d bytes (%s), %.1f%% above the predicted %d bytes "
-            "(%s) and over the allocated cap of %d bytes (%s) that the plan (n_swap=%d, n_checkpoint=%d) was "
-            "chosen for under a budget of %d bytes; %s every later plan on %s is chosen with its cap lowered "
-            "by %.1f%%",
-            record.index,
-            check.step_peak_bytes,
-            human_bytes(check.step_peak_bytes),
-            check.error_pct,
-            check.predicted_peak_bytes,
-            human_bytes(check.predicted_peak_bytes),
-            check.allocated_cap_bytes,
-            human_bytes(check.allocated_cap_bytes),
-            auto.config.n_swap,
-            auto.config.n_checkpoint,
-            auto.budget_bytes,
-            what,
-            memory.device,
-            100 * check.miss,
-        )
+        remove_from_cache(code)
+        auto.recompile = True
+    _RESET_AFTER_MISS[device] = True
+    what = (f"this graph is compiled again at its next call ({code.co_name}), and it and"
+            if code is not None else "this graph keeps its plan (it was compiled outside Dynamo), and")
+    log.log(level, "protrain_fx: graph %d: %s; %s every later plan on %s keeps %s under its cap for the code "
+            "around the graph, as measured", record.index, why, what, device, human_bytes(_MEASURED_OUTSIDE[device]))
     return check
 
 
+def faster_plan_under(auto: AutoPlan, cap: int) -> Config | None:
+    """An activation plan for ``auto``'s chunks as placed (its ``n_persist``, ``n_buffer``,
+    ``n_gpu_optim``) that the cost model predicts :data:`RAISE_MIN_GAIN` faster than ``auto.config``
+    and under ``cap`` (the cost model's peak scaled by its margin over the judged peak of the plan
+    chosen, as :func:`raised_choice` does), else ``None``. No plan at all when the step as it is
+    was judged under ``cap`` (parameters on the device: ``empty_peak_bytes``)."""
+    model = CostModel(auto.problem)
+    c, N = auto.config, model.n_blocks
+    empty = Config(c.n_persist, c.n_buffer, 0, 0, c.n_gpu_optim)
+    if not auto.offload and c != empty and auto.empty_peak_bytes <= cap:  # judged, not estimated
+        return empty
+    margin = max(1.0, auto.predicted_peak_bytes / max(1, auto.analysed_peak_bytes))
+    best: tuple[float, Config] | None = None
+    for s in range(N + 1):
+        for k in range(N + 1 - s):
+            config = Config(c.n_persist, c.n_buffer, s, k, c.n_gpu_optim)
+            estimate = model.estimate(config)
+            if estimate.peak_bytes <= cap * margin and (best is None or estimate.step_s < best[0]):
+                best = (estimate.step_s, config)
+    if best is None or best[0] > auto.estimate.step_s * (1 - RAISE_MIN_GAIN) or best[1] == c:
+        return None
+    return best[1]
+
+
 def clear_peak_misses() -> None:
-    """Forget measured misses (``protrain_fx.reset()``): later plans use the full allocated cap."""
-    _PEAK_MISSES.clear()
+    """Forget what first steps measured (``protrain_fx.reset()``): later plans estimate again."""
+    _MEASURED_OUTSIDE.clear()
     _RESET_AFTER_MISS.clear()
 
 

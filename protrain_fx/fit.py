@@ -126,8 +126,7 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
         least = block_plan(chosen.problem, config)
         trial(least if least.blocks_with("swap") or least.blocks_with("checkpoint") else None)
         judged, _ = autoplan.judged_peak(record)  # as training judges it (option verify), and it alone
-        miss = autoplan._PEAK_MISSES.get(record.memory.device, 0.0)
-        minimum = budget_for_peak(math.ceil(judged * (1 + miss)))
+        minimum = budget_for_peak(judged + autoplan.outside_reserve(record)[0])
     swap_bytes = 0
     if chosen is not None:
         swapped = set(chosen.plan.blocks_with("swap"))
@@ -157,7 +156,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     swaps, 1.957 against 2.120 GB on the H200 in the eighth session, or far above it). Then nothing stays placed (``handle.unplace()``)
     and the compile stops with the report."""
     from protrain_fx import autooffload
-    from protrain_fx.autoplan import _PEAK_MISSES
+    from protrain_fx.autoplan import outside_reserve
     from protrain_fx.pipeline import budget_for_peak
     from protrain_fx.search import NoPlanFits
 
@@ -168,7 +167,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     model = autooffload.offload_cost_model(record, handle, "what_fits cannot choose its offload counts")
     problem = model.problem
     least = autooffload.least_memory_config(model)
-    miss = _PEAK_MISSES.get(record.memory.device, 0.0)
+    outside = outside_reserve(record)[0]
     chosen = None
     try:
         try:
@@ -176,7 +175,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
             done = next((t for t in chosen.trials if t.config == least), None)
             if done is None:
                 done = autooffload.place_and_analyse(record, handle, model, least, trial)
-            minimum = budget_for_peak(math.ceil(done.analysed_peak_bytes * (1 + miss)))
+            minimum = budget_for_peak(done.analysed_peak_bytes + outside)
         except NoPlanFits as e:  # training's own refusal, with the minimum it names
             minimum = e.min_budget_bytes
     finally:
