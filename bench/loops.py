@@ -1,0 +1,263 @@
+"""The training loops users write, through the backend, measured step by step on a capped GPU.
+
+Each run trains in its own process (an OOM in one must not poison the next) on a GPU capped at
+``--cap-gib`` with ``torch.cuda.set_per_process_memory_fraction``, bf16 autocast, fused AdamW, and
+``memory_budget`` = the cap. Per step: wall time (device synced), the step's peak allocated bytes
+(``max_memory_allocated`` from a reset before the forward to the end of ``optimizer.step()``: the
+loss, backward and optimizer included), the loss, and the prediction in force for it (the newest
+training graph's analysed peak plus what its plan keeps for the code around the graph). Per run:
+OOMs, recompiles (training graphs compiled beyond the first), tokens/s over the steps from the
+third on, and the plan table.
+
+A run is ``MODEL:SIZE:LOSS[:FLAGS]``: MODEL ``gpt`` (examples/gpt.py at a B24 size: 350M, 760M,
+4.2B ...), ``llama`` or ``mistral`` (Hugging Face, 7B shapes: ``--hf-layers`` to cut them), LOSS
+``inside`` (the model returns the loss) or ``outside`` (the model returns logits and the loop
+computes ``F.cross_entropy(logits.float(), targets)``), FLAGS ``+``-joined: ``offload``
+(``protrain_fx.offload`` without counts, built on ``meta``), ``clip`` (``clip_grad_norm_(..., 1.0)``
+every step).
+
+    python bench/loops.py --runs gpt:350M:inside gpt:350M:outside --out OUT
+    python bench/loops.py --runs gpt:4.2B:outside:offload llama:7B:inside:offload --batch 4 --seq 2048 --out OUT
+    python bench/loops.py --device cpu --runs gpt:tiny:outside:offload+clip --seq 32 --out OUT   # dry run
+
+Writes ``OUT/loops.json`` (every run, rewritten after each) and prints one line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+#: Hugging Face configurations of the 7B shapes (``transformers`` keyword arguments).
+HF_SHAPES = {
+    "llama": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096),
+    "mistral": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768),
+    "llama13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                     intermediate_size=13824, vocab_size=32000, max_position_embeddings=4096),
+}
+
+
+def parse_run(spec: str) -> dict:
+    """``"gpt:760M:outside:offload+clip"`` → its fields (``ValueError`` naming what is wrong)."""
+    parts = spec.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"run {spec!r}: expected MODEL:SIZE:LOSS[:FLAGS]")
+    model, size, loss = parts[:3]
+    flags = set(parts[3].split("+")) if len(parts) == 4 and parts[3] else set()
+    if model not in ("gpt", *HF_SHAPES):
+        raise ValueError(f"run {spec!r}: model {model!r}; accepted: gpt, {', '.join(HF_SHAPES)}")
+    if loss not in ("inside", "outside"):
+        raise ValueError(f"run {spec!r}: loss {loss!r}; accepted: inside, outside")
+    unknown = flags - {"offload", "clip"}
+    if unknown:
+        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip")
+    return {"spec": spec, "model": model, "size": size, "loss": loss, "offload": "offload" in flags,
+            "clip": "clip" in flags}
+
+
+def build(run: dict, args, device: str):
+    """(model, loss_fn(model_or_compiled, idx, targets), vocab, init) for one run."""
+    import torch
+
+    if run["model"] == "gpt":
+        from examples.gpt import GPT, gpt_config
+
+        config = gpt_config(run["size"])
+        where = "meta" if run["offload"] and device == "cuda" else device
+        torch.manual_seed(0)
+        with torch.device(where):
+            model = GPT(config)
+        init = model.init_parameter if where == "meta" else None
+
+        def loss_fn(m, idx, targets):
+            if run["loss"] == "inside":
+                return m(idx, targets)
+            logits = m(idx)
+            return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+        return model, loss_fn, config.vocab_size, init
+    import transformers
+
+    shape = dict(HF_SHAPES[run["model"]])
+    if args.hf_layers:
+        shape["num_hidden_layers"] = args.hf_layers
+    cls = transformers.MistralForCausalLM if run["model"] == "mistral" else transformers.LlamaForCausalLM
+    config_cls = transformers.MistralConfig if run["model"] == "mistral" else transformers.LlamaConfig
+    config = config_cls(**shape, use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("meta" if run["offload"] else device):
+        model = cls(config)
+    model.loss_type = "ForCausalLM"  # no graph break in the loss-type lookup
+
+    def loss_fn(m, idx, targets):
+        if run["loss"] == "inside":
+            return m(input_ids=idx, labels=targets).loss
+        logits = m(input_ids=idx).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                                 targets[:, 1:].reshape(-1))
+
+    return model, loss_fn, shape["vocab_size"], "model"
+
+
+def prediction() -> dict:
+    """The newest training graph's prediction in force: analysed peak and the plan's reserve."""
+    import protrain_fx
+
+    records = [g for g in protrain_fx.captured_graphs() if g.backward is not None and g.memory is not None]
+    if not records:
+        return {}
+    record = records[-1]
+    out = {"graphs": len(records), "predicted_graph_peak_bytes": record.memory.peak_bytes}
+    auto = record.auto_plan
+    if auto is not None:
+        out.update(reserve_bytes=auto.reserve_bytes, reserve_source=auto.reserve_source,
+                   predicted_step_peak_bytes=record.memory.peak_bytes + auto.reserve_bytes,
+                   step_cap_bytes=auto.step_cap_bytes, config=auto.config.to_dict(), how=auto.how,
+                   predicted_step_s=auto.estimate.step_s)
+    return out
+
+
+def run_one(run: dict, args) -> dict:
+    """Train one run in this process; the result dict (never raises for a failed run)."""
+    import torch
+
+    import protrain_fx
+    from protrain_fx.backend import register
+
+    register()
+    device = args.device
+    cuda = device == "cuda"
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    result: dict = {**run, "status": "ok", "steps": []}
+    try:
+        model, loss_fn, vocab, init = build(run, args, device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+        handle = None
+        if run["offload"]:
+            handle = protrain_fx.offload(model, optimizer, device=device, init=init,
+                                         compute_dtype=torch.bfloat16 if cuda else None)
+        elif not cuda:
+            pass
+        options = {"memory_budget": f"{args.cap_gib}GiB"} if cuda else {"memory_budget": args.cpu_budget}
+        compiled = torch.compile(model, backend="protrain", options=options)
+        generator = torch.Generator().manual_seed(0)
+        for step in range(args.steps):
+            idx = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
+            targets = idx if run["model"] != "gpt" else torch.roll(idx, -1, 1)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+                loss = loss_fn(compiled, idx, targets)
+            loss.backward()
+            if run["clip"]:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            entry = {"step": step, "s": time.perf_counter() - start, "loss": float(loss.item()), **prediction()}
+            if cuda:
+                entry["peak_bytes"] = torch.cuda.max_memory_allocated()
+                entry["reserved_bytes"] = torch.cuda.max_memory_reserved()
+                if "predicted_step_peak_bytes" in entry:
+                    entry["peak_error_pct"] = 100 * (entry["peak_bytes"] / entry["predicted_step_peak_bytes"] - 1)
+            result["steps"].append(entry)
+            print(json.dumps({k: v for k, v in entry.items() if k != "config"}), flush=True)
+        times = [e["s"] for e in result["steps"][2:]]
+        if times:
+            result["step_s"] = statistics.median(times)
+            result["tokens_per_s"] = args.batch * args.seq / result["step_s"]
+        graphs = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
+        result["recompiles"] = max(0, len(graphs) - 1)
+        result["plans"] = [g.auto_plan.table(g.index) for g in graphs if g.auto_plan is not None]
+        if handle is not None:
+            result["counts"] = {"n_persist": handle.n_persist, "n_buffer": handle.n_buffer,
+                                "n_gpu_optim": handle.n_gpu_optim, "chunks": len(handle.layout.chunks),
+                                "host_bytes": handle.store.host_bytes() if handle.store else 0}
+    except torch.OutOfMemoryError as e:
+        result.update(status="OOM", reason=str(e).splitlines()[0][:300])
+    except Exception as e:  # noqa: BLE001 -- a failed run is a result
+        result.update(status="error", reason=f"{type(e).__name__}: {str(e)[:1500]}",
+                      traceback=traceback.format_exc()[-3000:])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--runs", nargs="+", required=True, help="MODEL:SIZE:LOSS[:FLAGS] (module docstring)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--cap-gib", type=float, default=24.0, help="GPU cap and memory budget (GiB)")
+    parser.add_argument("--cpu-budget", default="64MiB", help="memory budget of a --device cpu dry run")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--hf-layers", type=int, default=0, help="Hugging Face models: this many layers (0: all)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this spec in this process
+    args = parser.parse_args(argv)
+    if args.one:
+        result = run_one(parse_run(args.one), args)
+        (args.out / f"run_{os.getpid()}.json").write_text(json.dumps(result, indent=1))
+        return 0
+    runs = [parse_run(spec) for spec in args.runs]  # refuse a bad spec before anything runs
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for run in runs:
+        before = set(args.out.glob("run_*.json"))
+        command = [sys.executable, __file__, "--one", run["spec"], "--runs", run["spec"], *_passed(args)]
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(command, timeout=args.timeout, capture_output=True, text=True)
+            log = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            proc, log = None, f"timeout after {args.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+        made = sorted(set(args.out.glob("run_*.json")) - before)
+        result = json.loads(made[0].read_text()) if made else {**run, "status": "crash" if proc else "timeout"}
+        for path in made:
+            path.unlink()
+        result["wall_s"] = time.perf_counter() - started
+        slug = run["spec"].replace(":", "_").replace("+", "_")
+        (args.out / f"{slug}.log").write_text(log if isinstance(log, str) else str(log))
+        results.append(result)
+        (args.out / "loops.json").write_text(json.dumps(results, indent=1))
+        print(_line(result), flush=True)
+    return 0
+
+
+def _passed(args) -> list[str]:
+    return ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq), "--cap-gib",
+            str(args.cap_gib), "--cpu-budget", args.cpu_budget, "--lr", str(args.lr), "--hf-layers",
+            str(args.hf_layers), "--device", args.device, "--out", str(args.out)]
+
+
+def _line(r: dict) -> str:
+    if r.get("status") != "ok":
+        return f"{r['spec']}: {r.get('status')} {r.get('reason', '')[:200]}"
+    errors = [e["peak_error_pct"] for e in r["steps"][1:] if "peak_error_pct" in e]
+    worst = f", later steps' peak vs prediction {min(errors):+.1f}%..{max(errors):+.1f}%" if errors else ""
+    tps = f"{r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else "-"
+    return f"{r['spec']}: ok, {tps}, {r.get('recompiles')} recompile(s){worst}, wall {r['wall_s']:.0f} s"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
