@@ -5,7 +5,8 @@ Each run trains in its own process (an OOM in one must not poison the next) on a
 ``memory_budget`` = the cap. Per step: wall time (device synced), the step's peak allocated bytes
 (``max_memory_allocated`` from a reset before the forward to the end of ``optimizer.step()``: the
 loss, backward and optimizer included), the loss, and the prediction in force for it (the newest
-training graph's analysed peak plus what its plan keeps for the code around the graph). Per run:
+training graph's analysed peak plus what the code around the graph holds: measured by the backend
+at that graph's first step, or before that what its plan keeps for it). Per run:
 OOMs, recompiles (training graphs compiled beyond the first), tokens/s over the steps from the
 third on, and the plan table.
 
@@ -123,8 +124,11 @@ def prediction() -> dict:
     out = {"graphs": len(records), "predicted_graph_peak_bytes": record.memory.peak_bytes}
     auto = record.auto_plan
     if auto is not None:
-        out.update(reserve_bytes=auto.reserve_bytes, reserve_source=auto.reserve_source,
-                   predicted_step_peak_bytes=record.memory.peak_bytes + auto.reserve_bytes,
+        # what the code around the graph holds: measured by the backend at the graph's first step,
+        # else what the plan kept for it
+        outside = auto.peak_check.outside_bytes if auto.peak_check is not None else auto.reserve_bytes
+        out.update(reserve_bytes=auto.reserve_bytes, reserve_source=auto.reserve_source, outside_bytes=outside,
+                   predicted_step_peak_bytes=record.memory.peak_bytes + outside,
                    step_cap_bytes=auto.step_cap_bytes, config=auto.config.to_dict(), how=auto.how,
                    predicted_step_s=auto.estimate.step_s)
     return out
@@ -132,11 +136,15 @@ def prediction() -> dict:
 
 def run_one(run: dict, args) -> dict:
     """Train one run in this process; the result dict (never raises for a failed run)."""
+    import logging
+
     import torch
 
     import protrain_fx
     from protrain_fx.backend import register
 
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("protrain_fx").setLevel(logging.INFO)  # the plan tables and first-step checks, in the log
     register()
     device = args.device
     cuda = device == "cuda"
@@ -226,18 +234,17 @@ def main(argv: list[str] | None = None) -> int:
         before = set(args.out.glob("run_*.json"))
         command = [sys.executable, __file__, "--one", run["spec"], "--runs", run["spec"], *_passed(args)]
         started = time.perf_counter()
-        try:
-            proc = subprocess.run(command, timeout=args.timeout, capture_output=True, text=True)
-            log = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            proc, log = None, f"timeout after {args.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+        slug = run["spec"].replace(":", "_").replace("+", "_")
+        with open(args.out / f"{slug}.log", "w") as log:  # written as it runs: a timeout keeps it
+            try:
+                proc = subprocess.run(command, timeout=args.timeout, stdout=log, stderr=subprocess.STDOUT)
+            except subprocess.TimeoutExpired:
+                proc = None
         made = sorted(set(args.out.glob("run_*.json")) - before)
         result = json.loads(made[0].read_text()) if made else {**run, "status": "crash" if proc else "timeout"}
         for path in made:
             path.unlink()
         result["wall_s"] = time.perf_counter() - started
-        slug = run["spec"].replace(":", "_").replace("+", "_")
-        (args.out / f"{slug}.log").write_text(log if isinstance(log, str) else str(log))
         results.append(result)
         (args.out / "loops.json").write_text(json.dumps(results, indent=1))
         print(_line(result), flush=True)

@@ -208,12 +208,16 @@ class ReturnedOutput:
 
 def returned_outputs(record: CapturedGraph) -> list[ReturnedOutput]:
     """The training graph's differentiable outputs of at least :data:`LARGE_OUTPUT_BYTES` (the
-    backward graph's tangents: each gradient the user's code hands back), in order."""
+    backward graph's tangents: each gradient the user's code hands back), in order; none when one
+    of them is a scalar: the loss is computed inside, and the large ones ride along unused (a
+    Hugging Face model returns its logits beside the loss)."""
     step = record.step
     if step is None or step.backward is None:
         return []
     out = []
     tangents = [n for n in step.backward.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    if any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.numel() == 1 for n in tangents):
+        return []
     for i, node in enumerate(tangents):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
