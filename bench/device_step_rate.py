@@ -23,17 +23,11 @@ them, and times them from the first copy in to the last copy out: the profiler's
   (backward's queued kernels run on while its thread waits for room; ``cpu_deep_waiting`` drains it
   each time, which holds up the next step's issue).
 
-(2026-12-01's last call ran every scenario with the load also while waiting, and a ``cpu_deep_high``;
-``docs/results.md``, twelfth session.)
-
 Beside them, the raw link: one pinned copy of the bytes a step moves in (master and moments, 12
 bytes per parameter) and one of those it moves out (14), on two streams at once. The cost model
 prices a device step at the profiler's measured device-step rate (``device_step_bytes_per_s``,
 measured as ``cpu_matmul`` here on 64M-parameter chunks), where it used to take the both-ways link
-rate (``duplex / 2`` per direction).
-
-(The ninth session's calls ran this script's first form, which had a copy of the measurement of its
-own and submitted the CPU step once per round; ``docs/results.md`` names each call's commit.)
+rate (``duplex / 2`` per direction). Results: ``docs/results.md#device-optimizer-steps``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""bench/auto_replay.py --summary: each recorded first plan as predicted then and as replayed now."""
+"""bench/auto_replay.py, the prediction check, on runs built here: --summary (each first plan as predicted
+then and as replayed now) and --phases (the compute estimate per phase, the fit of one scale)."""
 
-import dataclasses
+import importlib.util
 import json
 import re
 import subprocess
@@ -9,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from protrain_fx.cost import Config, CostModel, Problem, expected_estimate
+from protrain_fx.cost import Config, CostModel
 from tests.test_cost_search import make_problem
 
 ROOT = Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("bench_auto_replay", ROOT / "bench" / "auto_replay.py")
+auto_replay = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(auto_replay)
 
 
 def _run(problem, config, predicted_s, steps, replan=None):
@@ -46,41 +50,36 @@ def test_the_summary_replays_each_recorded_first_plan_and_names_the_means(tmp_pa
     assert "1 runs without device steps: mean error then +0.00%, now +0.00%" in out
 
 
-def test_device_rate_definitions_compares_each_size_profile_with_training_on_the_recorded_runs():
-    # bench/device_rate_definitions.py over docs/raw: per size with three runs or more, how the
-    # profile's readings track training's on the same host. Its numbers are the recorded runs'
-    # (docs/results.md, twenty-second session); here: every line is there and well formed.
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "device_rate_definitions.py")],
+def test_phases_tabulates_the_on_device_runs_and_their_spread(tmp_path):
+    # --phases: every run that kept every chunk on the device has a well-formed row (offloaded runs are
+    # left out), and a size with three plain runs or more a spread line
+    problem = make_problem(3)
+    kept = Config(n_persist=len(problem.chunks), n_buffer=0, n_swap=0, n_checkpoint=0)
+    est = CostModel(problem).estimate(kept)
+    runs = []
+    for scale in (1.0, 1.1, 0.9):
+        run = _run(problem, kept, est.step_s, [scale * est.step_s] * 3)
+        run["size"] = "x"
+        run["breakdown"] = [{"forward_s": scale * est.fwd_s, "backward_s": scale * est.bwd_s}] * 3
+        runs.append(run)
+    offloaded = _run(problem, Config(0, 2, 0, 0), est.step_s, [est.step_s] * 3)
+    offloaded["breakdown"] = [{"forward_s": est.fwd_s, "backward_s": est.bwd_s}] * 3
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps([*runs, offloaded]))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "auto_replay.py"), "--phases", str(path)],
                          check=True, cwd=ROOT, capture_output=True, text=True).stdout
-    assert re.search(r"^\d+ runs:$", out, re.M)
-    rows = re.findall(r"^\s+(\S+) (device steps|CPU step)\s*: (\d+) runs, .* correlation ([+-][\d.]+); "
-                      r"mean \|profile / training - 1\| ([\d.]+)%, mean \|training's mean / training - 1\| ([\d.]+)%$",
+    rows = re.findall(r"^peers\.json\s+(\S+)\s+\d+ GiB ck\s+(\d+)\s+fwd\s+([\d.]+) /\s+([\d.]+) \(\s*([+-][\d.]+)%\)",
                       out, re.M)
-    sizes = {size for size, *_ in rows}
-    assert {"1.3B", "4.2B"} <= sizes
-    for size, what, n, corr, profile_err, constant_err in rows:
-        assert int(n) >= 3 and -1 <= float(corr) <= 1 and float(profile_err) >= 0 and float(constant_err) >= 0
-    assert len(rows) == 2 * len(sizes)  # both rates for every size
-
-
-def test_phase_errors_tabulates_the_on_device_runs_and_their_spread():
-    # bench/phase_errors.py over docs/raw (docs/results.md, twenty-third session): every on-device run
-    # has a well-formed row, and the sizes with three plain runs or more a spread line.
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "phase_errors.py")],
-                         check=True, cwd=ROOT, capture_output=True, text=True).stdout
-    runs = re.findall(r"^session\S+\s+(\S+)\s+\d+ GiB ck\s+(\d+)\s+fwd\s+([\d.]+) /\s+([\d.]+) \(\s*([+-][\d.]+)%\)", out, re.M)
-    assert len(runs) >= 10
-    for size, ck, pred, meas, err in runs:
+    assert len(rows) == 3
+    for size, ck, pred, meas, err in rows:
         p, m = float(pred), float(meas)  # printed to 0.1 ms: the error's rounding allowed for
         assert float(err) == pytest.approx(100 * (p / m - 1), abs=100 * 0.05 * (1 / p + 1 / m) * p / m + 0.05)
-    spread = re.findall(r"^\s+(\S+) over (\d+) runs: fwd: measured [\d.]+ \(sd [\d.]+%\), predicted", out, re.M)
-    assert {"350M", "760M"} <= {size for size, _ in spread}
+    assert [float(e) for *_, e in rows] == pytest.approx([0.0, 100 * (1 / 1.1 - 1), 100 * (1 / 0.9 - 1)], abs=0.1)
+    assert re.search(r"^\s+x over 3 runs: fwd: measured [\d.]+ \(sd [\d.]+%\), predicted", out, re.M)
 
 
-def test_phase_errors_reprices_a_reread_run_with_the_times_read_after_training(tmp_path):
+def test_phases_reprice_a_reread_run_with_the_times_read_after_training(tmp_path):
     # an on-device run whose products were read again: each phase's cached sum is replaced by the new one
-    sys.path.insert(0, str(ROOT / "bench"))
-    import phase_errors
 
     problem = make_problem(3)
     config = Config(n_persist=len(problem.chunks), n_buffer=0, n_swap=0, n_checkpoint=0)
@@ -92,7 +91,7 @@ def test_phase_errors_reprices_a_reread_run_with_the_times_read_after_training(t
     # a compile that scaled its node times (profiler.IN_STEP_SCALE) scales the replaced sums too
     scaled = {**run, "reread": {**run["reread"], "compute_scale": 2.0}}
     path.write_text(json.dumps([run, {**run, "reread": None}, scaled]))
-    with_reread, without, twice = phase_errors.rows([str(path)])
+    with_reread, without, twice = auto_replay.phase_rows([str(path)])
     assert "prefilled" not in without
     assert with_reread["prefilled"] == pytest.approx((est.fwd_s - 0.005, est.bwd_s - 0.01, est.step_s - 0.015))
     assert with_reread["events"] == pytest.approx((est.fwd_s + 0.001, est.bwd_s - 0.002, est.step_s - 0.001))
@@ -105,8 +104,6 @@ def test_phase_errors_reprices_a_reread_run_with_the_times_read_after_training(t
 def test_phase_scales_fits_per_phase_ratios_and_prices_each_run_left_out(capsys):
     # runs whose forward took 1.2x its unscaled price and backward exactly its price: the per-phase
     # scales fitted on the others price every left-out run exactly, one shared scale does not
-    sys.path.insert(0, str(ROOT / "bench"))
-    import phase_errors
 
     table = []
     for f, b in ((0.010, 0.020), (0.020, 0.050), (0.030, 0.060), (0.015, 0.045)):
@@ -114,35 +111,9 @@ def test_phase_scales_fits_per_phase_ratios_and_prices_each_run_left_out(capsys)
         table.append({"size": "x", "unscaled": (f, b), "fwd": (f, fwd), "bwd": (b, bwd),
                       "step": (f + b + 0.003, fwd + bwd + 0.003)})
     table.append({"size": "y", "fwd": (1, 1), "bwd": (1, 1), "step": (2, 2)})  # no reread: left out
-    phase_errors.phase_scales(table)
+    auto_replay.phase_scales(table)
     out = capsys.readouterr().out
     assert "over 4 reread runs: fwd 1.200 (sd 0.000); bwd 1.000 (sd 0.000)" in out
     one, per = re.search(r"one scale: step ([\d.]+)%, phases ([\d.]+)%; per phase: step ([\d.]+)%, phases ([\d.]+)%",
                          out).group(1, 3)
     assert float(per) == 0 and float(one) > 0.1
-
-
-def test_gpu_optim_rules_replays_both_choices_on_the_recorded_runs():
-    # bench/gpu_optim_rules.py over docs/raw (docs/results.md, twenty-fourth session): every offloaded
-    # run with a rate window gets both choices; the expected-step count is never slower in the mean
-    # over the scenarios, and the summary has a line per rule
-    sys.path.insert(0, str(ROOT / "bench"))
-    import gpu_optim_rules
-
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_optim_rules.py")],
-                         check=True, cwd=ROOT, capture_output=True, text=True).stdout
-    runs = re.findall(r"readings: g=\s*(\d+) error\s+([+-][\d.]+)% loss\s+([\d.]+)%\s+expected: g=\s*(\d+) "
-                      r"error\s+([+-][\d.]+)% loss\s+([\d.]+)%", out)
-    assert len(runs) >= 40
-    assert all(float(loss) >= 0 for *_, loss in runs)
-    summary = re.findall(r"^\s+all (readings|expected): (\d+) runs", out, re.M)
-    assert [rule for rule, _ in summary] == ["readings", "expected"] and {n for _, n in summary} == {str(len(runs))}
-    # one run by hand: the expected-step count has the least mean over the scenarios
-    run = json.loads((ROOT / "docs/raw/session24_call1_cap24_peers.json").read_text())[1]
-    got = gpu_optim_rules.replay(run)
-    assert got["size"] == "4.2B"
-    problem, config = Problem.from_dict(run["auto_plan"]["problem"]), Config.from_dict(run["auto_plan"]["config"])
-    problem = dataclasses.replace(problem, device_step_s=())
-    means = {g: expected_estimate(problem, dataclasses.replace(config, n_gpu_optim=g)).step_s
-             for g in range(len(problem.chunks) - config.n_persist + 1)}
-    assert means[got["expected"]["g"]] == pytest.approx(min(means.values()))

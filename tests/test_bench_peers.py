@@ -202,7 +202,7 @@ def test_merged_results_take_reruns_keep_results_over_not_run_and_pick_the_best_
 
 def test_stream_steps_run_after_the_timed_ones():
     # (an offloaded step's switch to untimed steps only drops CUDA events: checked on the GPU by
-    # bench/session7_gpu.sh STREAM=N, which records stream_step_s beside the synced steps)
+    # bench/device.sh STREAM=N, which records stream_step_s beside the synced steps)
     result = peers.run_one("tiny", "eager", steps=2, warmup=1, batch=2, seq=16, cap_gib=0.0, device="cpu",
                            stream_steps=3)
     assert result["status"] == "ok", result.get("reason")

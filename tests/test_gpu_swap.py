@@ -1,6 +1,6 @@
 """Activation swap on a GPU: copy streams, pinned pool, and numerics of swapped training steps.
 
-Skipped without CUDA (CI). Overlap and speed are measured by ``bench/swap_check.py``, not here.
+Skipped without CUDA (CI). Overlap and speed are measured by ``bench/peers.py`` (``protrain_plan`` runs), not here.
 """
 
 from __future__ import annotations
