@@ -168,8 +168,9 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     from protrain_fx.search import NoPlanFits
 
     given = record.config.memory_budget_bytes
-    record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
     trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
+    # after the trial, which puts the user's options back: choose_offload reads the budget first thing
+    record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
     assert record.memory is not None
     model = autooffload.offload_cost_model(record, handle, "what_fits cannot choose its offload counts")
     problem = model.problem
