@@ -147,3 +147,17 @@ def test_transformers_is_imported_only_for_a_model_that_needs_it():
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parent.parent))
+
+
+def test_the_initial_weights_depend_on_the_seed_not_on_where_the_chunks_are_placed():
+    def initial(n_persist: int, seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(seed)
+        model = _llama("meta")
+        handle = protrain_fx.offload(model, torch.optim.AdamW(model.parameters()), n_persist=n_persist, n_buffer=2,
+                                     device="cpu", chunk_bytes=64 * 1024, init="model")
+        return handle.state_dict(model)
+
+    a, b, other = initial(0, seed=1), initial(3, seed=1), initial(0, seed=2)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], other["model.layers.0.mlp.up_proj.weight"])

@@ -13,7 +13,11 @@ with the initialisation the model itself would have run:
 Per parameter: the owning module's parameter is replaced, for the call, by one viewing the
 target tensor, so the initialiser writes into the chunk; the module's other parameters stay on
 ``meta``, where an initialiser's writes cost nothing. A parameter the initialiser leaves unwritten
-is refused by name, as is a module with no initialiser.
+is refused by name, as is a module with no initialiser. Each parameter is drawn on the CPU from its
+own random stream, seeded by its name and one number drawn from the caller's generator when
+:func:`model_init` is called: its values do not depend on where the backend places it (host chunk
+or device) nor on the order the chunks are filled in, so a model offloaded under two budgets
+starts from the same weights.
 
 Buffers: every ``meta`` buffer becomes a tensor on the device and the owning module's initialiser
 runs on it (Hugging Face's rotary embeddings recompute ``inv_freq`` from the config there); one
@@ -23,6 +27,7 @@ left unwritten is refused by name.
 from __future__ import annotations
 
 import sys
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -37,24 +42,29 @@ def model_init(model: nn.Module, device: torch.device | str) -> Callable[[str, t
     ``device`` first (module docstring)."""
     initializer = _initializer(model)
     materialize_buffers(model, torch.device(device), initializer)
+    base = int(torch.randint(0, 2**62, (1,)).item())  # the caller's seed decides every parameter's values
 
     def init(name: str, tensor: torch.Tensor) -> None:
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         original = module._parameters[attr]
-        stand_in = nn.Parameter(tensor, requires_grad=False)  # views tensor: the initialiser writes into it
-        if tensor.is_floating_point():
-            tensor.fill_(float("nan"))
+        target = tensor if tensor.device.type == "cpu" else torch.empty_like(tensor, device="cpu")
+        stand_in = nn.Parameter(target, requires_grad=False)  # views target: the initialiser writes into it
+        if target.is_floating_point():
+            target.fill_(float("nan"))
         module._parameters[attr] = stand_in
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed((base + zlib.crc32(name.encode())) % 2**63)
                 initializer(module)
             written = module._parameters[attr]
         finally:
             module._parameters[attr] = original
         if written is not stand_in:  # the initialiser assigned a new tensor rather than writing in place
-            tensor.copy_(written.detach())
-        if _unwritten(tensor):
+            target.copy_(written.detach())
+        if target is not tensor:
+            tensor.copy_(target)
+        if _unwritten(target):
             raise ValueError(
                 f"offload(init='model'): the initialisation of {type(module).__name__} ({module_name or 'the model'}) "
                 f"leaves parameter {name!r} unset; give init=fn, fn(name, tensor) filling it in place"
