@@ -89,3 +89,21 @@ def test_offloaded_weights_are_read_in_the_compute_dtype_and_no_cast_of_them_is_
         assert torch.equal(params[name], value), name
     assert record.memory.saved_activation_bytes < old.memory.saved_activation_bytes
     assert record.memory.peak_bytes < old.memory.peak_bytes
+
+
+def test_a_model_whose_chunks_all_stay_on_the_device_saves_no_weight_cast_either(monkeypatch):
+    """The cost model's Problem is measured before the counts are chosen, casts recomputed: every
+    placement must save the same, persistent chunks included."""
+    chunks = 7  # the tiny Llama in 64 KiB chunks
+    losses, params, record = _train(chunks)
+    assert not any(n.target is torch.ops.protrain.chunk_gather.default for n in record.forward.graph.nodes)
+    out = next(n for n in reversed(record.forward.graph.nodes) if n.op == "output")
+    assert not [a.name for a in out.args[0] if isinstance(a, torch.fx.Node) and _weight_cast(a, record.step.state_inputs)]
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    monkeypatch.setattr(pipeline, "recompute_param_casts", lambda *args: 0)
+    old_losses, old_params, old = _train(chunks)
+    old_out = next(n for n in reversed(old.forward.graph.nodes) if n.op == "output")
+    assert any(_weight_cast(a, old.step.state_inputs) for a in old_out.args[0] if isinstance(a, torch.fx.Node))
+    assert [x.item() for x in losses] == [x.item() for x in old_losses]
+    assert all(torch.equal(params[n], v) for n, v in old_params.items())

@@ -17,9 +17,13 @@ take precedence. The values are the same: a cast recomputed from the same parame
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
+
+from protrain_fx.runtime import chunk_ops
 
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
@@ -40,6 +44,17 @@ def recompute_param_casts(joint: fx.GraphModule, parameter_names: frozenset[str]
             tagged += 1
             stack.extend(u for u in n.users if _is_view(u) and _forward(u))
     return tagged
+
+
+def reads_offload_handle(inputs: list[Any]) -> bool:
+    """Whether any of a graph's real ``inputs`` is a parameter of an offload handle: offloaded,
+    waiting for the backend to place it, or kept on the device (a persistent chunk's: its casts
+    are recomputed too, so that a block saves the same whatever the counts, as the cost model's
+    Problem, measured before the counts are chosen, assumes)."""
+    if any(chunk_ops.offloaded(t) or chunk_ops.deferred(t) for t in inputs):
+        return True
+    held = {id(p) for ref in list(chunk_ops._handles.values()) if (h := ref()) is not None for p in h._named.values()}
+    return any(isinstance(t, torch.Tensor) and id(t) in held for t in inputs)
 
 
 def is_dtype_cast(node: fx.Node, dtype: torch.dtype | None = None) -> bool:
