@@ -870,8 +870,10 @@ class CostModel:
             for j in range(N - 1, -1, -1):
                 starts[j] = t
                 t += self._place_bwd[j] + rc[j] * self._place_rc_scale[j]
-            parts = sorted(((starts[i] + u, i, seconds, x) for i in range(n_swap) for u, seconds, x in self._swap_in[i]),
-                           reverse=True)
+            parts = sorted(
+                ((starts[i] + u, i, seconds, x) for i in range(n_swap) for u, seconds, x in self._swap_in[i]),
+                reverse=True,
+            )
             issued = []
             latest = math.inf
             for use, i, seconds, x in parts:  # the last used first

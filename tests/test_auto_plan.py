@@ -284,7 +284,8 @@ def test_checkpointing_every_block_is_tried_for_the_minimum_when_the_cost_model_
     torch._dynamo.reset()
     protrain_fx.reset()
     torch.manual_seed(0)
-    compiled = torch.compile(GPT(CONFIG), backend="protrain", options={**options, "memory_budget": error.min_budget_bytes})
+    options = {**options, "memory_budget": error.min_budget_bytes}
+    compiled = torch.compile(GPT(CONFIG), backend="protrain", options=options)
     compiled(*_batch()).backward()
     (record,) = _train_graphs()
     assert record.auto_plan.how == "least memory" and record.auto_plan.plan == interleaved(LABELS, 0, len(LABELS))

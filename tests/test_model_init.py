@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,10 +144,11 @@ def test_transformers_is_imported_only_for_a_model_that_needs_it():
         "from torch import nn\n"
         "with torch.device('meta'):\n"
         "    m = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))\n"
-        "protrain_fx.offload(m, torch.optim.AdamW(m.parameters()), n_persist=0, n_buffer=1, device='cpu', init='model')\n"
+        "protrain_fx.offload(m, torch.optim.AdamW(m.parameters()), n_persist=0, n_buffer=1, device='cpu',\n"
+        "                    init='model')\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parent.parent))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parent.parent))
 
 
 def test_the_initial_weights_depend_on_the_seed_not_on_where_the_chunks_are_placed():

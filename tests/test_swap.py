@@ -207,8 +207,8 @@ def test_the_cost_model_frees_swapped_bytes_where_the_rewrite_waits_for_their_co
     assert sorted((labels[i], x) for i, _, x in parts) == sorted((s.block, s.nbytes) for s in swapped.swapped)
     for value in swapped.swapped:  # storages of one block and size queued at one node may swap places
         at = step.get(value.wait_before, len(labels) + 1)  # the output node: at the forward's end
-        match = next((p for p in parts if (labels[p[0]], p[2]) == (value.block, value.nbytes) and at in (p[1] - 1, p[1])),
-                     None)
+        match = next((p for p in parts
+                      if (labels[p[0]], p[2]) == (value.block, value.nbytes) and at in (p[1] - 1, p[1])), None)
         assert match is not None, (value.name, value.block, value.nbytes, at)
         parts.remove(match)
     if rate == 1.0:  # nothing is freed before the forward's end, and swapping saves nothing
