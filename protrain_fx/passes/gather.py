@@ -121,7 +121,7 @@ def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredC
     releases: list[fx.Node] = []
     for number, (first, last, hid, chunk, params, span) in enumerate(spans):
         fake_mode = detect_fake_mode([p.meta["val"] for p in params])
-        buffer_dtype = chunk_ops.handle(hid).compute_dtype
+        buffer_dtype = chunk_ops.handle(hid).store.compute_dtype  # what chunk_gather returns
         # A cast of a parameter to the buffer's dtype (autocast's, or one recomputed in backward:
         # passes/param_casts.py) reads the buffer itself: the same values, no copy in another dtype.
         folded = {r for r in span if any(r in p.users for p in params) and _foldable(r, buffer_dtype, outputs)}
