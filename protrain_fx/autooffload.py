@@ -28,7 +28,9 @@ graph, :func:`choose_offload` runs instead of partitioning once:
    activation plan (``cost.block_plan``) and rewritten to read the chunks (``passes/gather.py``),
    and the memory analysis checks the rewritten step, chunk buffers and staging included. Above the
    cap, the search runs again with the cap lowered by the miss (the handle is placed again; nothing
-   has run yet), a few times; last the config of least predicted memory. Under the cap, the search
+   has run yet), a few times; last the configs of least memory (no persistent chunk, the fewest
+   buffers, and the cost model's least activation counts, then checkpointing every block:
+   :func:`least_memory_candidates`), each judged by the analysis. Under the cap, the search
    runs again with the cap raised by the cost model's margin over the analysis, and a faster config
    it finds is placed and kept if it analyses under the cap (``autoplan.raised_choice``).
 5. Nothing fits: :class:`~protrain_fx.search.NoPlanFits` names the smallest budget with a plan.
@@ -48,7 +50,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Callable
@@ -62,6 +63,7 @@ from protrain_fx.autoplan import (
     chosen,
     judged_peak,
     judged_trial,
+    least_memory_configs,
     machine_profile,
     plan_cap,
     reserve_note,
@@ -80,7 +82,7 @@ from protrain_fx.cost import (
     steadiest_gpu_optim,
 )
 from protrain_fx.machine import machine_for
-from protrain_fx.pipeline import ALLOCATOR_HEADROOM, allocated_cap_bytes, budget_for_peak
+from protrain_fx.pipeline import ALLOCATOR_HEADROOM, budget_for_peak
 from protrain_fx.plan import Plan
 from protrain_fx.profiler import (
     IN_STEP_SCALE,
@@ -172,8 +174,7 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
         trials.append(t)
         return t
 
-    least = min(configs, key=lambda c: (model.activation_peak(c.n_swap, c.n_checkpoint), model.estimate(c).step_s))
-    config, how, found, need = verified_choice(search_at, run, least, trials, cap)
+    config, how, found, need, _ = verified_choice(search_at, run, least_memory_configs(model, p, b, g), trials, cap)
     if config is not None:
         return result(config, how, found)
     minimum = budget_for_peak(need + outside)
@@ -347,13 +348,15 @@ def steadier_gpu_optim(
 def least_memory_config(model: CostModel) -> Config:
     """The config of least predicted peak: no persistent chunk, the fewest buffers, no device step,
     the activation counts of least memory (the faster among equals)."""
+    return least_memory_candidates(model)[0]
+
+
+def least_memory_candidates(model: CostModel) -> list[Config]:
+    """The configs tried as the plan of least memory: no persistent chunk, the fewest buffers, no
+    device step, and the activation counts of ``autoplan.least_memory_configs`` (the cost model's
+    least, then checkpointing every block)."""
     b = model.min_buffers(0) if model.n_chunks else 0
-    N = model.n_blocks
-    pairs = [(s, c) for s in range(N + 1) for c in range(N + 1 - s)]
-    act = {q: model.activation_peak(*q) for q in pairs}
-    low = min(act.values())
-    s, c = min((q for q in pairs if act[q] == low), key=lambda q: (model.step_time(0, b, *q), q))
-    return Config(0, b, s, c)
+    return least_memory_configs(model, 0, b)
 
 
 def place_and_analyse(
@@ -420,16 +423,15 @@ def choose_offload(
                       offload=True, problem_s=problem_s, started=started, rate_spread=spread)
 
     try:
-        least = least_memory_config(model)
         gpu_optim = device.type == "cuda"
-        config, how, found, need = verified_choice(
+        config, how, found, need, least = verified_choice(
             lambda lowered: prefer_persistent(problem, *widened(budget, reserve + lowered), gpu_optim=gpu_optim),
-            run, least, trials, cap,
+            run, least_memory_candidates(model), trials, cap,
         )
         if config is not None:
             return result(config, how, found)
         minimum = budget_for_peak(need + outside)
-        raise NoPlanFits(
+        refusal = NoPlanFits(
             f"protrain_fx: no offload plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
             f"for graph {record.index}: the plan of least memory (n_persist=0, n_buffer={least.n_buffer} of "
             f"{model.n_chunks} chunks of {problem.buffer_bytes / 2**20:.4g} MiB, n_swap={least.n_swap}, "
@@ -439,6 +441,8 @@ def choose_offload(
             "use a smaller batch, or smaller chunks (offload(..., chunk_bytes=...))",
             min_budget_bytes=minimum,
         )
+        refusal.least_config = least  # the config the minimum is named from (fit.answer_offload reports it)
+        raise refusal
     except BaseException:
         with unset_fake_temporarily():
             handle.unplace()  # nothing stays placed: a later compile (another budget) chooses again

@@ -14,7 +14,8 @@ budget and no plan by hand (``pipeline.wants_auto_plan``), the backend's partiti
    compiled function executes that plan.
 4. The rewritten step is analysed again. If the analysis is above the cap after all (the cost model
    is an approximation), the search runs again with the cap lowered by the difference, a few times, and
-   last the config of least predicted memory is tried. A searched plan that fits is a measure of the
+   last the configs of least memory are tried (the cost model's least, then checkpointing every
+   block: :func:`least_memory_configs`), each judged by the analysis. A searched plan that fits is a measure of the
    cost model's margin: the search runs again with the cap raised by it, and a plan predicted faster
    is kept if its analysis fits too; one analysed above the cap is left out and the search runs
    again under it, where the line through the two trials' peaks meets the cap (:func:`raised_choice`).
@@ -537,12 +538,28 @@ def search_activation_plan(problem: Problem, budget_bytes: int, *, reserve_bytes
 
 def least_memory_config(model: CostModel) -> Config:
     """The all-persistent config of least predicted peak (the faster one among equals)."""
-    n, N = model.n_chunks, model.n_blocks
+    return least_memory_configs(model, model.n_chunks, 0)[0]
+
+
+def least_memory_configs(model: CostModel, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> list[Config]:
+    """The configs tried as the plan of least memory with these chunk counts, in the order tried: the
+    activation counts of least predicted peak (the faster among equals), then checkpointing every
+    block (no swap), when that is another config.
+
+    Why both: the cost model's peak is an upper bound of the analysis', not its order. Its least
+    config can be a swap-heavy one the analysis puts gigabytes above checkpointing every block
+    (the swapped blocks' casts of weights, what their copies leave waiting), and a refusal that names
+    that config's peak names a minimum the backend does not need; checkpointing every block keeps
+    the least activations whatever the link does. Each is judged by the analysis like every trial
+    (:func:`verified_choice`)."""
+    N = model.n_blocks
     pairs = [(s, c) for s in range(N + 1) for c in range(N + 1 - s)]
     act = {q: model.activation_peak(*q) for q in pairs}
     low = min(act.values())
-    s, c = min((q for q in pairs if act[q] == low), key=lambda q: (model.step_time(n, 0, *q), q))
-    return Config(n, 0, s, c)
+    p, b, g = n_persist, n_buffer, n_gpu_optim
+    s, c = min((q for q in pairs if act[q] == low), key=lambda q: (model.step_time(p, b, *q, g), q))
+    configs = [Config(p, b, s, c, g), Config(p, b, 0, N, g)]
+    return configs[:1] if configs[0] == configs[1] else configs
 
 
 def specialize_shapes(gm: fx.GraphModule) -> int:
@@ -606,13 +623,13 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
         trials.append(t)
         return t
 
-    least = least_memory_config(model)
+    candidates = least_memory_configs(model, n, 0)
 
     def search_at(lowered: int) -> SearchResult:
         b, r = widened(budget, reserve + lowered)
         return search_activation_plan(problem, b, reserve_bytes=r)
 
-    config, how, found, need = verified_choice(search_at, run, least, trials, cap)
+    config, how, found, need, least = verified_choice(search_at, run, candidates, trials, cap)
     if config is not None:
         return result(config, how, found, trials)
     minimum = budget_for_peak(need + outside)
@@ -688,19 +705,21 @@ def chosen(
 def verified_choice(
     search_at: Callable[[int], SearchResult],
     run: Callable[[Config], Trial],
-    least: Config,
+    least: Config | Sequence[Config],
     trials: list[Trial],
     cap: int,
-) -> tuple[Config | None, str, SearchResult | None, int]:
+) -> tuple[Config | None, str, SearchResult | None, int, Config]:
     """Steps 3 and 4 of the module docstring, shared with ``autooffload``: ``search_at(lowered)``
     searches with the cap lowered by ``lowered`` bytes (raised when negative), ``run(config)``
-    applies a config and returns its analysed :class:`Trial` (appending it to ``trials``). Returns
-    ``(config, how, last search, peak needed)``: a searched config analysed under ``cap``
-    (``"searched"``), else ``least`` when the analysis puts it under ``cap`` (``"least memory"``; tried
-    even when the cost model says it does not fit, and judged by the analysis alone, as every trial
-    is: the cost model's peak is an upper bound of it, and with ``verify="inductor"`` it can be
-    gigabytes above the plan that runs), else ``None`` with the peak ``least`` analyses to, so that
-    the minimum a caller names is one this procedure keeps. On return the last ``run`` is of the returned config.
+    applies a config and returns its analysed :class:`Trial` (appending it to ``trials``). ``least``:
+    the configs of least memory (:func:`least_memory_configs`), in the order to try them. Returns
+    ``(config, how, last search, peak needed, least config)``: a searched config analysed under
+    ``cap`` (``"searched"``), else the first of ``least`` the analysis puts under ``cap`` (``"least
+    memory"``; tried even when the cost model says it does not fit, and judged by the analysis
+    alone, as every trial is: the cost model's peak is an upper bound of it, and with
+    ``verify="inductor"`` it can be gigabytes above the plan that runs), else ``None`` with the
+    least peak any of ``least`` analyses to and that config, so that the minimum a caller names is
+    one this procedure keeps. On return the last ``run`` is of the returned config.
 
     A searched config that fits is then used as a measure of the cost model's margin
     (:func:`raised_choice`): the search runs again with the cap raised by what the cost model
@@ -718,15 +737,19 @@ def verified_choice(
         t = run(found.best)
         if t.analysed_peak_bytes <= cap:
             found = raised_choice(search_at, run, found, t, trials, cap)
-            return found.best, "searched", found, next(x for x in trials if x.config == found.best).analysed_peak_bytes
+            need = next(x for x in trials if x.config == found.best).analysed_peak_bytes
+            return found.best, "searched", found, need, found.best
         lowered += max(1, t.analysed_peak_bytes - t.predicted_peak_bytes)
-    done = next((t for t in trials if t.config == least), None) or run(least)
-    need = done.analysed_peak_bytes  # the analysis judges (the cost model's peak is an upper bound of it)
-    if need > cap:
-        return None, "", found, need
-    if trials[-1] is not done:
-        run(least)  # the record holds the graphs of the last trial
-    return least, "least memory", found, need
+    judged: list[Trial] = []
+    for config in [least] if isinstance(least, Config) else least:
+        done = next((t for t in trials if t.config == config), None) or run(config)
+        judged.append(done)
+        if done.analysed_peak_bytes <= cap:  # the analysis judges (the cost model's peak is an upper bound of it)
+            if trials[-1] is not done:
+                run(config)  # the record holds the graphs of the last trial
+            return config, "least memory", found, done.analysed_peak_bytes, config
+    lowest = min(judged, key=lambda t: t.analysed_peak_bytes)
+    return None, "", found, lowest.analysed_peak_bytes, lowest.config
 
 
 #: Searches with a raised (or, after one analysed above the cap, lowered again) cap after a searched
@@ -1166,6 +1189,7 @@ __all__ = [
     "activation_problem",
     "choose_plan",
     "least_memory_config",
+    "least_memory_configs",
     "machine_profile",
     "search_activation_plan",
 ]

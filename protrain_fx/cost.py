@@ -17,11 +17,28 @@ Memory (bytes), exactly ``peak = static(n_persist, n_buffer) + activations(n_swa
   produced in its buffer and offloaded from there, so it costs nothing more).
 * activations: a per-block walk. ``keep_i`` = what block ``i`` leaves on the GPU after its forward:
   ``saved_bytes`` (none), ``checkpoint_saved_bytes`` (checkpoint), ``saved_bytes - swap_bytes`` (swap).
-  Forward of block ``i``: ``Σ_{j<i} keep_j + swap_{i-1} + transient_i + (checkpoint_saved_i if
-  checkpoint else saved_i)`` (a swap block's copy out overlaps the next block, so its bytes are freed
-  one block later). End of forward: ``Σ keep + swap_{N-1} + outside_peak_bytes``. Backward of block
-  ``i``: ``Σ_{j<i} keep_j + saved_i (+ checkpoint_saved_i when recomputed) + swap_{i-1} + transient_i``
-  (a swap block's reload is prefetched one block ahead, so ``swap_{i-1}`` is already back).
+  Forward of block ``i``: ``Σ_{j<i} keep_j + out_i + transient_i + (checkpoint_saved_i if checkpoint
+  else saved_i)``, where ``out_i`` is the bytes of earlier swapped blocks whose copy out is not yet
+  waited for (below). End of forward: ``Σ keep + out_N + outside_peak_bytes``. Backward of block
+  ``i``: ``Σ_{j<i} keep_j + saved_i (+ checkpoint_saved_i when recomputed) + in_i + transient_i``,
+  where ``in_i`` is the bytes of earlier swapped blocks already reloaded; and the outside work
+  before the blocks' backward: ``Σ keep + in_N + outside_peak_bytes``.
+
+Swap memory follows what ``passes/swap.py`` builds, not when the copies may really end (which moves
+no byte: the graph frees a value where its wait is, whatever the link does). The rewrite queues the
+copies out on one stream in forward order, each issued at its block's end (here) or when the one
+before is placed done, each lasting ``copy_margin * swap_bytes / rate`` on its own roofline timeline
+(:attr:`BlockProfile.place_fwd_s`, :attr:`Problem.place_d2h_bytes_per_s`); the bytes are freed before
+the first block starting after that (:meth:`CostModel.swap_freed_at`). So when the copies take
+longer than the blocks after them, the bytes of every swapped block queued behind stay on the device
+too, and one more swapped block saves only what the link moves meanwhile (B4 x 2048 at a width of
+4096: about 1 GiB per block against a tenth of that moved during one block's forward). In backward
+the reloads are laid out latest first, each done by its block's backward and before the next later
+one starts (:meth:`CostModel.swap_reloaded_at`); a reload is on the device from the block whose
+backward issues it. A swap leaves on the device what the rewrite does not move (values under
+``Machine.min_swap_bytes``, values computed from the model state alone such as the compute-dtype
+casts of weights, storages no contiguous value covers): ``swap_bytes`` counts only what it moves
+(``profiler.problem_from_record``).
 
 Time (seconds): an event simulation over four resources: the GPU stream (sequential compute), the
 host-to-device and device-to-host copy queues (each FIFO in a fixed order) and one CPU Adam worker.
@@ -103,6 +120,7 @@ waiting for a gradient landing buffer when more lean chunks than ``grad_pool`` a
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -171,6 +189,17 @@ class BlockProfile:
     ``swap_bytes``: what a swap moves to the CPU (at most ``saved_bytes``; the rest stays);
     ``transient_bytes``: peak working memory inside the block's forward or backward on top of the
     live activations. ``chunk_ids``: parameter chunks used.
+
+    ``place_fwd_s`` / ``place_bwd_s`` (default ``fwd_s`` / ``bwd_s``): the block's forward and
+    backward (without recompute) on the timeline ``passes/swap.py`` places its copies' waits by (its
+    own roofline, ``passes/estimate.start_times``). They decide where the swap rewrite frees a
+    swapped block's bytes and issues its reload, hence the swap memory (module docstring); never time.
+    ``swap_parts``: ``(issue_s, use_s, bytes)`` adding up to ``swap_bytes``, one per storage the
+    rewrite moves: its copy out is issued ``issue_s`` after the block's forward starts (after the
+    storage's last forward use, which may lie in a later block: a residual the next block reads, a
+    view the forward's end reads), and its first backward use is ``use_s`` after the block's
+    backward starts (negative: in a block whose backward runs before), both on the placement
+    timeline. Default: one part issued at the block's end and used at its backward's start.
     """
 
     name: str
@@ -183,26 +212,46 @@ class BlockProfile:
     transient_bytes: int
     chunk_ids: tuple[int, ...]
     recompute_chained_s: float | None = None
+    place_fwd_s: float | None = None
+    place_bwd_s: float | None = None
+    swap_parts: tuple[tuple[float, float, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chunk_ids", tuple(self.chunk_ids))
         if self.recompute_chained_s is None:
             object.__setattr__(self, "recompute_chained_s", self.recompute_s)
+        if self.place_fwd_s is None:
+            object.__setattr__(self, "place_fwd_s", self.fwd_s)
+        if self.place_bwd_s is None:
+            object.__setattr__(self, "place_bwd_s", self.bwd_s)
+        parts = tuple(tuple(x) for x in self.swap_parts) or ((self.place_fwd_s, 0.0, self.swap_bytes),)
+        object.__setattr__(self, "swap_parts", parts)
         where = f"BlockProfile {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"BlockProfile: name must be a non-empty string, got {self.name!r}")
-        for n in ("fwd_s", "bwd_s", "recompute_s", "recompute_chained_s"):
+        for n in ("fwd_s", "bwd_s", "recompute_s", "recompute_chained_s", "place_fwd_s", "place_bwd_s"):
             _check_seconds(where, n, getattr(self, n))
         for n in ("saved_bytes", "checkpoint_saved_bytes", "swap_bytes", "transient_bytes"):
             _check_count(where, n, getattr(self, n))
         if self.swap_bytes > self.saved_bytes:
             raise ValueError(f"{where}: swap_bytes ({self.swap_bytes}) exceeds saved_bytes ({self.saved_bytes})")
+        for part in self.swap_parts:
+            if len(part) != 3:
+                raise ValueError(f"{where}: swap_parts entry {part!r} is not (issue_s, use_s, bytes)")
+            issue_s, use_s, nbytes = part
+            _check_seconds(where, "swap_parts issue_s", issue_s)
+            if not (_is_number(use_s) and abs(use_s) < math.inf):
+                raise ValueError(f"{where}: swap_parts use_s={use_s!r} must be a finite number of seconds")
+            _check_count(where, "swap_parts bytes", nbytes)
+        if sum(n for *_, n in self.swap_parts) != self.swap_bytes:
+            raise ValueError(f"{where}: swap_parts {self.swap_parts} do not add up to swap_bytes ({self.swap_bytes})")
         for c in self.chunk_ids:
             _check_count(where, "chunk id", c)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["chunk_ids"] = list(self.chunk_ids)
+        d["swap_parts"] = [list(x) for x in self.swap_parts]
         return d
 
     @classmethod
@@ -264,6 +313,13 @@ class Problem:
     the first offloaded chunk, issued last in backward, ran 47 ms where the others ran 34; priced per
     chunk, 23 of the 24 recorded runs with device steps replay within 5% of their step, against 20 at
     the median rate (``docs/results.md``, seventeenth session).
+
+    Swap placement (``passes/swap.py``, module docstring "Swap memory"): ``outside_place_bwd_s`` is
+    the backward of the outside work before the first block's backward on the rewrite's timeline
+    (default ``outside_bwd_s``); ``place_d2h_bytes_per_s`` / ``place_h2d_bytes_per_s`` the copy rates
+    it places with (``Machine.d2h_bytes`` / ``h2d_bytes``; 0: the machine profile's one-way rates),
+    and ``copy_margin`` its ``Machine.copy_margin`` (copies placed as if they took that many times
+    their bytes over the rate).
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -281,8 +337,21 @@ class Problem:
     lean_chunks: tuple[int, ...] = ()
     lean_staging_bytes: int = 0
     device_step_s: tuple[tuple[int, float], ...] = ()
+    outside_place_bwd_s: float | None = None
+    place_d2h_bytes_per_s: float = 0.0
+    place_h2d_bytes_per_s: float = 0.0
+    copy_margin: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.outside_place_bwd_s is None:
+            object.__setattr__(self, "outside_place_bwd_s", self.outside_bwd_s)
+        _check_seconds("Problem", "outside_place_bwd_s", self.outside_place_bwd_s)
+        for n in ("place_d2h_bytes_per_s", "place_h2d_bytes_per_s"):
+            v = getattr(self, n)
+            if not (_is_number(v) and v >= 0):
+                raise ValueError(f"Problem: {n}={v!r} must be a number >= 0 (0: the machine's copy rate)")
+        if not (_is_number(self.copy_margin) and 0 < self.copy_margin < math.inf):
+            raise ValueError(f"Problem: copy_margin={self.copy_margin!r} must be a finite number > 0")
         for n in ("blocks", "chunks", "outside_chunk_ids", "lean_chunks"):
             object.__setattr__(self, n, tuple(getattr(self, n)))
         object.__setattr__(self, "device_step_s", tuple(tuple(x) for x in self.device_step_s))
@@ -368,6 +437,10 @@ class Problem:
             "lean_chunks": list(self.lean_chunks),
             "lean_staging_bytes": self.lean_staging_bytes,
             "device_step_s": [list(x) for x in self.device_step_s],
+            "outside_place_bwd_s": self.outside_place_bwd_s,
+            "place_d2h_bytes_per_s": self.place_d2h_bytes_per_s,
+            "place_h2d_bytes_per_s": self.place_h2d_bytes_per_s,
+            "copy_margin": self.copy_margin,
         }
 
     @classmethod
@@ -663,6 +736,22 @@ class CostModel:
         self._ck = [b.checkpoint_saved_bytes for b in blocks]
         self._swap = swap
         self._transient = [b.transient_bytes for b in blocks]
+        # Where passes/swap.py frees and reloads swapped bytes: its own timeline, copies with its margin.
+        place_fwd_start = [0.0] * (N + 1)  # block j's forward starts; [N]: the outside work after the blocks
+        for j in range(N):
+            place_fwd_start[j + 1] = place_fwd_start[j] + blocks[j].place_fwd_s
+        self._place_fwd_start = place_fwd_start
+        self._place_bwd = [b.place_bwd_s for b in blocks]
+        self._place_rc_scale = [b.place_fwd_s / b.fwd_s if b.fwd_s > 0 else 0.0 for b in blocks]
+        margin = p.copy_margin
+        out_rate = p.place_d2h_bytes_per_s or d2h
+        in_rate = p.place_h2d_bytes_per_s or h2d
+        # the parts of swapped blocks in the rewrite's queue order: (issued at, block, copy s, bytes)
+        self._swap_out = sorted((place_fwd_start[i] + t, i, x * margin / out_rate, x)
+                                for i, b in enumerate(blocks) for t, _, x in b.swap_parts if x)
+        self._swap_in = [[(u, x * margin / in_rate, x) for _, u, x in b.swap_parts if x] for b in blocks]
+        self._freed_at: dict[int, tuple[tuple[int, int, int], ...]] = {}
+        self._reloaded_at: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}
 
         self._per_p: dict[tuple[int, int], _PerPersist] = {}
         self._per_pb: dict[tuple[int, int], _PerBuffer] = {}
@@ -696,28 +785,103 @@ class CostModel:
         return self.problem.device_step_bytes + DEVICE_STEPS_IN_FLIGHT * self._buffer_bytes
 
     def activation_peak(self, n_swap: int, n_checkpoint: int) -> int:
-        """Peak activation bytes of the per-block walk in the module docstring."""
+        """Peak activation bytes of the per-block walk in the module docstring ("Swap memory": a
+        swapped block's bytes stay on the device until the rewrite's wait for their copy out, and
+        are back from where it issues their reload)."""
         pol = self.policies(n_swap, n_checkpoint)
         saved, ck, sw, tr = self._saved, self._ck, self._swap, self._transient
         N = self.n_blocks
         keep = [ck[i] if pol[i] == _CKPT else saved[i] - sw[i] if i < n_swap else saved[i] for i in range(N)]
-        peak = base = prev_swap = 0
+        back = self.swap_reloaded_at(n_swap, n_checkpoint)
+        out = [0] * (N + 3)  # difference array over forward steps 0..N (N: the outside work after the blocks)
+        inn = [0] * (N + 2)  # ... over backward steps 0..N (N: the outside work before the blocks)
+        for i, k, x in self.swap_freed_at(n_swap):
+            out[i + 1] += x  # on the device after block i's forward (which counts it as saved)
+            out[k] -= x  # up to the step before which its wait frees it
+        for i, m, x in back:
+            inn[i + 1] += x  # back from the step whose backward issues its reload down to block i
+            inn[m + 1] -= x
+        peak = base = flight = 0
         for i in range(N):
-            x = base + prev_swap + tr[i] + (ck[i] if pol[i] == _CKPT else saved[i])
+            flight += out[i]
+            x = base + flight + tr[i] + (ck[i] if pol[i] == _CKPT else saved[i])
             if x > peak:
                 peak = x
             base += keep[i]
-            prev_swap = sw[i] if i < n_swap else 0
-        x = base + prev_swap + self.problem.outside_peak_bytes
+        flight += out[N]
+        x = base + flight + self.problem.outside_peak_bytes
+        if x > peak:
+            peak = x
+        back_bytes = [0] * (N + 1)
+        acc = 0
+        for k in range(N + 1):
+            acc += inn[k]
+            back_bytes[k] = acc
+        x = base + back_bytes[N] + self.problem.outside_peak_bytes  # the outside backward, reloads issued there
         if x > peak:
             peak = x
         below = base
         for i in range(N - 1, -1, -1):
             below -= keep[i]
-            x = below + saved[i] + tr[i] + (ck[i] if pol[i] == _CKPT else 0) + (sw[i - 1] if 0 < i <= n_swap else 0)
+            x = below + saved[i] + tr[i] + (ck[i] if pol[i] == _CKPT else 0) + back_bytes[i]
             if x > peak:
                 peak = x
         return peak
+
+    def swap_freed_at(self, n_swap: int) -> tuple[tuple[int, int, int], ...]:
+        """``(block, step, bytes)`` per :attr:`BlockProfile.swap_parts` part of the swapped blocks
+        (``block < n_swap``): ``passes/swap.py`` frees those bytes before forward step ``step``
+        (``N``: the outside work after the blocks; ``N + 1``: at the forward's end). The rewrite
+        queues the copies out on one stream in the order they are issued, each starting when issued
+        or when the one before it is placed done and lasting ``copy_margin`` times its bytes over
+        the placement rate, and waits for each (freeing the device copy) before the first node
+        estimated to start after it ends; the estimate is its roofline (``place_fwd_s``). So a
+        copy longer than the blocks after it keeps its bytes, and those of every swap queued behind
+        it, on the device. Here a wait inside a block frees its bytes only after that block."""
+        got = self._freed_at.get(n_swap)
+        if got is None:
+            starts = self._place_fwd_start
+            N = self.n_blocks
+            free = []
+            queue = 0.0
+            for issued, i, seconds, x in self._swap_out:
+                if i >= n_swap:
+                    continue
+                queue = (queue if queue > issued else issued) + seconds
+                k = bisect.bisect_left(starts, queue, i + 1)  # the first step starting at or after it
+                free.append((i, k if k <= N else N + 1, x))
+            got = self._freed_at[n_swap] = tuple(free)
+        return got
+
+    def swap_reloaded_at(self, n_swap: int, n_checkpoint: int) -> tuple[tuple[int, int, int], ...]:
+        """``(block, step, bytes)`` per part of the swapped blocks: the step (forward index; ``N``:
+        the outside work, which backward runs first) whose backward issues its reload in
+        ``passes/swap.py``. The rewrite lays the reloads out latest first, each ending by its first
+        use and before the later one starts, each ``copy_margin`` times its bytes over the placement
+        rate long, on its backward timeline (``place_bwd_s``, a checkpointed block's recompute
+        scaled as its forward). From there to its block's backward the bytes are on the device."""
+        key = (n_swap, n_checkpoint)
+        got = self._reloaded_at.get(key)
+        if got is None:
+            N = self.n_blocks
+            rc = self.recomputes(n_swap, n_checkpoint)
+            starts = [0.0] * N  # block j's backward starts (placement timeline)
+            t = self.problem.outside_place_bwd_s
+            for j in range(N - 1, -1, -1):
+                starts[j] = t
+                t += self._place_bwd[j] + rc[j] * self._place_rc_scale[j]
+            parts = sorted(
+                ((starts[i] + u, i, seconds, x) for i in range(n_swap) for u, seconds, x in self._swap_in[i]),
+                reverse=True,
+            )
+            issued = []
+            latest = math.inf
+            for use, i, seconds, x in parts:  # the last used first
+                latest = (use if use < latest else latest) - seconds
+                m = next((j for j in range(i, N) if starts[j] <= latest), N)
+                issued.append((i, m, x))
+            got = self._reloaded_at[key] = tuple(issued)
+        return got
 
     def min_buffers(self, n_persist: int) -> int:
         """Fewest buffers with ``n_persist`` persistent chunks: the most non-persistent chunks one step uses."""

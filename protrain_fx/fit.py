@@ -21,7 +21,6 @@ refused.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -120,12 +119,17 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
     if chosen is None and fits:  # no transformer block: the step as it is
         minimum = budget_for_peak(record.memory.peak_bytes)
         fits = given is None or record.memory.peak_bytes <= allocated_cap_bytes(given)
-    elif minimum is None:  # a plan fits: the smallest budget is the least-memory plan's
+    elif minimum is None:  # a plan fits: the smallest budget is that of the least-memory plans' least peak
         model = CostModel(chosen.problem)
-        config = autoplan.least_memory_config(model)
-        least = block_plan(chosen.problem, config)
-        trial(least if least.blocks_with("swap") or least.blocks_with("checkpoint") else None)
-        judged, _ = autoplan.judged_peak(record)  # as training judges it (option verify), and it alone
+        lowest: tuple[int, Plan] | None = None
+        for config in autoplan.least_memory_configs(model, model.n_chunks, 0):
+            plan = block_plan(chosen.problem, config)
+            trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+            judged, _ = autoplan.judged_peak(record)  # as training judges it (option verify), and it alone
+            if lowest is None or judged < lowest[0]:
+                lowest = (judged, plan)
+        assert lowest is not None
+        judged, least = lowest
         minimum = budget_for_peak(judged + autoplan.outside_reserve(record)[0])
     swap_bytes = 0
     if chosen is not None:
@@ -151,7 +155,8 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
     the training compile would choose under the budget (``autooffload.choose_offload``, which places
     the chunks of each config it tries and checks it with the memory analysis), and the smallest
-    budget: the least-memory config's peak as the analysis judges it, the judge training uses (the
+    budget: the least peak of the least-memory configs (``autooffload.least_memory_candidates``: the
+    cost model's least, and checkpointing every block) as the analysis judges it, the judge training uses (the
     cost model's peak is not asked to fit: it can fall below the analysis', on small chunks and on
     swaps, 1.957 against 2.120 GB on the H200 in the eighth session, or far above it). Then nothing stays placed (``handle.unplace()``)
     and the compile stops with the report."""
@@ -161,23 +166,31 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     from protrain_fx.search import NoPlanFits
 
     given = record.config.memory_budget_bytes
-    record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
     trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
+    # after the trial, which puts the user's options back: choose_offload reads the budget first thing
+    record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
     assert record.memory is not None
     model = autooffload.offload_cost_model(record, handle, "what_fits cannot choose its offload counts")
     problem = model.problem
-    least = autooffload.least_memory_config(model)
+    candidates = autooffload.least_memory_candidates(model)
+    least = candidates[0]
     outside = outside_reserve(record)[0]
     chosen = None
     try:
         try:
             chosen = autooffload.choose_offload(record, handle, trial, final=False, model=model)
-            done = next((t for t in chosen.trials if t.config == least), None)
-            if done is None:
-                done = autooffload.place_and_analyse(record, handle, model, least, trial)
+            judged = []
+            for config in candidates:
+                done = next((t for t in chosen.trials if t.config == config), None)
+                if done is None:
+                    done = autooffload.place_and_analyse(record, handle, model, config, trial)
+                judged.append(done)
+            done = min(judged, key=lambda t: t.analysed_peak_bytes)
+            least = done.config
             minimum = budget_for_peak(done.analysed_peak_bytes + outside)
         except NoPlanFits as e:  # training's own refusal, with the minimum it names
             minimum = e.min_budget_bytes
+            least = getattr(e, "least_config", least)
     finally:
         handle.unplace()  # nothing stays placed: the training compile chooses again
     config = chosen.config if chosen is not None else least

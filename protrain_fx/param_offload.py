@@ -87,7 +87,7 @@ class OffloadHandle:
         chunk_bytes: int | None = None,
         compute_dtype: torch.dtype | None = None,
         available_host_bytes: int | None = None,
-        init: Callable[[str, torch.Tensor], None] | None = None,
+        init: Callable[[str, torch.Tensor], None] | Literal["model"] | None = None,
         n_gpu_optim: int | Literal["auto"] | None = None,
         n_lean: int | Literal["auto"] = "auto",
         grad_pool: int = GRAD_POOL,
@@ -96,6 +96,10 @@ class OffloadHandle:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("offload: device='cuda' but this machine has no CUDA device (use device='cpu' to try it)")
+        if init == "model":  # the model's own initialisation; its meta buffers recomputed on the device
+            from protrain_fx.integrations import model_init
+
+            init = model_init(model, self.device)
         named = dict(model.named_parameters(remove_duplicate=False))
         if not named:
             raise ValueError("offload: the model has no parameters")
@@ -695,7 +699,7 @@ def offload(
     chunk_bytes: int | None = None,
     compute_dtype: torch.dtype | None = None,
     available_host_bytes: int | None = None,
-    init: Callable[[str, torch.Tensor], None] | None = None,
+    init: Callable[[str, torch.Tensor], None] | Literal["model"] | None = None,
     n_gpu_optim: int | Literal["auto"] | None = None,
     n_lean: int | Literal["auto"] = "auto",
     grad_pool: int = GRAD_POOL,
@@ -713,7 +717,10 @@ def offload(
     A model built on the ``meta`` device is materialised straight into the chunks: ``init(name,
     tensor)`` fills each parameter (first of its names when tied) in place, in the host chunk for
     offloaded ones, on ``device`` for persistent ones. Host memory then peaks at the chunk store,
-    never at a whole second copy of the model.
+    never at a whole second copy of the model. ``init="model"``: the model's own initialisation
+    (a Hugging Face model's ``_init_weights``, else each module's ``reset_parameters()``), its
+    ``meta`` buffers (rotary ``inv_freq``) recomputed on ``device``
+    (:mod:`protrain_fx.integrations.model_init`).
 
     ``n_gpu_optim``: the first that many offloaded chunks (the last of backward, the first of the
     next forward) are stepped on the device instead of the CPU, their fp32 states streamed through

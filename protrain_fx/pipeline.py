@@ -52,6 +52,7 @@ from protrain_fx.passes.blocks import attribute_blocks, find_blocks
 from protrain_fx.passes.inductor_memory import analyze_inductor_memory
 from protrain_fx.passes.memory import analysis_device, analyze_memory
 from protrain_fx.passes.gather import gather_pass
+from protrain_fx.passes.param_casts import reads_offload_handle, recompute_param_casts
 from protrain_fx.passes.swap import swap_pass
 from protrain_fx.runtime import chunk_ops
 from protrain_fx.readable import format_graph, readable_graphs
@@ -110,7 +111,14 @@ class PassRunner:
 
 
 def run_joint_passes(record: CapturedGraph, *, parameter_names: set[str], num_fwd_outputs: int) -> None:
-    """Passes on the joint graph, before the partitioner: today, writing the plan onto it."""
+    """Passes on the joint graph, before the partitioner: the casts of an offloaded model's parameters
+    recomputed in backward (``passes/param_casts.py``), then the plan written onto it."""
+    if record.joint is not None and reads_offload_handle(record.real_inputs()):
+        PassRunner(record, os.environ.get(DUMP_DIR_ENV) or None).run(
+            "recompute_param_casts",
+            lambda: recompute_param_casts(record.joint, frozenset(parameter_names)),
+            lambda n: f"{n} parameter casts and views of them recomputed in backward",
+        )
     plan = record.config.plan
     if plan is None or record.joint is None:
         return

@@ -45,6 +45,7 @@ from protrain_fx.opprofile import compute_load, distinct_calls, measure_op_times
 from protrain_fx.passes.estimate import fused_node_times, node_time
 from protrain_fx.passes.memory import _output_args, default_granule
 from protrain_fx.passes.params import parameter_infos
+from protrain_fx.passes.swap import swap_candidates
 
 MiB = 2**20
 #: Version of the machine cache file; a file of another version is measured again.
@@ -961,12 +962,20 @@ def problem_from_record(
       values of another block, or graph inputs other than parameters, read by the block's nodes; each
       storage once). That is what a checkpointed block must keep to rerun its forward; the min-cut
       partitioner may keep a little more (e.g. a cheap-to-save statistic), which this ignores.
-    * ``swap_bytes``: the block's saved bytes minus its saved storages under ``min_swap_bytes``
-      (default: ``Machine``'s default, 1 MiB, the GPU rule even when the record was captured on the
-      CPU, whose machine swaps everything): what a swap leaves on the GPU, as ``passes/swap.py`` does. The
-      saved storages are the forward graph's saved outputs attributed to the block of the node that
-      first produces them, as the analysis does; capped at ``saved_bytes``. bf16 casts of weights,
-      which a real swap also leaves, are not subtracted.
+    * ``swap_bytes``: what ``passes/swap.py`` moves when it swaps the block
+      (``passes/swap.swap_candidates``: the storages its own selection takes, each rounded up to
+      the allocator's granule), with ``min_swap_bytes`` (default: ``Machine``'s default, 1 MiB, the
+      GPU rule even when the record was captured on the CPU, whose machine swaps everything);
+      capped at ``saved_bytes``. What a swap leaves on the device is not counted: values under
+      ``min_swap_bytes``, values computed from the model state alone (the compute-dtype casts of
+      weights under autocast), storages no contiguous value covers (rotary q / k saved as views).
+      ``swap_parts``: each of those storages, where the rewrite issues its copy out (after its last
+      forward use) and where backward first reads it, on the rewrite's timeline (below).
+    * ``place_fwd_s`` / ``place_bwd_s``: the block's forward and backward on the timeline the swap
+      rewrite places its waits and reloads by (``passes/estimate.node_time`` per node, unfused,
+      with ``estimate_machine``); the Problem's ``outside_place_bwd_s`` the outside backward nodes
+      before the first block's, and its placement rates and ``copy_margin`` that machine's
+      (``cost`` module docstring, "Swap memory").
     * ``fwd_s``, ``bwd_s``: from ``block_times`` when given, else a roofline estimate
       (``passes/estimate.node_time`` summed over the block's forward / backward nodes with
       ``estimate_machine``, default ``machine_for`` the analysed device). ``block_times`` maps a
@@ -1032,7 +1041,12 @@ def problem_from_record(
     crossing = _crossing_bytes(fw_nodes, state)
     if min_swap_bytes is None:
         min_swap_bytes = Machine.__dataclass_fields__["min_swap_bytes"].default
-    small_saved = _small_saved_bytes(record, device, min_swap_bytes)
+    place_fw = {n: node_time(n, est) for n in fw_nodes}
+    place_bw = {n: node_time(n, est) for n in bw_nodes}
+    place = _label_times(place_fw, place_bw)
+    first_block = next((i for i, n in enumerate(bw_nodes) if _label(n) != meta.OUTSIDE), len(bw_nodes))
+    outside_place_bwd = sum(place_bw[n] for n in bw_nodes[:first_block])
+    parts = _swap_parts(record, labels, fw_nodes, bw_nodes, place_fw, place_bw, min_swap_bytes, default_granule(device))
 
     if layout is None:
         params = parameter_infos(record.step, record.dynamo_graph)
@@ -1055,6 +1069,7 @@ def problem_from_record(
         est_fwd = estimated.get(label, (0.0, 0.0))[0]
         alone, chained = rerun.get(label, (est_fwd, est_fwd))
         scale = fwd_s / est_fwd if est_fwd > 0 else 0.0  # the estimate's fractions of a given forward time
+        mine = _cap_parts(parts.get(label, []), saved)
         blocks.append(
             cost.BlockProfile(
                 name=label,
@@ -1064,9 +1079,12 @@ def problem_from_record(
                 recompute_chained_s=min(fwd_s, chained * scale),
                 saved_bytes=saved,
                 checkpoint_saved_bytes=crossing.get(label, 0),
-                swap_bytes=max(0, min(saved, saved - small_saved.get(label, 0))),
+                swap_bytes=sum(x for *_, x in mine),
+                swap_parts=tuple(mine),
                 transient_bytes=row.transient_peak_bytes if row else 0,
                 chunk_ids=tuple(sorted(set(chunks_of.get(label, ())))),
+                place_fwd_s=place.get(label, (0.0, 0.0))[0],
+                place_bwd_s=place.get(label, (0.0, 0.0))[1],
             )
         )
     outside = rows.get(meta.OUTSIDE)
@@ -1085,6 +1103,10 @@ def problem_from_record(
         adam_state_bytes_per_param=_STATE_BYTES * n_states,
         device_step_bytes=_device_step_staging_bytes(round(elem * buffer_bytes_per_byte)),
         persistent_param_bytes=persistent_param_bytes,
+        outside_place_bwd_s=outside_place_bwd,
+        place_d2h_bytes_per_s=est.d2h_bytes,
+        place_h2d_bytes_per_s=est.h2d_bytes,
+        copy_margin=est.copy_margin,
     )
 
 
@@ -1233,6 +1255,60 @@ def _recompute_times(
     return out
 
 
+def _swap_parts(
+    record: CapturedGraph,
+    labels: list[str],
+    fw_nodes: list[fx.Node],
+    bw_nodes: list[fx.Node],
+    place_fw: Mapping[fx.Node, float],
+    place_bw: Mapping[fx.Node, float],
+    min_bytes: int,
+    granule: int,
+) -> dict[str, list[tuple[float, float, int]]]:
+    """Per block, ``BlockProfile.swap_parts``: what ``passes/swap.py`` moves when it swaps the
+    block (``passes/swap.swap_candidates``), each storage as ``(issue_s, use_s, bytes)`` on the
+    rewrite's own timeline (``place_fw`` / ``place_bw``: the roofline per node it places by): its
+    copy out issued when its last forward use ends, from the start of the block's forward; its
+    first backward use, from the start of the block's backward."""
+    start_fw, start_bw = _starts(fw_nodes, place_fw), _starts(bw_nodes, place_bw)
+    block_fw: dict[str, float] = {}
+    for n in fw_nodes:
+        block_fw.setdefault(_label(n), start_fw[n])
+    block_bw: dict[str, float] = {}
+    for n in bw_nodes:
+        block_bw.setdefault(_label(n), start_bw[n])
+    parts: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    for c in swap_candidates(record.forward, record.backward, labels, record.step.num_user_outputs,
+                             state_inputs=record.step.state_inputs, min_bytes=min_bytes, granule=granule):
+        if c.block not in block_fw or c.issued_after not in start_fw:
+            continue
+        issued = start_fw[c.issued_after] + place_fw[c.issued_after] - block_fw[c.block]
+        used = start_bw.get(c.first_use, 0.0) - block_bw.get(c.block, 0.0)
+        parts[c.block].append((max(0.0, issued), used, c.nbytes))
+    return parts
+
+
+def _starts(nodes: list[fx.Node], times: Mapping[fx.Node, float]) -> dict[fx.Node, float]:
+    """When each of ``nodes`` starts when they run back to back from 0 (``passes/estimate.start_times``)."""
+    out, t = {}, 0.0
+    for n in nodes:
+        out[n] = t
+        t += times[n]
+    return out
+
+
+def _cap_parts(parts: list[tuple[float, float, int]], cap: int) -> list[tuple[float, float, int]]:
+    """``parts`` (in order of issue) adding up to at most ``cap`` bytes (the block's saved bytes, which
+    the analysis attributes a little differently), the earliest kept."""
+    out = []
+    for issued, used, nbytes in sorted(parts):
+        x = min(nbytes, cap)
+        cap -= x
+        if x:
+            out.append((issued, used, x))
+    return out
+
+
 def _crossing_bytes(fw_nodes: list[fx.Node], state_inputs: frozenset[str]) -> dict[str, int]:
     """Per block: bytes of the storages its forward nodes read from outside it (parameters excluded)."""
     seen: dict[str, dict[int, int]] = defaultdict(dict)
@@ -1244,39 +1320,6 @@ def _crossing_bytes(fw_nodes: list[fx.Node], state_inputs: frozenset[str]) -> di
             for t in meta.tensor_values(src):
                 seen[label][meta.storage_key(t)] = meta.storage_nbytes(t)
     return {label: sum(by_key.values()) for label, by_key in seen.items()}
-
-
-def _small_saved_bytes(record: CapturedGraph, device: torch.device, min_bytes: int) -> dict[str, int]:
-    """Per block: bytes of the saved storages smaller than ``min_bytes`` (a swap leaves them).
-
-    Saved storages: the forward graph's outputs after the user's, that are not graph inputs, each
-    storage once, attributed to the block of the first forward node producing it; sizes rounded to the
-    allocator's granule like the analysis.
-    """
-    granule = default_granule(device)
-    first_block: dict[int, str] = {}
-    inputs: set[int] = set()
-    for node in record.forward.graph.nodes:
-        for t in meta.tensor_values(node):
-            key = meta.storage_key(t)
-            if node.op == "placeholder":
-                inputs.add(key)
-            elif node.op != "output":
-                first_block.setdefault(key, _label(node))
-    small: dict[str, int] = defaultdict(int)
-    counted: set[int] = set()
-    for arg in _output_args(record.forward)[record.step.num_user_outputs :]:
-        if not isinstance(arg, fx.Node):
-            continue
-        for t in meta.tensor_values(arg):
-            key = meta.storage_key(t)
-            if key in counted or key in inputs or key not in first_block or t.device != device:
-                continue
-            counted.add(key)
-            nbytes = -(-meta.storage_nbytes(t) // granule) * granule
-            if nbytes < min_bytes:
-                small[first_block[key]] += nbytes
-    return small
 
 
 def _mean_param_element_size(record: CapturedGraph) -> float:

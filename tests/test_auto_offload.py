@@ -359,7 +359,10 @@ def test_another_input_shape_gets_its_own_plan_for_the_chunks_as_placed(monkeypa
     auto = second.auto_plan
     assert auto is not None and auto.offload and auto.config.n_persist == counts[0]
     assert auto.analysed_peak_bytes <= auto.allocated_cap_bytes
-    assert auto.how == "searched" and (auto.plan.blocks_with("swap") or auto.plan.blocks_with("checkpoint"))
+    # searched, or (when the cost model, an upper bound of the analysis, fits nothing) the plan of
+    # least memory, which the analysis puts under the cap
+    assert auto.how in ("searched", "least memory")
+    assert auto.plan.blocks_with("swap") or auto.plan.blocks_with("checkpoint")
     # A shape that does not fit with the chunks as placed (16x48 tokens: no activation plan brings it
     # under the cap, as the analysis judges it) is refused, naming the budget it would need.
     with pytest.raises(Exception) as info:

@@ -19,9 +19,10 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx import autoplan, backend, pipeline
+from protrain_fx import autooffload, autoplan, backend, pipeline
 from protrain_fx.autoplan import AutoPlan, PeakCheck, least_memory_config, record_first_step, search_activation_plan
 from protrain_fx.cost import CostModel, block_plan
+from protrain_fx.plan import interleaved
 from protrain_fx.pipeline import (
     allocated_cap_bytes,
     budget_for_peak,
@@ -226,6 +227,69 @@ def test_below_the_minimum_raises_naming_it_and_the_minimum_works(no_plan):
     # bound of it and is not asked to fit (on this tiny model it is above the cap)
     assert record.memory.peak_bytes == auto.analysed_peak_bytes <= allocated_cap_bytes(minimum)
     assert auto.predicted_peak_bytes >= record.memory.peak_bytes
+
+
+def test_the_plans_of_least_memory_are_the_cost_models_and_checkpointing_every_block():
+    for seed in range(4):
+        model = CostModel(make_problem(seed, n_blocks=5))
+        n, N = model.n_chunks, model.n_blocks
+        configs = autoplan.least_memory_configs(model, n, 0)
+        assert configs[0] == least_memory_config(model)
+        assert configs[-1] == dataclasses.replace(configs[0], n_swap=0, n_checkpoint=N)
+        assert len(configs) == len(set(configs))
+        offload = autooffload.least_memory_candidates(model)
+        assert [(c.n_persist, c.n_buffer) for c in offload] == [(0, model.min_buffers(0))] * len(offload)
+        assert (offload[-1].n_swap, offload[-1].n_checkpoint) == (0, N)
+
+
+def test_checkpointing_every_block_is_tried_for_the_minimum_when_the_cost_model_misjudges_swaps(monkeypatch):
+    """The cost model's least config is its own guess. Here it is made wrong (its Problem claims the
+    swaps free their blocks at once, where copies that never finish free nothing): it picks a swap
+    plan, and checkpointing every block, tried too and judged by the analysis, names the minimum,
+    which then trains."""
+    real = autoplan.activation_problem
+
+    def optimistic(record):
+        problem = real(record)
+        blocks = tuple(dataclasses.replace(b, swap_bytes=b.saved_bytes, swap_parts=()) for b in problem.blocks)
+        return dataclasses.replace(problem, blocks=blocks, place_d2h_bytes_per_s=1e30, place_h2d_bytes_per_s=1e30)
+
+    monkeypatch.setattr(autoplan, "activation_problem", optimistic)
+    slow = {"d2h_bytes": 1.0, "h2d_bytes": 1.0}
+    options = {"codegen": "eager", "machine": slow}
+
+    def analysed(plan) -> int:
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        torch.manual_seed(0)
+        torch.compile(GPT(CONFIG), backend="protrain", options={**options, "plan": plan})(*_batch()).backward()
+        (record,) = _train_graphs()
+        return record.memory.peak_bytes
+
+    everything = analysed(interleaved(LABELS, 0, len(LABELS)))
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    torch.manual_seed(0)
+    with pytest.raises(Exception) as info:
+        torch.compile(GPT(CONFIG), backend="protrain", options={**options, "memory_budget": 1_000_000})(*_batch())
+    error = _no_plan_fits(info.value)
+    assert error is not None
+    (record,) = _train_graphs()
+    guess = least_memory_config(CostModel(autoplan.activation_problem(record)))
+    assert guess.n_swap > 0  # the cost model's own least swaps ...
+    guessed = analysed(interleaved(LABELS, guess.n_swap, guess.n_checkpoint))
+    assert guessed > everything  # ... and the analysis puts that above checkpointing every block
+    assert error.min_budget_bytes == budget_for_peak(everything)
+    assert f"n_swap=0, n_checkpoint={len(LABELS)} of {len(LABELS)} blocks" in str(error)
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    torch.manual_seed(0)
+    options = {**options, "memory_budget": error.min_budget_bytes}
+    compiled = torch.compile(GPT(CONFIG), backend="protrain", options=options)
+    compiled(*_batch()).backward()
+    (record,) = _train_graphs()
+    assert record.auto_plan.how == "least memory" and record.auto_plan.plan == interleaved(LABELS, 0, len(LABELS))
+    assert record.memory.peak_bytes == everything
 
 
 def test_each_input_shape_gets_its_own_plan(no_plan):

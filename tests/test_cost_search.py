@@ -310,6 +310,65 @@ def test_memory_walk_by_hand() -> None:
     assert e.step_s == pytest.approx(6 * ms + 2 * 32 * MiB / 1e11)
 
 
+def _swap_problem(copy_ms: float) -> Problem:
+    """Four equal blocks, 4 ms forward and 8 ms backward each on the placement timeline, 100 MiB
+    saved and swapped each; a copy either way takes ``copy_ms``."""
+    rate = 100 * MiB / (copy_ms * ms)
+    blocks = [BlockProfile(name=f"blocks.{i}", fwd_s=4 * ms, bwd_s=8 * ms, recompute_s=4 * ms, saved_bytes=100 * MiB,
+                           checkpoint_saved_bytes=10 * MiB, swap_bytes=100 * MiB, transient_bytes=0, chunk_ids=(0,))
+              for i in range(4)]
+    return Problem(blocks=blocks, chunks=[ChunkProfile(bytes=64 * MiB, n_params=32 * MiB)],
+                   machine=MachineProfile(h2d_bytes_per_s=rate, d2h_bytes_per_s=rate, duplex_bytes_per_s=2 * rate,
+                                          cpu_adam_params_per_s=1e9, gpu_adam_params_per_s=1e11))
+
+
+def test_swapped_bytes_stay_on_the_device_until_the_rewrite_waits_for_their_copy() -> None:
+    """passes/swap.py queues the copies out in order and frees each where its copy is placed done;
+    reloads are laid out latest first. With 6 ms copies against 4 ms blocks the copies pile up."""
+    model = CostModel(_swap_problem(6))
+    # copies out: block 0 issued at 4 ms, done 10 (freed before block 3, which starts at 12);
+    # block 1 at 8, queued to 10, done 16 (before the outside work at 16); blocks 2, 3 done at 22
+    # and 28: past the forward's blocks, freed at its end.
+    assert [(i, k) for i, k, _ in model.swap_freed_at(4)] == [(0, 3), (1, 4), (2, 5), (3, 5)]
+    # backward starts (placement): block 3 at 0, 2 at 8, 1 at 16, 0 at 24. Reloads latest first:
+    # block 0 18..24 (issued in block 1's backward), block 1 10..16 (block 2), block 2 2..8 (block 3),
+    # block 3 -6..0 (the outside work, first in backward).
+    assert [(i, m) for i, m, _ in model.swap_reloaded_at(4, 0)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # forward of block 2 holds its own 100 and the copies of blocks 0 and 1 still queued: 300 MiB,
+    # where "freed one block later" said 200.
+    assert model.activation_peak(4, 0) == 300 * MiB
+    # copies that fit in one block are freed one block later, as before
+    fast = CostModel(_swap_problem(2))
+    assert [(i, k) for i, k, _ in fast.swap_freed_at(4)] == [(0, 2), (1, 3), (2, 4), (3, 5)]
+    assert fast.activation_peak(4, 0) == 200 * MiB
+    # copies that never finish during compute save nothing: every swapped byte is on the device at
+    # the forward's end and back before the blocks' backward starts
+    slow = CostModel(_swap_problem(100))
+    assert all(k == 5 for _, k, _ in slow.swap_freed_at(4))
+    assert all(m == 4 for _, m, _ in slow.swap_reloaded_at(4, 0))
+    assert slow.activation_peak(4, 0) == slow.activation_peak(0, 0) == 400 * MiB
+    # checkpointing keeps its input only, whatever the link
+    assert slow.activation_peak(0, 4) < slow.activation_peak(4, 0)
+
+
+def test_swap_parts_place_each_copy_where_the_rewrite_issues_and_first_uses_it() -> None:
+    """A part issued late (a value the next block reads last) joins the queue there; a part used
+    late in its block's backward may be reloaded later."""
+    base = _swap_problem(2)
+    early = dataclasses.replace(base.blocks[0], swap_parts=((4 * ms, 0.0, 100 * MiB),))
+    late = dataclasses.replace(base.blocks[0], swap_parts=((2 * ms, 0.0, 50 * MiB), (9 * ms, 7 * ms, 50 * MiB)))
+    model_early = CostModel(dataclasses.replace(base, blocks=(early, *base.blocks[1:])))
+    model_late = CostModel(dataclasses.replace(base, blocks=(late, *base.blocks[1:])))
+    assert [(i, k) for i, k, _ in model_early.swap_freed_at(1)] == [(0, 2)]
+    # 50 MiB issued at 2 ms, done 4 (before block 1); 50 MiB issued at 9 ms (in block 2), done 11: before block 3
+    assert [(i, k, x) for i, k, x in model_late.swap_freed_at(1)] == [(0, 1, 50 * MiB), (0, 3, 50 * MiB)]
+    # backward: block 0 starts at 24; the part first used at 31 is reloaded from 29, inside block 0's
+    # own backward; the other, used at 24, from 22, in block 1's
+    assert sorted(model_late.swap_reloaded_at(1, 0)) == [(0, 0, 50 * MiB), (0, 1, 50 * MiB)]
+    with pytest.raises(ValueError, match="do not add up"):
+        dataclasses.replace(base.blocks[0], swap_parts=((0.0, 0.0, 10 * MiB),))
+
+
 def test_policies_follow_interleaved() -> None:
     for n_blocks in range(8):
         problem = make_problem(n_blocks, n_blocks=max(n_blocks, 1))

@@ -16,6 +16,7 @@ from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx import cost, profiler, search
 from protrain_fx.chunks import pack
 from protrain_fx.passes.params import parameter_infos
+from protrain_fx.plan import Plan
 
 MACHINE = cost.MachineProfile(
     h2d_bytes_per_s=20e9,
@@ -131,7 +132,17 @@ def test_problem_options(record):
     base = profiler.problem_from_record(record, MACHINE)
     assert len(base.chunks) == 1  # choose_layout: one 32 MiB chunk holds the tiny model
     swap_all = profiler.problem_from_record(record, MACHINE, min_swap_bytes=0)
-    assert all(b.swap_bytes == b.saved_bytes for b in swap_all.blocks)
+    # what the swap rewrite moves when it swaps every block with that threshold, no more, no less
+    cfg = gpt_config("tiny", n_layer=N_LAYER)
+    torch.manual_seed(0)
+    plan = Plan(blocks={f"blocks.{i}": "swap" for i in range(N_LAYER)})
+    options = {"codegen": "eager", "plan": plan, "machine": {"min_swap_bytes": 0}}
+    torch.compile(GPT(cfg), backend="protrain", options=options)(*random_batch(cfg, 2, 16)).backward()
+    swapped = [r for r in protrain_fx.captured_graphs() if r.has_backward][-1].swapped
+    moved = {b.name: sum(s.nbytes for s in swapped if s.block == b.name) for b in swap_all.blocks}
+    assert [b.swap_bytes for b in swap_all.blocks] == list(moved.values())
+    assert all(0 < b.swap_bytes <= b.saved_bytes for b in swap_all.blocks)
+    assert [sum(x for *_, x in b.swap_parts) for b in swap_all.blocks] == list(moved.values())
     times = {f"blocks.{i}": (0.001 * (i + 1), 0.002) for i in range(N_LAYER)} | {"outside": 0.3}
     timed = profiler.problem_from_record(record, MACHINE, block_times=times)
     assert [b.fwd_s for b in timed.blocks] == [0.001 * (i + 1) for i in range(N_LAYER)]

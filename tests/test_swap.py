@@ -167,3 +167,50 @@ def test_small_values_stay_on_the_device_below_min_swap_bytes():
              and a.meta.get(protrain_fx.meta.BLOCK) in SWAP.blocks and a.op != "placeholder"
              and a.target is not torch.ops.protrain.offload.default]
     assert small, "small saved values of the swapped blocks are kept"
+
+
+def _step_of(gm, labels: list[str]):
+    """Node name -> the step of the forward graph it lies in, by position: block ``i`` from its first
+    node on, ``len(labels)`` (the outside work) from the first node outside the blocks after the
+    last block's first node."""
+    from protrain_fx import meta
+
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    first = {}
+    for i, n in enumerate(nodes):
+        first.setdefault(n.meta.get(meta.BLOCK), i)
+    outside = next(i for i, n in enumerate(nodes) if i > first[labels[-1]] and n.meta.get(meta.BLOCK) not in labels)
+    steps = {}
+    for i, n in enumerate(nodes):
+        step = max((j for j, label in enumerate(labels) if first.get(label, len(nodes)) <= i), default=-1)
+        steps[n.name] = len(labels) if i >= outside else step
+    return steps
+
+
+@pytest.mark.parametrize("rate", [3e10, 1e10, 1.0])
+def test_the_cost_model_frees_swapped_bytes_where_the_rewrite_waits_for_their_copy(rate):
+    """``cost.CostModel.swap_freed_at`` follows ``passes/swap.py``: the same storages in the same
+    queue, each freed in the step where its wait is placed or at the start of the next one. Rates
+    (bytes/s, with the default margin) from copies done within a block to copies never done."""
+    from protrain_fx import autoplan
+    from protrain_fx.cost import CostModel
+    from protrain_fx.plan import interleaved
+
+    machine = {"d2h_bytes": rate, "h2d_bytes": rate}
+    model = CostModel(autoplan.activation_problem(_record(None, machine)))
+    labels = [f"blocks.{i}" for i in range(CONFIG.n_layer)]
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    swapped = _record(interleaved(labels, 3, 0), machine)
+    step = _step_of(swapped.forward, labels)
+    parts = list(model.swap_freed_at(3))
+    assert sorted((labels[i], x) for i, _, x in parts) == sorted((s.block, s.nbytes) for s in swapped.swapped)
+    for value in swapped.swapped:  # storages of one block and size queued at one node may swap places
+        at = step.get(value.wait_before, len(labels) + 1)  # the output node: at the forward's end
+        match = next((p for p in parts
+                      if (labels[p[0]], p[2]) == (value.block, value.nbytes) and at in (p[1] - 1, p[1])), None)
+        assert match is not None, (value.name, value.block, value.nbytes, at)
+        parts.remove(match)
+    if rate == 1.0:  # nothing is freed before the forward's end, and swapping saves nothing
+        assert all(k == len(labels) + 1 for _, k, _ in parts)
+        assert model.activation_peak(3, 0) == model.activation_peak(0, 0)

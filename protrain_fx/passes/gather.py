@@ -4,8 +4,12 @@ Runs on the partitioned graphs when some forward inputs are parameters an offloa
 (``protrain_fx.param_offload``; the model keeps them as device tensors with no bytes). Per chunk and graph:
 
 * ``chunk_gather`` before the first node that reads one of the chunk's parameters, each parameter
-  then a view of the returned flat buffer (cast to the parameter's dtype when the store computes
-  in another one), and ``chunk_release`` after the last reader;
+  then a view of the returned flat buffer, made where the parameter is first read (cast to the
+  parameter's dtype when the store computes in another one; a reader that only casts the
+  parameter to the buffer's dtype, autocast's cast or one recomputed in backward by
+  ``passes/param_casts.py``, reads the buffer's view itself: the same values, no fp32 copy and
+  no cast back), and ``chunk_release`` after the last reader. Each gather takes the tokens the
+  releases before it return, so that Inductor keeps it after them;
 * in backward, the same for the parameters saved for it, and the chunk's gradients leave through
   ``chunk_grads`` (to the host store and the CPU optimizer) instead of the graph's outputs, which
   return ``None`` for them: autograd never sees a gradient of an offloaded parameter.
@@ -26,6 +30,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from protrain_fx import meta
+from protrain_fx.passes.param_casts import is_dtype_cast
 from protrain_fx.runtime import chunk_ops
 
 _ops = torch.ops.protrain
@@ -106,40 +111,92 @@ def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredC
             hid, chunk, _, _ = info[node.name]
             params_of[(hid, chunk)].append(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    outputs = _output_storage_nodes(gm)
     spans = []  # (first reader, last reader, handle, chunk, params)
     for (hid, chunk), params in params_of.items():
         for span in _spans([r for p in params for r in _readers(p)], order):
             spans.append((span[0], span[-1], hid, chunk, params, span))
     done = []
     spans.sort(key=lambda s: order[s[0]])
+    releases: list[fx.Node] = []
     for number, (first, last, hid, chunk, params, span) in enumerate(spans):
         fake_mode = detect_fake_mode([p.meta["val"] for p in params])
+        buffer_dtype = chunk_ops.handle(hid).store.compute_dtype  # what chunk_gather returns
+        # A cast of a parameter to the buffer's dtype (autocast's, or one recomputed in backward:
+        # passes/param_casts.py) reads the buffer itself: the same values, no copy in another dtype.
+        folded = {r for r in span if any(r in p.users for p in params) and _foldable(r, buffer_dtype, outputs)}
+        touched = _through_views(span, transparent=folded)
+        readers_done = _tensor_results([n for n in touched if not _is_view(n) and n not in folded])
+        last_touched = max([n for n in [*touched, *readers_done] if n not in folded], key=lambda n: order.get(n, -1),
+                           default=last)
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        after = [r for r in releases if position[r] < position[first]]  # their tokens: ordering only
         with gm.graph.inserting_before(first):
-            buf = gm.graph.call_function(_ops.chunk_gather.default, (hid, chunk, number, params[0]))
+            buf = gm.graph.call_function(_ops.chunk_gather.default, (hid, chunk, number, params[0], after))
             with fake_mode:
-                buf.meta["val"] = _ops.chunk_gather.default(hid, chunk, number, params[0].meta["val"])
+                buf.meta["val"] = _ops.chunk_gather.default(
+                    hid, chunk, number, params[0].meta["val"], [a.meta["val"] for a in after]
+                )
             _tag(buf, first, phase)
             upcoming = next((s for s in spans[number + 1 :] if (s[2], s[3]) != (hid, chunk)), None)
             if upcoming is not None:  # the next other chunk starts its copy while this one computes
                 hint = gm.graph.call_function(_ops.chunk_prefetch.default, (buf, upcoming[2], upcoming[3]))
                 hint.meta["val"] = None
                 _tag(hint, first, phase)
-            for p in params:
-                readers = [r for r in _readers(p) if r in span]
-                if readers:
-                    view = _param_view(gm, buf, p, info[p.name][2], fake_mode)
-                    for r in readers:
-                        r.replace_input_with(p, view)
-        touched = _through_views(span)
-        after = _tensor_results([n for n in touched if not _is_view(n)])
-        with gm.graph.inserting_after(max([*touched, *after], key=lambda n: order.get(n, -1))):
-            release = gm.graph.call_function(_ops.chunk_release.default, (buf, after, hid, chunk))
-            release.meta["val"] = None
+        gather_before = first.name if first not in folded else min(first.users, key=order.__getitem__).name
+        for p in params:
+            readers = sorted((r for r in _readers(p) if r in span), key=order.__getitem__)
+            if not readers:
+                continue
+            with gm.graph.inserting_before(readers[0]):  # each parameter's view where it is first read
+                view = _param_view(gm, buf, p, info[p.name][2], fake_mode)
+                kept = [r for r in readers if r not in folded]
+                cast = _param_cast(gm, view, p, fake_mode) if kept else view
+            for r in kept:
+                r.replace_input_with(p, cast)
+            for r in readers:
+                if r in folded:
+                    r.replace_all_uses_with(view)
+                    gm.graph.erase_node(r)
+        with gm.graph.inserting_after(last_touched):
+            release = gm.graph.call_function(_ops.chunk_release.default, (buf, readers_done, hid, chunk))
+            with fake_mode:
+                release.meta["val"] = _ops.chunk_release.default(buf.meta["val"], [], hid, chunk)
             _tag(release, last, phase)
+        releases.append(release)
         done.append(
-            GatheredChunk(phase, hid, chunk, tuple(info[p.name][3] for p in params), first.name, last.name)
+            GatheredChunk(phase, hid, chunk, tuple(info[p.name][3] for p in params), gather_before, last_touched.name)
         )
     return done
+
+
+def _output_storage_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value, or a view of it, the graph returns (saved for backward, or the user's)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    found: set[fx.Node] = set()
+    stack = [a for a in out.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if n in found:
+            continue
+        found.add(n)
+        if _is_view(n):
+            stack.extend(n.all_input_nodes)
+    return found
+
+
+def _foldable(reader: fx.Node, buffer_dtype: torch.dtype, outputs: set[fx.Node]) -> bool:
+    """``reader`` casts a parameter to the chunk buffer's dtype, and neither it nor a view of it
+    leaves the graph (a returned view of the buffer would see the next chunk's values)."""
+    if not is_dtype_cast(reader, buffer_dtype) or reader.args[0].meta["val"].dtype == buffer_dtype:
+        return False
+    aliases, stack = set(), [reader]
+    while stack:
+        n = stack.pop()
+        if n not in aliases:
+            aliases.add(n)
+            stack.extend(u for u in _readers(n) if _is_view(u))
+    return not aliases & outputs
 
 
 def _tensor_results(nodes: list[fx.Node]) -> list[fx.Node]:
@@ -184,8 +241,9 @@ def _readers(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if u.op != "output"]
 
 
-def _through_views(nodes: list[fx.Node]) -> list[fx.Node]:
-    """``nodes`` and, for those that are views, every node that reads them (transitively)."""
+def _through_views(nodes: list[fx.Node], transparent: set[fx.Node] = frozenset()) -> list[fx.Node]:
+    """``nodes`` and, for those that are views (or in ``transparent``), every node that reads them
+    (transitively)."""
     seen: list[fx.Node] = []
     stack = list(nodes)
     while stack:
@@ -193,7 +251,7 @@ def _through_views(nodes: list[fx.Node]) -> list[fx.Node]:
         if node in seen:
             continue
         seen.append(node)
-        if _is_view(node):
+        if _is_view(node) or node in transparent:
             stack.extend(_readers(node))
     return seen
 
@@ -207,19 +265,25 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _param_view(gm: fx.GraphModule, buf: fx.Node, param: fx.Node, offset: int, fake_mode: Any) -> fx.Node:
-    """``param`` as a view of the chunk buffer (cast to its dtype when the buffer's differs)."""
+    """``param`` as a view of the chunk buffer, in the buffer's dtype."""
     val = param.meta["val"]
     stride = tuple(torch.empty(val.shape, device="meta").stride())
     view = gm.graph.call_function(torch.ops.aten.as_strided.default, (buf, tuple(val.shape), stride, offset))
     with fake_mode:
         view.meta["val"] = torch.ops.aten.as_strided.default(buf.meta["val"], tuple(val.shape), stride, offset)
-    out = view
-    if view.meta["val"].dtype != val.dtype:
-        out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (view, val.dtype))
-        with fake_mode:
-            out.meta["val"] = torch.ops.prims.convert_element_type.default(view.meta["val"], val.dtype)
-    for node in (view, out):
-        _tag(node, param, param.meta.get(meta.PHASE, ""))
+    _tag(view, param, param.meta.get(meta.PHASE, ""))
+    return view
+
+
+def _param_cast(gm: fx.GraphModule, view: fx.Node, param: fx.Node, fake_mode: Any) -> fx.Node:
+    """``view`` cast to ``param``'s dtype when the buffer's differs (else ``view``)."""
+    dtype = param.meta["val"].dtype
+    if view.meta["val"].dtype == dtype:
+        return view
+    out = gm.graph.call_function(torch.ops.prims.convert_element_type.default, (view, dtype))
+    with fake_mode:
+        out.meta["val"] = torch.ops.prims.convert_element_type.default(view.meta["val"], dtype)
+    _tag(out, param, param.meta.get(meta.PHASE, ""))
     return out
 
 

@@ -129,6 +129,50 @@ def swap_pass(
     ]
 
 
+@dataclass(frozen=True)
+class SwapCandidate:
+    """A storage :func:`swap_pass` would move if its block were swapped: its block (that of its
+    covering value), bytes (rounded up to the caller's granule), the forward node after which the
+    copy out is issued (its last forward use) and the first backward node that reads it."""
+
+    block: str
+    nbytes: int
+    issued_after: fx.Node
+    first_use: fx.Node
+
+
+def swap_candidates(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    labels: list[str],
+    num_user_outputs: int,
+    *,
+    state_inputs: frozenset[str] = frozenset(),
+    min_bytes: int,
+    granule: int = 1,
+) -> list[SwapCandidate]:
+    """What :func:`swap_pass` moves to host memory when the plan swaps every block in ``labels``,
+    found by its own selection without rewriting anything. What it leaves on the device (values
+    computed from the model state alone, values under ``min_bytes``, storages no contiguous value
+    covers, values also returned to the user) is not among them."""
+    out_node = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    plan = Plan(blocks={label: "swap" for label in labels})
+    groups, _ = _select(forward, backward, list(out_node.args[0]), plan, set(labels), num_user_outputs,
+                        state_inputs, min_bytes)
+    position = {n: i for i, n in enumerate(backward.graph.nodes)}
+    found = []
+    for g in groups:
+        users = [u for _, _, target in g.members for u in target.users]
+        nbytes = meta.storage_nbytes(g.base.meta["val"])
+        found.append(SwapCandidate(
+            block=g.base.meta.get(meta.BLOCK, meta.OUTSIDE),
+            nbytes=-(-nbytes // granule) * granule,
+            issued_after=g.last_use,
+            first_use=min(users, key=position.__getitem__),
+        ))
+    return found
+
+
 def _select(
     forward: fx.GraphModule,
     backward: fx.GraphModule,

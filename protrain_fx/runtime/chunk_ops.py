@@ -111,20 +111,28 @@ def check_shell(hid: int, chunk: int, shell: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("protrain::chunk_gather", mutates_args=())
-def chunk_gather(hid: int, chunk: int, span: int, shell: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_gather(
+    hid: int, chunk: int, span: int, shell: torch.Tensor | None, after: list[torch.Tensor]
+) -> torch.Tensor:
     """``span`` numbers the gathers of one graph: no two calls look alike, so no pass merges them.
 
     ``shell``: a parameter of the chunk as the graph received it (storage of 0 bytes). It must be
     the handle's own: Dynamo reuses a graph for another instance of the module class when shapes
     and dtypes match, and the handle id baked into the graph would then hand it this model's
-    chunks, silently (found with two offloaded GPTs of one config)."""
+    chunks, silently (found with two offloaded GPTs of one config).
+
+    ``after``: what the releases before it in the graph return. Taking them keeps the gather after
+    those releases in Inductor's schedule too (a fusion across a release would otherwise hoist a
+    gather above it, and the gather would find every buffer in use). Not read."""
     if shell is not None:
         check_shell(hid, chunk, shell)
     return handle(hid).gather(chunk)
 
 
 @chunk_gather.register_fake
-def _chunk_gather_fake(hid: int, chunk: int, span: int, shell: torch.Tensor | None = None) -> torch.Tensor:
+def _chunk_gather_fake(
+    hid: int, chunk: int, span: int, shell: torch.Tensor | None, after: list[torch.Tensor]
+) -> torch.Tensor:
     h = handle(hid)
     return torch.empty(h.store.chunk_numel, dtype=h.store.compute_dtype, device=h.device)
 
@@ -142,15 +150,17 @@ def _chunk_prefetch_fake(after: torch.Tensor, hid: int, chunk: int) -> None:
 
 
 @torch.library.custom_op("protrain::chunk_release", mutates_args=("buf",))
-def chunk_release(buf: torch.Tensor, after: list[torch.Tensor], hid: int, chunk: int) -> None:
+def chunk_release(buf: torch.Tensor, after: list[torch.Tensor], hid: int, chunk: int) -> torch.Tensor:
     """``after``: outputs of the nodes that read the buffer. A data dependency on them is what
-    keeps every reader (fused into any kernel) before the release, in Inductor's schedule too."""
+    keeps every reader (fused into any kernel) before the release, in Inductor's schedule too.
+    Returns an empty token the later gathers take (:func:`chunk_gather`)."""
     handle(hid).release(chunk)
+    return torch.empty(0, dtype=torch.uint8, device=buf.device)
 
 
 @chunk_release.register_fake
-def _chunk_release_fake(buf: torch.Tensor, after: list[torch.Tensor], hid: int, chunk: int) -> None:
-    return None
+def _chunk_release_fake(buf: torch.Tensor, after: list[torch.Tensor], hid: int, chunk: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=buf.device)
 
 
 @torch.library.custom_op("protrain::chunk_grads", mutates_args=("token",))
