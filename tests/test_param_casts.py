@@ -23,16 +23,18 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             attn_implementation="sdpa")
 
 
-def _train(n_persist: int, steps: int = 2, codegen: str = "eager"):
+def _train(n_persist: int | None, steps: int = 2, codegen: str = "eager"):
     """An offloaded tiny Llama (bf16 chunk buffers, 2 buffers for 7 chunks: reused every block)
     trained under CPU autocast; returns the losses, the final parameters and the training graph."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
     model.loss_type = "ForCausalLM"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=2, device="cpu",
-                                 compute_dtype=torch.bfloat16, chunk_bytes=64 * 1024)
-    compiled = torch.compile(model, backend="protrain", options={"codegen": codegen})
+    counts = {"n_persist": n_persist, "n_buffer": 2} if n_persist is not None else {}  # None: the backend's
+    handle = protrain_fx.offload(model, opt, device="cpu", compute_dtype=torch.bfloat16, chunk_bytes=64 * 1024,
+                                 **counts)
+    options = {"codegen": codegen} if n_persist is not None else {"codegen": codegen, "memory_budget": "64GiB"}
+    compiled = torch.compile(model, backend="protrain", options=options)
     losses = []
     for step in range(steps):
         idx = torch.randint(0, TINY["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(step))
@@ -94,7 +96,7 @@ def test_offloaded_weights_are_read_in_the_compute_dtype_and_no_cast_of_them_is_
 def test_a_model_whose_chunks_all_stay_on_the_device_saves_no_weight_cast_either(monkeypatch):
     """The cost model's Problem is measured before the counts are chosen, casts recomputed: every
     placement must save the same, persistent chunks included."""
-    chunks = 7  # the tiny Llama in 64 KiB chunks
+    chunks = None  # chosen by the backend under a budget that keeps all 7 of the tiny Llama's chunks on the device
     losses, params, record = _train(chunks)
     assert not any(n.target is torch.ops.protrain.chunk_gather.default for n in record.forward.graph.nodes)
     out = next(n for n in reversed(record.forward.graph.nodes) if n.op == "output")
