@@ -46,9 +46,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protrain_fx.autooffload import prefer_persistent  # noqa: E402
-from protrain_fx.autoplan import widened  # noqa: E402
-from protrain_fx.cost import Config, CostModel, Problem, expected_estimate  # noqa: E402
+from protrain_fx.planner.offload import prefer_persistent  # noqa: E402
+from protrain_fx.planner.verify import widened  # noqa: E402
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.spread import expected_estimate
+from protrain_fx.search.problem import Config, Problem
 
 
 def main() -> None:
@@ -156,7 +158,7 @@ def main() -> None:
                 machine = dataclasses.replace(machine, cpu_adam_params_per_s=rate)
             kept = ap.get("training_rates")  # the backend's own window (protrain_fx.calibrate)
             if kept:
-                from protrain_fx.calibrate import TrainingRates
+                from protrain_fx.planner.rates import TrainingRates
 
                 rates = TrainingRates(**{**kept, "device_steps": tuple(map(tuple, kept["device_steps"]))})
                 again = CostModel(rates.priced(problem)).estimate(config)

@@ -43,7 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protrain_fx.profiler import device_step_spans, measure_machine  # noqa: E402
+from protrain_fx.profile.device import device_step_spans
+from protrain_fx.profile.machine_profile import measure_machine  # noqa: E402
 
 #: name -> (the CPU step beside the device steps, what this thread runs beside them, update stream
 #: priority, whether it also runs while the issuing thread waits for room for the next step)

@@ -667,20 +667,24 @@ def _reread(device_steps: int) -> dict:
     """The profile's readings taken again after training, on the host that trained, into a copy of
     the profile files (the lane's cache is left as it was): per graph phase, the summed times of its
     matrix and attention nodes as the compile cached them (``cached``: with the device kept busy, as
-    ``profiler.device_op_times`` times them; before c104151, 2026-12-02, the plain events protocol),
+    ``planner_problem.device_op_times`` times them; before c104151, 2026-12-02, the plain events protocol),
     timed afresh with 5 calls between two events (``events``) and with the device kept busy
     (``prefilled``, ``opprofile._time_node``), and ``compute_scale``, what the compile multiplied its
-    node times by (``profiler.IN_STEP_SCALE``); for a model with offloaded chunks, the device-step
+    node times by (``planner_problem.IN_STEP_SCALE``); for a model with offloaded chunks, the device-step
     rate of its layout ``device_steps`` times and the CPU chunk step's rate twice
-    (``profiler.device_step_rate``, ``profiler.chunk_adam_rate``). Any failure is recorded as its
+    (``machine_profile.device_step_rate``, ``machine_profile.chunk_adam_rate``). Any failure is recorded as its
     reason; the run's own results stand."""
     import shutil
     import tempfile
 
-    import protrain_fx
     import torch
-    from protrain_fx import opprofile, profiler
-    from protrain_fx.autooffload import chunk_parts, placed_handle
+
+    import protrain_fx
+    from protrain_fx.planner import problem as planner_problem
+    from protrain_fx.planner.offload import chunk_parts, placed_handle
+    from protrain_fx.profile import cache as profile_cache
+    from protrain_fx.profile import machine_profile
+    from protrain_fx.profile import ops as opprofile
 
     out: dict = {}
     try:
@@ -689,10 +693,10 @@ def _reread(device_steps: int) -> dict:
         phases = [list(record.forward.graph.nodes), list(record.backward.graph.nodes)]
         nodes = [n for ph in phases for n in ph]
         copy = Path(tempfile.mkdtemp(prefix="reread-"))
-        machine = profiler.cache_path(device)
+        machine = profile_cache.cache_path(device)
         if machine.exists():
             shutil.copy(machine, copy / machine.name)
-        # what the compile priced the plans with (profiler.device_op_times), then both protocols afresh
+        # what the compile priced the plans with (planner_problem.device_op_times), then both protocols afresh
         readings = {"cached": opprofile.measure_op_times(nodes, device, prefill=True),
                     "events": opprofile.measure_op_times(nodes, device, cache=copy, refresh=True),
                     "prefilled": opprofile.measure_op_times(nodes, device, cache=copy, refresh=True, prefill=True)}
@@ -701,15 +705,15 @@ def _reread(device_steps: int) -> dict:
         out["op_sums_s"] = {name: [sum(times[s] for s in sigs if s in common) for sigs in signatures]
                             for name, times in readings.items()}
         out["ops_timed"] = [sum(s in common for s in sigs) for sigs in signatures]
-        out["compute_scale"] = profiler.IN_STEP_SCALE  # what the compile scaled its node times by
+        out["compute_scale"] = planner_problem.IN_STEP_SCALE  # what the compile scaled its node times by
         handle = placed_handle(record)
         if handle is not None and device_steps > 0:
             parts = chunk_parts(handle)
             out["device_step_bytes_per_s"] = [
-                profiler.device_step_rate(device, parts, load_nodes=nodes, cache=copy, refresh=True)
+                machine_profile.device_step_rate(device, parts, load_nodes=nodes, cache=copy, refresh=True)
                 for _ in range(device_steps)]
             out["cpu_adam_params_per_s"] = [
-                profiler.chunk_adam_rate(device, handle.chunk_params, cache=copy, refresh=True) for _ in range(2)]
+                machine_profile.chunk_adam_rate(device, handle.chunk_params, cache=copy, refresh=True) for _ in range(2)]
         shutil.rmtree(copy, ignore_errors=True)
     except Exception as e:  # noqa: BLE001 - a measurement after the run; the run's results stand
         out["error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_cost_search import MiB, make_problem  # noqa: E402
 
-from protrain_fx.cost import CostModel  # noqa: E402
-from protrain_fx.search import search  # noqa: E402
+from protrain_fx.search.cost import CostModel  # noqa: E402
+from protrain_fx.search.search import search  # noqa: E402
 
 
 def main() -> None:

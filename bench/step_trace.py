@@ -52,8 +52,8 @@ def node_kind(target: str) -> str:
 def estimate(record, machine, op_times) -> dict:
     """The estimate's seconds per phase and kind (nodes with a FLOP formula are products or attention,
     measured when ``op_times`` has them; the rest is the fused roofline), and node counts."""
-    from protrain_fx.opprofile import op_signature
-    from protrain_fx.profiler import _node_times
+    from protrain_fx.planner.problem import _node_times
+    from protrain_fx.profile.ops import op_signature
 
     out: dict = {}
     for phase, graph in (("forward", record.forward), ("backward", record.backward)):
@@ -196,9 +196,9 @@ def protocol_rounds(record, machine, rounds: int, device: str = "cuda") -> dict:
     ``prefilled`` (the same with the device kept busy while they are queued); per round and protocol,
     the estimate's seconds per phase and kind at those times (nothing cached is read or written)."""
     import torch
-
-    from protrain_fx.opprofile import _time_node, _warm_clocks, distinct_calls
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from protrain_fx.profile.ops import _time_node, _warm_clocks, distinct_calls
 
     nodes = [*record.forward.graph.nodes, *record.backward.graph.nodes]
     calls = distinct_calls(nodes)
@@ -217,13 +217,13 @@ def protocol_rounds(record, machine, rounds: int, device: str = "cuda") -> dict:
 
 
 def main() -> None:
+    import peers
     import torch
 
-    import peers
     from protrain_fx import capture
     from protrain_fx import machine as machines
     from protrain_fx.backend import register
-    from protrain_fx.profiler import device_op_times
+    from protrain_fx.planner.problem import device_op_times
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="760M")

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import protrain_fx  # noqa: E402  (only for inspection; the backend itself needs no import)
 from examples.gpt import GPT, gpt_config, random_batch  # noqa: E402
+from protrain_fx.analysis.readable import human_bytes, text_plot  # noqa: E402
 from protrain_fx.backend import register  # noqa: E402
-from protrain_fx.export import write_all  # noqa: E402
-from protrain_fx.readable import human_bytes, text_plot  # noqa: E402
-from protrain_fx.report import StepReport  # noqa: E402
+from protrain_fx.inspect.export import write_all  # noqa: E402
+from protrain_fx.inspect.report import StepReport  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - start
         print(f"step {i}: loss {loss_value:.4f}, {1000 * seconds:.1f} ms, {tokens / seconds:,.0f} tokens/s")
 
-    from protrain_fx.measure import mark_phase, record_cpu_memory, record_memory
+    from protrain_fx.inspect.measure import mark_phase, record_cpu_memory, record_memory
 
     if device.type == "cuda":
         measured_peak = torch.cuda.max_memory_allocated()

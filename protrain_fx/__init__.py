@@ -5,15 +5,19 @@ package is installed). This module exposes inspection: the captured graphs, thei
 memory timelines.
 """
 
-from protrain_fx.capture import CapturedGraph, captured_graphs, graph_break_reasons, reset
+from protrain_fx.analysis.timeline import BufferEvent, Timeline, TimelineEntry
+from protrain_fx.capture import (
+    CapturedGraph,
+    captured_graphs,
+    graph_break_reasons,
+    reset,
+)
 from protrain_fx.config import ProtrainConfig, parse_bytes, parse_options
-from protrain_fx.timeline import BufferEvent, Timeline, TimelineEntry
-
 
 
 def offload(model, optimizer, **kwargs):
     """Put ``model``'s parameters into chunks, most in host memory; see :mod:`protrain_fx.param_offload`."""
-    from protrain_fx.param_offload import offload as _offload
+    from protrain_fx.runtime.offload import offload as _offload
 
     return _offload(model, optimizer, **kwargs)
 
@@ -21,7 +25,7 @@ def offload(model, optimizer, **kwargs):
 def what_fits(model, *args, **kwargs):
     """The plan and the smallest memory budget of ``model`` on these inputs, without training; see
     :mod:`protrain_fx.fit`."""
-    from protrain_fx.fit import what_fits as _what_fits
+    from protrain_fx.planner.fit import what_fits as _what_fits
 
     return _what_fits(model, *args, **kwargs)
 
@@ -29,7 +33,7 @@ def what_fits(model, *args, **kwargs):
 def step_report():
     """A :class:`~protrain_fx.report.StepReport` of every graph captured so far (print it for the
     per-block tables, predicted peaks and graph breaks)."""
-    from protrain_fx.report import StepReport
+    from protrain_fx.inspect.report import StepReport
 
     return StepReport(graphs=captured_graphs())
 

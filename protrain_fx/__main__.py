@@ -1,5 +1,5 @@
 """``python -m protrain_fx``: the command line (see :mod:`protrain_fx.cli`)."""
 
-from protrain_fx.cli import main
+from protrain_fx.inspect.cli import main
 
 raise SystemExit(main())

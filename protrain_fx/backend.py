@@ -23,25 +23,39 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from protrain_fx.autooffload import choose_for_placed, choose_offload, deferred_handle, placed_handle
-from protrain_fx.autoplan import choose_plan, peaks_at_compile_start, specialize_shapes, watch_first_step
-from protrain_fx.fit import answer, answer_offload
+from protrain_fx.analysis.blocks import block_at_end
+from protrain_fx.analysis.inductor_memory import (
+    analyze_inductor_memory,
+    read_inductor_plan,
+)
+from protrain_fx.analysis.memory import MemoryAnalysis, StepGraphs, _output_args
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
-from protrain_fx.errors import surfaced
-from protrain_fx.passes.blocks import block_at_end
-from protrain_fx.passes.memory import MemoryAnalysis, StepGraphs, _output_args
-from protrain_fx.passes.inductor_memory import analyze_inductor_memory, read_inductor_plan
-from protrain_fx.pipeline import (
-    check_budget,
-    reads_hand_offloaded,
-    refine_memory_for_inductor,
-    resolve_budget,
-    run_joint_passes,
-    run_step_passes,
-    wants_auto_plan,
+from protrain_fx.errors import UnsupportedError, surfaced
+from protrain_fx.passes.pipeline import (
+    JOINT_PASSES,
+    LOWERED_PASSES,
+    STEP_PASSES,
+    PassContext,
+    run_passes,
 )
 from protrain_fx.plan import Plan
+from protrain_fx.planner.activations import choose_plan, specialize_shapes
+from protrain_fx.planner.budget import (
+    check_budget,
+    reads_hand_offloaded,
+    resolve_budget,
+    wants_auto_plan,
+)
+from protrain_fx.planner.first_step import peaks_at_compile_start, watch_first_step
+from protrain_fx.planner.fit import answer, answer_offload
+from protrain_fx.planner.offload import (
+    choose_for_placed,
+    choose_offload,
+    deferred_handle,
+    placed_handle,
+)
+from protrain_fx.runtime import chunk_ops
 
 log = logging.getLogger("protrain_fx")
 
@@ -132,14 +146,17 @@ class _Partitioner(CustomPartitionerFn):
         primals = [n.name for n in joint.graph.nodes if n.op == "placeholder"]
         parameters = {primals[i] for i in static if i < len(primals)}
 
-        def partition(graph: fx.GraphModule, *, check: bool = True) -> tuple[fx.GraphModule, fx.GraphModule]:
-            record.joint = graph
-            # The plan's tags, which the partitioner acts on.
-            run_joint_passes(record, parameter_names=parameters, num_fwd_outputs=num_fwd_outputs)
+        def partition(graph: fx.GraphModule, plan: Plan | None, *, check: bool = True
+                      ) -> tuple[fx.GraphModule, fx.GraphModule]:
+            record.joint, record.plan = graph, plan
+            ctx = PassContext(record, plan, frozenset(parameters), num_fwd_outputs)
+            run_passes(JOINT_PASSES, ctx)  # the tags the partitioner acts on
             forward, backward = min_cut_rematerialization_partition(graph, joint_inputs, **kwargs)
             record.forward, record.backward = forward, backward
             record.step = _step_graphs(forward, backward, num_fwd_outputs, set(static))
-            run_step_passes(record, check=check)
+            run_passes(STEP_PASSES, ctx)
+            if check and record.config.codegen == "eager":
+                check_budget(record)  # with Inductor: once its allocation plan is known
             return forward, backward
 
         if record.config.dry_run and reads_hand_offloaded(record):  # stop before anything can run
@@ -154,7 +171,7 @@ class _Partitioner(CustomPartitionerFn):
             _check_automatic_offload(record, answering=handle is not None)
         dry_run = record.config.dry_run and wants_auto_plan(record, budget_needed=False)  # protrain_fx.what_fits
         if handle is None and not dry_run and not wants_auto_plan(record):
-            return partition(joint)
+            return partition(joint, record.config.plan)
         # The backend chooses the plan: each trial partitions its own copy of the joint graph (the
         # partitioner rewrites the graph it is given, and the tags of one plan must not reach the next).
         specialize_shapes(joint)  # the plan is sized for these shapes: a new shape compiles (and plans) again
@@ -162,9 +179,8 @@ class _Partitioner(CustomPartitionerFn):
         graphs: list[tuple[fx.GraphModule, fx.GraphModule]] = []
 
         def trial(plan: Plan | None) -> None:
-            record.config = dataclasses.replace(user_config, plan=plan)
             record.swapped = []
-            graphs[:] = [partition(_copy_graph_module(joint), check=False)]
+            graphs[:] = [partition(_copy_graph_module(joint), plan, check=False)]
 
         if user_config.verify != "graph":  # "inductor" (options refuse it with another codegen) or "auto"
             # Judged on the device the step's memory is analysed for (an offloaded model's inputs
@@ -269,7 +285,8 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
         if lowering is not None and record.step is not None:
             record.inductor_plans[phase] = read_inductor_plan(lowering, phase)
             if phase != "forward" or record.backward is None:
-                refine_memory_for_inductor(record)
+                run_passes(LOWERED_PASSES, PassContext(record, record.plan))
+                check_budget(record)
         return compiled
 
     # A warm AOTAutograd cache would skip partitioning, and with it our passes.
@@ -308,7 +325,9 @@ def _probe_inductor(record: CapturedGraph) -> MemoryAnalysis | None:
     cannot be done: the graph-level analysis judges then."""
     from types import SimpleNamespace
 
-    from torch._functorch._aot_autograd.graph_compile import collect_bw_donated_buffer_idxs
+    from torch._functorch._aot_autograd.graph_compile import (
+        collect_bw_donated_buffer_idxs,
+    )
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner, count_tangents
@@ -402,14 +421,21 @@ class _Picklable:
 
 def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequence[Any]) -> None:
     """Analyse a graph that needs no backward (inference, a compiled optimizer step); it runs as is."""
-    record.inference = graph
+    if any(chunk_ops.deferred(t) for t in record.real_inputs()):
+        raise UnsupportedError(
+            f"protrain_fx: graph {record.index} (no backward: inference or no_grad) reads an offloaded model whose "
+            "chunk counts are not chosen yet; they are chosen with the first training graph: run a training "
+            "step first, or give n_persist / n_buffer to offload(...) by hand"
+        )
+    record.inference, record.plan = graph, record.config.plan
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     # AOTAutograd hands fake inputs to the compiler; the Dynamo graph's real inputs, in the same
     # order, say which are parameters.
     real = record.real_inputs()
     state = {n.name for n, t in zip(placeholders, real) if isinstance(t, torch.nn.Parameter)}
     record.step = StepGraphs(graph, None, _num_outputs(graph), frozenset(state), frozenset())
-    run_step_passes(record)
+    run_passes(STEP_PASSES, PassContext(record, record.plan))
+    check_budget(record)
 
 
 def _boxed(gm: fx.GraphModule) -> Callable:

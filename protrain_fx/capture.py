@@ -9,24 +9,20 @@ kept too.
 
 from __future__ import annotations
 
-import threading
 import types
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from protrain_fx.config import ProtrainConfig
+from protrain_fx.state import STATE
 
-if TYPE_CHECKING:
-    from protrain_fx.autoplan import AutoPlan
-    from protrain_fx.passes.blocks import BlockInfo
-    from protrain_fx.passes.inductor_memory import GraphPlan
-    from protrain_fx.passes.memory import MemoryAnalysis, StepGraphs
-    from protrain_fx.passes.swap import SwappedValue
+# The record is data only: the types of what later stages put in it are named in each field's
+# comment, not imported (capture sits below analysis, planner and passes).
 
 
 @dataclass(frozen=True)
@@ -72,33 +68,36 @@ class CapturedGraph:
     #: weakly; AOTAutograd's flat inputs (``primals_*``) follow this order.
     example_inputs: tuple[Any, ...] = ()
     joint: fx.GraphModule | None = None
+    #: The activation plan the graphs run: the user's ``plan`` option, or the one the planner chose
+    #: (``planner/``); ``None``: none.
+    plan: Any = None  # plan.Plan
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     inference: fx.GraphModule | None = None
-    step: "StepGraphs | None" = None
-    blocks: "BlockInfo | None" = None
-    memory: "MemoryAnalysis | None" = None
+    step: Any = None  # analysis.memory.StepGraphs
+    blocks: Any = None  # analysis.blocks.BlockInfo
+    memory: Any = None  # analysis.memory.MemoryAnalysis
     passes: list[PassRecord] = field(default_factory=list)
     #: Readable forward/backward graphs as they were after our passes (Inductor later rewrites the
     #: graph objects in place during its own lowering).
     readable: dict[str, str] = field(default_factory=dict)
     #: Inductor codegen: per phase, the allocation plan of its generated code.
-    inductor_plans: dict[str, "GraphPlan"] = field(default_factory=dict)
+    inductor_plans: dict[str, Any] = field(default_factory=dict)  # analysis.inductor_memory.GraphPlan
     #: The analysis counting every graph value, as eager codegen allocates them. With Inductor,
     #: ``memory`` is replaced by the analysis of Inductor's plans once both graphs are compiled
     #: (the backward graph at the first ``backward()``), and this keeps the graph-level one.
-    memory_unfused: "MemoryAnalysis | None" = None
+    memory_unfused: Any = None  # analysis.memory.MemoryAnalysis
     #: Saved values the plan swaps, with where their copies were placed (``passes/swap.py``).
-    swapped: list["SwappedValue"] = field(default_factory=list)
+    swapped: list[Any] = field(default_factory=list)  # passes.swap.SwappedValue
     #: Chunks of offloaded parameters gathered per graph (``passes/gather.py``).
     gathered: list[Any] = field(default_factory=list)
     #: With ``verify="inductor"``, set by the partitioner while the backend chooses a plan: lowers
     #: the graphs of the plan now in ``step`` with Inductor and returns the analysis of its
     #: allocation plans, or ``None`` when that could not be done (``backend._probe_inductor``).
-    probe_inductor: "Callable[[], MemoryAnalysis | None] | None" = None
+    probe_inductor: Callable[[], Any] | None = None  # returns an analysis.memory.MemoryAnalysis or None
     #: The activation plan the backend chose from the memory budget, with its prediction
-    #: (``protrain_fx.autoplan``); ``None`` without a budget, with a plan by hand or offloaded parameters.
-    auto_plan: "AutoPlan | None" = None
+    #: (``planner/``); ``None`` without a budget, with a plan by hand or offloaded parameters.
+    auto_plan: Any = None  # planner.result.AutoPlan
     #: Where ``config.memory_budget_bytes`` came from: ``"user"`` (``memory_budget``), ``"device"``
     #: (none given: what the process could reach on the step's CUDA device when it was compiled,
     #: ``pipeline.resolve_budget``) or ``None`` (no budget).
@@ -124,12 +123,6 @@ class CapturedGraph:
         return f"graph {self.index}: {kind}, {len(self.dynamo_graph.graph.nodes)} Dynamo nodes"
 
 
-_lock = threading.Lock()
-_records: list[CapturedGraph] = []
-_breaks_seen: Counter[str] = Counter()
-_break_stacks_seen = 0  # entries of Dynamo's graph_break_reasons already attributed
-
-
 def new_record(
     config: ProtrainConfig, dynamo_graph: fx.GraphModule, example_inputs: Sequence[Any] = (), *,
     inside_block: str = "",
@@ -139,16 +132,16 @@ def new_record(
     in (``passes.blocks.block_at_end``), where such a break happened."""
     from torch._dynamo.utils import counters, graph_break_reasons
 
-    global _break_stacks_seen
-    with _lock:
+    state = STATE
+    with state.lock:
         now = Counter(counters["graph_break"])
-        new_breaks = tuple(reason for reason in now if now[reason] > _breaks_seen[reason])
-        _breaks_seen.clear()
-        _breaks_seen.update(now)
-        if len(graph_break_reasons) < _break_stacks_seen:  # torch._dynamo.reset() cleared them
-            _break_stacks_seen = 0
-        stacks = [r.user_stack for r in graph_break_reasons[_break_stacks_seen:]]
-        _break_stacks_seen = len(graph_break_reasons)
+        new_breaks = tuple(reason for reason in now if now[reason] > state.breaks_seen[reason])
+        state.breaks_seen.clear()
+        state.breaks_seen.update(now)
+        if len(graph_break_reasons) < state.break_stacks_seen:  # torch._dynamo.reset() cleared them
+            state.break_stacks_seen = 0
+        stacks = [r.user_stack for r in graph_break_reasons[state.break_stacks_seen:]]
+        state.break_stacks_seen = len(graph_break_reasons)
         inside = inside_block if new_breaks else ""
         breaks = tuple(
             GraphBreak(reason.splitlines()[0] if reason else reason, _where(stacks[i] if i < len(stacks) else None),
@@ -156,7 +149,7 @@ def new_record(
             for i, reason in enumerate(new_breaks)
         )
         record = CapturedGraph(
-            index=len(_records),
+            index=len(state.records),
             config=config,
             dynamo_graph=dynamo_graph,
             graph_breaks_after=new_breaks,
@@ -164,7 +157,7 @@ def new_record(
             example_inputs=tuple(weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs),
             dynamo_code=_compiling_code(),
         )
-        _records.append(record)
+        state.records.append(record)
         return record
 
 
@@ -188,28 +181,28 @@ def _compiling_code() -> types.CodeType | None:
 
 def captured_graphs() -> list[CapturedGraph]:
     """Records of all graphs the backend captured since the last :func:`reset`, in capture order."""
-    with _lock:
-        return list(_records)
+    with STATE.lock:
+        return list(STATE.records)
 
 
 def graph_break_reasons() -> list[str]:
     """Distinct graph-break reasons Dynamo logged while our graphs were captured."""
-    with _lock:
-        return [r for rec in _records for r in rec.graph_breaks_after]
+    with STATE.lock:
+        return [r for rec in STATE.records for r in rec.graph_breaks_after]
+
+
+def _seen_breaks_now() -> None:
+    """After a reset: Dynamo's breaks so far belong to no graph of ours."""
+    from torch._dynamo.utils import counters, graph_break_reasons
+
+    STATE.breaks_seen.update(counters["graph_break"])
+    STATE.break_stacks_seen = len(graph_break_reasons)
+
+
+STATE.on_reset(_seen_breaks_now)
 
 
 def reset() -> None:
-    """Forget captured graphs (``torch._dynamo.reset()`` is still needed to force recompilation)."""
-    from torch._dynamo.utils import counters, graph_break_reasons
-
-    global _break_stacks_seen
-    with _lock:
-        _records.clear()
-        _breaks_seen.clear()
-        _breaks_seen.update(counters["graph_break"])
-        _break_stacks_seen = len(graph_break_reasons)
-    from protrain_fx.autoplan import clear_peak_misses
-    from protrain_fx.runtime.swap import POOL
-
-    POOL.clear()  # host buffers of swapped values of the forgotten graphs
-    clear_peak_misses()  # measured misses lowered the caps of later plans
+    """Forget captured graphs and everything else the process keeps (``state.ProcessState.reset``);
+    ``torch._dynamo.reset()`` is still needed to force recompilation."""
+    STATE.reset()

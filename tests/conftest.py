@@ -13,10 +13,10 @@ if str(ROOT) not in sys.path:  # ``python -m pytest`` adds the cwd, plain ``pyte
     sys.path.insert(0, str(ROOT))
 
 import protrain_fx  # noqa: E402
-from protrain_fx import profiler  # noqa: E402
+from protrain_fx.profile import cache as profile_cache
 
 #: The real one, for the tests of it (``tests/test_calibrate.py``, on their own cache directory).
-NOTE_TRAINING_RATES = profiler.note_training_rates
+NOTE_TRAINING_RATES = profile_cache.note_training_rates
 
 
 @pytest.fixture(autouse=True)
@@ -33,4 +33,4 @@ def _fresh_compile_state():
 def _training_rates_not_kept(monkeypatch):
     """Rates one test's training reaches are not kept in this machine's profile file, where later
     tests' plans would be priced at them (``protrain_fx.calibrate``)."""
-    monkeypatch.setattr(profiler, "note_training_rates", lambda *args, **kwargs: None)
+    monkeypatch.setattr(profile_cache, "note_training_rates", lambda *args, **kwargs: None)

@@ -17,13 +17,21 @@ import pytest
 import torch
 
 import protrain_fx
-from protrain_fx import autooffload, autoplan
-from protrain_fx.cost import CostModel, MachineProfile
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx.pipeline import allocated_cap_bytes
 from protrain_fx.plan import from_counts
+from protrain_fx.planner import first_step, verify
+from protrain_fx.planner import offload as autooffload
+from protrain_fx.planner.budget import allocated_cap_bytes
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.problem import MachineProfile
 from tests.test_auto_plan import _no_plan_fits
-from tests.test_offload import CHUNK, CONFIG, _assert_same_params, _batch, _train_side_by_side
+from tests.test_offload import (
+    CHUNK,
+    CONFIG,
+    _assert_same_params,
+    _batch,
+    _train_side_by_side,
+)
 
 #: The tiny GPT's step (batch 2 x 32) peaks at 3.6 MiB with every parameter on the device, no plan.
 TIGHT = 3_000_000
@@ -127,7 +135,7 @@ def test_budget_too_small_names_a_minimum_that_then_trains():
 
 
 def test_lean_counts_are_what_the_store_makes_at_every_n_persist():
-    from protrain_fx.runtime.chunk_store import AUTO_HOST_RESERVE, planned_store_bytes
+    from protrain_fx.runtime.host_memory import AUTO_HOST_RESERVE, planned_store_bytes
 
     model = GPT(CONFIG)
     probe = protrain_fx.offload(copy.deepcopy(model), torch.optim.AdamW(model.parameters()), device="cpu",
@@ -189,7 +197,7 @@ def test_a_measured_miss_plans_the_placed_chunks_again_or_names_the_budget_they_
         state["reads"] += 1
         return (1000, 2000) if state["reads"] % 2 else (1000, 1000 + state["rise"])
 
-    monkeypatch.setattr(autoplan, "memory_counters", counters)
+    monkeypatch.setattr(first_step, "memory_counters", counters)
     model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
 
     def step(i: int) -> None:
@@ -341,7 +349,7 @@ def test_what_the_automatic_counts_refuse():
 def test_another_input_shape_gets_its_own_plan_for_the_chunks_as_placed(monkeypatch):
     # Without the raised search the first compile leaves room for the longer shape: with it, the
     # first shape takes that room (more persistent chunks), and the longer one no longer fits.
-    monkeypatch.setattr(autoplan, "MAX_RAISES", 0)
+    monkeypatch.setattr(verify, "MAX_RAISES", 0)
     model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
     _train_side_by_side(compiled, reference, opt, ref_opt, 2)
     counts = (handle.n_persist, handle.n_buffer, handle.n_gpu_optim)
@@ -385,7 +393,7 @@ def test_verify_inductor_refuses_a_plan_inductor_compiles_above_the_cap(caplog, 
     # Inductor's own allocation plan puts above the cap; verify="inductor" judges every plan tried by
     # that plan (each lowered as the compile lowers it), so the step it keeps compiles to what it read.
     # Each plan's graph-level peak is read beside the peak that judged it (no verify="graph" compile).
-    original = autoplan.judged_peak
+    original = verify.judged_peak
     judged = []  # (graph-level peak, the peak it was judged by) of each plan tried
 
     def spy(record):
@@ -394,7 +402,7 @@ def test_verify_inductor_refuses_a_plan_inductor_compiles_above_the_cap(caplog, 
         judged.append((graph_level, peak))
         return peak, by_inductor
 
-    monkeypatch.setattr(autoplan, "judged_peak", spy)
+    monkeypatch.setattr(verify, "judged_peak", spy)
     cap = allocated_cap_bytes(VERIFY_BUDGET)
     torch.manual_seed(0)
     model = GPT(VERIFY_CONFIG)
@@ -424,9 +432,11 @@ def test_verify_inductor_refuses_a_plan_inductor_compiles_above_the_cap(caplog, 
 
 
 def test_steadier_gpu_optim_applies_the_count_of_least_expected_step_and_records_its_memory():
-    from protrain_fx.autooffload import steadier_gpu_optim
-    from protrain_fx.autoplan import Trial
-    from protrain_fx.cost import Config, CostModel, expected_estimate
+    from protrain_fx.planner.offload import steadier_gpu_optim
+    from protrain_fx.planner.verify import Trial
+    from protrain_fx.search.cost import CostModel
+    from protrain_fx.search.spread import expected_estimate
+    from protrain_fx.search.problem import Config
     from tests.test_cost_search import make_problem
 
     class Handle:  # what steadier_gpu_optim asks of an OffloadHandle

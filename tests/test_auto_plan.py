@@ -3,7 +3,7 @@ plan by hand, for a model whose parameters stay on the device.
 
 CPU, eager codegen (bit-exact with eager PyTorch), the tiny GPT with 4 blocks. Budgets are derived
 from the step's own analysed peak (never hard-coded), through the same headroom rule the backend uses
-(``pipeline.budget_for_peak`` / ``allocated_cap_bytes``). The search restriction is checked against
+(``planner_budget.budget_for_peak`` / ``allocated_cap_bytes``). The search restriction is checked against
 brute force on synthetic problems (``tests/test_cost_search.py``'s generator).
 """
 
@@ -19,18 +19,25 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx import autooffload, autoplan, backend, pipeline
-from protrain_fx.autoplan import AutoPlan, PeakCheck, least_memory_config, record_first_step, search_activation_plan
-from protrain_fx.cost import CostModel, block_plan
+from protrain_fx import backend
 from protrain_fx.plan import interleaved
-from protrain_fx.pipeline import (
+from protrain_fx.planner import activations, first_step, rates, reserve, result, verify
+from protrain_fx.planner import budget as planner_budget
+from protrain_fx.planner import offload as autooffload
+from protrain_fx.planner.activations import least_memory_config, search_activation_plan
+from protrain_fx.planner.budget import (
     allocated_cap_bytes,
     budget_for_peak,
     budget_verdict,
     device_budget_bytes,
     reachable_bytes,
 )
-from protrain_fx.search import NoPlanFits, search
+from protrain_fx.planner.first_step import record_first_step
+from protrain_fx.planner.result import AutoPlan, PeakCheck
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.problem import block_plan
+from protrain_fx.search.search import NoPlanFits, search
+from protrain_fx.state import STATE
 from tests.test_cost_search import brute_force, budgets, make_problem
 
 CONFIG = gpt_config("tiny", n_layer=4)
@@ -159,7 +166,7 @@ def test_budget_the_step_fits_keeps_no_plan(no_plan, logged, monkeypatch):
     assert isinstance(auto, AutoPlan) and auto.how == "fits as is"
     assert set(auto.plan.blocks) == set(LABELS) and not auto.plan.blocks_with("checkpoint")
     assert not auto.plan.blocks_with("swap") and auto.trials == []
-    assert record.config.plan is None and record.swapped == []
+    assert record.plan is None and record.swapped == []
     assert record.memory.peak_bytes == auto.analysed_peak_bytes == no_plan["peak"]
     assert budget_verdict(record.memory.peak_bytes, budget) == "fits"
     assert any("automatic activation plan for graph 0" in r.getMessage() for r in logged)
@@ -173,7 +180,7 @@ def test_tighter_budget_runs_a_plan_that_fits_exactly_as_eager(no_plan, capfd):
     assert auto.how == "searched"
     changed = auto.plan.blocks_with("checkpoint") + auto.plan.blocks_with("swap")
     assert changed
-    assert record.config.plan == auto.plan == block_plan(auto.problem, auto.config)
+    assert record.plan == auto.plan == block_plan(auto.problem, auto.config)
     # the compiled step is the rewritten one: what the plan drops is no longer saved
     saved = {b.block: b.saved_activation_bytes for b in record.memory.blocks}
     for block in changed:
@@ -233,7 +240,7 @@ def test_the_plans_of_least_memory_are_the_cost_models_and_checkpointing_every_b
     for seed in range(4):
         model = CostModel(make_problem(seed, n_blocks=5))
         n, N = model.n_chunks, model.n_blocks
-        configs = autoplan.least_memory_configs(model, n, 0)
+        configs = activations.least_memory_configs(model, n, 0)
         assert configs[0] == least_memory_config(model)
         assert configs[-1] == dataclasses.replace(configs[0], n_swap=0, n_checkpoint=N)
         assert len(configs) == len(set(configs))
@@ -247,14 +254,14 @@ def test_checkpointing_every_block_is_tried_for_the_minimum_when_the_cost_model_
     swaps free their blocks at once, where copies that never finish free nothing): it picks a swap
     plan, and checkpointing every block, tried too and judged by the analysis, names the minimum,
     which then trains."""
-    real = autoplan.activation_problem
+    real = activations.activation_problem
 
     def optimistic(record):
         problem = real(record)
         blocks = tuple(dataclasses.replace(b, swap_bytes=b.saved_bytes, swap_parts=()) for b in problem.blocks)
         return dataclasses.replace(problem, blocks=blocks, place_d2h_bytes_per_s=1e30, place_h2d_bytes_per_s=1e30)
 
-    monkeypatch.setattr(autoplan, "activation_problem", optimistic)
+    monkeypatch.setattr(activations, "activation_problem", optimistic)
     slow = {"d2h_bytes": 1.0, "h2d_bytes": 1.0}
     options = {"codegen": "eager", "machine": slow}
 
@@ -275,7 +282,7 @@ def test_checkpointing_every_block_is_tried_for_the_minimum_when_the_cost_model_
     error = _no_plan_fits(info.value)
     assert error is not None
     (record,) = _train_graphs()
-    guess = least_memory_config(CostModel(autoplan.activation_problem(record)))
+    guess = least_memory_config(CostModel(activations.activation_problem(record)))
     assert guess.n_swap > 0  # the cost model's own least swaps ...
     guessed = analysed(interleaved(LABELS, guess.n_swap, guess.n_checkpoint))
     assert guessed > everything  # ... and the analysis puts that above checkpointing every block
@@ -328,7 +335,7 @@ def test_offloaded_model_keeps_its_hand_settings():
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": "1MiB"})
     compiled(*_batch()).backward()  # far below any plan's minimum: no NoPlanFits
     (record,) = _train_graphs()
-    assert record.auto_plan is None and record.config.plan is None and record.gathered
+    assert record.auto_plan is None and record.plan is None and record.gathered
 
 
 # --------------------------------------------------------------------------- no options: the device's budget
@@ -343,7 +350,7 @@ def test_reachable_bytes_is_the_cap_bounded_by_what_is_there():
 
 
 def _device_budget(monkeypatch, budget):
-    """Make ``pipeline.device_budget_bytes`` report ``budget`` for any device; returns the devices
+    """Make ``planner_budget.device_budget_bytes`` report ``budget`` for any device; returns the devices
     it was asked about."""
     asked = []
 
@@ -351,7 +358,7 @@ def _device_budget(monkeypatch, budget):
         asked.append(torch.device(device))
         return budget
 
-    monkeypatch.setattr(pipeline, "device_budget_bytes", fake)
+    monkeypatch.setattr(planner_budget, "device_budget_bytes", fake)
     return asked
 
 
@@ -388,7 +395,7 @@ def test_auto_plan_false_turns_planning_off(no_plan, monkeypatch, logged):
         torch.manual_seed(0)
         torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager", **options})(*_batch()).backward()
         (record,) = _train_graphs()
-        assert asked == [] and record.auto_plan is None and record.config.plan is None
+        assert asked == [] and record.auto_plan is None and record.plan is None
         assert record.memory.peak_bytes == no_plan["peak"]  # compiled as written
     assert any("its memory budget" in r.getMessage() for r in logged)  # the user's budget is checked
 
@@ -412,10 +419,10 @@ def test_peak_check_arithmetic():
     assert low.step_peak_bytes == 950 and low.error_pct == pytest.approx(-5.0) and not low.over
     assert low.outside_bytes == 0
     # above the cap by less than the tolerance (noise inside the allocator headroom): not a miss, and said so
-    noise = dataclasses.replace(check, allocated_cap_bytes=int(1100 / (1 + autoplan.MISS_TOLERANCE / 2)))
+    noise = dataclasses.replace(check, allocated_cap_bytes=int(1100 / (1 + result.MISS_TOLERANCE / 2)))
     assert noise.step_peak_bytes > noise.allocated_cap_bytes and not noise.over
     assert "tolerance: not a miss" in noise.line() and "tolerance" not in check.line()
-    edge = dataclasses.replace(check, allocated_cap_bytes=int(1100 / (1 + 2 * autoplan.MISS_TOLERANCE)))
+    edge = dataclasses.replace(check, allocated_cap_bytes=int(1100 / (1 + 2 * result.MISS_TOLERANCE)))
     assert edge.over
 
 
@@ -439,23 +446,23 @@ def test_first_step_bookkeeping_and_a_miss_reserves_what_it_measured(no_plan, mo
     assert check.error_pct == 0 and not auto.replan
     assert not [r for r in logged if r.levelno >= logging.WARNING]
     assert "first step measured peak" in auto.table()
-    assert autoplan._MEASURED_OUTSIDE == {memory.device: 0}  # nothing around the graph
+    assert STATE.measured_outside == {memory.device: 0}  # nothing around the graph
 
     # above the cap inside the tolerance: logged as such, no miss, what it held above is kept
     inside = auto.allocated_cap_bytes + 1
     check = record_first_step(record, (10_000, 20_000), (10_000, 10_000 + inside - start))
     assert not check.over and not auto.replan and "not a miss" in check.line()
     assert not [r for r in logged if r.levelno >= logging.WARNING]
-    assert autoplan._MEASURED_OUTSIDE == {memory.device: inside - memory.peak_bytes}
+    assert STATE.measured_outside == {memory.device: inside - memory.peak_bytes}
 
     # above the cap: a warning naming the numbers, the flag, and the next plan keeps what was measured
-    over = int(auto.allocated_cap_bytes * (1 + 2 * autoplan.MISS_TOLERANCE))
+    over = int(auto.allocated_cap_bytes * (1 + 2 * result.MISS_TOLERANCE))
     check = record_first_step(record, (10_000, 20_000), (10_000, 10_000 + over - start))
     assert check.over and auto.replan and auto.measured_peak_bytes == over
     (warning,) = [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
     assert str(over) in warning and str(memory.peak_bytes) in warning and "as measured" in warning
     outside = check.outside_bytes
-    assert outside == over - memory.peak_bytes == autoplan._MEASURED_OUTSIDE[memory.device]
+    assert outside == over - memory.peak_bytes == STATE.measured_outside[memory.device]
 
     # a device with room for the empty step once the measured bytes are kept: planned again, not as is
     budget = budget_for_peak(no_plan["peak"] + outside // 2)
@@ -472,7 +479,7 @@ def test_first_step_bookkeeping_and_a_miss_reserves_what_it_measured(no_plan, mo
     assert later.memory.peak_bytes <= later.auto_plan.allocated_cap_bytes
     assert "measured in a first step" in later.auto_plan.table()
     protrain_fx.reset()
-    assert autoplan._MEASURED_OUTSIDE == {}
+    assert STATE.measured_outside == {}
 
 
 def test_the_first_training_call_is_measured_once_after_its_backward(no_plan, monkeypatch):
@@ -486,7 +493,7 @@ def test_the_first_training_call_is_measured_once_after_its_backward(no_plan, mo
         reads.append((device, phase["now"]))
         return (1000, 2000) if len(reads) == 1 else (1000, 1000 + 12345)
 
-    monkeypatch.setattr(autoplan, "memory_counters", counters)
+    monkeypatch.setattr(first_step, "memory_counters", counters)
     torch.manual_seed(0)
     compiled = torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager"})
     phase["now"] = "forward"
@@ -507,7 +514,7 @@ def test_the_first_training_call_is_measured_once_after_its_backward(no_plan, mo
 
 
 def test_step_check_arithmetic():
-    check = autoplan.StepCheck(predicted_step_s=0.2, intervals_s=(0.26, 0.25, 0.1, 0.25, 0.3))
+    check = rates.StepCheck(predicted_step_s=0.2, intervals_s=(0.26, 0.25, 0.1, 0.25, 0.3))
     assert check.measured_step_s == 0.25  # the median: one odd interval does not move it
     assert check.error_pct == pytest.approx(-20.0)  # predicted faster than measured
     assert "250.0 ms" in check.line() and "200.0 ms predicted (-20.0%)" in check.line()
@@ -521,7 +528,7 @@ def test_the_step_period_is_measured_over_training_calls_3_to_8(no_plan, monkeyp
     the clock is not read again."""
     _device_budget(monkeypatch, budget_for_peak(no_plan["peak"]))  # fits as is: planned
     ticks = iter([0.0, 50.0, 100.0, 100.1, 100.3, 100.6, 101.0, 101.5])  # intervals 3..8: .1 .2 .3 .4 .5
-    monkeypatch.setattr(autoplan, "_clock", lambda: next(ticks))
+    monkeypatch.setattr(first_step, "_clock", lambda: next(ticks))
     torch.manual_seed(0)
     compiled = torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager"})
     for call in range(8):
@@ -552,9 +559,9 @@ def test_a_measured_miss_compiles_the_graph_again_under_the_lowered_cap(no_plan,
         state["reads"] += 1
         return (1000, 2000) if state["reads"] % 2 else (1000, 1000 + state["peak"])
 
-    monkeypatch.setattr(autoplan, "memory_counters", counters)
+    monkeypatch.setattr(first_step, "memory_counters", counters)
     resets = []
-    monkeypatch.setattr(autoplan, "reset_peak", resets.append)
+    monkeypatch.setattr(first_step, "reset_peak", resets.append)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     reference = copy.deepcopy(model)
@@ -609,12 +616,12 @@ def test_a_compile_that_raised_the_peak_resets_it_once_before_the_first_step(no_
         events.append(("reset", device))
         state["max"] = 1000
 
-    monkeypatch.setattr(autoplan, "memory_counters", counters)
-    monkeypatch.setattr(autoplan, "reset_peak", reset)
+    monkeypatch.setattr(first_step, "memory_counters", counters)
+    monkeypatch.setattr(first_step, "reset_peak", reset)
     for before, resets in ((4000, 1), (5000, 0)):
         events.clear()
         state["max"] = 5000
-        monkeypatch.setattr(autoplan, "peaks_at_compile_start", lambda: {torch.device("cpu"): before})
+        monkeypatch.setattr(first_step, "peaks_at_compile_start", lambda: {torch.device("cpu"): before})
         monkeypatch.setattr(backend, "peaks_at_compile_start", lambda: {torch.device("cpu"): before})
         torch._dynamo.reset()
         protrain_fx.reset()
@@ -684,25 +691,25 @@ def test_what_fits_without_a_budget_names_the_minimum_and_refuses_plans_by_hand(
 
 
 def _raise_fixture(outcomes: dict, steps: dict):
-    """``search_at`` and ``run`` over plain numbers for :func:`autoplan.raised_choice`: a cap of 100,
+    """``search_at`` and ``run`` over plain numbers for :func:`verify.raised_choice`: a cap of 100,
     the search returns config ``"fast"`` when the cap is raised by at least 10, else ``"slow"``;
     ``outcomes`` maps a config's n_persist to (predicted, analysed) peaks; ``steps`` to its step."""
-    from protrain_fx.cost import Config, Estimate
-    from protrain_fx.search import SearchResult
+    from protrain_fx.search.problem import Config, Estimate
+    from protrain_fx.search.search import SearchResult
 
     def result(p: int) -> SearchResult:
         est = Estimate(steps[p], outcomes[p][0], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         return SearchResult(Config(p, 0, 0, 0), est, 1, 0, 0, 1, 0.0)
 
     runs: list[int] = []
-    trials: list[autoplan.Trial] = []
+    trials: list[verify.Trial] = []
 
     def search_at(lowered: int) -> SearchResult:
         return result(2 if lowered <= -10 else 1)
 
-    def run(config) -> autoplan.Trial:
+    def run(config) -> verify.Trial:
         runs.append(config.n_persist)
-        t = autoplan.Trial(config, *outcomes[config.n_persist])
+        t = verify.Trial(config, *outcomes[config.n_persist])
         trials.append(t)
         return t
 
@@ -714,24 +721,24 @@ def test_raised_search_keeps_a_faster_plan_only_when_the_analysis_fits():
     # The config that fitted was predicted at 100 but analysed at 80: the search runs again with the
     # cap raised by 20 and finds a faster config, analysed under the cap: it is kept.
     first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 80), 2: (115, 95)}, {1: 1.0, 2: 0.5})
-    kept = autoplan.raised_choice(search_at, run, first, fitted, trials, 100)
+    kept = verify.raised_choice(search_at, run, first, fitted, trials, 100)
     assert kept.best.n_persist == 2 and runs == [1, 2]  # no third try: the same config comes back
     # Analysed above the cap: the config that fitted is applied again (the record holds its graphs).
     first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 80), 2: (115, 101)}, {1: 1.0, 2: 0.5})
-    kept = autoplan.raised_choice(search_at, run, first, fitted, trials, 100)
+    kept = verify.raised_choice(search_at, run, first, fitted, trials, 100)
     assert kept.best.n_persist == 1 and runs == [1, 2, 1]
     # Predicted less than RAISE_MIN_GAIN faster: not worth a rewrite and an analysis.
     first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 80), 2: (115, 95)}, {1: 1.0, 2: 0.99})
-    kept = autoplan.raised_choice(search_at, run, first, fitted, trials, 100)
+    kept = verify.raised_choice(search_at, run, first, fitted, trials, 100)
     assert kept.best.n_persist == 1 and runs == [1]
     # The raise is the fitted config's ratio, not its difference: analysed at 37, predicted 8 above,
     # a config predicted up to 100 * 45 / 37 = 121.6 analyses under the cap of 100 if the ratio holds
     # (the fixture finds the faster config from a raise of 10 on; a raise of 8 would not reach it).
     first, fitted, search_at, run, runs, trials = _raise_fixture({1: (45, 37), 2: (115, 95)}, {1: 1.0, 2: 0.5})
-    assert autoplan.raised_choice(search_at, run, first, fitted, trials, 100).best.n_persist == 2 and runs == [1, 2]
+    assert verify.raised_choice(search_at, run, first, fitted, trials, 100).best.n_persist == 2 and runs == [1, 2]
     # No margin (the analysis at or above the cost model): no raise.
     first, fitted, search_at, run, runs, trials = _raise_fixture({1: (100, 100), 2: (115, 95)}, {1: 1.0, 2: 0.5})
-    assert autoplan.raised_choice(search_at, run, first, fitted, trials, 100).best.n_persist == 1 and runs == [1]
+    assert verify.raised_choice(search_at, run, first, fitted, trials, 100).best.n_persist == 1 and runs == [1]
 
 
 def test_a_raised_config_above_the_cap_is_left_out_and_the_search_runs_again_under_it():
@@ -740,8 +747,8 @@ def test_a_raised_config_above_the_cap_is_left_out_and_the_search_runs_again_und
     # that fitted (1) was predicted 20 above its analysis: raised by 25, the search finds 3 (predicted
     # 119, analysed over the cap); under 119 (a raise of 18) it finds 2, which fits and is kept. The
     # raise from 2 finds 3 again, tried: done, with 2's graphs in the record.
-    from protrain_fx.cost import Config, Estimate
-    from protrain_fx.search import SearchResult
+    from protrain_fx.search.problem import Config, Estimate
+    from protrain_fx.search.search import SearchResult
 
     def fixture(outcomes):
         runs, trials = [], []
@@ -755,11 +762,11 @@ def test_a_raised_config_above_the_cap_is_left_out_and_the_search_runs_again_und
 
         def run(config):
             runs.append(config.n_persist)
-            trials.append(autoplan.Trial(config, *outcomes[config.n_persist]))
+            trials.append(verify.Trial(config, *outcomes[config.n_persist]))
             return trials[-1]
 
         first = result(1)
-        return autoplan.raised_choice(search_at, run, first, run(first.best), trials, 100), runs
+        return verify.raised_choice(search_at, run, first, run(first.best), trials, 100), runs
 
     kept, runs = fixture({1: (100, 80), 2: (115, 95), 3: (119, 101)})
     assert kept.best.n_persist == 2 and runs == [1, 3, 2]
@@ -777,8 +784,8 @@ def test_after_an_overshoot_the_next_raise_is_where_the_line_through_both_trials
     # One step under it would find 4 (124, 104) and 3 (122, 102), both over, and the raises would run
     # out; the line through (100, 80) and (125, 105) meets the cap at a predicted 120, where the
     # search finds 2 (120, 100), which fits.
-    from protrain_fx.cost import Config, Estimate
-    from protrain_fx.search import SearchResult
+    from protrain_fx.search.problem import Config, Estimate
+    from protrain_fx.search.search import SearchResult
 
     outcomes = {1: (100, 80), 2: (120, 100), 3: (122, 102), 4: (124, 104), 5: (125, 105)}
     runs, trials = [], []
@@ -792,25 +799,25 @@ def test_after_an_overshoot_the_next_raise_is_where_the_line_through_both_trials
 
     def run(config):
         runs.append(config.n_persist)
-        trials.append(autoplan.Trial(config, *outcomes[config.n_persist]))
+        trials.append(verify.Trial(config, *outcomes[config.n_persist]))
         return trials[-1]
 
     first = result(1)
-    kept = autoplan.raised_choice(search_at, run, first, run(first.best), trials, 100)
+    kept = verify.raised_choice(search_at, run, first, run(first.best), trials, 100)
     assert kept.best.n_persist == 2 and runs == [1, 5, 2]
     # the line alone: never at or above the overshooting config's own prediction
-    fitted, over = autoplan.Trial(Config(1, 0, 0, 0), 100, 80), autoplan.Trial(Config(5, 0, 0, 0), 125, 105)
-    assert autoplan.lowered_raise(fitted, over, 100) == 20
-    just_over = autoplan.Trial(Config(5, 0, 0, 0), 125, 101)  # the line meets the cap at 100 + 20 * 25 / 21
-    assert autoplan.lowered_raise(fitted, just_over, 100) == 23
-    lower = autoplan.Trial(Config(5, 0, 0, 0), 99, 101)  # predicted under the fitted config: no line, and no raise
-    assert autoplan.lowered_raise(fitted, lower, 100) == -2
+    fitted, over = verify.Trial(Config(1, 0, 0, 0), 100, 80), verify.Trial(Config(5, 0, 0, 0), 125, 105)
+    assert verify.lowered_raise(fitted, over, 100) == 20
+    just_over = verify.Trial(Config(5, 0, 0, 0), 125, 101)  # the line meets the cap at 100 + 20 * 25 / 21
+    assert verify.lowered_raise(fitted, just_over, 100) == 23
+    lower = verify.Trial(Config(5, 0, 0, 0), 99, 101)  # predicted under the fitted config: no line, and no raise
+    assert verify.lowered_raise(fitted, lower, 100) == -2
 
 
 def test_widened_moves_a_negative_reserve_into_the_budget():
-    assert autoplan.widened(100, 10) == (100, 10)
-    assert autoplan.widened(100, -10) == (110, 0)
-    assert autoplan.widened(100, 0) == (100, 0)
+    assert verify.widened(100, 10) == (100, 10)
+    assert verify.widened(100, -10) == (110, 0)
+    assert verify.widened(100, 0) == (100, 0)
 
 
 def test_verify_inductor_judges_plans_by_inductors_own_allocation_plan():
@@ -831,8 +838,8 @@ def test_verify_inductor_judges_plans_by_inductors_own_allocation_plan():
 
     plain, grads = step({"auto_plan": False})
     inductor_peak, graph_peak = plain.memory.peak_bytes, plain.memory_unfused.peak_bytes
-    budget = pipeline.budget_for_peak(inductor_peak)
-    assert graph_peak > pipeline.allocated_cap_bytes(budget) >= inductor_peak
+    budget = planner_budget.budget_for_peak(inductor_peak)
+    assert graph_peak > planner_budget.allocated_cap_bytes(budget) >= inductor_peak
 
     judged, judged_grads = step({"memory_budget": budget, "verify": "inductor"})
     assert judged.auto_plan.how == "fits as is" and judged.probe_inductor is None
@@ -880,7 +887,7 @@ def test_a_loss_outside_the_graph_is_reserved_measured_and_planned_for(monkeypat
     estimate for that code under its cap and names the output; the first step measures what it
     really held (counters driven on the CPU); with that, a faster plan fits, and the graph is
     compiled once more with the measured reserve. Every step stays exact against eager."""
-    monkeypatch.setattr(autoplan, "LARGE_OUTPUT_BYTES", 1024)  # the tiny GPT's logits count as large
+    monkeypatch.setattr(reserve, "LARGE_OUTPUT_BYTES", 1024)  # the tiny GPT's logits count as large
     torch._dynamo.reset()
     protrain_fx.reset()
     torch.manual_seed(0)
@@ -898,8 +905,8 @@ def test_a_loss_outside_the_graph_is_reserved_measured_and_planned_for(monkeypat
         state["reads"] += 1
         return (1000, 2000) if state["reads"] % 2 else (1000, 1000 + state["rise"])
 
-    monkeypatch.setattr(autoplan, "memory_counters", counters)
-    monkeypatch.setattr(autoplan, "reset_peak", lambda device: None)
+    monkeypatch.setattr(first_step, "memory_counters", counters)
+    monkeypatch.setattr(first_step, "reset_peak", lambda device: None)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     reference = copy.deepcopy(model)
@@ -920,7 +927,7 @@ def test_a_loss_outside_the_graph_is_reserved_measured_and_planned_for(monkeypat
     first, second = _train_graphs()  # compiled once more, then reused
     auto = first.auto_plan
     assert [o.shape for o in auto.returned] == [(4, 32, CONFIG.vocab_size)]
-    assert auto.reserve_source == "outputs" and auto.reserve_bytes == autoplan.OUTSIDE_BYTES_PER_ELEMENT * numel
+    assert auto.reserve_source == "outputs" and auto.reserve_bytes == reserve.OUTSIDE_BYTES_PER_ELEMENT * numel
     assert auto.how == "searched" and first.memory.peak_bytes <= auto.allocated_cap_bytes
     assert "returned to your code: output 0 (4x32x128 float32" in auto.table()
     assert auto.peak_check.outside_bytes == 4 * numel and not auto.peak_check.over and auto.recompile

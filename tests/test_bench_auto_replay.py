@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from protrain_fx.cost import Config, CostModel
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.problem import Config
 from tests.test_cost_search import make_problem
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx import capture
 from protrain_fx import machine as machines
 from protrain_fx.backend import register
-from protrain_fx.opprofile import op_signature
+from protrain_fx.profile.ops import op_signature
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))  # step_trace imports peers from there

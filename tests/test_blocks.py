@@ -15,7 +15,7 @@ from torch import nn
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx import meta
-from protrain_fx.passes.blocks import normalize_module_path
+from protrain_fx.analysis.blocks import normalize_module_path
 
 N_LAYER = 3
 CONFIG = gpt_config("tiny", n_layer=N_LAYER)

@@ -1,5 +1,5 @@
 """The rates training reaches, measured over the first training calls and kept for later plans
-(``protrain_fx.calibrate``, ``profiler.note_training_rates`` / ``training_rates``)."""
+(``planner/rates.py``, ``profile_cache.note_training_rates`` / ``training_rates``)."""
 
 from __future__ import annotations
 
@@ -10,24 +10,29 @@ import pytest
 import torch
 
 import protrain_fx
-from protrain_fx import autoplan, profiler
-from protrain_fx.calibrate import RateWindow, TrainingRates
-from protrain_fx.cost import MachineProfile
+from protrain_fx.planner import first_step
+from protrain_fx.planner import problem as planner_problem
+from protrain_fx.planner.rates import STEP_TIMED_CALLS, RateWindow, TrainingRates
+from protrain_fx.profile import cache as profile_cache
+from protrain_fx.search.problem import MachineProfile
 from tests.conftest import NOTE_TRAINING_RATES
-from tests.test_auto_offload import TIGHT, _setup  # (its machine stand-in is that module's own fixture)
+from tests.test_auto_offload import (  # (its machine stand-in is that module's own fixture)
+    TIGHT,
+    _setup,
+)
 from tests.test_offload import _assert_same_params, _train_side_by_side
 
-GRANULE = profiler.CHUNK_RATE_GRANULE
+GRANULE = profile_cache.CHUNK_RATE_GRANULE
 PROFILE = MachineProfile(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_bytes_per_s=40e9,
                          cpu_adam_params_per_s=1e9, gpu_adam_params_per_s=1e11, device_step_bytes_per_s=45e9)
 
 
 def _profile_file(cache, profiled_by_chunk: dict[int, float]) -> None:
     """A profile file as ``measure_machine`` and ``chunk_adam_rate`` leave it (nothing measured here)."""
-    path = profiler.cache_path("cpu", cache)
+    path = profile_cache.cache_path("cpu", cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
-        "version": profiler.CACHE_VERSION, "profile": PROFILE.to_dict(),
+        "version": profile_cache.CACHE_VERSION, "profile": PROFILE.to_dict(),
         "cpu_adam_by_chunk": {str(n): r for n, r in profiled_by_chunk.items()},
     }))
 
@@ -35,51 +40,51 @@ def _profile_file(cache, profiled_by_chunk: dict[int, float]) -> None:
 @pytest.fixture(autouse=True)
 def _kept(monkeypatch):
     """These tests keep rates (on their own cache directories)."""
-    monkeypatch.setattr(profiler, "note_training_rates", NOTE_TRAINING_RATES)
+    monkeypatch.setattr(profile_cache, "note_training_rates", NOTE_TRAINING_RATES)
 
 
 def test_rates_kept_from_training_replace_the_profiled_ones(tmp_path):
     # nothing kept yet: the profile as it is
     _profile_file(tmp_path, {GRANULE: 1e9, 4 * GRANULE: 0.8e9})
-    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
+    assert profile_cache.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
     for rate in (0.5e9, 0.7e9, 0.6e9):
-        profiler.note_training_rates("cpu", chunk_params=GRANULE - 5, cpu_adam_params_per_s=rate, cache=tmp_path)
+        profile_cache.note_training_rates("cpu", chunk_params=GRANULE - 5, cpu_adam_params_per_s=rate, cache=tmp_path)
     for rate in (40e9, 38e9):
-        written = profiler.note_training_rates("cpu", device_step_bytes_per_s=rate, cache=tmp_path)
-        assert written == profiler.cache_path("cpu", tmp_path)
-    before = profiler.cache_path("cpu", tmp_path).read_text()
-    assert profiler.note_training_rates("cpu", chunk_params=GRANULE, cache=tmp_path) is None  # 0: not a measurement
-    assert profiler.cache_path("cpu", tmp_path).read_text() == before
-    trained, names = profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)
+        written = profile_cache.note_training_rates("cpu", device_step_bytes_per_s=rate, cache=tmp_path)
+        assert written == profile_cache.cache_path("cpu", tmp_path)
+    before = profile_cache.cache_path("cpu", tmp_path).read_text()
+    assert profile_cache.note_training_rates("cpu", chunk_params=GRANULE, cache=tmp_path) is None  # 0: not a measurement
+    assert profile_cache.cache_path("cpu", tmp_path).read_text() == before
+    trained, names = profile_cache.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)
     assert names == ["cpu_adam_params_per_s", "device_step_bytes_per_s"]
     assert trained.cpu_adam_params_per_s == 0.6e9  # the median of those kept for this chunk size
     assert trained.device_step_bytes_per_s == 39e9
     assert trained.h2d_bytes_per_s == PROFILE.h2d_bytes_per_s
     # a size not trained, within NEAR_CHUNK_FACTOR of a trained one: the trained size's rate
     other = MachineProfile.from_dict({**PROFILE.to_dict(), "cpu_adam_params_per_s": 0.8e9})
-    assert profiler.NEAR_CHUNK_FACTOR == 4
-    assert profiler.training_rates("cpu", other, 4 * GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == 0.6e9
+    assert profile_cache.NEAR_CHUNK_FACTOR == 4
+    assert profile_cache.training_rates("cpu", other, 4 * GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == 0.6e9
     # farther: its profiled rate scaled as training scaled the trained size's (0.6 of 1.0)
-    assert profiler.training_rates("cpu", other, 5 * GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == pytest.approx(0.48e9)
+    assert profile_cache.training_rates("cpu", other, 5 * GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == pytest.approx(0.48e9)
     # without a chunk size the CPU rate stays
-    assert profiler.training_rates("cpu", PROFILE, None, cache=tmp_path)[1] == ["device_step_bytes_per_s"]
+    assert profile_cache.training_rates("cpu", PROFILE, None, cache=tmp_path)[1] == ["device_step_bytes_per_s"]
     # only the newest TRAINING_KEEP are kept
-    for rate in range(1, profiler.TRAINING_KEEP + 2):
-        profiler.note_training_rates("cpu", device_step_bytes_per_s=rate * 1e9, cache=tmp_path)
-    kept = json.loads(profiler.cache_path("cpu", tmp_path).read_text())["in_training"][profiler.TRAINING_DEVICE_KEY]
-    assert kept == [r * 1e9 for r in range(2, profiler.TRAINING_KEEP + 2)]
+    for rate in range(1, profile_cache.TRAINING_KEEP + 2):
+        profile_cache.note_training_rates("cpu", device_step_bytes_per_s=rate * 1e9, cache=tmp_path)
+    kept = json.loads(profile_cache.cache_path("cpu", tmp_path).read_text())["in_training"][profile_cache.TRAINING_DEVICE_KEY]
+    assert kept == [r * 1e9 for r in range(2, profile_cache.TRAINING_KEEP + 2)]
 
 
 def test_device_step_rates_kept_before_the_refetches_were_modelled_are_not_read(tmp_path):
     # until the twenty-first session the window kept spans with backward's re-fetches in them, under
     # "device_step_bytes_per_s"; the cost model now adds those re-fetches itself
     _profile_file(tmp_path, {GRANULE: 1e9})
-    path = profiler.cache_path("cpu", tmp_path)
+    path = profile_cache.cache_path("cpu", tmp_path)
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "in_training": {"device_step_bytes_per_s": [30e9, 31e9]}}))
-    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
-    profiler.note_training_rates("cpu", device_step_bytes_per_s=44e9, cache=tmp_path)
-    trained, names = profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)
+    assert profile_cache.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
+    profile_cache.note_training_rates("cpu", device_step_bytes_per_s=44e9, cache=tmp_path)
+    trained, names = profile_cache.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)
     assert names == ["device_step_bytes_per_s"] and trained.device_step_bytes_per_s == 44e9
 
 
@@ -87,10 +92,10 @@ def test_a_size_not_trained_takes_the_rates_of_trained_sizes_near_it(tmp_path):
     # profiled at 1.0 (8 granules) and 2.0 (1 granule); trained at 8 and 16 granules
     _profile_file(tmp_path, {8 * GRANULE: 1e9, GRANULE: 2e9})
     for n, rate in ((8 * GRANULE, 1.4e9), (16 * GRANULE, 1.2e9), (16 * GRANULE, 1.0e9)):
-        profiler.note_training_rates("cpu", chunk_params=n, cpu_adam_params_per_s=rate, cache=tmp_path)
+        profile_cache.note_training_rates("cpu", chunk_params=n, cpu_adam_params_per_s=rate, cache=tmp_path)
     def rate(n: int, profiled: float = 2e9) -> float:
         other = MachineProfile.from_dict({**PROFILE.to_dict(), "cpu_adam_params_per_s": profiled})
-        trained, names = profiler.training_rates("cpu", other, n, cache=tmp_path)
+        trained, names = profile_cache.training_rates("cpu", other, n, cache=tmp_path)
         assert names == ["cpu_adam_params_per_s"]
         return trained.cpu_adam_params_per_s
     assert rate(8 * GRANULE) == 1.4e9 and rate(16 * GRANULE) == 1.1e9  # their own
@@ -103,32 +108,32 @@ def test_a_size_not_trained_takes_the_rates_of_trained_sizes_near_it(tmp_path):
 
 
 def test_no_profile_file_or_another_version_keeps_nothing(tmp_path):
-    assert profiler.note_training_rates("cpu", device_step_bytes_per_s=40e9, cache=tmp_path) is None
-    assert not profiler.cache_path("cpu", tmp_path).exists()
+    assert profile_cache.note_training_rates("cpu", device_step_bytes_per_s=40e9, cache=tmp_path) is None
+    assert not profile_cache.cache_path("cpu", tmp_path).exists()
     _profile_file(tmp_path, {})
-    path = profiler.cache_path("cpu", tmp_path)
+    path = profile_cache.cache_path("cpu", tmp_path)
     data = json.loads(path.read_text())
-    path.write_text(json.dumps({**data, "version": profiler.CACHE_VERSION - 1, "in_training": {profiler.TRAINING_DEVICE_KEY: [1.0]}}))
-    profiler.note_training_rates("cpu", device_step_bytes_per_s=40e9, cache=tmp_path)
-    assert json.loads(path.read_text())["in_training"] == {profiler.TRAINING_DEVICE_KEY: [1.0]}
-    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
+    path.write_text(json.dumps({**data, "version": profile_cache.CACHE_VERSION - 1, "in_training": {profile_cache.TRAINING_DEVICE_KEY: [1.0]}}))
+    profile_cache.note_training_rates("cpu", device_step_bytes_per_s=40e9, cache=tmp_path)
+    assert json.loads(path.read_text())["in_training"] == {profile_cache.TRAINING_DEVICE_KEY: [1.0]}
+    assert profile_cache.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
 
 
 def test_an_edited_profile_file_prices_only_at_the_rates_it_still_holds(tmp_path):
     _profile_file(tmp_path, {GRANULE: 1e9})
-    path = profiler.cache_path("cpu", tmp_path)
+    path = profile_cache.cache_path("cpu", tmp_path)
     data = json.loads(path.read_text())
     for junk in ("fast", {"a": 1}, [None, "x", -1.0, 0, True]):
-        path.write_text(json.dumps({**data, "in_training": {profiler.TRAINING_DEVICE_KEY: junk,
+        path.write_text(json.dumps({**data, "in_training": {profile_cache.TRAINING_DEVICE_KEY: junk,
                                                             "cpu_adam_by_chunk": {str(GRANULE): junk}}}))
-        assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, []), junk
+        assert profile_cache.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, []), junk
     # the numbers that are rates still count: 0.5e9 for this size, and for another size scaled by 0.5
     path.write_text(json.dumps({**data, "in_training": {"cpu_adam_by_chunk": {str(GRANULE): ["x", 0.5e9, -3]}}}))
-    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == 0.5e9
-    other, names = profiler.training_rates("cpu", PROFILE, 3 * GRANULE, cache=tmp_path)
+    assert profile_cache.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path)[0].cpu_adam_params_per_s == 0.5e9
+    other, names = profile_cache.training_rates("cpu", PROFILE, 3 * GRANULE, cache=tmp_path)
     assert names == ["cpu_adam_params_per_s"] and other.cpu_adam_params_per_s == pytest.approx(0.5e9)
     path.write_text(json.dumps({**data, "in_training": ["not", "a", "dict"]}))
-    assert profiler.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
+    assert profile_cache.training_rates("cpu", PROFILE, GRANULE, cache=tmp_path) == (PROFILE, [])
 
 
 class _Adam:
@@ -169,7 +174,8 @@ class _DeviceSteps:
 
 
 def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their_own_chunk():
-    from protrain_fx.cost import Config, CostModel
+    from protrain_fx.search.cost import CostModel
+    from protrain_fx.search.problem import Config
     from tests.test_cost_search import make_problem
 
     problem = make_problem(3, n_blocks=4)
@@ -238,7 +244,7 @@ def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_pa
     # test_auto_offload), the machine read from a profile file written here (nothing measured).
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
     _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
-    first, last = autoplan.STEP_TIMED_CALLS
+    first, last = STEP_TIMED_CALLS
     model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
     with caplog.at_level(logging.INFO, logger="protrain_fx"):
         _train_side_by_side(compiled, reference, opt, ref_opt, last - 1)
@@ -258,8 +264,8 @@ def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_pa
     assert (last - first - 1) * offloaded <= rates.cpu_params <= (last - first + 1) * offloaded
     assert rates.cpu_adam_params_per_s > 0 and rates.device_steps == ()
     assert "in training: CPU Adam" in caplog.text and "in training: CPU Adam" in auto.table()
-    assert f"kept for later plans on this machine in {profiler.cache_path('cpu')}" in caplog.text
-    kept = json.loads(profiler.cache_path("cpu").read_text())["in_training"]
+    assert f"kept for later plans on this machine in {profile_cache.cache_path('cpu')}" in caplog.text
+    kept = json.loads(profile_cache.cache_path("cpu").read_text())["in_training"]
     assert kept == {"cpu_adam_by_chunk": {str(GRANULE): [rates.cpu_adam_params_per_s]}}
 
     # A new model on this machine: its plan is priced at the rate training reached.
@@ -275,8 +281,9 @@ def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_pa
 
 
 def test_a_cpu_slower_in_training_moves_chunks_to_device_steps_and_only_when_it_pays():
-    from protrain_fx.calibrate import REPLAN_MIN_GAIN, replan_gpu_optim
-    from protrain_fx.cost import Config, CostModel
+    from protrain_fx.planner.rates import REPLAN_MIN_GAIN, replan_gpu_optim
+    from protrain_fx.search.cost import CostModel
+    from protrain_fx.search.problem import Config
     from tests.test_cost_search import make_problem
 
     # Profiled: a fast CPU, so the plan steps every offloaded chunk there (n_gpu_optim = 0).
@@ -322,27 +329,27 @@ def test_training_slower_than_profiled_re_plans_the_running_step_and_times_it_ag
     # training stays exactly eager's, and the calls after the switch are timed against the new
     # prediction. The clock of those calls is driven: a period measured longer than before the
     # switch undoes it, a shorter one keeps it.
-    from protrain_fx.calibrate import replan_gpu_optim
+    from protrain_fx.planner.rates import replan_gpu_optim
 
     calls = []
 
     def clock() -> float:  # 100 ms a call through call `last`, then 50 or 200 ms
         calls.append(None)
         k = len(calls)
-        cut = autoplan.STEP_TIMED_CALLS[1]
+        cut = STEP_TIMED_CALLS[1]
         return 0.1 * min(k, cut) + (0.05 if faster else 0.2) * max(0, k - cut)
 
-    monkeypatch.setattr(autoplan, "_clock", clock)
+    monkeypatch.setattr(first_step, "_clock", clock)
 
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
     _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
-    monkeypatch.setattr(autoplan, "replans_device_steps", lambda device: True)  # as on CUDA
-    monkeypatch.setattr(profiler, "_device_step_staging_bytes", lambda itemsize: 0)  # host memory on a CPU device
+    monkeypatch.setattr(first_step, "replans_device_steps", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(planner_problem, "_device_step_staging_bytes", lambda itemsize: 0)  # host memory on a CPU device
     fast = MachineProfile.from_dict({**PROFILE.to_dict(), "cpu_adam_params_per_s": 1e12, "device_step_bytes_per_s": 0.0})
-    from protrain_fx import autooffload
+    from protrain_fx.planner import offload as autooffload
 
     monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: fast)
-    first, last = autoplan.STEP_TIMED_CALLS
+    first, last = STEP_TIMED_CALLS
     model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
     with caplog.at_level(logging.INFO, logger="protrain_fx"):
         _train_side_by_side(compiled, reference, opt, ref_opt, last)

@@ -11,12 +11,9 @@ from torch import nn
 
 from protrain_fx.chunks import ChunkLayout, dedupe_tied, pack
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
-from protrain_fx.runtime.chunk_store import (
-    ChunkStore,
-    HostMemoryError,
-    available_host_bytes,
-)
+from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
+from protrain_fx.runtime.host_memory import HostMemoryError, available_host_bytes
 
 VOCAB, D = 32, 16
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

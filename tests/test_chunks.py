@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from protrain_fx.chunks import MiB, ChunkLayout, ParamInfo, choose_layout, dedupe_tied, pack
+from protrain_fx.chunks import (
+    ChunkLayout,
+    MiB,
+    ParamInfo,
+    choose_layout,
+    dedupe_tied,
+    pack,
+)
 
 
 def _gpt_like(n_blocks: int, d: int, vocab: int = 50304, seed: int = 0) -> list[ParamInfo]:
@@ -85,8 +92,8 @@ def test_a_parameter_larger_than_every_candidate_gets_chunks_of_its_size():
 
 def test_layout_of_a_captured_gpt():
     from examples.gpt import example
-    from protrain_fx.passes.params import readable_param_name
-    from protrain_fx.report import inspect_model
+    from protrain_fx.analysis.params import readable_param_name
+    from protrain_fx.inspect.report import inspect_model
 
     model, batch = example("tiny", batch_size=2, seq_len=16)
     layout = inspect_model(model, *batch, options={"codegen": "eager"}).chunk_layout()

@@ -14,22 +14,19 @@ import random
 
 import pytest
 
-from protrain_fx.calibrate import alone_rate
-from protrain_fx.cost import (
+from protrain_fx.plan import interleaved
+from protrain_fx.planner.rates import alone_rate
+from protrain_fx.search.cost import CostModel, estimate
+from protrain_fx.search.spread import expected_estimate, rate_scenarios, steadiest_gpu_optim
+from protrain_fx.search.problem import (
     BlockProfile,
     ChunkProfile,
     Config,
-    CostModel,
     MachineProfile,
     Problem,
     block_plan,
-    estimate,
-    expected_estimate,
-    rate_scenarios,
-    steadiest_gpu_optim,
 )
-from protrain_fx.plan import interleaved
-from protrain_fx.search import NoPlanFits, search
+from protrain_fx.search.search import NoPlanFits, search
 
 MiB = 2**20
 ms = 1e-3
@@ -498,8 +495,8 @@ def test_device_steps_win_when_the_cpu_is_slow_and_lose_when_the_link_is():
 
 
 def test_device_step_bookkeeping_agrees_with_the_runtime() -> None:
-    from protrain_fx.cost import DEVICE_STEPS_IN_FLIGHT
     from protrain_fx.runtime.device_adam import MAX_IN_FLIGHT
+    from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT
 
     assert DEVICE_STEPS_IN_FLIGHT == MAX_IN_FLIGHT
 

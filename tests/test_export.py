@@ -11,22 +11,21 @@ from pathlib import Path
 import pytest
 from torch.cuda import _memory_viz
 
-from protrain_fx.export import (
-    PICKLE_PROTOCOL,
-    to_chrome_trace,
-    to_memory_snapshot,
-    write_all,
-    write_chrome_trace,
-    write_memory_snapshot,
-    write_svg_plot,
-)
-from protrain_fx.measure import (
+from protrain_fx.analysis.timeline import BufferEvent, Timeline, TimelineEntry
+from protrain_fx.inspect.export import write_all
+from protrain_fx.inspect.measure import (
     mark_phase,
     marker_nbytes,
     record_memory,
     timeline_from_snapshot,
 )
-from protrain_fx.timeline import BufferEvent, Timeline, TimelineEntry
+from protrain_fx.inspect.snapshot import (
+    PICKLE_PROTOCOL,
+    to_memory_snapshot,
+    write_memory_snapshot,
+)
+from protrain_fx.inspect.svg import write_svg_plot
+from protrain_fx.inspect.trace import to_chrome_trace, write_chrome_trace
 
 MiB = 1024**2
 SVG = "{http://www.w3.org/2000/svg}"

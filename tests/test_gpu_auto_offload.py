@@ -17,6 +17,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx.planner import first_step, rates
 from tests.test_gpu_auto_plan import _train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -65,7 +66,7 @@ def test_counts_chosen_for_a_budget_train_within_it(machine_cache, monkeypatch):
     assert (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == (
         auto.config.n_persist, auto.config.n_buffer, auto.config.n_gpu_optim)
     # The budget changed the plan: some chunks stream, or (the search raised past the cost model's
-    # margin, autoplan.raised_choice) all stay and blocks are checkpointed or swapped.
+    # margin, verify.raised_choice) all stay and blocks are checkpointed or swapped.
     assert handle.n_persist < n or auto.plan.blocks_with("checkpoint") or auto.plan.blocks_with("swap")
     print("trials:", auto.trials)
     check = auto.peak_check
@@ -136,9 +137,8 @@ def test_a_re_plan_of_the_device_steps_keeps_training_within_the_budget(machine_
     # count the measured rates pick depends on this host's CPU, so the decision is forced here to the
     # nearest other count that fits the plan's room (the decision itself is tested on the CPU,
     # tests/test_calibrate.py): the switch between calls, the losses against eager's, the budget.
-    from protrain_fx import autoplan
-    from protrain_fx.calibrate import Replan
-    from protrain_fx.cost import CostModel
+    from protrain_fx.planner.rates import Replan
+    from protrain_fx.search.cost import CostModel
 
     forced = []
 
@@ -153,8 +153,8 @@ def test_a_re_plan_of_the_device_steps_keeps_training_within_the_budget(machine_
                              before_s=model.step_time(p, b, s, c, g), after_s=model.step_time(p, b, s, c, k)))
         return forced[-1]
 
-    monkeypatch.setattr(autoplan, "replan_gpu_optim", nearest_other)
-    first, last = autoplan.STEP_TIMED_CALLS
+    monkeypatch.setattr(first_step, "replan_gpu_optim", nearest_other)
+    first, last = rates.STEP_TIMED_CALLS
     steps = 2 * last + 1 - first  # through the calls timed after the re-plan
     model, batch, eager, all_on_device = _model_and_eager(machine_cache, monkeypatch, steps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

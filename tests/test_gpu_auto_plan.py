@@ -18,7 +18,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx.pipeline import allocated_cap_bytes, budget_for_peak
+from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

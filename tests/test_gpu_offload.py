@@ -15,6 +15,9 @@ import torch
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx.plan import from_counts
+from protrain_fx.profile import cache as profile_cache
+from protrain_fx.profile import device as profile_device
+from protrain_fx.profile import machine_profile
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -100,7 +103,7 @@ def test_lean_chunks_fetch_the_bits_of_the_working_copy_and_the_analysis_counts_
     # GPU: every fetched chunk must hold exactly the master's bf16 rounding (what a working copy
     # holds), before and after optimizer steps changed the masters. (Whole training runs are not
     # compared bit for bit: the GPU's backward is not deterministic from run to run.)
-    from protrain_fx.passes.memory import chunk_pool_bytes
+    from protrain_fx.analysis.memory import chunk_pool_bytes
     from protrain_fx.runtime import buffer_pool
 
     monkeypatch.setattr(buffer_pool, "FETCH_SLICE_ELEMS", 10_000)
@@ -161,10 +164,9 @@ def test_the_cpu_optimizer_runs_during_backward_and_a_worker_failure_surfaces():
 def test_the_measured_device_step_rate_is_bounded_by_the_link():
     # The profiler streams chunks' optimizer steps through the GPU beside the CPU step; each step
     # copies 14 bytes per parameter out, so no rate above the link's one-way rate is believable.
-    from protrain_fx import profiler
 
-    rate = profiler._device_step_bytes_per_s(16 * 2**20, chunks=2, repeat=1)
-    h2d, d2h, duplex = profiler._cuda_copy_rates(torch.device("cuda"), 64 * 2**20, 2)
+    rate = profile_device._device_step_bytes_per_s(16 * 2**20, chunks=2, repeat=1)
+    h2d, d2h, duplex = profile_device._cuda_copy_rates(torch.device("cuda"), 64 * 2**20, 2)
     assert 0.1 * duplex / 2 < rate <= 1.1 * d2h, (rate, d2h, duplex)
 
 
@@ -174,19 +176,18 @@ def test_the_device_step_rate_of_a_chunk_layout_is_measured_once_and_kept(tmp_pa
     # CPU step's rate beside them. Beside the model's own ops when there are any (a traced product).
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from protrain_fx import profiler
 
     parts = [3 * 2**20, 64, 2**20]
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
     nodes = list(make_fx(lambda a: a @ a.T, tracing_mode="fake")(x).graph.nodes)
-    h2d, d2h, duplex = profiler._cuda_copy_rates(torch.device("cuda"), 64 * 2**20, 2)
+    h2d, d2h, duplex = profile_device._cuda_copy_rates(torch.device("cuda"), 64 * 2**20, 2)
     kept = {}
     for load_nodes, beside in (((), "matrix products"), (nodes, "1 of the model's ops")):
-        rate = profiler.device_step_rate("cuda", parts, load_nodes=load_nodes, cache=tmp_path, repeat=1)
+        rate = machine_profile.device_step_rate("cuda", parts, load_nodes=load_nodes, cache=tmp_path, repeat=1)
         assert 0.05 * duplex / 2 < rate <= 1.1 * d2h, (rate, d2h, duplex)
-        kept = json.loads(profiler.cache_path("cuda", tmp_path).read_text())["device_step_by_layout"]
+        kept = json.loads(profile_cache.cache_path("cuda", tmp_path).read_text())["device_step_by_layout"]
         suffix = "|ops:" if load_nodes else "|matmul"
-        (entry,) = [v for k, v in kept.items() if k.startswith(profiler.layout_key(parts) + suffix)]
+        (entry,) = [v for k, v in kept.items() if k.startswith(profile_device.layout_key(parts) + suffix)]
         assert entry["device_step_bytes_per_s"] == rate and entry["params"] == sum(parts) and entry["tensors"] == 3
         assert entry["cpu_adam_params_per_s_beside"] > 0 and entry["round_bytes_per_s"] > 0
         assert entry["beside"] == beside
@@ -195,7 +196,7 @@ def test_the_device_step_rate_of_a_chunk_layout_is_measured_once_and_kept(tmp_pa
     def measure_again(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(profiler, "device_step_spans", measure_again)
-    assert profiler.device_step_rate("cuda", parts, load_nodes=nodes, cache=tmp_path) == rate
+    monkeypatch.setattr(profile_device, "device_step_spans", measure_again)
+    assert machine_profile.device_step_rate("cuda", parts, load_nodes=nodes, cache=tmp_path) == rate
     with pytest.raises(AssertionError, match="measured again"):  # another layout is measured
-        profiler.device_step_rate("cuda", parts[::-1], cache=tmp_path)
+        machine_profile.device_step_rate("cuda", parts[::-1], cache=tmp_path)

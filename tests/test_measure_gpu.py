@@ -7,8 +7,13 @@ import gc
 import pytest
 import torch
 
-from protrain_fx.export import to_memory_snapshot
-from protrain_fx.measure import PHASE_NAMES, mark_phase, marker_nbytes, record_memory
+from protrain_fx.inspect.measure import (
+    PHASE_NAMES,
+    mark_phase,
+    marker_nbytes,
+    record_memory,
+)
+from protrain_fx.inspect.snapshot import to_memory_snapshot
 
 pytestmark = [
     pytest.mark.gpu,

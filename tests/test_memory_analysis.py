@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx.passes.memory import StepGraphs, analyze_memory
+from protrain_fx.analysis.memory import StepGraphs, analyze_memory
 
 MiB = 2**20
 

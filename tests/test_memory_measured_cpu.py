@@ -14,7 +14,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx.measure import mark_phase, record_cpu_memory
+from protrain_fx.inspect.measure import mark_phase, record_cpu_memory
 from protrain_fx.plan import from_counts
 
 

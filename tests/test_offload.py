@@ -216,14 +216,14 @@ def test_memory_analysis_counts_the_device_steps_in_flight():
     # On a GPU a device-stepped chunk's gradient buffer lives until its step is done; the runtime lets
     # MAX_IN_FLIGHT steps run at once (make_room), and the analysis counts exactly that: each buffer
     # until just before the one MAX_IN_FLIGHT device chunks later is made.
-    from protrain_fx.passes.memory import grad_staging
+    from protrain_fx.analysis.memory import grad_staging
     from protrain_fx.runtime.device_adam import MAX_IN_FLIGHT
 
     _, _, _, _, handle, compiled = _setup(0, 2, n_gpu_optim=4)
     compiled(*_batch(0)).backward()
     record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
     rows = [("backward", 1, n) for n in record.backward.graph.nodes]
-    buffers = grad_staging(rows, torch.device("cuda"))  # the rule is the GPU's; only the type is read
+    buffers = grad_staging(rows, torch.device("cuda"), record.step.offload)  # the GPU rule; only the type is read
     grads_rows = [i for i, (_, _, n) in enumerate(rows) if n.target is torch.ops.protrain.chunk_grads.default]
     on_device = [rows[i][2].args[3] < 4 for i in grads_rows]
     assert len(buffers) == len(grads_rows) and sum(on_device) == 4
@@ -580,7 +580,7 @@ def test_lean_chunks_with_bf16_compute_give_the_working_copys_bits():
 
 
 def test_auto_makes_the_fewest_last_chunks_lean_that_fit_the_host():
-    from protrain_fx.runtime.chunk_store import AUTO_HOST_RESERVE, HostMemoryError
+    from protrain_fx.runtime.host_memory import AUTO_HOST_RESERVE, HostMemoryError
 
     def handle_with(available, n_lean="auto"):
         torch._dynamo.reset()

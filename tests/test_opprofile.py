@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from protrain_fx import meta, opprofile, profiler
+from protrain_fx import meta
 from protrain_fx.machine import H200
+from protrain_fx.planner import problem as planner_problem
+from protrain_fx.profile import ops as opprofile
 
 
 def _graph():
@@ -80,7 +82,7 @@ def test_an_op_that_fails_is_left_out(tmp_path, caplog):
     # c's traced inputs disagree (64 x 32 @ 5 x 16): the call raises, and a's timing stands
     v.meta["val"] = val.new_empty(5, 16)
     assert opprofile.op_signature(c) is not None
-    with caplog.at_level("DEBUG", logger="protrain_fx.opprofile"):
+    with caplog.at_level("DEBUG", logger="protrain_fx.profile.ops"):
         times = opprofile.measure_op_times([a, c], "cpu", cache=tmp_path, repeat=1)
     assert set(times) == {opprofile.op_signature(a)}
     assert "could not time aten.mm.default" in caplog.text
@@ -88,17 +90,17 @@ def test_an_op_that_fails_is_left_out(tmp_path, caplog):
 
 def test_phase_times_use_measured_op_times():
     nodes, (a, b, c) = _graph()
-    base = profiler._phase_times(nodes, [], H200)["blocks.0"][0]
+    base = planner_problem._phase_times(nodes, [], H200)["blocks.0"][0]
     big = 1.0
-    measured = profiler._phase_times(nodes, [], H200, op_times={opprofile.op_signature(a): big})
+    measured = planner_problem._phase_times(nodes, [], H200, op_times={opprofile.op_signature(a): big})
     measured = measured["blocks.0"][0]
-    from protrain_fx.passes.estimate import node_time
+    from protrain_fx.analysis.estimate import node_time
 
     # a and b share the signature: both take the measured second instead of their roofline
     assert measured == pytest.approx(base + 2 * big - node_time(a, H200) - node_time(b, H200))
-    fused = profiler._phase_times(nodes, [], H200, fused=True)["blocks.0"][0]
+    fused = planner_problem._phase_times(nodes, [], H200, fused=True)["blocks.0"][0]
     c_measured = {opprofile.op_signature(c): big}
-    fused_measured = profiler._phase_times(nodes, [], H200, fused=True, op_times=c_measured)
+    fused_measured = planner_problem._phase_times(nodes, [], H200, fused=True, op_times=c_measured)
     assert fused_measured["blocks.0"][0] == pytest.approx(fused + big - node_time(c, H200))
 
 
@@ -121,7 +123,7 @@ def test_the_load_keeps_its_inputs_under_the_limit_and_leaves_out_what_fails(cap
                                                                       opprofile.op_signature(c)]
     assert opprofile.compute_load(nodes, "cpu", max_bytes=1000) is None
     c.args[1].meta["val"] = c.args[1].meta["val"].new_empty(5, 16)  # c raises when tried
-    with caplog.at_level("DEBUG", logger="protrain_fx.opprofile"):
+    with caplog.at_level("DEBUG", logger="protrain_fx.profile.ops"):
         assert opprofile.compute_load(nodes, "cpu")[1] == [opprofile.op_signature(a)]
     assert "load leaves out aten.mm.default" in caplog.text
 

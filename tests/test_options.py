@@ -250,7 +250,7 @@ def test_good_options_compile_and_are_recorded() -> None:
 def test_errors_of_ours_reach_the_user_as_themselves() -> None:
     """No Dynamo wrapper and no "report a bug to PyTorch" footer: ``except ValueError`` and ``except
     NoPlanFits`` around a training step catch them."""
-    from protrain_fx.search import NoPlanFits
+    from protrain_fx.search.search import NoPlanFits
 
     compiled = torch.compile(torch.nn.Linear(3, 2), backend="protrain", options={"codegen": "triton"})
     with pytest.raises(ValueError, match="'codegen'") as info:
@@ -270,7 +270,11 @@ def test_errors_of_ours_reach_the_user_as_themselves() -> None:
 
 
 def test_an_absurd_budget_is_planned_for_at_once() -> None:
-    from protrain_fx.pipeline import allocated_cap_bytes, budget_for_peak, budget_verdict
+    from protrain_fx.planner.budget import (
+        allocated_cap_bytes,
+        budget_for_peak,
+        budget_verdict,
+    )
 
     huge = int(1e99)
     assert budget_verdict(allocated_cap_bytes(huge), huge) == "fits"

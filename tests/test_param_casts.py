@@ -6,13 +6,10 @@ those of the same step without the rewrite, bit for bit."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import protrain_fx
-from protrain_fx import pipeline
 from protrain_fx.passes import gather
 from protrain_fx.passes.param_casts import is_dtype_cast
 
@@ -80,7 +77,7 @@ def test_offloaded_weights_are_read_in_the_compute_dtype_and_no_cast_of_them_is_
     # the same step without the rewrite: the same values, more memory
     protrain_fx.reset()
     torch._dynamo.reset()
-    monkeypatch.setattr(pipeline, "recompute_param_casts", lambda *args: 0)
+    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "recompute_param_casts")
     monkeypatch.setattr(gather, "_foldable", lambda *args: False)
     old_losses, old_params, old = _train(n_persist, codegen=codegen)
     assert _cast_chunk_copies(old.forward) > 0
@@ -104,7 +101,7 @@ def test_a_model_whose_chunks_all_stay_on_the_device_saves_no_weight_cast_either
     assert not [a.name for a in saved if _weight_cast(a, record.step.state_inputs)]
     protrain_fx.reset()
     torch._dynamo.reset()
-    monkeypatch.setattr(pipeline, "recompute_param_casts", lambda *args: 0)
+    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "recompute_param_casts")
     old_losses, old_params, old = _train(chunks)
     old_out = next(n for n in reversed(old.forward.graph.nodes) if n.op == "output")
     assert any(_weight_cast(a, old.step.state_inputs) for a in old_out.args[0] if isinstance(a, torch.fx.Node))

@@ -13,12 +13,18 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx import cost, profiler, search
+from protrain_fx.analysis.params import parameter_infos
 from protrain_fx.chunks import pack
-from protrain_fx.passes.params import parameter_infos
 from protrain_fx.plan import Plan
+from protrain_fx.planner import problem as planner_problem
+from protrain_fx.profile import cache as profile_cache
+from protrain_fx.profile import device as profile_device
+from protrain_fx.profile import host as profile_host
+from protrain_fx.profile import machine_profile
+from protrain_fx.search import cost, search
+from protrain_fx.search import problem as search_problem
 
-MACHINE = cost.MachineProfile(
+MACHINE = search_problem.MachineProfile(
     h2d_bytes_per_s=20e9,
     d2h_bytes_per_s=20e9,
     duplex_bytes_per_s=30e9,
@@ -42,7 +48,7 @@ def record():
 
 
 def test_problem_from_gpt_record(record, tmp_path):
-    problem = profiler.problem_from_record(record, MACHINE, chunk_bytes=CHUNK_BYTES)
+    problem = planner_problem.problem_from_record(record, MACHINE, chunk_bytes=CHUNK_BYTES)
     labels = [f"blocks.{i}" for i in range(N_LAYER)]
     assert [b.name for b in problem.blocks] == labels
     rows = {r.block: r for r in record.memory.blocks}
@@ -73,13 +79,13 @@ def test_problem_from_gpt_record(record, tmp_path):
     assert problem.fixed_bytes == record.memory.input_bytes
     assert problem.master_bytes_per_param == 0 and problem.adam_state_bytes_per_param == 8
     # JSON round trip
-    assert cost.Problem.from_dict(problem.to_dict()) == problem
+    assert search_problem.Problem.from_dict(problem.to_dict()) == problem
     problem.dump(tmp_path / "p.json")
-    assert cost.Problem.load(tmp_path / "p.json") == problem
+    assert search_problem.Problem.load(tmp_path / "p.json") == problem
     # the search runs on it
-    est = cost.estimate(problem, cost.Config(len(problem.chunks), 0, 0, 0))
+    est = cost.estimate(problem, search_problem.Config(len(problem.chunks), 0, 0, 0))
     result = search.search(problem, est.peak_bytes)
-    assert isinstance(result.best, cost.Config)
+    assert isinstance(result.best, search_problem.Config)
     assert result.estimate.peak_bytes <= est.peak_bytes
 
 
@@ -102,7 +108,7 @@ def test_recompute_is_what_the_partitioner_reruns(record):
     checkpointed too), a GPT block keeps its output and reruns 3 of its 4 products (not the MLP's
     second); alone (the last block, before the final norm), all 4."""
     from protrain_fx import meta
-    from protrain_fx.passes.memory import _output_args
+    from protrain_fx.analysis.memory import _output_args
     from protrain_fx.plan import Plan
 
     def is_mm(n):
@@ -110,7 +116,7 @@ def test_recompute_is_what_the_partitioner_reruns(record):
 
     fw_nodes = [n for n in record.forward.graph.nodes if n.op not in ("placeholder", "output")]
     saved = _output_args(record.forward)[record.step.num_user_outputs :]
-    counted = profiler._recompute_times(fw_nodes, {n: float(is_mm(n)) for n in fw_nodes}, saved)
+    counted = planner_problem._recompute_times(fw_nodes, {n: float(is_mm(n)) for n in fw_nodes}, saved)
     labels = [f"blocks.{i}" for i in range(N_LAYER)]
     assert all(counted[label] == (4.0, 3.0) for label in labels)
 
@@ -129,9 +135,9 @@ def test_recompute_is_what_the_partitioner_reruns(record):
 
 
 def test_problem_options(record):
-    base = profiler.problem_from_record(record, MACHINE)
+    base = planner_problem.problem_from_record(record, MACHINE)
     assert len(base.chunks) == 1  # choose_layout: one 32 MiB chunk holds the tiny model
-    swap_all = profiler.problem_from_record(record, MACHINE, min_swap_bytes=0)
+    swap_all = planner_problem.problem_from_record(record, MACHINE, min_swap_bytes=0)
     # what the swap rewrite moves when it swaps every block with that threshold, no more, no less
     cfg = gpt_config("tiny", n_layer=N_LAYER)
     torch.manual_seed(0)
@@ -144,11 +150,11 @@ def test_problem_options(record):
     assert all(0 < b.swap_bytes <= b.saved_bytes for b in swap_all.blocks)
     assert [sum(x for *_, x in b.swap_parts) for b in swap_all.blocks] == list(moved.values())
     times = {f"blocks.{i}": (0.001 * (i + 1), 0.002) for i in range(N_LAYER)} | {"outside": 0.3}
-    timed = profiler.problem_from_record(record, MACHINE, block_times=times)
+    timed = planner_problem.problem_from_record(record, MACHINE, block_times=times)
     assert [b.fwd_s for b in timed.blocks] == [0.001 * (i + 1) for i in range(N_LAYER)]
     assert timed.outside_fwd_s == pytest.approx(0.1) and timed.outside_bwd_s == pytest.approx(0.2)
     # compute_scale multiplies every estimated time, recompute included, and leaves memory as it was
-    scaled = profiler.problem_from_record(record, MACHINE, compute_scale=1.5)
+    scaled = planner_problem.problem_from_record(record, MACHINE, compute_scale=1.5)
     for b, s in zip(base.blocks, scaled.blocks):
         for name in ("fwd_s", "bwd_s", "recompute_s", "recompute_chained_s"):
             assert getattr(s, name) == pytest.approx(1.5 * getattr(b, name)) and getattr(b, name) > 0
@@ -156,7 +162,7 @@ def test_problem_options(record):
                                    recompute_chained_s=b.recompute_chained_s) == b
     assert scaled.outside_bwd_s == pytest.approx(1.5 * base.outside_bwd_s)
     # times given by hand are taken as given
-    timed_scaled = profiler.problem_from_record(record, MACHINE, block_times=times, compute_scale=1.5)
+    timed_scaled = planner_problem.problem_from_record(record, MACHINE, block_times=times, compute_scale=1.5)
     assert [b.fwd_s for b in timed_scaled.blocks] == [b.fwd_s for b in timed.blocks]
 
 
@@ -168,34 +174,34 @@ def test_problem_needs_a_backward():
         torch.compile(GPT(cfg), backend="protrain", options={"codegen": "eager"})(x)
     (rec,) = protrain_fx.captured_graphs()
     with pytest.raises(ValueError, match="no backward"):
-        profiler.problem_from_record(rec, MACHINE)
+        planner_problem.problem_from_record(rec, MACHINE)
 
 
 def test_measure_machine_cpu_is_cached(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "env"))
     kw = {"copy_bytes": 8 * 2**20, "adam_params": 2**20, "repeat": 1}
-    first = profiler.measure_machine("cpu", cache=tmp_path, **kw)
+    first = machine_profile.measure_machine("cpu", cache=tmp_path, **kw)
     for name, value in first.to_dict().items():
         assert value > 0 or name == "device_step_bytes_per_s", name
     assert first.device_step_bytes_per_s == 0  # no GPU to stream steps through: not measured
-    path = profiler.cache_path("cpu", tmp_path)
+    path = profile_cache.cache_path("cpu", tmp_path)
     assert path.exists() and path.parent == tmp_path
     assert "measuring" in capsys.readouterr().err
     calls = []
-    monkeypatch.setattr(profiler, "_chunk_adam_params_per_s", lambda *a: calls.append(a) or 1.0)
-    assert profiler.measure_machine("cpu", cache=tmp_path, **kw) == first
+    monkeypatch.setattr(machine_profile, "_chunk_adam_params_per_s", lambda *a: calls.append(a) or 1.0)
+    assert machine_profile.measure_machine("cpu", cache=tmp_path, **kw) == first
     assert calls == [] and capsys.readouterr().err == ""
     # the environment variable picks the directory when no argument does
-    assert profiler.cache_path("cpu").parent == tmp_path / "env"
-    again = profiler.measure_machine("cpu", refresh=True, **kw)
-    assert calls and again.cpu_adam_params_per_s == 1.0 and profiler.cache_path("cpu").exists()
+    assert profile_cache.cache_path("cpu").parent == tmp_path / "env"
+    again = machine_profile.measure_machine("cpu", refresh=True, **kw)
+    assert calls and again.cpu_adam_params_per_s == 1.0 and profile_cache.cache_path("cpu").exists()
 
 
 def test_fused_times_count_only_what_enters_and_leaves_a_pointwise_chain():
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from protrain_fx.analysis.estimate import LAUNCH_S, fused_node_times, node_time
     from protrain_fx.machine import H200
-    from protrain_fx.passes.estimate import LAUNCH_S, fused_node_times, node_time
 
     def step(x, w):
         y = torch.mm(x, w)
@@ -229,62 +235,62 @@ def test_fused_times_count_only_what_enters_and_leaves_a_pointwise_chain():
 
 def test_cpu_chunk_rate_is_measured_per_chunk_size_and_cached(tmp_path, monkeypatch, capsys):
     kw = {"copy_bytes": 8 * 2**20, "adam_params": 2**20, "repeat": 1}
-    profiler.measure_machine("cpu", cache=tmp_path, **kw)
+    machine_profile.measure_machine("cpu", cache=tmp_path, **kw)
     capsys.readouterr()
     sizes = []
-    monkeypatch.setattr(profiler, "_chunk_adam_params_per_s", lambda cuda, n, repeat: sizes.append(n) or n / 1e9)
-    granule = profiler.CHUNK_RATE_GRANULE
+    monkeypatch.setattr(machine_profile, "_chunk_adam_params_per_s", lambda cuda, n, repeat: sizes.append(n) or n / 1e9)
+    granule = profile_cache.CHUNK_RATE_GRANULE
     # measured at the size rounded up to the granule, once per size
-    assert profiler.chunk_adam_rate("cpu", granule + 1, cache=tmp_path) == 2 * granule / 1e9
+    assert machine_profile.chunk_adam_rate("cpu", granule + 1, cache=tmp_path) == 2 * granule / 1e9
     assert sizes == [2 * granule] and "measuring the CPU step" in capsys.readouterr().err
-    assert profiler.chunk_adam_rate("cpu", 2 * granule, cache=tmp_path) == 2 * granule / 1e9
+    assert machine_profile.chunk_adam_rate("cpu", 2 * granule, cache=tmp_path) == 2 * granule / 1e9
     assert sizes == [2 * granule] and capsys.readouterr().err == ""
-    assert profiler.chunk_adam_rate("cpu", 1, cache=tmp_path) == granule / 1e9 and sizes[-1] == granule
+    assert machine_profile.chunk_adam_rate("cpu", 1, cache=tmp_path) == granule / 1e9 and sizes[-1] == granule
     # the profile itself is untouched, and the rates live in its file
-    data = json.loads(profiler.cache_path("cpu", tmp_path).read_text())
+    data = json.loads(profile_cache.cache_path("cpu", tmp_path).read_text())
     assert set(data["cpu_adam_by_chunk"]) == {str(granule), str(2 * granule)}
-    assert profiler.measure_machine("cpu", cache=tmp_path, **kw).cpu_adam_params_per_s == data["profile"]["cpu_adam_params_per_s"]
+    assert machine_profile.measure_machine("cpu", cache=tmp_path, **kw).cpu_adam_params_per_s == data["profile"]["cpu_adam_params_per_s"]
 
 
 def test_a_second_reading_of_the_cpu_chunk_rate_keeps_the_faster(tmp_path, monkeypatch, capsys):
     # A host's CPU can be slow for a while: with readings=2 a second reading is taken (once, then
     # kept) and the faster one stands, whichever came first.
     kw = {"copy_bytes": 8 * 2**20, "adam_params": 2**20, "repeat": 1}
-    profiler.measure_machine("cpu", cache=tmp_path, **kw)
+    machine_profile.measure_machine("cpu", cache=tmp_path, **kw)
     capsys.readouterr()
     readings = iter([0.2e9, 1.2e9, 0.9e9, 0.5e9])
-    monkeypatch.setattr(profiler, "_chunk_adam_params_per_s", lambda cuda, n, repeat: next(readings))
-    granule = profiler.CHUNK_RATE_GRANULE
-    assert profiler.chunk_adam_rate("cpu", granule, cache=tmp_path) == 0.2e9  # one reading so far
-    assert profiler.chunk_adam_rate("cpu", granule, cache=tmp_path, readings=2) == 1.2e9
+    monkeypatch.setattr(machine_profile, "_chunk_adam_params_per_s", lambda cuda, n, repeat: next(readings))
+    granule = profile_cache.CHUNK_RATE_GRANULE
+    assert machine_profile.chunk_adam_rate("cpu", granule, cache=tmp_path) == 0.2e9  # one reading so far
+    assert machine_profile.chunk_adam_rate("cpu", granule, cache=tmp_path, readings=2) == 1.2e9
     assert "again: the fastest of readings apart in time is kept" in capsys.readouterr().err
-    assert profiler.chunk_adam_rate("cpu", granule, cache=tmp_path, readings=2) == 1.2e9  # kept: not again
-    assert profiler.chunk_adam_rate("cpu", granule, cache=tmp_path) == 1.2e9 and capsys.readouterr().err == ""
-    data = json.loads(profiler.cache_path("cpu", tmp_path).read_text())
+    assert machine_profile.chunk_adam_rate("cpu", granule, cache=tmp_path, readings=2) == 1.2e9  # kept: not again
+    assert machine_profile.chunk_adam_rate("cpu", granule, cache=tmp_path) == 1.2e9 and capsys.readouterr().err == ""
+    data = json.loads(profile_cache.cache_path("cpu", tmp_path).read_text())
     assert data["cpu_adam_chunk_readings"] == {str(granule): [0.2e9, 1.2e9]}
     assert data["cpu_adam_by_chunk"] == {str(granule): 1.2e9}
     # a slow second reading does not lower the first; both at once on a fresh size
-    assert profiler.chunk_adam_rate("cpu", 2 * granule, cache=tmp_path, readings=2) == 0.9e9
-    data = json.loads(profiler.cache_path("cpu", tmp_path).read_text())
+    assert machine_profile.chunk_adam_rate("cpu", 2 * granule, cache=tmp_path, readings=2) == 0.9e9
+    data = json.loads(profile_cache.cache_path("cpu", tmp_path).read_text())
     assert data["cpu_adam_chunk_readings"][str(2 * granule)] == [0.9e9, 0.5e9]
     assert data["cpu_adam_by_chunk"][str(2 * granule)] == 0.9e9
 
 
 def test_the_chunk_step_rate_is_the_median_of_its_steps(monkeypatch):
     ticks = iter([0.0, 9.0, 10.0, 11.0, 20.0, 22.0, 30.0, 33.0])  # warm-up 9 s, then 1, 2, 3 s
-    monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(ticks))
-    assert profiler._chunk_adam_params_per_s(False, 1024, 3) == 1024 / 2.0
+    monkeypatch.setattr(profile_host.time, "perf_counter", lambda: next(ticks))
+    assert profile_host._chunk_adam_params_per_s(False, 1024, 3) == 1024 / 2.0
 
 
 def test_device_steps_of_a_chunk_layout_are_measured_on_cuda_only(tmp_path):
     # On the CPU there are no device steps: nothing is measured and no profile file is written.
-    assert profiler.device_step_rate("cpu", [1024, 16], cache=tmp_path) == 0.0
-    assert not profiler.cache_path("cpu", tmp_path).exists()
+    assert machine_profile.device_step_rate("cpu", [1024, 16], cache=tmp_path) == 0.0
+    assert not profile_cache.cache_path("cpu", tmp_path).exists()
     # the layout's key tells layouts apart by their sizes in order
-    assert profiler.layout_key([1024, 16]) != profiler.layout_key([16, 1024])
-    assert profiler.layout_key([1024, 16]).startswith("1040:2:")
+    assert profile_device.layout_key([1024, 16]) != profile_device.layout_key([16, 1024])
+    assert profile_device.layout_key([1024, 16]).startswith("1040:2:")
     with pytest.raises(ValueError, match="sizes must be positive, got 0"):
-        profiler.device_step_rate("cpu", [1024, 0], cache=tmp_path)
+        machine_profile.device_step_rate("cpu", [1024, 0], cache=tmp_path)
 
 
 def test_the_typical_chunk_of_a_layout_is_a_blocks_chunk():
@@ -292,8 +298,8 @@ def test_the_typical_chunk_of_a_layout_is_a_blocks_chunk():
     # The device steps stream block chunks: their parameters' sizes, in order.
     import types
 
-    from protrain_fx.autooffload import chunk_parts
     from protrain_fx.chunks import ParamInfo
+    from protrain_fx.planner.offload import chunk_parts
 
     infos = [ParamInfo(("wte",), 4 * 4000, "embed", 0)]
     for b in range(3):
@@ -309,23 +315,23 @@ def test_the_typical_chunk_of_a_layout_is_a_blocks_chunk():
 
 
 def test_cpu_time_of_other_processes_is_read_from_proc(monkeypatch):
-    busy = profiler.cpus_busy_elsewhere(0.05)
+    busy = profile_host.cpus_busy_elsewhere(0.05)
     assert busy is None if not Path("/proc/stat").exists() else 0.0 <= busy <= 1.0
     # over the window: 400 ticks, 100 idle, 120 this process's -> 180 of 400 elsewhere
     ticks = iter([(1000, 500, 50), (1400, 600, 170)])
-    monkeypatch.setattr(profiler, "_cpu_ticks", lambda: next(ticks))
-    monkeypatch.setattr(profiler.time, "sleep", lambda s: None)
-    assert profiler.cpus_busy_elsewhere() == pytest.approx(180 / 400)
-    monkeypatch.setattr(profiler, "_cpu_ticks", lambda: (_ for _ in ()).throw(OSError("no /proc")))
-    assert profiler.cpus_busy_elsewhere() is None
+    monkeypatch.setattr(profile_host, "_cpu_ticks", lambda: next(ticks))
+    monkeypatch.setattr(profile_host.time, "sleep", lambda s: None)
+    assert profile_host.cpus_busy_elsewhere() == pytest.approx(180 / 400)
+    monkeypatch.setattr(profile_host, "_cpu_ticks", lambda: (_ for _ in ()).throw(OSError("no /proc")))
+    assert profile_host.cpus_busy_elsewhere() is None
 
 
 def test_a_process_stat_line_gives_its_name_and_cpu_ticks():
     # the name may hold spaces and parentheses; utime and stime are fields 14 and 15
     line = "4242 (py (worker) 2) S 1 2 3 4 5 6 7 8 9 10 700 55 0 0 20 0 1"
-    assert profiler._process_ticks(line) == ("py (worker) 2", 755)
+    assert profile_host._process_ticks(line) == ("py (worker) 2", 755)
     if Path("/proc/stat").exists():
-        times = profiler.host_cpu_times()
+        times = profile_host.host_cpu_times()
         assert len(times) == 8 and all(t >= 0 for t in times) and sum(times) > 0
 
 
@@ -335,12 +341,12 @@ def test_the_busiest_other_processes_are_named():
     import sys
 
     if not Path("/proc/self/stat").exists():
-        assert profiler.busiest_elsewhere(0.05) == []
+        assert profile_host.busiest_elsewhere(0.05) == []
         return
     child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
     try:
         time.sleep(0.3)
-        top = profiler.busiest_elsewhere(0.5, top=5)
+        top = profile_host.busiest_elsewhere(0.5, top=5)
     finally:
         child.kill()
         child.wait()
@@ -350,24 +356,24 @@ def test_the_busiest_other_processes_are_named():
 
 def test_cpu_measurements_on_cuda_wait_for_the_host_to_be_quiet(monkeypatch, capsys):
     seen = iter([0.5, 0.4, 0.05])
-    monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: next(seen))
-    monkeypatch.setattr(profiler, "busiest_elsewhere", lambda: [("python3", 42, 1.0)])
-    assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.05
+    monkeypatch.setattr(profile_host, "cpus_busy_elsewhere", lambda window_s=0.5: next(seen))
+    monkeypatch.setattr(profile_host, "busiest_elsewhere", lambda: [("python3", 42, 1.0)])
+    assert profile_host.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.05
     err = capsys.readouterr().err
     assert "waiting for the host's CPUs before the CPU step: 50% busy" in err and "may read low" not in err
     assert "(python3 42 (1.0 CPUs); up to 60 s)" in err
     # off CUDA nothing is read or awaited; off Linux (None) nothing is awaited
-    monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: pytest.fail("read"))
-    assert profiler.wait_for_quiet_cpus(torch.device("cpu"), "the CPU step") is None
-    monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: None)
-    assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") is None
+    monkeypatch.setattr(profile_host, "cpus_busy_elsewhere", lambda window_s=0.5: pytest.fail("read"))
+    assert profile_host.wait_for_quiet_cpus(torch.device("cpu"), "the CPU step") is None
+    monkeypatch.setattr(profile_host, "cpus_busy_elsewhere", lambda window_s=0.5: None)
+    assert profile_host.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") is None
     # a host that stays busy: it gives up at the deadline and says the rate may read low; the
     # process's waits share one budget, so once it is spent the next measurement does not wait
     clock = iter(range(0, 1000, 10))
-    monkeypatch.setattr(profiler.time, "perf_counter", lambda: float(next(clock)))
-    monkeypatch.setattr(profiler, "cpus_busy_elsewhere", lambda window_s=0.5: 0.9)
-    monkeypatch.setattr(profiler, "_quiet_wait_left", [25.0])
-    assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.9
-    assert "may read low" in capsys.readouterr().err and profiler._quiet_wait_left == [0.0]
-    assert profiler.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.9
+    monkeypatch.setattr(profile_host.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(profile_host, "cpus_busy_elsewhere", lambda window_s=0.5: 0.9)
+    monkeypatch.setattr(profile_host, "_quiet_wait_left", [25.0])
+    assert profile_host.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.9
+    assert "may read low" in capsys.readouterr().err and profile_host._quiet_wait_left == [0.0]
+    assert profile_host.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.9
     assert "; up to 0 s)" in capsys.readouterr().err

@@ -8,8 +8,9 @@ import torch
 
 import protrain_fx
 from examples.gpt import example
-from protrain_fx import cli
-from protrain_fx.report import inspect_model
+from protrain_fx.inspect import cli
+from protrain_fx.inspect.report import inspect_model
+from protrain_fx.planner import budget as planner_budget
 
 
 def test_inspect_model_table_graphs_and_timing():
@@ -26,7 +27,7 @@ def test_inspect_model_table_graphs_and_timing():
     shares = [float(rows[b].split()[-1].rstrip("%")) for b in ("blocks.0", "blocks.1", "outside")]
     assert abs(sum(shares) - 100) < 0.5 and all(s > 0 for s in shares)
     memory = report.graphs[0].memory
-    assert f"predicted peak {protrain_fx.readable.human_bytes(memory.peak_bytes)}" in table
+    assert f"predicted peak {protrain_fx.analysis.readable.human_bytes(memory.peak_bytes)}" in table
     fw, bw = report.forward_graph(), report.backward_graph()
     assert "aten.addmm.default" in fw and "# blocks.1" in fw and "gpt.py:" in fw
     assert "aten.mm.default" in bw and "tangents_1 = placeholder" in bw
@@ -97,7 +98,7 @@ def test_verbose_prints_one_line_per_pass(capfd):
 
 
 def test_budget_verdict_keeps_the_allocators_headroom():
-    from protrain_fx.pipeline import ALLOCATOR_HEADROOM, budget_verdict
+    from protrain_fx.planner.budget import ALLOCATOR_HEADROOM, budget_verdict
 
     gib = 2**30
     assert budget_verdict(10 * gib, 20 * gib) == "fits"
@@ -126,24 +127,23 @@ def test_tight_budget_is_reported(caplog):
 def test_without_a_budget_a_peak_over_the_gpus_allowed_memory_warns(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    from protrain_fx import pipeline
     from protrain_fx.config import ProtrainConfig
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=140 * gib))
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 24 / 140)
-    assert pipeline.device_limit_bytes("cuda:0") == 24 * gib
-    assert pipeline.device_limit_bytes("cpu") is None
+    assert planner_budget.device_limit_bytes("cuda:0") == 24 * gib
+    assert planner_budget.device_limit_bytes("cpu") is None
 
     def record(peak: int, device: str):
         return SimpleNamespace(config=ProtrainConfig(), index=0, memory=SimpleNamespace(peak_bytes=peak, device=device))
 
     with caplog.at_level(logging.WARNING, logger="protrain_fx"):
         # 6.7B with chunks on the H200: 27.8 GiB predicted under a 24 GiB cap, and it ran out of memory
-        pipeline.check_budget(record(int(27.8 * gib), "cuda:0"))
-        pipeline.check_budget(record(10 * gib, "cuda:0"))  # fits: silent
-        pipeline.check_budget(record(100 * gib, "cpu"))  # no limit known: silent
+        planner_budget.check_budget(record(int(27.8 * gib), "cuda:0"))
+        planner_budget.check_budget(record(10 * gib, "cuda:0"))  # fits: silent
+        planner_budget.check_budget(record(100 * gib, "cpu"))  # no limit known: silent
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1
     assert "over the memory this process may use on cuda:0 of 24.00 GiB" in messages[0]

@@ -14,6 +14,7 @@ import torch
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx.plan import Plan
+from protrain_fx.planner import activations
 from protrain_fx.runtime.swap import POOL
 
 CONFIG = gpt_config("tiny", n_layer=4)
@@ -141,7 +142,7 @@ def test_bad_machine_option_is_refused():
 def test_weight_casts_are_not_swapped_with_their_block():
     """Under bf16 autocast the backward saves bf16 copies of the weights; copying them over PCIe is
     pointless (they are made from parameters alone), so a swapped block leaves them on the device."""
-    from protrain_fx.passes.swap import _state_derived
+    from protrain_fx.analysis.swappable import _state_derived
 
     torch.manual_seed(0)
     model = GPT(CONFIG)
@@ -192,12 +193,11 @@ def test_the_cost_model_frees_swapped_bytes_where_the_rewrite_waits_for_their_co
     """``cost.CostModel.swap_freed_at`` follows ``passes/swap.py``: the same storages in the same
     queue, each freed in the step where its wait is placed or at the start of the next one. Rates
     (bytes/s, with the default margin) from copies done within a block to copies never done."""
-    from protrain_fx import autoplan
-    from protrain_fx.cost import CostModel
     from protrain_fx.plan import interleaved
+    from protrain_fx.search.cost import CostModel
 
     machine = {"d2h_bytes": rate, "h2d_bytes": rate}
-    model = CostModel(autoplan.activation_problem(_record(None, machine)))
+    model = CostModel(activations.activation_problem(_record(None, machine)))
     labels = [f"blocks.{i}" for i in range(CONFIG.n_layer)]
     protrain_fx.reset()
     torch._dynamo.reset()

@@ -110,7 +110,7 @@ def materialize_buffers(model: nn.Module, device: torch.device, initializer: Mod
 def _initializer(model: nn.Module) -> ModuleInit:
     """The model's own per-module initialiser (module docstring)."""
     if "transformers" in sys.modules:  # a Hugging Face model needs transformers imported to exist
-        from protrain_fx.integrations import hf
+        import protrain_fx.integrations.hf as hf  # (imports transformers)
 
         found = hf.module_initializer(model)
         if found is not None:

@@ -1,2 +1,4 @@
-"""Graph passes. Analyses (``blocks``, ``memory``) only read graphs and write ``protrain_fx.meta`` keys;
-the order in which passes run lives in ``protrain_fx.pipeline``."""
+"""Rewrites of the captured graphs, one function per pass.
+
+The order in which they run, and the only list of them, is ``passes/pipeline.py``.
+"""

@@ -13,7 +13,7 @@ import operator
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from protrain_fx.passes.blocks import BlockInfo, own_block
+from protrain_fx.analysis.blocks import BlockInfo, own_block
 from protrain_fx.plan import Plan
 
 

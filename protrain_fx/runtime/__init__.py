@@ -1,3 +1,4 @@
-"""Runtime pieces the rewritten graphs call: activation swap ops (copy streams, pinned pool) and the
-host side of parameter chunks (chunk store, GPU buffer pool, CPU optimizer worker). Never imports
-``protrain_fx.passes``."""
+"""What the rewritten graphs call at run time: activation swap ops (copy streams, pinned pool), the
+chunk store, the device buffer pool and the optimizers of offloaded chunks. Imports nothing from
+``passes``, ``planner``, ``search`` or ``profile``.
+"""

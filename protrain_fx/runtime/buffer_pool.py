@@ -25,9 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from protrain_fx.runtime.pinned import host_empty
-
 from protrain_fx.runtime.chunk_store import ChunkStore
+from protrain_fx.runtime.pinned import host_empty
 
 #: Elements per slice of a lean chunk's fp32 fetch: 64 MiB of staging, about 1.2 ms at the link's
 #: 55 GB/s, so the cast between two slices is noise.

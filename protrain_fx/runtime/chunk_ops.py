@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from protrain_fx.param_offload import OffloadHandle
+#: What the registry keeps: ``runtime.offload.OffloadHandle`` objects (typed loosely here: the handle
+#: module imports this one to register itself).
+OffloadHandle = Any
 
 _handles: dict[int, weakref.ref[OffloadHandle]] = {}
 #: id(parameter) -> (the parameter, weakly; handle id, chunk, slot offset, name).

@@ -1,72 +1,31 @@
-"""Host side of the parameter chunks: working copy, fp32 master and Adam states per chunk.
-
-Each chunk of a :class:`~protrain_fx.chunks.ChunkLayout` gets flat host buffers (pinned when a GPU
-will stream them), all with the layout's offsets:
-
-========== ============= =====================================================================
-buffer     dtype         holds
-========== ============= =====================================================================
-working    compute dtype the values the GPU fetches -- or, between the chunk's backward and its
-                         optimizer step, the chunk's gradient (see below)
-master     fp32          the authoritative parameter values
-exp_avg    fp32          Adam's first moment (only chunks with a trainable parameter)
-exp_avg_sq fp32          Adam's second moment (idem)
-========== ============= =====================================================================
-
-plus one fp32 scratch gradient of one chunk, shared by all chunks (none when the compute dtype is
-fp32). With bf16 compute that is 2 + 4 + 8 = 14 bytes per parameter.
-
-*Lean* chunks (``lean=`` chunk ids) have no working copy: 12 bytes per parameter. The device fetches
-their fp32 master and casts it on arrival (twice the bytes over the link), and their gradients land
-in a small pool of compute-dtype *landing buffers* shared by the lean chunks, taken when a chunk's
-gradient arrives and given back by its optimizer step (:meth:`ChunkStore.finish_step`). The pool
-holds ``grad_pool`` buffers (counted in the up-front memory check); a caller that cannot wait for a
-step to give one back (gradient accumulation holds them across backward passes) gets a new one,
-checked against the host memory then available. ``n_lean="auto"`` makes lean the fewest chunks
-(the last ones) that let the store fit the host, keeping :data:`AUTO_HOST_RESERVE` bytes free.
-
-There is no separate gradient buffer: the master is authoritative, so the working copy is dead from
-the moment the chunk's backward is done until its optimizer step writes the new values back
-(:meth:`ChunkStore.finish_step`); the gradient lands in those bytes and the optimizer converts it
-into the fp32 scratch. While a chunk holds a gradient, a fetch of its values goes through
-:meth:`ChunkStore.params_for_fetch`, which re-derives them from the master (gradient accumulation
-runs forwards between backwards).
-
-Tied parameters (one tensor, several names) are stored once. Frozen parameters
-(``requires_grad=False``) are stored but refuse gradients, so no optimizer steps them.
-
-On a CUDA machine, a gradient coming from the GPU is copied on a side stream and an event marks its
-arrival (:meth:`ChunkStore.wait_grad`); GPU reads of a host buffer (the buffer pool's fetches) are
-reported with :meth:`ChunkStore.note_host_read` so that nothing overwrites the buffer mid-copy. On
-a CPU-only machine every copy is a plain synchronous copy.
-"""
+"""TODO docstring."""
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from protrain_fx.chunks import ChunkLayout
+from protrain_fx.runtime.host_memory import (
+    GiB,
+    auto_lean,
+    available_host_bytes,
+    check_host_memory,
+    planned_store_bytes,
+)
 from protrain_fx.runtime.pinned import host_empty
 
-GiB = 2**30
 #: Gradient landing buffers of the lean chunks (see the module docstring), unless told otherwise.
 GRAD_POOL = 4
-#: Host bytes ``n_lean="auto"`` leaves free for everything else the process needs (the Python
-#: process, CUDA's context, compile workers).
-AUTO_HOST_RESERVE = 8 * GiB
+
+
 #: What the store can show per parameter (see the module table).
 BufferKind = Literal["working", "master", "exp_avg", "exp_avg_sq"]
-
-
-class HostMemoryError(MemoryError):
-    """The host cannot hold the chunk store; raised before anything is allocated."""
 
 
 @dataclass(frozen=True)
@@ -91,57 +50,6 @@ class ParamSlot:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """``MemAvailable`` of ``meminfo`` in bytes (``None`` where there is no such file, e.g. macOS)."""
-    try:
-        text = meminfo.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
-    return None
-
-
-def planned_store_bytes(
-    chunk_numel: int, trainable: Sequence[bool], itemsize: int, n_lean: int, grad_pool: int
-) -> int:
-    """Host bytes of a store of ``len(trainable)`` chunks of ``chunk_numel`` elements (``trainable``:
-    which hold a trainable parameter, so Adam moments), compute dtype of ``itemsize`` bytes, the last
-    ``n_lean`` chunks lean, with ``min(grad_pool, n_lean)`` landing buffers and the scratch: what
-    :meth:`ChunkStore.host_bytes` reaches (the module table)."""
-    per_chunk = sum(4 + (8 if t else 0) for t in trainable) + itemsize * (len(trainable) - n_lean)
-    scratch = 4 if itemsize != 4 and any(trainable) else 0
-    landing = itemsize * min(grad_pool, n_lean)
-    return chunk_numel * (per_chunk + scratch + landing)
-
-
-def auto_lean(
-    chunk_numel: int, trainable: Sequence[bool], itemsize: int, available: int | None, grad_pool: int
-) -> int:
-    """``n_lean="auto"``: the fewest last chunks to make lean so the store leaves
-    :data:`AUTO_HOST_RESERVE` bytes of ``available`` free (0 when unknown or when it fits as is; all
-    when nothing does: the memory check then names the need)."""
-    n = len(trainable)
-    if available is None:
-        return 0
-    for k in range(n + 1):
-        if planned_store_bytes(chunk_numel, trainable, itemsize, k, grad_pool) + AUTO_HOST_RESERVE <= available:
-            return k
-    return n
-
-
-def check_host_memory(needed: int, available: int | None, what: str) -> None:
-    """Refuse ``needed`` bytes of host memory when only ``available`` are free (``None``: unknown)."""
-    if available is not None and needed > available:
-        raise HostMemoryError(
-            f"{what} needs {needed} bytes ({needed / GiB:.2f} GiB) of host memory, but only "
-            f"{available} bytes ({available / GiB:.2f} GiB) are available (MemAvailable in "
-            "/proc/meminfo). Free host memory, use a machine with more, or keep more chunks "
-            "on the GPU."
-        )
 
 
 class ChunkStore:

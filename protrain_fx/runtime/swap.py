@@ -29,6 +29,7 @@ import threading
 import torch
 
 from protrain_fx.runtime.pinned import host_empty
+from protrain_fx.state import STATE
 
 
 class HostPool:
@@ -74,6 +75,7 @@ class HostPool:
 
 
 POOL = HostPool()
+STATE.on_reset(POOL.clear)  # protrain_fx.reset(): the forgotten graphs' host buffers go
 _streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 _events: dict[tuple[str, str], torch.cuda.Event] = {}
 

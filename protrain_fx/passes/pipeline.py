@@ -1,0 +1,250 @@
+"""The passes, in order, and the runner that runs them: the only place their order lives.
+
+A compile runs three lists, each at its own point of AOTAutograd's work:
+
+* :data:`JOINT_PASSES`, on the joint forward+backward graph, before the min-cut partitioner (which
+  acts on their recompute tags);
+* :data:`STEP_PASSES`, on the partitioned forward and backward graphs (or the inference graph);
+* :data:`LOWERED_PASSES`, once Inductor has lowered both graphs (its allocation plans read).
+
+Every pass is one function ``name(ctx: PassContext) -> str | None`` whose name is its key: it reads
+the graphs and what it needs from ``ctx`` (the record being compiled, and the plan this compile
+runs, handed in as an argument), rewrites or analyses them in place, and returns a one-line summary
+(``None``: nothing to do here). The runner (:func:`run_passes`) times each pass, logs its line,
+keeps a :class:`~protrain_fx.capture.PassRecord`, names the pass and the one before it in any
+error, and dumps the graphs after each pass when ``PROTRAIN_DUMP_DIR`` is set
+(``<dir>/graph<N>/<NN>_<pass>_<forward|backward>.txt``).
+
+Debugging: ``PROTRAIN_DISABLE_PASSES=swap_activations,recompute_param_casts`` skips those rewrites
+(the step runs as if they had nothing to do). Only rewrites can be disabled (:data:`REWRITES`); the
+analyses feed the planner. An offloaded model needs ``gather_chunks``: without it, the graphs read
+parameters that hold no bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from protrain_fx.analysis import blocks, inductor_memory, memory
+from protrain_fx.analysis.readable import format_graph, readable_graphs
+from protrain_fx.capture import CapturedGraph, PassRecord
+from protrain_fx.machine import machine_for
+from protrain_fx.passes import annotate, gather, param_casts, swap
+from protrain_fx.plan import Plan
+from protrain_fx.runtime import chunk_ops, device_adam
+
+log = logging.getLogger("protrain_fx")
+
+#: Environment variable naming a folder where graphs are dumped after every pass.
+DUMP_DIR_ENV = "PROTRAIN_DUMP_DIR"
+#: Environment variable listing rewrites to skip, comma-separated (module docstring).
+DISABLE_ENV = "PROTRAIN_DISABLE_PASSES"
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass is given: the record whose graphs it works on, and the plan this compile runs
+    (``None``: none; the user's hand plan, or the one the planner is trying). ``parameter_names``
+    and ``num_fwd_outputs`` describe the joint graph (AOTAutograd's static inputs and forward
+    outputs) for the passes that run on it."""
+
+    record: CapturedGraph
+    plan: Plan | None = None
+    parameter_names: frozenset[str] = frozenset()
+    num_fwd_outputs: int = 0
+
+
+Pass = Callable[[PassContext], "str | None"]
+
+
+# ---------------------------------------------------------------------------- the passes
+
+
+def recompute_param_casts(ctx: PassContext) -> str | None:
+    """An offloaded model's parameter casts (and views of them) recomputed in backward, so the
+    forward saves no bf16 copy of a weight (``passes/param_casts.py``)."""
+    record = ctx.record
+    if record.joint is None or not param_casts.reads_offload_handle(record.real_inputs()):
+        return None
+    n = param_casts.recompute_param_casts(record.joint, ctx.parameter_names)
+    return f"{n} parameter casts and views of them recomputed in backward"
+
+
+def annotate_plan(ctx: PassContext) -> str | None:
+    """The plan's recompute / save tags on the joint graph (``passes/annotate.py``)."""
+    plan, record = ctx.plan, ctx.record
+    if plan is None or record.joint is None:
+        return None
+    n = annotate.annotate_plan(record.joint, plan, blocks.find_blocks([record.joint]),
+                               parameter_names=ctx.parameter_names, num_fwd_outputs=ctx.num_fwd_outputs)
+    return (f"{n} forward nodes tagged ({len(plan.blocks_with('checkpoint'))} checkpointed block(s), "
+            f"{len(plan.tensors)} per-tensor override(s))")
+
+
+def attribute_blocks(ctx: PassContext) -> str:
+    """Block and phase of every node (``analysis/blocks.py``): every later pass reads ``meta.BLOCK``."""
+    record = ctx.record
+    forward = record.forward if record.forward is not None else record.inference
+    info = record.blocks = blocks.attribute_blocks(forward, record.backward)
+    return f"{len(info.labels)} blocks of {info.layer_class or '-'} under {info.container or '-'}"
+
+
+def gather_chunks(ctx: PassContext) -> str | None:
+    """Offloaded parameters read from chunk buffers, their gradients handed to the chunk store
+    (``passes/gather.py``); an inference graph (no_grad, eval) reads offloaded chunks too."""
+    record = ctx.record
+    forward = record.forward if record.forward is not None else record.inference
+    if forward is None or not any(chunk_ops.offloaded(t) for t in record.real_inputs()):
+        return None
+    record.gathered = gather.gather_pass(forward, record.backward, record.real_inputs())
+    return f"{len(record.gathered)} chunk gathers (offloaded parameters read from chunk buffers)"
+
+
+def swap_activations(ctx: PassContext) -> str | None:
+    """Saved values of swapped blocks to host memory and back (``passes/swap.py``); rewrites both
+    graphs, so it runs before the memory analysis."""
+    plan, record = ctx.plan, ctx.record
+    if plan is None or record.backward is None or not (plan.blocks_with("swap") or "swap" in plan.tensors.values()):
+        return None
+    record.swapped = swap.swap_pass(
+        record.forward, record.backward, plan, record.step.num_user_outputs,
+        machine=machine_for(memory.analysis_device(record.step), record.config.machine),
+        slot_prefix=f"g{record.index}.", state_inputs=record.step.state_inputs,
+    )
+    return (f"{len(record.swapped)} saved values ({sum(s.nbytes for s in record.swapped) / 2**20:.1f} MiB) "
+            "offloaded to host memory and reloaded for backward")
+
+
+def analyze_memory(ctx: PassContext) -> str | None:
+    """Liveness, timeline and peak of the whole step (``analysis/memory.py``), with what it counts of
+    the offload handles the graphs gather from handed over as data."""
+    record = ctx.record
+    if record.step is None:
+        return None
+    record.step = dataclasses.replace(record.step, offload=_offload_facts(record.step))
+    m = record.memory = memory.analyze_memory(
+        record.step, optimizer_states_per_param=record.config.optimizer_states_per_param,
+        label=f"graph {record.index}")
+    return (f"predicted peak {m.peak_bytes / 2**20:.1f} MiB on {m.device} (params {m.parameter_bytes / 2**20:.1f}, "
+            f"saved {m.saved_activation_bytes / 2**20:.1f} MiB)")
+
+
+def analyze_inductor_memory(ctx: PassContext) -> str | None:
+    """The same analysis from Inductor's own allocation plans (``analysis/inductor_memory.py``);
+    the graph-level one stays in ``record.memory_unfused``."""
+    record = ctx.record
+    if record.step is None or record.memory is None:
+        return None
+    if record.memory_unfused is None:
+        record.memory_unfused = record.memory
+    m = record.memory = inductor_memory.analyze_inductor_memory(
+        record.step, record.inductor_plans, optimizer_states_per_param=record.config.optimizer_states_per_param,
+        label=f"graph {record.index} (Inductor)")
+    return (f"predicted peak {m.peak_bytes / 2**20:.1f} MiB from Inductor's allocation plan "
+            f"(graph-level: {record.memory_unfused.peak_bytes / 2**20:.1f} MiB)")
+
+
+def _offload_facts(step: memory.StepGraphs) -> dict[int, memory.OffloadFacts]:
+    """What the memory analysis counts of each offload handle ``step``'s graphs gather chunks from."""
+    gather_op = torch.ops.protrain.chunk_gather.default
+    graphs = [g for g in (step.forward, step.backward) if g is not None]
+    out = {}
+    for hid in sorted({n.args[0] for g in graphs for n in g.graph.nodes if n.target is gather_op}):
+        handle = chunk_ops.handle(hid)
+        out[hid] = memory.OffloadFacts(
+            compute_itemsize=handle.store.compute_dtype.itemsize, chunk_numel=handle.store.chunk_numel,
+            n_buffer=handle.pool.n_buffer, fetch_staging_bytes=handle.pool.staging_bytes,
+            device_step_staging_bytes=handle.device_adam.staging_bytes if handle.device_adam is not None else 0,
+            n_gpu_optim=handle.n_gpu_optim, device_steps_in_flight=device_adam.MAX_IN_FLIGHT)
+    return out
+
+
+# ---------------------------------------------------------------------------- the order
+
+#: Before the partitioner, which acts on their tags.
+JOINT_PASSES: tuple[Pass, ...] = (
+    recompute_param_casts,  # before the plan's tags: a checkpointed block's tags win over its casts'
+    annotate_plan,
+)
+#: On the partitioned graphs.
+STEP_PASSES: tuple[Pass, ...] = (
+    attribute_blocks,  # every later pass reads the blocks
+    gather_chunks,  # before the swap: its selection is built and tested on graphs that read chunk buffers
+    swap_activations,  # rewrites both graphs: before the analysis
+    analyze_memory,
+)
+#: Once Inductor has lowered both graphs.
+LOWERED_PASSES: tuple[Pass, ...] = (analyze_inductor_memory,)
+#: The passes :data:`DISABLE_ENV` may name.
+REWRITES = frozenset({"recompute_param_casts", "annotate_plan", "gather_chunks", "swap_activations"})
+
+
+# ---------------------------------------------------------------------------- the runner
+
+
+def disabled_passes() -> frozenset[str]:
+    """The rewrites :data:`DISABLE_ENV` names; ``ValueError`` for a name that is not one."""
+    names = frozenset(n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip())
+    unknown = sorted(names - REWRITES)
+    if unknown:
+        raise ValueError(f"{DISABLE_ENV}: {', '.join(unknown)} cannot be disabled; the rewrites that can: "
+                         f"{', '.join(sorted(REWRITES))}")
+    return names
+
+
+def run_passes(passes: Sequence[Pass], ctx: PassContext) -> None:
+    """Run ``passes`` in order on ``ctx`` (module docstring)."""
+    record = ctx.record
+    off = disabled_passes()
+    dump_dir = os.environ.get(DUMP_DIR_ENV) or None
+    previous = record.passes[-1].name if record.passes else "capture"
+    if dump_dir and passes is STEP_PASSES:
+        _dump(record, dump_dir, "capture")
+    for fn in passes:
+        name = fn.__name__
+        if name in off:
+            log.info("graph %d: %s disabled (%s)", record.index, name, DISABLE_ENV)
+            continue
+        start = time.perf_counter()
+        try:
+            line = fn(ctx)
+        except ValueError as e:  # the user's settings (a plan naming an unknown block, ...): keep the type
+            raise ValueError(f"protrain_fx: {e} (in pass {name!r} on graph {record.index})") from e
+        except Exception as e:
+            raise RuntimeError(
+                f"protrain_fx: pass {name!r} failed on graph {record.index} (after {previous!r}): {e}") from e
+        if line is None:
+            continue
+        seconds = time.perf_counter() - start
+        record.passes.append(PassRecord(name, seconds, line))
+        log.info("graph %d: %s (%.3f s): %s", record.index, name, seconds, line)
+        previous = name
+        if dump_dir:
+            _dump(record, dump_dir, name)
+    if passes is STEP_PASSES:
+        record.readable = readable_graphs(record)
+
+
+def _dump(record: CapturedGraph, dump_dir: str, name: str) -> None:
+    """The graphs as they are after pass ``name``, numbered in the order of the dumps."""
+    folder = Path(dump_dir) / f"graph{record.index}"
+    folder.mkdir(parents=True, exist_ok=True)
+    count = len({p.name.split("_", 1)[0] for p in folder.glob("*.txt")}) + 1  # this dump's number
+    graphs: list[tuple[str, fx.GraphModule | None]] = [
+        ("forward", record.forward), ("backward", record.backward), ("inference", record.inference)]
+    if name == "capture":
+        graphs = [("dynamo", record.dynamo_graph), ("joint", record.joint)] + graphs
+    elif record.forward is None:  # a pass on the joint graph, before partitioning
+        graphs = [("joint", record.joint)]
+    for kind, gm in graphs:
+        if gm is not None:
+            (folder / f"{count:02d}_{name}_{kind}.txt").write_text(
+                format_graph(gm, title=f"graph {record.index} {kind} after {name}"))

@@ -1,0 +1,252 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_int
+
+from protrain_fx.analysis.params import parameter_infos
+from protrain_fx.capture import CapturedGraph
+from protrain_fx.machine import Machine, machine_for
+from protrain_fx.plan import Plan
+from protrain_fx.planner.budget import ALLOCATOR_HEADROOM, budget_for_peak
+from protrain_fx.planner.problem import (
+    IN_STEP_SCALE,
+    device_op_times,
+    problem_from_record,
+)
+from protrain_fx.planner.reserve import plan_cap, reserve_note, returned_outputs
+from protrain_fx.planner.result import AutoPlan
+from protrain_fx.planner.verify import (
+    Trial,
+    judged_peak,
+    judged_trial,
+    verified_choice,
+    widened,
+)
+from protrain_fx.search import problem
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.spread import expected_estimate
+from protrain_fx.search.problem import Config, Problem, block_plan
+from protrain_fx.search.search import NoPlanFits, SearchResult, search
+
+if TYPE_CHECKING:
+    pass
+
+
+log = logging.getLogger("protrain_fx")
+
+
+#: Bytes per parameter a fused AdamW step moves through device memory (fp32: reads parameter,
+#: gradient and two moments, writes parameter and two moments); gives the cost model a GPU Adam rate.
+ADAM_BYTES_PER_PARAM = 28
+
+
+def machine_profile(machine: Machine) -> problem.MachineProfile:
+    """The cost model's rates from the backend's machine constants (``protrain_fx.machine``, with the
+    ``machine`` option applied): copy bandwidths as they are; GPU Adam from the memory bandwidth
+    (:data:`ADAM_BYTES_PER_PARAM`). No chunk is stepped on the CPU when every chunk persists, so the
+    CPU Adam rate is a stand-in (the GPU one)."""
+    adam = machine.hbm_bytes * machine.hbm_efficiency / ADAM_BYTES_PER_PARAM
+    return problem.MachineProfile(
+        h2d_bytes_per_s=machine.h2d_bytes,
+        d2h_bytes_per_s=machine.d2h_bytes,
+        duplex_bytes_per_s=machine.duplex_bytes,
+        cpu_adam_params_per_s=adam,
+        gpu_adam_params_per_s=adam,
+    )
+
+
+def activation_problem(record: CapturedGraph) -> Problem:
+    """The cost model's :class:`~protrain_fx.cost.Problem` for a step analysed with no plan, as the
+    module docstring says: roofline times, this device's swap threshold, one unpadded chunk."""
+    device = torch.device(record.memory.device)
+    machine = machine_for(device, record.config.machine)
+    params = parameter_infos(record.step, record.dynamo_graph)
+    return problem_from_record(
+        record,
+        machine_profile(machine),
+        chunk_bytes=max(1, sum(p.nbytes for p in params)),
+        estimate_machine=machine,
+        min_swap_bytes=machine.min_swap_bytes,
+        op_times=(op_times := device_op_times(record)),
+        compute_scale=IN_STEP_SCALE if op_times else 1.0,
+    )
+
+
+def search_activation_plan(problem: Problem, budget_bytes: int, *, reserve_bytes: int = 0) -> SearchResult:
+    """The fastest ``(n_swap, n_checkpoint)`` with every chunk persistent that fits
+    ``budget_bytes - reserve_bytes``: :func:`protrain_fx.search.search` with ``persist_all=True``."""
+    return search(problem, budget_bytes, reserve_bytes=reserve_bytes, persist_all=True)
+
+
+def least_memory_config(model: CostModel) -> Config:
+    """The all-persistent config of least predicted peak (the faster one among equals)."""
+    return least_memory_configs(model, model.n_chunks, 0)[0]
+
+
+def least_memory_configs(model: CostModel, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> list[Config]:
+    """The configs tried as the plan of least memory with these chunk counts, in the order tried: the
+    activation counts of least predicted peak (the faster among equals), then checkpointing every
+    block (no swap), when that is another config.
+
+    Why both: the cost model's peak is an upper bound of the analysis', not its order. Its least
+    config can be a swap-heavy one the analysis puts gigabytes above checkpointing every block
+    (the swapped blocks' casts of weights, what their copies leave waiting), and a refusal that names
+    that config's peak names a minimum the backend does not need; checkpointing every block keeps
+    the least activations whatever the link does. Each is judged by the analysis like every trial
+    (:func:`verified_choice`)."""
+    N = model.n_blocks
+    pairs = [(s, c) for s in range(N + 1) for c in range(N + 1 - s)]
+    act = {q: model.activation_peak(*q) for q in pairs}
+    low = min(act.values())
+    p, b, g = n_persist, n_buffer, n_gpu_optim
+    s, c = min((q for q in pairs if act[q] == low), key=lambda q: (model.step_time(p, b, *q, g), q))
+    configs = [Config(p, b, s, c, g), Config(p, b, 0, N, g)]
+    return configs[:1] if configs[0] == configs[1] else configs
+
+
+def specialize_shapes(gm: fx.GraphModule) -> int:
+    """Guard on the value of every symbolic size of ``gm``'s inputs, so that a plan sized for these
+    shapes is never reused for others: Dynamo compiles again for a new shape (and the backend plans
+    again). Returns how many sizes were symbolic. (Dynamo's own recompile limit then bounds how many
+    shapes one function compiles for.)"""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        sizes = (*val.shape, *val.stride()) if isinstance(val, torch.Tensor) else (val,)
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                guard_int(size)
+                count += 1
+    return count
+
+
+def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> AutoPlan | None:
+    """Choose, apply and verify the activation plan of ``record`` (module docstring, steps 1-5).
+
+    ``trial(plan)`` partitions the step with ``plan`` (``None``: no plan) and runs the passes on it,
+    leaving ``record``'s graphs and ``record.memory`` as of that plan; on return the record holds the
+    chosen plan's graphs. Returns ``None`` for a step without transformer blocks (nothing to plan;
+    the record holds it as it is). Raises :class:`~protrain_fx.search.NoPlanFits` when nothing fits.
+    """
+    started = time.perf_counter()
+    budget = record.config.memory_budget_bytes
+    assert budget is not None
+    trial(None)
+    assert record.memory is not None
+    cap, outside, source = plan_cap(record, budget)
+    reserve = budget - cap
+    if record.blocks is None or not record.blocks.labels:
+        return None  # no block to checkpoint or swap: the budget is only checked, as with a plan by hand
+    empty_peak, empty_by_inductor = judged_peak(record)
+    t0 = time.perf_counter()
+    problem = activation_problem(record)
+    problem_s = time.perf_counter() - t0
+    model = CostModel(problem)
+    n = model.n_chunks
+    empty = Config(n, 0, 0, 0)
+    empty_est = model.estimate(empty)
+
+    def result(config: Config, how: str, found: SearchResult | None, trials: list[Trial]) -> AutoPlan:
+        return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
+                      empty_peak_bytes=empty_peak, empty_step_s=empty_est.step_s, problem_s=problem_s,
+                      started=started, empty_by_inductor=empty_by_inductor)
+
+    if empty_peak <= cap:
+        return result(empty, "fits as is", None, [])
+
+    trials: list[Trial] = []
+
+    def run(config: Config) -> Trial:
+        plan = block_plan(problem, config)
+        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        t = judged_trial(record, config, model.estimate(config).peak_bytes)
+        trials.append(t)
+        return t
+
+    candidates = least_memory_configs(model, n, 0)
+
+    def search_at(lowered: int) -> SearchResult:
+        b, r = widened(budget, reserve + lowered)
+        return search_activation_plan(problem, b, reserve_bytes=r)
+
+    config, how, found, need, least = verified_choice(search_at, run, candidates, trials, cap)
+    if config is not None:
+        return result(config, how, found, trials)
+    minimum = budget_for_peak(need + outside)
+    raise NoPlanFits(
+        f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
+        f"for graph {record.index}: the plan of least memory (n_swap={least.n_swap}, n_checkpoint="
+        f"{least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} bytes, so the budget "
+        f"must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, {100 * ALLOCATOR_HEADROOM:.0f}% allocator "
+        f"headroom included{reserve_note(outside, source)}); raise memory_budget, use a smaller batch, or offload "
+        "parameters with protrain_fx.offload(...)",
+        min_budget_bytes=minimum,
+    )
+
+
+def chosen(
+    record: CapturedGraph,
+    model: CostModel,
+    config: Config,
+    how: str,
+    found: SearchResult | None,
+    trials: list[Trial],
+    *,
+    cap: int,
+    reserve: tuple[int, str] = (0, ""),
+    empty_peak_bytes: int,
+    empty_step_s: float,
+    offload: bool = False,
+    problem_s: float = 0.0,
+    started: float | None = None,
+    empty_by_inductor: bool = False,
+    rate_spread: Mapping[str, float] | None = None,
+) -> AutoPlan:
+    """The :class:`AutoPlan` of ``config`` for ``record`` (as rewritten for it) under its budget;
+    ``started``: ``time.perf_counter()`` when the choice began (for ``choose_s``);
+    ``empty_by_inductor``: ``empty_peak_bytes`` is Inductor's (:func:`judged_peak`). With
+    ``rate_spread``, the predicted step is the mean over the host rates within that spread of their
+    readings (``cost.expected_estimate``)."""
+    est = expected_estimate(model.problem, config, rate_spread) if rate_spread else model.estimate(config)
+    kept = next((t for t in trials if t.config == config), None)
+    if kept is not None:
+        analysed, by_inductor = kept.analysed_peak_bytes, kept.by_inductor
+    elif how == "fits as is":
+        analysed, by_inductor = empty_peak_bytes, empty_by_inductor
+    else:
+        analysed, by_inductor = record.memory.peak_bytes, False
+    return AutoPlan(
+        plan=block_plan(model.problem, config),
+        config=config,
+        estimate=est,
+        problem=model.problem,
+        budget_bytes=record.config.memory_budget_bytes,
+        allocated_cap_bytes=cap,
+        predicted_peak_bytes=est.peak_bytes,
+        analysed_peak_bytes=analysed,
+        empty_peak_bytes=empty_peak_bytes,
+        empty_step_s=empty_step_s,
+        how=how,
+        search=found,
+        trials=trials,
+        budget_source=record.budget_source or "user",
+        reserve_bytes=reserve[0],
+        reserve_source=reserve[1],
+        returned=tuple(returned_outputs(record)),
+        offload=offload,
+        problem_s=problem_s,
+        choose_s=time.perf_counter() - started if started is not None else 0.0,
+        judged_by="inductor" if by_inductor else "graph",
+        empty_by_inductor=empty_by_inductor,
+        rate_spread=dict(rate_spread) if rate_spread else None,
+    )

@@ -1,0 +1,186 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from fractions import Fraction
+
+import torch
+import torch.fx as fx
+
+from protrain_fx import meta
+from protrain_fx.capture import CapturedGraph
+from protrain_fx.runtime import chunk_ops
+
+log = logging.getLogger("protrain_fx")
+
+
+def reads_hand_offloaded(record: CapturedGraph) -> bool:
+    """Whether the graph reads parameters offloaded with counts given by hand (the backend plans
+    the activations of a model whose counts it chose itself: ``autooffload.choose_for_placed``)."""
+    return any(
+        found is not None and not chunk_ops.handle(found[0]).counts_chosen
+        for found in map(chunk_ops.offloaded, record.real_inputs())
+    )
+
+
+def wants_auto_plan(record: CapturedGraph, *, budget_needed: bool = True) -> bool:
+    """A memory budget (the user's or, after :func:`resolve_budget`, the device's), ``auto_plan`` on,
+    no plan by hand and no parameter offloaded with counts by hand (those models keep the path they
+    had; an offload whose counts the backend chose gets an activation plan for its chunks,
+    ``autooffload.choose_for_placed``): the backend chooses the activation plan
+    (``protrain_fx.autoplan``). Asked before partitioning a train graph. ``budget_needed=False``: the
+    same without the budget (``protrain_fx.what_fits`` also answers without one)."""
+    config = record.config
+    return (
+        (config.memory_budget_bytes is not None or not budget_needed)
+        and config.auto_plan
+        and config.plan is None
+        and not reads_hand_offloaded(record)
+    )
+
+
+def reachable_bytes(total_bytes: int, fraction: float, free_bytes: int, reserved_bytes: int) -> int:
+    """What a process can still hold on a GPU: its per-process cap (``fraction`` of ``total_bytes``,
+    which bounds what its caching allocator reserves), but no more than is physically there: the
+    device's free bytes plus what this allocator already reserves (its cached blocks are free to it,
+    not to ``cudaMemGetInfo``)."""
+    return min(int(total_bytes * fraction), free_bytes + reserved_bytes)
+
+
+def device_budget_bytes(device: str | torch.device) -> int | None:
+    """The budget a step on ``device`` gets when the user gives none: :func:`reachable_bytes` from the
+    CUDA runtime, read when the step is compiled; ``None`` for a device that is not CUDA (no budget:
+    nothing is planned). Tests replace this function to plan a CPU step for a budget of their own."""
+    limit = device_limit_bytes(device)
+    if limit is None:
+        return None
+    index = _cuda_index(device)
+    free, _total = torch.cuda.mem_get_info(index)
+    return reachable_bytes(limit, 1.0, free, torch.cuda.memory_reserved(index))
+
+
+def graph_device(gm: fx.GraphModule) -> torch.device:
+    """The device holding most of the bytes of ``gm``'s inputs (parameters, batch); CPU if none."""
+    weight: dict[torch.device, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            for t in meta.tensor_values(node):
+                weight[t.device] = weight.get(t.device, 0) + meta.tensor_nbytes(t)
+    return max(weight, key=weight.get) if weight else torch.device("cpu")
+
+
+def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
+    """Say where the step's budget comes from (``record.budget_source``), before partitioning: the
+    user's ``memory_budget`` (``"user"``), else, when the backend would choose the plan (``auto_plan``
+    on, no plan by hand, nothing offloaded), :func:`device_budget_bytes` of the device the step runs
+    on (``"device"``; ``record.config`` then carries it as ``memory_budget_bytes``), else none. A
+    ``memory_budget`` above what the process can reach on a CUDA device is lowered to that, with a
+    warning: a plan that fits the larger number would run out of memory there."""
+    config = record.config
+    if config.memory_budget_bytes is not None:
+        record.budget_source = "user"
+        if not config.auto_plan or config.plan is not None:  # a budget only checked: as given
+            return
+        device = graph_device(joint)
+        reachable = device_budget_bytes(device)
+        if reachable is not None and config.memory_budget_bytes > reachable:
+            log.warning(
+                "protrain_fx: memory_budget %d bytes (%.4g GiB) is more than this process can reach on %s (%d bytes, "
+                "%.2f GiB: its per-process cap, free memory and what it already holds); graph %d is planned for that",
+                config.memory_budget_bytes, config.memory_budget_bytes / 2**30, device, reachable, reachable / 2**30,
+                record.index,
+            )
+            record.config = dataclasses.replace(config, memory_budget_bytes=reachable)
+        return
+    if not config.auto_plan or config.plan is not None or reads_hand_offloaded(record):
+        return
+    budget = device_budget_bytes(graph_device(joint))
+    if budget is not None:
+        record.config = dataclasses.replace(config, memory_budget_bytes=budget)
+        record.budget_source = "device"
+
+
+#: The caching allocator reserves more than the tensors it holds (block rounding, fragmentation);
+#: a budget (a memory cap) limits what it reserves. Measured on the H200 (docs/results.md,
+#: 2026-11-30): reserved/allocated peaks of 1.015 (350M) to 1.07 (760M); two plans whose allocated
+#: peak was predicted 4-5% under a 20 GiB cap ran out of memory.
+ALLOCATOR_HEADROOM = 0.08
+
+
+def _with_headroom(peak_bytes: int) -> Fraction:
+    """``peak_bytes`` with :data:`ALLOCATOR_HEADROOM` on top, exactly (no float rounding at any size)."""
+    return Fraction(peak_bytes) * (1 + Fraction(ALLOCATOR_HEADROOM).limit_denominator(10**6))
+
+
+def budget_verdict(peak_bytes: int, budget_bytes: int) -> str:
+    """``"fits"``, ``"tight"`` (the allocated peak fits, the allocator's usual headroom does not)
+    or ``"over"``."""
+    if _with_headroom(peak_bytes) <= budget_bytes:
+        return "fits"
+    return "tight" if peak_bytes <= budget_bytes else "over"
+
+
+def allocated_cap_bytes(budget_bytes: int) -> int:
+    """The largest allocated peak that :func:`budget_verdict` calls ``"fits"`` under ``budget_bytes``:
+    the budget caps what the allocator reserves, and reserved runs up to ``ALLOCATOR_HEADROOM`` above
+    allocated."""
+    return math.floor(Fraction(budget_bytes) / _with_headroom(1))
+
+
+def budget_for_peak(peak_bytes: int) -> int:
+    """The smallest budget under which an allocated peak of ``peak_bytes`` ``"fits"`` (the inverse of
+    :func:`allocated_cap_bytes`)."""
+    return max(1, math.ceil(_with_headroom(peak_bytes)))
+
+
+def device_limit_bytes(device: str | torch.device) -> int | None:
+    """Bytes this process may allocate on a CUDA ``device``: its memory times the per-process
+    fraction (``torch.cuda.set_per_process_memory_fraction``); None for other devices."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = _cuda_index(device)
+    total = torch.cuda.get_device_properties(index).total_memory
+    return int(total * torch.cuda.get_per_process_memory_fraction(index))
+
+
+def _cuda_index(device: str | torch.device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def check_budget(record: CapturedGraph) -> None:
+    """Warn when the predicted peak, with the allocator's headroom, exceeds the memory budget, or,
+    without one, the memory this process may use on the GPU (a run that will run out of memory)."""
+    budget, memory = record.config.memory_budget_bytes, record.memory
+    if memory is None:
+        return
+    what = "its memory budget"
+    if getattr(record, "budget_source", None) == "device":
+        what = f"the memory this process can reach on {memory.device}"
+    if budget is None:
+        budget = device_limit_bytes(memory.device)
+        what = f"the memory this process may use on {memory.device}"
+        if budget is None:
+            return
+    verdict = budget_verdict(memory.peak_bytes, budget)
+    if verdict == "fits":
+        return
+    if getattr(record, "auto_plan", None) is not None:
+        advice = "the automatic plan was chosen from the graph-level prediction, which said it fits"
+    else:
+        advice = "choose a plan by hand with options={'plan': ...}"
+    log.warning(
+        "protrain_fx: graph %d is predicted to need %.2f GiB (%.2f GiB with %.0f%% allocator headroom), "
+        "%s %s of %.2f GiB (%s)",
+        record.index,
+        memory.peak_bytes / 2**30,
+        memory.peak_bytes * (1 + ALLOCATOR_HEADROOM) / 2**30,
+        100 * ALLOCATOR_HEADROOM,
+        "over" if verdict == "over" else "at the edge of",
+        what,
+        budget / 2**30,
+        advice,
+    )

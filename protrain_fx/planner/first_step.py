@@ -1,0 +1,348 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from protrain_fx.analysis.readable import human_bytes
+from protrain_fx.capture import CapturedGraph
+from protrain_fx.planner.rates import (
+    STEP_TIMED_CALLS,
+    RateWindow,
+    Replan,
+    StepCheck,
+    replan_gpu_optim,
+)
+from protrain_fx.planner.result import AutoPlan, PeakCheck
+from protrain_fx.planner.verify import RAISE_MIN_GAIN
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.problem import Config
+from protrain_fx.state import STATE
+
+log = logging.getLogger("protrain_fx")
+if TYPE_CHECKING:
+    from protrain_fx.runtime.offload import OffloadHandle
+
+
+#: The clock of those starts (a test drives it).
+_clock = time.perf_counter
+
+
+def memory_counters(device: torch.device) -> tuple[int, int] | None:
+    """``(memory_allocated, max_memory_allocated)`` of a CUDA ``device``; ``None`` for any other
+    device (nothing to measure). Tests replace it to drive :func:`watch_first_step` on the CPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+
+def peaks_at_compile_start() -> dict[torch.device, int]:
+    """``max_memory_allocated`` of each CUDA device this process has initialized, taken when the
+    backend starts compiling a graph (for :func:`watch_first_step`); empty before CUDA is
+    initialized (nothing allocated yet)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {torch.device("cuda", i): torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())}
+
+
+def reset_peak(device: torch.device) -> None:
+    """``torch.cuda.reset_peak_memory_stats(device)`` (nothing off CUDA); tests replace it on the CPU."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def watch_first_step(
+    record: CapturedGraph, compiled: Callable, peaks_before: Mapping[torch.device, int] | None = None
+) -> Callable:
+    """``compiled`` (the backend's callable for ``record``), measuring the first call made with grad
+    enabled when ``record`` has an automatic plan: the memory counters when its forward starts, and
+    again when the backward pass that its outputs join ends (a callback queued on the autograd
+    engine from a hook on those outputs), handed to :func:`record_first_step`. Later calls go
+    straight through. Dynamo's calling convention (``_boxed_call``) is kept.
+
+    ``peaks_before`` (:func:`peaks_at_compile_start`): when the compile itself raised the device's
+    peak above it (the machine's rates and ops measured, chunks placed for trial plans: gigabytes on
+    a cold cache), the peak statistics are reset here, once, before the first step. The compile runs
+    inside the user's first call, so no reset of theirs can come between it and the step, and
+    without this the step's peak would stay under the compile's and go unmeasured.
+
+    After a measured miss (:func:`record_first_step`), the next graph planned on that device (the
+    one compiled again) has the statistics reset likewise: the step that missed made the process'
+    peak, and the new plan is measured to check that it fits."""
+    if record.auto_plan is None or record.memory is None:
+        return compiled
+    compiled = _timing_calls(record, compiled)
+    device = torch.device(record.memory.device)
+    if STATE.reset_after_miss.pop(record.memory.device, False):
+        reset_peak(device)
+        log.info(
+            "protrain_fx: graph %d: the peak statistics of %s were reset so that the first step of the plan "
+            "chosen after a measured miss is measured",
+            record.index,
+            device,
+        )
+    elif peaks_before is not None and (device.type == "cuda" or device in peaks_before):
+        now = memory_counters(device)
+        if now is not None and now[1] > peaks_before.get(device, 0):
+            reset_peak(device)
+            log.info(
+                "protrain_fx: graph %d: compiling (measuring the machine, trial plans) raised the peak of %s to "
+                "%s; its statistics were reset so that the first step's peak is measured",
+                record.index,
+                device,
+                human_bytes(now[1]),
+            )
+    armed = True
+
+    def call(*args: Any) -> Any:
+        nonlocal armed
+        if not armed or not torch.is_grad_enabled():
+            return compiled(*args)
+        armed = False
+        start = memory_counters(device)
+        out = compiled(*args)
+        if start is None:
+            return out
+        queued = False
+
+        def finish() -> None:
+            end = memory_counters(device)
+            if end is not None:
+                record_first_step(record, start, end)
+
+        def on_grad(_grad: torch.Tensor) -> None:
+            nonlocal queued
+            if not queued:
+                queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(on_grad)
+        return out
+
+    if getattr(compiled, "_boxed_call", False):
+        call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
+    """``compiled``, noting when its training calls start until :data:`STEP_TIMED_CALLS` have, then
+    :func:`record_step_period`. Calls without grad are not training steps and are not counted. When
+    the rates measured over those calls re-plan the running step (:func:`_close_rate_window`), as
+    many calls after the next one are timed too, against the new prediction (``Replan.step_check``)."""
+    starts: list[float] = []
+    first, last = STEP_TIMED_CALLS
+    after: tuple[int, int] | None = None  # the calls timed after a re-plan
+
+    window: list[RateWindow] = []  # the offload runtime's rates over the same calls (protrain_fx.calibrate)
+    replanned: list[OffloadHandle] = []  # the handle whose n_gpu_optim the rates changed
+
+    def intervals(a: int, b: int) -> list[float]:
+        return [y - x for x, y in zip(starts[a - 1 : b - 1], starts[a:b])]
+
+    def call(*args: Any) -> Any:
+        nonlocal after
+        if len(starts) < (after or (first, last))[1] and torch.is_grad_enabled():
+            starts.append(_clock())
+            if len(starts) == first:
+                window.extend(_open_rate_window(record))  # none without offloaded optimizer steps
+            if len(starts) == last:
+                replanned.extend(w.handle for w in window if _close_rate_window(record, w) is not None)
+                record_step_period(record, intervals(first, last))
+                if replanned:  # the call starting now waits for the switch; time the ones after it
+                    after = (last + 1, 2 * last + 1 - first)
+            elif after is not None and len(starts) == after[1]:
+                record_replan_period(record, intervals(*after), after, replanned[0])
+        return compiled(*args)
+
+    if getattr(compiled, "_boxed_call", False):
+        call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+def _open_rate_window(record: CapturedGraph) -> list[RateWindow]:
+    """``[RateWindow]`` on the offload handle whose chunks ``record``'s automatic plan placed with
+    optimizer steps of their own (CPU or device), else ``[]``."""
+    from protrain_fx.planner.offload import (
+        placed_handle,  # (autooffload imports this module)
+    )
+
+    auto = record.auto_plan
+    if auto is None or not auto.offload:
+        return []
+    handle = placed_handle(record)
+    if handle is None or handle.adam is None:
+        return []
+    return [RateWindow(handle)]
+
+
+def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | None:
+    """Stores, logs and keeps for later plans (``profiler.note_training_rates``) the rates
+    ``window`` measured (``AutoPlan.training_rates``). Where the counts were chosen by the backend
+    and it may step chunks on the device (:func:`replans_device_steps`), ``n_gpu_optim`` is chosen
+    again at those rates (``calibrate.replan_gpu_optim``) and a faster count is applied to the
+    handle at once (``AutoPlan.replanned``, logged); that :class:`Replan` is returned."""
+    from protrain_fx.profile.cache import (
+        note_training_rates,  # read at the call (tests replace it)
+    )
+
+    auto = record.auto_plan
+    assert auto is not None and record.memory is not None
+    rates = window.close(auto.problem, auto.config)
+    auto.training_rates = rates
+    kept = note_training_rates(
+        record.memory.device,
+        chunk_params=window.handle.chunk_params,
+        cpu_adam_params_per_s=rates.cpu_adam_params_per_s,
+        device_step_bytes_per_s=rates.device_step_bytes_per_s,
+    )
+    where = f"; kept for later plans on this machine in {kept}" if kept is not None else ""
+    log.info("protrain_fx: graph %d: %s%s", record.index, rates.line(auto.problem, auto.config), where)
+    handle = window.handle
+    if (not replans_device_steps(torch.device(record.memory.device)) or not handle.counts_chosen
+            or auto.replanned is not None or handle.n_gpu_optim != auto.config.n_gpu_optim):
+        return None
+    judged = max(auto.analysed_peak_bytes, auto.measured_peak_bytes or 0)
+    replan = replan_gpu_optim(auto.problem, auto.config, rates, predicted_s=auto.estimate.step_s,
+                              room_bytes=max(0, auto.allocated_cap_bytes - judged))
+    if replan is None:
+        return None
+    handle.set_gpu_optim(replan.after.n_gpu_optim)
+    auto.replanned = replan
+    log.info("protrain_fx: graph %d: %s", record.index, replan.line())
+    return replan
+
+
+def replans_device_steps(device: torch.device) -> bool:
+    """Whether a running plan's ``n_gpu_optim`` is chosen again from the measured rates: where the
+    search chooses it (CUDA; on the CPU there is no second device to step on)."""
+    return device.type == "cuda"
+
+
+def record_replan_period(
+    record: CapturedGraph, intervals_s: Sequence[float], calls: tuple[int, int], handle: OffloadHandle
+) -> StepCheck | None:
+    """Stores and logs the step period measured after a re-plan (``Replan.step_check``) against the
+    re-planned step's prediction, and undoes the re-plan on ``handle`` when that period is longer
+    than the one measured before it (``AutoPlan.step_check``): the measurement decides, not the
+    cost model that proposed the change."""
+    auto = record.auto_plan
+    if auto is None or auto.replanned is None or not intervals_s:
+        return None
+    replan = auto.replanned
+    check = StepCheck(predicted_step_s=replan.after_s, intervals_s=tuple(intervals_s), calls=calls)
+    replan.step_check = check
+    if auto.step_check is not None:
+        replan.measured_before_s = auto.step_check.measured_step_s
+        replan.kept = check.measured_step_s <= replan.measured_before_s
+        if not replan.kept and handle.n_gpu_optim == replan.after.n_gpu_optim:
+            handle.set_gpu_optim(replan.before.n_gpu_optim)
+    log.info("protrain_fx: graph %d: %s", record.index, replan.line())
+    return check
+
+
+def record_step_period(record: CapturedGraph, intervals_s: Sequence[float]) -> StepCheck | None:
+    """Stores and logs a :class:`StepCheck` of ``record``'s automatic plan from the measured
+    intervals (seconds between the starts of consecutive training calls). ``None`` without intervals."""
+    auto = record.auto_plan
+    if auto is None or not intervals_s:
+        return None
+    check = StepCheck(predicted_step_s=auto.estimate.step_s, intervals_s=tuple(intervals_s))
+    auto.step_check = check
+    log.info("protrain_fx: graph %d: %s", record.index, check.line())
+    return check
+
+
+def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[int, int]) -> PeakCheck | None:
+    """The bookkeeping of :func:`watch_first_step`, from plain numbers: ``start`` and ``end`` are
+    ``(memory_allocated, max_memory_allocated)`` at the forward's start and the backward's end.
+    Stores a :class:`PeakCheck` on ``record.auto_plan`` and logs it, and keeps what the step held
+    above the graph's analysed peak (``PeakCheck.outside_bytes``: the user's code around the graph)
+    as the reserve of later plans on this device (:func:`outside_reserve`). The graph is removed
+    from Dynamo's cache, so that its next call compiles it again with that reserve, when the step
+    went over its allocated cap (a warning names the numbers) or when the reserve it was planned
+    with was an estimate and, with the measured one, the cost model finds a plan
+    :data:`RAISE_MIN_GAIN` faster (:func:`faster_plan_under`). Returns ``None`` (logged) when the
+    step did not raise the process' peak, whose value is then unknown."""
+    auto, memory = record.auto_plan, record.memory
+    assert auto is not None and memory is not None
+    (start_allocated, start_max), (_end_allocated, end_max) = start, end
+    if end_max <= start_max:
+        log.info(
+            "protrain_fx: graph %d: first step's peak not measured: it stayed under this process' earlier peak "
+            "of %s (call torch.cuda.reset_peak_memory_stats() before the first step to measure it)",
+            record.index,
+            human_bytes(start_max),
+        )
+        return None
+    check = PeakCheck(
+        predicted_peak_bytes=memory.peak_bytes,
+        predicted_start_bytes=sum(memory.timeline.baseline_bytes.values()),
+        measured_peak_bytes=end_max,
+        measured_start_bytes=start_allocated,
+        allocated_cap_bytes=auto.step_cap_bytes,
+    )
+    auto.peak_check = check
+    log.info("protrain_fx: graph %d: %s", record.index, check.line())
+    device = memory.device
+    outside = check.outside_bytes
+    STATE.measured_outside[device] = max(STATE.measured_outside.get(device, 0), outside)
+    if check.over:
+        why = (f"the first step peaked at {check.step_peak_bytes} bytes ({human_bytes(check.step_peak_bytes)}), "
+               f"{human_bytes(outside)} above the graph's analysed peak of {check.predicted_peak_bytes} bytes "
+               f"({human_bytes(check.predicted_peak_bytes)})"
+               f" and over the allocated cap of {check.allocated_cap_bytes} bytes "
+               f"({human_bytes(check.allocated_cap_bytes)}) that the plan (n_swap={auto.config.n_swap}, "
+               f"n_checkpoint={auto.config.n_checkpoint}) was chosen for under a budget of {auto.budget_bytes} bytes "
+               f"({human_bytes(auto.reserve_bytes)} of it kept for the code around the graph)")
+        level = logging.WARNING
+    elif auto.reserve_source == "outputs" and (better := faster_plan_under(auto, auto.step_cap_bytes - outside)):
+        why = (f"the code around the graph held {human_bytes(outside)} at the step's peak, where "
+               f"{human_bytes(auto.reserve_bytes)} was kept for it: with that measured, n_swap={better.n_swap}, "
+               f"n_checkpoint={better.n_checkpoint} is predicted at least {100 * RAISE_MIN_GAIN:.0f}% faster")
+        level = logging.INFO
+    else:
+        return check
+    code = record.dynamo_code
+    if code is not None:  # the next call compiles this graph again, with the measured reserve
+        from torch._dynamo.eval_frame import remove_from_cache
+
+        remove_from_cache(code)
+        auto.recompile = True
+    STATE.reset_after_miss[device] = True
+    what = (f"this graph is compiled again at its next call ({code.co_name}), and it and"
+            if code is not None else "this graph keeps its plan (it was compiled outside Dynamo), and")
+    log.log(level, "protrain_fx: graph %d: %s; %s every later plan on %s keeps %s under its cap for the code "
+            "around the graph, as measured", record.index, why, what, device, human_bytes(STATE.measured_outside[device]))
+    return check
+
+
+def faster_plan_under(auto: AutoPlan, cap: int) -> Config | None:
+    """An activation plan for ``auto``'s chunks as placed (its ``n_persist``, ``n_buffer``,
+    ``n_gpu_optim``) that the cost model predicts :data:`RAISE_MIN_GAIN` faster than ``auto.config``
+    and under ``cap`` (the cost model's peak scaled by its margin over the judged peak of the plan
+    chosen, as :func:`raised_choice` does), else ``None``. No plan at all when the step as it is
+    was judged under ``cap`` (parameters on the device: ``empty_peak_bytes``)."""
+    model = CostModel(auto.problem)
+    c, N = auto.config, model.n_blocks
+    empty = Config(c.n_persist, c.n_buffer, 0, 0, c.n_gpu_optim)
+    if not auto.offload and c != empty and auto.empty_peak_bytes <= cap:  # judged, not estimated
+        return empty
+    margin = max(1.0, auto.predicted_peak_bytes / max(1, auto.analysed_peak_bytes))
+    best: tuple[float, Config] | None = None
+    for s in range(N + 1):
+        for k in range(N + 1 - s):
+            config = Config(c.n_persist, c.n_buffer, s, k, c.n_gpu_optim)
+            estimate = model.estimate(config)
+            if estimate.peak_bytes <= cap * margin and (best is None or estimate.step_s < best[0]):
+                best = (estimate.step_s, config)
+    if best is None or best[0] > auto.estimate.step_s * (1 - RAISE_MIN_GAIN) or best[1] == c:
+        return None
+    return best[1]

@@ -1,0 +1,250 @@
+"""What fits: the plan and the smallest memory budget of a model and batch, without training.
+
+    report = protrain_fx.what_fits(model, x, y, memory_budget="24GiB")
+    print(report)            # fits or not, the plan, the smallest budget, host bytes the swaps pin
+
+:func:`what_fits` compiles ``model`` with ``backend="protrain"`` and calls it once on the example
+inputs, but the backend stops inside the compile, after the step was captured, partitioned and
+analysed for the plans it tried: no graph runs, nothing is allocated for activations, and no
+parameter changes. The capture needs what any compile needs: the model and its inputs on their
+device (their bytes exist), ``requires_grad`` parameters (a training step), and the same options
+as training (``codegen``, ``optimizer``, ``machine``...).
+
+The report is the first captured training graph's (a model with graph breaks is planned per graph;
+its later graphs are not reached). A model offloaded without counts (``protrain_fx.offload(model,
+optimizer)``, before its first training compile) gets the chunk counts too, chosen and checked as
+the training compile would (:func:`answer_offload`: the chunks are placed for each config tried,
+host store included, and removed before it returns). A model offloaded with counts by hand is
+refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from protrain_fx.analysis.readable import human_bytes
+from protrain_fx.capture import CapturedGraph
+from protrain_fx.plan import Plan
+from protrain_fx.planner import activations, reserve, result, verify
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.problem import block_plan
+
+#: The budget a report without one is planned under: large enough for any step, so only the
+#: smallest budget is of interest.
+UNBOUNDED = 2**62
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """One training graph's answer. ``budget_bytes``: what it was asked under (``None``: no budget,
+    only the minimum is reported); ``fits``: a plan keeps the allocated peak under the budget less the
+    allocator's headroom (``pipeline.allocated_cap_bytes``); ``plan``: the plan the backend would run
+    (``None`` when nothing fits); ``min_budget_bytes``: the smallest budget with which the backend
+    finds a plan (that of least memory, allocator headroom included); ``host_swap_bytes``: pinned host
+    memory the plan's swaps need (0 without swaps).
+
+    For ``protrain_fx.offload`` without counts (:func:`answer_offload`): ``counts`` are the chunk
+    counts (``n_persist``, ``n_buffer``, ``n_gpu_optim`` of ``n_chunks``; when nothing fits, those
+    of least memory) and ``host_chunk_bytes`` the host store they need (fp32 master, two Adam
+    moments and the compute-dtype copy of each offloaded chunk, before any chunk is made lean). The
+    chunks were placed to check each config with the memory analysis, as training does, and
+    removed again."""
+
+    graph: int
+    budget_bytes: int | None
+    budget_source: str | None
+    fits: bool
+    plan: Plan | None
+    predicted_peak_bytes: int | None
+    predicted_step_s: float | None
+    min_budget_bytes: int
+    least_memory_plan: Plan | None
+    host_swap_bytes: int
+    counts: dict[str, int] | None = None
+    host_chunk_bytes: int = 0
+
+    def __str__(self) -> str:
+        if self.budget_bytes is None:
+            head = "no memory budget given"
+        else:
+            head = f"budget {human_bytes(self.budget_bytes)} ({self.budget_source}): " + (
+                "fits" if self.fits else "does NOT fit"
+            )
+        lines = [f"graph {self.graph}: {head}; smallest budget {human_bytes(self.min_budget_bytes)} "
+                 f"({self.min_budget_bytes} bytes)"]
+        if self.plan is not None:
+            counts = {p: len(self.plan.blocks_with(p)) for p in ("swap", "checkpoint")}
+            lines.append(
+                f"  plan: {counts['swap']} swapped, {counts['checkpoint']} checkpointed block(s); predicted peak "
+                f"{human_bytes(self.predicted_peak_bytes or 0)}, step {1e3 * (self.predicted_step_s or 0):.3f} ms; "
+                f"pinned host memory for swaps {human_bytes(self.host_swap_bytes)}"
+            )
+        if self.counts is not None:
+            c = self.counts
+            lines.append(
+                f"  chunks: n_persist={c['n_persist']}, n_buffer={c['n_buffer']}, n_gpu_optim={c['n_gpu_optim']} of "
+                f"{c['n_chunks']}; host store {human_bytes(self.host_chunk_bytes)}"
+            )
+        return "\n".join(lines)
+
+
+class _Answered(BaseException):
+    """Raised by the backend with the report, through Dynamo (a ``BaseException``: Dynamo wraps, or
+    with ``suppress_errors`` swallows and runs eagerly, only ``Exception``s)."""
+
+    def __init__(self, report: FitReport) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
+def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
+    """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would,
+    find the smallest budget, and stop the compile with the report."""
+    from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
+    from protrain_fx.search.search import NoPlanFits
+
+    given = record.config.memory_budget_bytes
+    record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
+    chosen: result.AutoPlan | None = None
+    try:
+        chosen = activations.choose_plan(record, trial)
+        fits, minimum = True, None
+    except NoPlanFits as e:
+        fits, minimum = False, e.min_budget_bytes
+    assert record.memory is not None
+    least: Plan | None = None
+    if chosen is None and fits:  # no transformer block: the step as it is
+        minimum = budget_for_peak(record.memory.peak_bytes)
+        fits = given is None or record.memory.peak_bytes <= allocated_cap_bytes(given)
+    elif minimum is None:  # a plan fits: the smallest budget is that of the least-memory plans' least peak
+        model = CostModel(chosen.problem)
+        lowest: tuple[int, Plan] | None = None
+        for config in activations.least_memory_configs(model, model.n_chunks, 0):
+            plan = block_plan(chosen.problem, config)
+            trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+            judged, _ = verify.judged_peak(record)  # as training judges it (option verify), and it alone
+            if lowest is None or judged < lowest[0]:
+                lowest = (judged, plan)
+        assert lowest is not None
+        judged, least = lowest
+        minimum = budget_for_peak(judged + reserve.outside_reserve(record)[0])
+    swap_bytes = 0
+    if chosen is not None:
+        swapped = set(chosen.plan.blocks_with("swap"))
+        swap_bytes = sum(b.swap_bytes for b in chosen.problem.blocks if b.name in swapped)
+    raise _Answered(
+        FitReport(
+            graph=record.index,
+            budget_bytes=given,
+            budget_source=record.budget_source if given is not None else None,
+            fits=fits,
+            plan=chosen.plan if chosen is not None else (Plan(blocks={}) if fits else None),
+            predicted_peak_bytes=chosen.predicted_peak_bytes if chosen is not None else record.memory.peak_bytes,
+            predicted_step_s=chosen.estimate.step_s if chosen is not None else None,
+            min_budget_bytes=minimum,
+            least_memory_plan=least,
+            host_swap_bytes=swap_bytes,
+        )
+    )
+
+
+def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | None], None]) -> None:
+    """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
+    the training compile would choose under the budget (``autooffload.choose_offload``, which places
+    the chunks of each config it tries and checks it with the memory analysis), and the smallest
+    budget: the least peak of the least-memory configs (``autooffload.least_memory_candidates``: the
+    cost model's least, and checkpointing every block) as the analysis judges it, the judge training uses (the
+    cost model's peak is not asked to fit: it can fall below the analysis', on small chunks and on
+    swaps, 1.957 against 2.120 GB on the H200 in the eighth session, or far above it). Then nothing stays placed (``handle.unplace()``)
+    and the compile stops with the report."""
+    from protrain_fx.planner import offload as autooffload
+    from protrain_fx.planner.budget import budget_for_peak
+    from protrain_fx.planner.reserve import outside_reserve
+    from protrain_fx.search.search import NoPlanFits
+
+    given = record.config.memory_budget_bytes
+    trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
+    # after the trial, which puts the user's options back: choose_offload reads the budget first thing
+    record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
+    assert record.memory is not None
+    model = autooffload.offload_cost_model(record, handle, "what_fits cannot choose its offload counts")
+    problem = model.problem
+    candidates = autooffload.least_memory_candidates(model)
+    least = candidates[0]
+    outside = outside_reserve(record)[0]
+    chosen = None
+    try:
+        try:
+            chosen = autooffload.choose_offload(record, handle, trial, final=False, model=model)
+            judged = []
+            for config in candidates:
+                done = next((t for t in chosen.trials if t.config == config), None)
+                if done is None:
+                    done = autooffload.place_and_analyse(record, handle, model, config, trial)
+                judged.append(done)
+            done = min(judged, key=lambda t: t.analysed_peak_bytes)
+            least = done.config
+            minimum = budget_for_peak(done.analysed_peak_bytes + outside)
+        except NoPlanFits as e:  # training's own refusal, with the minimum it names
+            minimum = e.min_budget_bytes
+            least = getattr(e, "least_config", least)
+    finally:
+        handle.unplace()  # nothing stays placed: the training compile chooses again
+    config = chosen.config if chosen is not None else least
+    plan = chosen.plan if chosen is not None else None
+    swapped = set(plan.blocks_with("swap")) if plan is not None else set()
+    numel = handle.layout.chunk_bytes // torch.empty(0, dtype=handle.param_dtype).element_size()
+    compute_size = torch.empty(0, dtype=handle.compute_dtype).element_size()
+    offloaded = model.n_chunks - config.n_persist
+    raise _Answered(
+        FitReport(
+            graph=record.index,
+            budget_bytes=given,
+            budget_source=record.budget_source if given is not None else None,
+            fits=chosen is not None,
+            plan=plan,
+            predicted_peak_bytes=chosen.analysed_peak_bytes if chosen is not None else None,
+            predicted_step_s=chosen.estimate.step_s if chosen is not None else None,
+            min_budget_bytes=minimum,
+            least_memory_plan=block_plan(problem, least),
+            host_swap_bytes=sum(b.swap_bytes for b in problem.blocks if b.name in swapped),
+            counts={"n_persist": config.n_persist, "n_buffer": config.n_buffer, "n_gpu_optim": config.n_gpu_optim,
+                    "n_chunks": model.n_chunks},
+            host_chunk_bytes=offloaded * numel * (4 + problem.adam_state_bytes_per_param + compute_size),
+        )
+    )
+
+
+def what_fits(
+    model: torch.nn.Module,
+    *args: Any,
+    memory_budget: int | str | None = None,
+    options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> FitReport:
+    """The plan ``model`` would train with on ``args``/``kwargs`` under ``memory_budget`` (or, on a
+    CUDA device with none given, what the process can reach there), and the smallest budget that
+    has a plan, without running the step (module docstring). ``options``: the other backend options
+    of the training run."""
+    opts = dict(options or {})
+    if opts.get("plan") is not None or opts.get("auto_plan") is False:
+        raise ValueError("what_fits: the backend must choose the plan (no 'plan', no auto_plan=False in options)")
+    if memory_budget is not None:
+        opts["memory_budget"] = memory_budget
+    opts["dry_run"] = True
+    compiled = torch.compile(model, backend="protrain", options=opts)
+    try:
+        with torch.enable_grad():
+            compiled(*args, **kwargs)
+    except _Answered as answered:
+        # The compile stopped before Dynamo cached anything for this frame: a later torch.compile of
+        # the model compiles afresh, and other compiled models keep their graphs (tested).
+        return answered.report
+    raise ValueError(
+        "what_fits: no training step was captured: no parameter requires grad, or the model is offloaded "
+        "with n_persist / n_buffer given by hand"
+    )

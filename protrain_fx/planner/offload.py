@@ -1,0 +1,445 @@
+"""The automatic offload: ProTrain's chunk counts and the activation plan from one memory budget.
+
+    handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="protrain", options={"memory_budget": "24GiB"})
+
+``offload`` without ``n_persist`` / ``n_buffer`` packs the parameters into chunks but places none:
+every parameter is a device tensor without bytes (what Dynamo traces) and its values wait in host
+memory (``OffloadHandle.automatic``). When the backend's partitioner gets the model's first training
+graph, :func:`choose_offload` runs instead of partitioning once:
+
+1. The step is partitioned and analysed with no plan, as if every parameter stayed on the device:
+   the memory analysis gives each block's saved and transient bytes (``trial(None)``).
+2. :func:`offload_problem` describes the step to the cost model with the handle's own chunks (the
+   ones the runtime will move): chunk buffers in the compute dtype, persistent chunks as the runtime
+   keeps them (fp32 parameter and gradient, two fp32 Adam moments: ``persistent_param_bytes``),
+   block times from the roofline (``passes/estimate.py``) with the matrix and attention nodes
+   measured on CUDA (``profiler.device_op_times``), the machine's copy and Adam rates
+   measured once and cached (``profiler.measure_machine``, the CPU step at the handle's chunk size:
+   ``profiler.chunk_adam_rate``; on a device that is not CUDA the
+   backend's ``machine`` constants stand in, see :func:`offload_machine`).
+3. :func:`protrain_fx.search.search` finds the fastest ``(n_persist, n_buffer, n_swap,
+   n_checkpoint, n_gpu_optim)`` whose predicted peak fits the budget less the allocator's headroom
+   (``pipeline.allocated_cap_bytes``); ``n_gpu_optim`` only on CUDA (on the CPU there is no second
+   device to step on). A config with more persistent chunks predicted within 5% of it is taken
+   instead (:func:`prefer_persistent`).
+4. The handle places its chunks with those counts (``OffloadHandle.configure``: the host store,
+   the chunk buffers, persistent parameters on the device), the step is partitioned again with the
+   activation plan (``cost.block_plan``) and rewritten to read the chunks (``passes/gather.py``),
+   and the memory analysis checks the rewritten step, chunk buffers and staging included. Above the
+   cap, the search runs again with the cap lowered by the miss (the handle is placed again; nothing
+   has run yet), a few times; last the configs of least memory (no persistent chunk, the fewest
+   buffers, and the cost model's least activation counts, then checkpointing every block:
+   :func:`least_memory_candidates`), each judged by the analysis. Under the cap, the search
+   runs again with the cap raised by the cost model's margin over the analysis, and a faster config
+   it finds is placed and kept if it analyses under the cap (``autoplan.raised_choice``).
+5. Nothing fits: :class:`~protrain_fx.search.NoPlanFits` names the smallest budget with a plan.
+   A host too small for the chunk store is refused by the store, naming its bytes.
+
+Then the handle forgets the values it kept (``OffloadHandle.finalize``): the counts are final for
+the life of the model. Another input shape compiles again (the plan guards on the shapes) and gets
+its own activation plan for the chunks as placed (:func:`choose_for_placed`).
+
+Lean chunks (a host short of memory for every chunk's compute-dtype copy): the cost model gets
+how many the store would make for each ``n_persist`` (``OffloadHandle.lean_counts``), their fp32
+fetch bytes and the fp32 fetch staging (``cost`` module docstring).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from protrain_fx.capture import CapturedGraph
+from protrain_fx.machine import machine_for
+from protrain_fx.plan import Plan
+from protrain_fx.planner.activations import (
+    chosen,
+    least_memory_configs,
+    machine_profile,
+)
+from protrain_fx.planner.budget import ALLOCATOR_HEADROOM, budget_for_peak
+from protrain_fx.planner.problem import (
+    IN_STEP_SCALE,
+    device_op_times,
+    problem_from_record,
+)
+from protrain_fx.planner.reserve import plan_cap, reserve_note
+from protrain_fx.planner.result import AutoPlan
+from protrain_fx.planner.verify import (
+    Trial,
+    judged_peak,
+    judged_trial,
+    verified_choice,
+    widened,
+)
+from protrain_fx.profile.cache import training_rates
+from protrain_fx.profile.machine_profile import (
+    chunk_adam_rate,
+    device_step_rate,
+    measure_machine,
+)
+from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.buffer_pool import FETCH_SLICE_ELEMS
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.spread import RATE_SPREAD, expected_estimate, steadiest_gpu_optim
+from protrain_fx.search.problem import Config, MachineProfile, Problem, block_plan
+from protrain_fx.search.search import NoPlanFits, SearchResult, search
+
+if TYPE_CHECKING:
+    from protrain_fx.runtime.offload import OffloadHandle
+
+log = logging.getLogger("protrain_fx")
+
+
+def deferred_handle(record: CapturedGraph) -> OffloadHandle | None:
+    """The offload handle whose counts this graph's first compile chooses, if its inputs hold one."""
+    found = {}
+    for t in record.real_inputs():
+        h = chunk_ops.deferred(t)
+        if h is not None:
+            found[id(h)] = h
+    if len(found) > 1:
+        raise ValueError(
+            f"protrain_fx: graph {record.index} reads the parameters of {len(found)} offloaded models with "
+            "automatic counts; one budget cannot be split among them: give n_persist / n_buffer by hand"
+        )
+    return next(iter(found.values()), None)
+
+
+def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
+    """The offload handle whose counts the backend chose at an earlier compile, if this graph reads it."""
+    for t in record.real_inputs():
+        found = chunk_ops.offloaded(t)
+        if found is not None and chunk_ops.handle(found[0]).counts_chosen:
+            return chunk_ops.handle(found[0])
+    return None
+
+
+def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Callable[[Plan | None], None]) -> AutoPlan:
+    """The activation plan of a later graph (another input shape) of a model whose chunk counts the
+    backend chose at its first compile: the counts stay, the fastest ``(n_swap, n_checkpoint)`` whose
+    predicted peak fits with them is searched (every pair simulated), applied and verified as in
+    :func:`choose_offload`. ``"fits as is"`` when the step analyses under the cap without a plan."""
+    started = time.perf_counter()
+    budget = record.config.memory_budget_bytes
+    assert budget is not None
+    trial(None)
+    t0 = time.perf_counter()
+    model = offload_cost_model(record, handle, "its activations cannot be planned for the placed chunks")
+    problem_s = time.perf_counter() - t0
+    cap, outside, source = plan_cap(record, budget)
+    p, b, g = handle.n_persist, handle.n_buffer, handle.n_gpu_optim
+    N = model.n_blocks
+    configs = [Config(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
+    empty = configs[0]
+    empty_peak, empty_by_inductor = judged_peak(record)
+    trials: list[Trial] = []
+
+    def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+        return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
+                      empty_peak_bytes=empty_peak,
+                      empty_step_s=model.estimate(empty).step_s, offload=True, problem_s=problem_s, started=started,
+                      empty_by_inductor=empty_by_inductor,
+                      rate_spread=RATE_SPREAD if torch.device(record.memory.device).type == "cuda" else None)
+
+    if empty_peak <= cap:
+        return result(empty, "fits as is", None)
+
+    def search_at(lowered: int) -> SearchResult:
+        t0 = time.perf_counter()
+        estimates = [(model.estimate(c), c) for c in configs]
+        fitting = [(e.step_s, c, e) for e, c in estimates if e.peak_bytes <= cap - lowered]
+        if not fitting:
+            raise NoPlanFits("no activation plan fits with these chunks",
+                             min_budget_bytes=min(e.peak_bytes for e, _ in estimates) + budget - cap)
+        _, best, est = min(fitting, key=lambda x: (x[0], x[1]))
+        return SearchResult(best, est, len(configs), 0, 0, len(configs), time.perf_counter() - t0)
+
+    def run(config: Config) -> Trial:
+        plan = block_plan(model.problem, config)
+        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        t = judged_trial(record, config, model.estimate(config).peak_bytes)
+        trials.append(t)
+        return t
+
+    config, how, found, need, _ = verified_choice(search_at, run, least_memory_configs(model, p, b, g), trials, cap)
+    if config is not None:
+        return result(config, how, found)
+    minimum = budget_for_peak(need + outside)
+    raise NoPlanFits(
+        f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) for "
+        f"graph {record.index} with the chunks placed at the model's first compile (n_persist={p}, n_buffer={b}, "
+        f"n_gpu_optim={g}): the plan of least memory needs an allocated peak of {need} bytes, so the budget must "
+        f"be at least {minimum} bytes ({minimum / 2**30:.4g} GiB{reserve_note(outside, source)}); "
+        + ("raise memory_budget (the chunk counts stay as placed)" if source == "measured" else
+           "use the first shape's batch, or compile the largest shape first (the counts are chosen for the first)"),
+        min_budget_bytes=minimum,
+    )
+
+
+def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) -> CostModel:
+    """After ``trial(None)`` left ``record`` analysed: the cost model of its step with ``handle``'s
+    chunks (the machine measured on the first call, cached after). ``what`` ends the refusal of a
+    step without transformer blocks ("... cannot be chosen")."""
+    assert record.memory is not None
+    if record.blocks is None or not record.blocks.labels:
+        raise ValueError(
+            f"protrain_fx: graph {record.index} has no transformer blocks, so {what}; give n_persist / n_buffer "
+            "to offload(...) by hand"
+        )
+    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
+        machine = offload_machine(torch.device(record.memory.device), record, handle.chunk_params, chunk_parts(handle))
+    return CostModel(offload_problem(record, handle, machine))
+
+
+def chunk_parts(handle: OffloadHandle) -> list[int]:
+    """The sizes, in order, of the parameters of the layout's most typical chunk (of those with the
+    most common number of parameters, the fullest): what a device step of the model streams."""
+    param_size = handle.param_dtype.itemsize
+    chunks = [c for c in handle.layout.chunks if c.slots]
+    if not chunks:
+        return []
+    counts = collections.Counter(len(c.slots) for c in chunks)
+    common = max(counts, key=lambda k: (counts[k], k))
+    chunk = max((c for c in chunks if len(c.slots) == common), key=lambda c: (c.used_bytes, -c.index))
+    return [s.param.nbytes // param_size for s in chunk.slots]
+
+
+def offload_machine(
+    device: torch.device, record: CapturedGraph, chunk_params: int | None = None, parts: Sequence[int] = ()
+) -> MachineProfile:
+    """The machine's rates: measured on CUDA (``profiler.measure_machine``, once per device and torch
+    version, cached; the rates training reached on this machine in their place where known:
+    ``profiler.training_rates``); elsewhere the backend's ``machine`` constants (``autoplan.machine_profile``)
+    with the CPU Adam rate measured the same way (the one rate a CPU step depends on). With
+    ``chunk_params``, the CPU Adam rate is that of chunks of this size (``profiler.chunk_adam_rate``,
+    cached per size): the rate fell with the chunk's size; on CUDA, the faster of two readings, one
+    before and one after the device steps' measurement (a host's CPU can be slow for a while). With
+    ``parts`` (:func:`chunk_parts`), on CUDA, the device-step rate is that of chunks laid out so,
+    stepped beside the model's own matrix and attention kernels (``profiler.device_step_rate``,
+    cached per layout and load): one tensor of 64M parameters read 15% above what training reached."""
+    measured = measure_machine(device)
+    if chunk_params:
+        measured = dataclasses.replace(measured, cpu_adam_params_per_s=chunk_adam_rate(device, chunk_params))
+    graphs = [g for g in (record.forward, record.backward) if g is not None]
+    load_nodes = [node for g in graphs for node in g.graph.nodes]  # beside the steps: the model's own kernels
+    if device.type == "cuda" and parts and (rate := device_step_rate(device, parts, load_nodes=load_nodes)):
+        log.info("protrain_fx: graph %d: device_step_bytes_per_s %.4g, measured on this model's chunk layout "
+                 "(%.4g on one tensor)", record.index, rate, measured.device_step_bytes_per_s)
+        measured = dataclasses.replace(measured, device_step_bytes_per_s=rate)
+    if device.type == "cuda" and chunk_params:  # a second reading of the CPU step, apart in time: the faster
+        measured = dataclasses.replace(measured, cpu_adam_params_per_s=chunk_adam_rate(device, chunk_params, readings=2))
+    profiled = measured
+    measured, trained = training_rates(device, measured, chunk_params)  # what training reached here before
+    for name in trained:
+        log.info(
+            "protrain_fx: graph %d: %s %.4g, the rate training reached on this machine (profiled %.4g; "
+            "protrain_fx.calibrate)", record.index, name, getattr(measured, name), getattr(profiled, name),
+        )
+    if device.type == "cuda":
+        return measured
+    base = machine_profile(machine_for(device, record.config.machine))
+    return MachineProfile(
+        h2d_bytes_per_s=base.h2d_bytes_per_s,
+        d2h_bytes_per_s=base.d2h_bytes_per_s,
+        duplex_bytes_per_s=base.duplex_bytes_per_s,
+        cpu_adam_params_per_s=measured.cpu_adam_params_per_s,
+        gpu_adam_params_per_s=base.gpu_adam_params_per_s,
+        gpu_bytes=base.gpu_bytes,
+    )
+
+
+def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: MachineProfile) -> Problem:
+    """The cost model's Problem of a step analysed with every parameter on the device, with
+    ``handle``'s chunks (module docstring, step 2)."""
+    device = torch.device(record.memory.device)
+    estimate_machine = machine_for(device, record.config.machine)
+    param_size = torch.empty(0, dtype=handle.param_dtype).element_size()
+    compute_size = torch.empty(0, dtype=handle.compute_dtype).element_size()
+    problem = problem_from_record(
+        record,
+        machine,
+        layout=handle.layout,
+        buffer_bytes_per_byte=compute_size / param_size,
+        persistent_param_bytes=param_size if compute_size != param_size else 0,
+        estimate_machine=estimate_machine,
+        min_swap_bytes=estimate_machine.min_swap_bytes,
+        op_times=(op_times := device_op_times(record)),
+        compute_scale=IN_STEP_SCALE if op_times else 1.0,
+    )
+    lean = handle.lean_counts()
+    if not lean[0]:
+        return problem
+    # a lean chunk is fetched from its fp32 master (through an fp32 staging slice on CUDA when the
+    # compute dtype is narrower: runtime/buffer_pool.py)
+    numel = handle.layout.chunk_bytes // param_size
+    staged = device.type == "cuda" and handle.compute_dtype != torch.float32
+    return dataclasses.replace(
+        problem,
+        chunks=tuple(dataclasses.replace(c, lean_fetch_bytes=4 * numel) for c in problem.chunks),
+        lean_chunks=lean,
+        lean_staging_bytes=4 * min(numel, FETCH_SLICE_ELEMS) if staged else 0,
+    )
+
+
+#: A config that keeps more chunks on the device is chosen when its predicted step is at most this
+#: fraction slower than the fastest (see :func:`prefer_persistent`).
+PREFER_PERSISTENT = 0.05
+
+
+def prefer_persistent(problem: Problem, budget: int, reserve: int, *, gpu_optim: bool) -> SearchResult:
+    """The fastest config (:func:`protrain_fx.search.search`), unless one with more persistent chunks
+    is predicted within :data:`PREFER_PERSISTENT` of it: then the one with the most. An offloaded
+    chunk's speed rests on host rates measured once, in isolation, and on the cost model's overlap of
+    CPU steps with compute; where the model sees a few percent to gain by offloading, the device is
+    the safer bet (B24 350M at 24 GiB on the H200, 2026-11-30: offloading 4 of 6 chunks was predicted
+    4% faster than keeping all, and ran 2.2x slower than torch.compile)."""
+    best = search(problem, budget, reserve_bytes=reserve, gpu_optim=gpu_optim)
+    seconds = best.seconds
+    for p in range(len(problem.chunks), best.best.n_persist, -1):
+        try:
+            r = search(problem, budget, reserve_bytes=reserve, gpu_optim=gpu_optim, n_persist=p)
+        except NoPlanFits:
+            continue
+        seconds += r.seconds
+        if r.estimate.step_s <= best.estimate.step_s * (1 + PREFER_PERSISTENT):
+            return dataclasses.replace(r, seconds=seconds, total=best.total)
+    return dataclasses.replace(best, seconds=seconds)
+
+
+def steadier_gpu_optim(
+    handle: OffloadHandle, model: CostModel, kept: Trial, cap: int, trials: list[Trial],
+    spread: Mapping[str, float] = RATE_SPREAD,
+) -> Config:
+    """The chosen config ``kept.config`` with the ``n_gpu_optim`` of the least expected step over the
+    host rates' spread (``cost.steadiest_gpu_optim``), within the memory its judged peak leaves under
+    ``cap``; applied to ``handle`` and appended to ``trials`` (the judged peak raised by the static
+    bytes the change adds), with a log line, when it differs. The count changes no graph: the two
+    optimizer paths read and write the same host state (``OffloadHandle.set_gpu_optim``)."""
+    config = kept.config
+    steadier = steadiest_gpu_optim(model.problem, config, room_bytes=cap - kept.analysed_peak_bytes, spread=spread)
+    if steadier == config:
+        return config
+    p, b = config.n_persist, config.n_buffer
+    added = model.static_bytes(p, b, steadier.n_gpu_optim) - model.static_bytes(p, b, config.n_gpu_optim)
+    handle.set_gpu_optim(steadier.n_gpu_optim)
+    trials.append(Trial(steadier, model.estimate(steadier).peak_bytes, kept.analysed_peak_bytes + added,
+                        kept.by_inductor))
+    log.info("protrain_fx: n_gpu_optim %d -> %d: the least step expected with the host rates within %s of "
+             "their readings (%.4g s against %.4g at n_gpu_optim %d)", config.n_gpu_optim, steadier.n_gpu_optim,
+             ", ".join(f"{k} {100 * u:.0f}%" for k, u in spread.items()),
+             expected_estimate(model.problem, steadier, spread).step_s,
+             expected_estimate(model.problem, config, spread).step_s, config.n_gpu_optim)
+    return steadier
+
+
+def least_memory_config(model: CostModel) -> Config:
+    """The config of least predicted peak: no persistent chunk, the fewest buffers, no device step,
+    the activation counts of least memory (the faster among equals)."""
+    return least_memory_candidates(model)[0]
+
+
+def least_memory_candidates(model: CostModel) -> list[Config]:
+    """The configs tried as the plan of least memory: no persistent chunk, the fewest buffers, no
+    device step, and the activation counts of ``autoplan.least_memory_configs`` (the cost model's
+    least, then checkpointing every block)."""
+    b = model.min_buffers(0) if model.n_chunks else 0
+    return least_memory_configs(model, 0, b)
+
+
+def place_and_analyse(
+    record: CapturedGraph,
+    handle: OffloadHandle,
+    model: CostModel,
+    config: Config,
+    trial: Callable[[Plan | None], None],
+) -> Trial:
+    """Place ``handle``'s chunks with ``config``'s counts, rewrite and analyse the step with its
+    activation plan (``trial``), and return the :class:`Trial`: the cost model's peak and the
+    analysis' (``autoplan.judged_peak``: or Inductor's plan's, with ``verify="inductor"``). ``record``
+    is left as of this config."""
+    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
+        handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim)
+    plan = block_plan(model.problem, config)
+    trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+    return judged_trial(record, config, model.estimate(config).peak_bytes)
+
+
+def choose_offload(
+    record: CapturedGraph,
+    handle: OffloadHandle,
+    trial: Callable[[Plan | None], None],
+    *,
+    final: bool = True,
+    model: CostModel | None = None,
+) -> AutoPlan:
+    """Choose the counts and the activation plan, place ``handle``'s chunks and verify (module
+    docstring). ``trial`` is :func:`protrain_fx.autoplan.choose_plan`'s: it partitions and analyses
+    the step with a plan, leaving ``record`` as of that plan. ``final=False`` (``what_fits``): the
+    chunks stay placed but not final, so that ``handle.unplace()`` can undo them. ``model``: the
+    cost model of the step, when the caller made it after ``trial(None)``."""
+    started = time.perf_counter()
+    budget = record.config.memory_budget_bytes
+    assert budget is not None  # the backend refuses the compile before (backend._check_automatic_offload)
+    t0 = time.perf_counter()
+    if model is None:
+        trial(None)
+        model = offload_cost_model(record, handle, "the offload counts cannot be chosen")
+    problem_s = time.perf_counter() - t0
+    problem = model.problem
+    device = torch.device(record.memory.device)
+    cap, outside, source = plan_cap(record, budget)
+    reserve = budget - cap
+    all_on_device_peak = record.memory.peak_bytes
+    everything = Config(model.n_chunks, 0, 0, 0)
+    trials: list[Trial] = []  # every placement analysed, in order
+
+    def run(config: Config) -> Trial:
+        t = place_and_analyse(record, handle, model, config, trial)
+        trials.append(t)
+        return t
+
+    def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+        spread = RATE_SPREAD if device.type == "cuda" else None  # the CPU device plans with fixed rates
+        kept = next((t for t in trials if t.config == config), None)
+        if spread and kept is not None:
+            config = steadier_gpu_optim(handle, model, kept, cap, trials, spread)
+        if final:
+            handle.finalize()
+        return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
+                      empty_peak_bytes=all_on_device_peak, empty_step_s=model.estimate(everything).step_s,
+                      offload=True, problem_s=problem_s, started=started, rate_spread=spread)
+
+    try:
+        gpu_optim = device.type == "cuda"
+        config, how, found, need, least = verified_choice(
+            lambda lowered: prefer_persistent(problem, *widened(budget, reserve + lowered), gpu_optim=gpu_optim),
+            run, least_memory_candidates(model), trials, cap,
+        )
+        if config is not None:
+            return result(config, how, found)
+        minimum = budget_for_peak(need + outside)
+        refusal = NoPlanFits(
+            f"protrain_fx: no offload plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
+            f"for graph {record.index}: the plan of least memory (n_persist=0, n_buffer={least.n_buffer} of "
+            f"{model.n_chunks} chunks of {problem.buffer_bytes / 2**20:.4g} MiB, n_swap={least.n_swap}, "
+            f"n_checkpoint={least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} "
+            f"bytes, so the budget must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, "
+            f"{100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom included{reserve_note(outside, source)}); raise memory_budget, "
+            "use a smaller batch, or smaller chunks (offload(..., chunk_bytes=...))",
+            min_budget_bytes=minimum,
+        )
+        refusal.least_config = least  # the config the minimum is named from (fit.answer_offload reports it)
+        raise refusal
+    except BaseException:
+        with unset_fake_temporarily():
+            handle.unplace()  # nothing stays placed: a later compile (another budget) chooses again
+        raise

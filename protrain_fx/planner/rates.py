@@ -1,0 +1,283 @@
+"""The rates an offloaded step reaches in training, measured over its first training calls.
+
+The machine profile (``profiler.measure_machine``) measures the two rates an offloaded step pays on
+every step with stand-ins for training around them: the CPU step of one chunk under copy traffic and
+kernel launches, and device steps (``runtime/device_adam.py``) beside matrix products. On the H200
+machines of 2026-12-01 the device steps ran 12-20% slower in training than measured there, and the
+CPU step's profiled rate moved by +-20% between machines (``docs/results.md``, twelfth and thirteenth
+sessions): enough to put a predicted step 10-15% off.
+
+So the runtime's own work is timed while the user trains. Between the starts of the training calls
+``autoplan.STEP_TIMED_CALLS`` (a :class:`RateWindow` on the graph's offload handle):
+
+* the CPU worker's chunk steps: seconds from each step's gradient landed on the host to its new
+  working copy written, and the parameters stepped (``ChunkAdamW.computed``);
+* each device step on CUDA: from its first copy in to its last copy out (CUDA events,
+  ``DeviceAdamW.window``), against the bytes the cost model has it copy out, less what the cost
+  model has backward's re-fetches beside it add (:func:`alone_rate`: the rate the cost model takes,
+  ``MachineProfile.device_step_bytes_per_s``, before it adds them).
+
+At the window's end the rates are kept in the device's profile file
+(``profiler.note_training_rates``) and later plans on this machine are priced at them
+(``profiler.training_rates``: a restart, another budget or model, a new input shape). The running
+plan's step is predicted again at these rates, each timed chunk's device step at its own median
+time (``cost.Problem.device_step_s``: the one issued last in backward runs longer than the rest),
+and logged beside the measured step period (:class:`TrainingRates`).
+
+Then the one count the running step can change is chosen again at these rates:
+``n_gpu_optim``, which offloaded chunks the CPU steps and which stream through the device
+(:func:`replan_gpu_optim`). A faster count (by :data:`REPLAN_MIN_GAIN`, and only where its device
+staging fits under the cap) is applied between two calls (``OffloadHandle.set_gpu_optim``) and the
+calls after it are timed against its prediction (:class:`Replan`). Measured slower than the
+calls before it, the change is undone: the cost model can be wrong about it (on the H200, B24
+1.3B at 16 GiB, one more device-stepped chunk was predicted 6% faster and ran 4% slower: the
+device steps held backward up more than modelled). The chunk counts (where the optimizer state
+lives) and the activation plan (compiled in) stay.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.problem import Config, Problem
+
+if TYPE_CHECKING:
+    pass
+import dataclasses
+
+if TYPE_CHECKING:
+    from protrain_fx.runtime.offload import OffloadHandle
+
+
+#: Training calls of a planned graph whose starts are timed (:func:`watch_first_step`): the step
+#: period is the median of the intervals between the starts of calls ``STEP_TIMED_CALLS[0]`` ..
+#: ``STEP_TIMED_CALLS[1]`` (1-based), after the first (compiles) and second (warms the allocator
+#: and the optimizer's state) have run.
+STEP_TIMED_CALLS = (3, 8)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """The step period of a planned graph measured in training against the cost model's step time.
+
+    ``intervals_s``: wall-clock seconds between the starts of consecutive training calls of the graph
+    (:data:`STEP_TIMED_CALLS`); their median is the measured period: the whole training step as the
+    user's loop runs it (the optimizer, data loading, and with several graphs per step, the others).
+    No synchronisation is added: in a steady state the host runs no further ahead of the device
+    between two calls than before them. With several training calls per optimizer step (gradient
+    accumulation) the interval is one micro-batch's, which the prediction (one call and one
+    optimizer step) does not describe."""
+
+    predicted_step_s: float
+    intervals_s: tuple[float, ...]
+    #: The training calls whose starts were timed (1-based, first and last).
+    calls: tuple[int, int] = STEP_TIMED_CALLS
+
+    @property
+    def measured_step_s(self) -> float:
+        return statistics.median(self.intervals_s)
+
+    @property
+    def error_pct(self) -> float:
+        """The prediction against the measured period, in % of the measured (positive: predicted slower)."""
+        return 100 * (self.predicted_step_s / self.measured_step_s - 1)
+
+    def line(self) -> str:
+        a, b = self.calls
+        return (f"step period measured {self.measured_step_s * 1e3:.1f} ms (median between the starts of training "
+                f"calls {a} to {b}) against {self.predicted_step_s * 1e3:.1f} ms predicted ({self.error_pct:+.1f}%)")
+
+
+@dataclass(frozen=True)
+class TrainingRates:
+    """What an offloaded step's runtime reached over a window of training calls.
+
+    ``cpu_params`` parameters were stepped on the CPU in ``cpu_s`` seconds of the worker's compute
+    (0 and 0: none); ``device_steps``: (chunk in the host store's numbering, from 0 at the first
+    offloaded chunk; seconds) of each device step timed (empty: none, or
+    not on CUDA) and ``device_step_bytes_per_s`` their rate without the re-fetches beside them
+    (:func:`alone_rate`; 0: none timed), the rate the cost model prices an untimed step at.
+    ``device_step_s``: per chunk timed (in the cost model's numbering, all
+    chunks from 0), the median of its steps' seconds: the running plan is priced with them
+    (:meth:`priced`, ``cost.Problem.device_step_s``), the chunks not timed at the median rate."""
+
+    cpu_params: int
+    cpu_s: float
+    device_steps: tuple[tuple[int, float], ...] = ()
+    device_step_bytes_per_s: float = 0.0
+    device_step_s: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def cpu_adam_params_per_s(self) -> float:
+        """The CPU step's rate in training (0: nothing stepped on the CPU)."""
+        return self.cpu_params / self.cpu_s if self.cpu_params and self.cpu_s > 0 else 0.0
+
+    def priced(self, problem: Problem) -> Problem:
+        """``problem`` with its machine's rates replaced by those measured here (where measured)."""
+        changes = {}
+        if self.cpu_adam_params_per_s:
+            changes["cpu_adam_params_per_s"] = self.cpu_adam_params_per_s
+        if self.device_step_bytes_per_s:
+            changes["device_step_bytes_per_s"] = self.device_step_bytes_per_s
+        timed = self.device_step_s or problem.device_step_s
+        machine = dataclasses.replace(problem.machine, **changes)
+        return dataclasses.replace(problem, machine=machine, device_step_s=timed)
+
+    def line(self, problem: Problem, config: Config) -> str:
+        """One log line: the rates against the profile's, and ``config``'s step predicted at them."""
+        m, parts = problem.machine, []
+        if self.cpu_adam_params_per_s:
+            parts.append(f"CPU Adam {self.cpu_adam_params_per_s / 1e9:.2f} G params/s (profiled "
+                         f"{m.cpu_adam_params_per_s / 1e9:.2f})")
+        if self.device_step_bytes_per_s:
+            parts.append(f"device steps {self.device_step_bytes_per_s / 1e9:.1f} GB/s each way without the "
+                         f"re-fetches beside them, over {len(self.device_steps)} steps (profiled "
+                         f"{m.device_step_bytes_per_s / 1e9:.1f})")
+            if not self.cpu_adam_params_per_s:  # a profiled CPU rate read too low is never corrected then
+                parts.append(f"no CPU step timed (the profiled CPU rate, {m.cpu_adam_params_per_s / 1e9:.2f} G "
+                             "params/s, stands untested)")
+        if not parts:
+            return "no offloaded optimizer step was timed in training"
+        step = CostModel(self.priced(problem)).estimate(config).step_s
+        return f"in training: {', '.join(parts)}; step predicted at these rates {step * 1e3:.1f} ms"
+
+
+class RateWindow:
+    """Times ``handle``'s CPU and device optimizer steps from its creation to :meth:`close`."""
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self.handle = handle
+        self._cpu_start = handle.adam.computed if handle.adam is not None else (0.0, 0)
+        self._device = handle.device_adam if handle.device_adam is not None and handle.device_adam.cuda else None
+        if self._device is not None:
+            self._device.window = []
+
+    def close(self, problem: Problem, config: Config) -> TrainingRates:
+        """The rates since the window opened; device steps still running are left out. The
+        cost model of ``problem`` gives each device-stepped chunk's bytes out (``config``: which
+        chunks are lean, with no working copy to write back)."""
+        adam = self.handle.adam
+        seconds, params = adam.computed if adam is not None else (0.0, 0)
+        cpu_s, cpu_params = seconds - self._cpu_start[0], params - self._cpu_start[1]
+        timed: list[tuple[int, float]] = []
+        by_chunk: dict[int, list[float]] = {}
+        rate = 0.0
+        if self._device is not None:
+            entries, self._device.window = self._device.window or [], None
+            timed = [(c, start.elapsed_time(done) / 1e3) for c, start, done in entries if done.query()]
+            model = CostModel(dataclasses.replace(problem, device_step_s=()))
+            for c, s in timed:  # the store numbers the offloaded chunks from 0; the cost model all chunks
+                k = c + config.n_persist
+                if 0 <= k < len(model.dev_out_bytes) and s > 0:
+                    by_chunk.setdefault(k, []).append(s)
+            rate = alone_rate(model, config, {k: statistics.median(s) for k, s in by_chunk.items()})
+        return TrainingRates(cpu_params=cpu_params, cpu_s=cpu_s, device_steps=tuple(timed),
+                             device_step_bytes_per_s=rate,
+                             device_step_s=tuple((k, statistics.median(s)) for k, s in sorted(by_chunk.items())))
+
+
+def alone_rate(model: CostModel, config: Config, seconds: dict[int, float]) -> float:
+    """The device steps' rate each way without the re-fetches beside them, from ``seconds`` (chunk
+    -> the median of its device steps timed in training under ``config``): the bytes they copy out
+    over their seconds, each less what the cost model has the backward re-fetches beside it add
+    (``CostModel.refetch_beside_steps``), summed over the chunks. The rate the model prices an
+    untimed step at (``MachineProfile.device_step_bytes_per_s``) before it adds those, so a later
+    plan priced at it does not count the re-fetches twice. 0: nothing timed.
+
+    Summed, not per chunk: the model places the re-fetches on a reference timeline without
+    recompute, so it gives the first step issued more of them than it ran beside (B24 4.2B at 24 GiB
+    on the H200, twenty-first session: 16.7 ms added to the first, which measured 3 ms over the
+    profiled 69) while the total was close (75 ms added against 81 measured over the profiled rate)."""
+    if not seconds:
+        return 0.0
+    lean_from = model.lean_from(config.n_persist)
+    added = model.refetch_beside_steps(config)
+    out = sum(model.dev_in_bytes[k] if k >= lean_from else model.dev_out_bytes[k] for k in seconds)
+    alone = sum(seconds.values()) - sum(added[k] for k in seconds)
+    if alone <= 0.0:  # the model's re-fetches exceed what was measured: the measured rate stands
+        alone = sum(seconds.values())
+    return out / alone
+
+
+#: How much faster (a fraction of its own step at the measured rates) another ``n_gpu_optim`` must be
+#: predicted before a running plan is changed to it: the rates are a few calls' medians, and a switch
+#: waits once for every optimizer step in flight.
+REPLAN_MIN_GAIN = 0.03
+
+
+@dataclass
+class Replan:
+    """``n_gpu_optim`` changed from ``before``'s to ``after``'s once training measured its rates
+    (:func:`replan_gpu_optim`); the other counts and the activation plan stayed. ``predicted_s``:
+    ``before``'s step as first predicted (the profiled rates); ``before_s`` and ``after_s``: both
+    steps predicted at the measured rates. ``step_check``: the step period measured over the calls
+    after the change (``autoplan.StepCheck``; ``None`` until they ran)."""
+
+    before: Config
+    after: Config
+    predicted_s: float
+    before_s: float
+    after_s: float
+    step_check: StepCheck | None = None
+    #: The step period measured before the change (calls 3-8); ``kept``: whether the change stayed
+    #: once measured (``None`` until then). A change measured slower than that period is undone.
+    measured_before_s: float | None = None
+    kept: bool | None = None
+
+    def line(self) -> str:
+        line = (f"re-planned at the rates training reached: n_gpu_optim {self.before.n_gpu_optim} -> "
+                f"{self.after.n_gpu_optim} (nothing else changes); step predicted at these rates "
+                f"{self.after_s * 1e3:.1f} ms against {self.before_s * 1e3:.1f} ms for the plan that ran "
+                f"(first predicted {self.predicted_s * 1e3:.1f} ms)")
+        if self.step_check is not None:
+            line += f"; after it: {self.step_check.line()}"
+        if self.kept is not None and self.measured_before_s is not None:
+            line += (f"; kept (measured before it: {self.measured_before_s * 1e3:.1f} ms)" if self.kept else
+                     f"; slower than the {self.measured_before_s * 1e3:.1f} ms measured before it, so undone: "
+                     f"n_gpu_optim back to {self.before.n_gpu_optim}")
+        return line
+
+
+def replan_gpu_optim(
+    problem: Problem,
+    config: Config,
+    rates: TrainingRates,
+    *,
+    predicted_s: float,
+    room_bytes: int,
+    min_gain: float = REPLAN_MIN_GAIN,
+) -> Replan | None:
+    """The ``n_gpu_optim`` whose step ``problem``'s cost model predicts fastest at ``rates`` (the
+    rates training reached), everything else of ``config`` kept, when it beats ``config``'s own by
+    more than ``min_gain``; else ``None``.
+
+    Why only this count: moving a chunk between the CPU's and the device's optimizer step moves no
+    state (both read and write the host store; ``OffloadHandle.set_gpu_optim``) and changes no graph,
+    so the running step can take it between two calls. The chunk counts place the optimizer state
+    and the activation counts are compiled in. A CPU step slower in training than profiled (0.45 G
+    params/s on one H200 host against 1.1-1.5 on others, 2026-12-01) makes a plan that steps many
+    chunks there slow by the same factor, and stepping more on the device is then the one remedy
+    the running step can take.
+
+    Memory: a count above 0 holds the device steps' staging and gradients in flight
+    (``CostModel.static_bytes``); a count is only taken when what it adds to ``config``'s static bytes
+    fits in ``room_bytes`` (the allocated cap less the plan's judged peak). ``predicted_s``:
+    ``config``'s step as predicted when it was chosen (kept in the :class:`Replan`)."""
+    model = CostModel(rates.priced(problem))
+    p, b, s, c = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint
+    here = model.static_bytes(p, b, config.n_gpu_optim)
+    now = model.step_time(p, b, s, c, config.n_gpu_optim)
+    best_g, best = config.n_gpu_optim, now
+    for g in range(model.n_chunks - p + 1):
+        if model.static_bytes(p, b, g) - here > room_bytes:
+            continue
+        t = model.step_time(p, b, s, c, g)
+        if t < best:
+            best_g, best = g, t
+    if best_g == config.n_gpu_optim or best >= now * (1 - min_gain):
+        return None
+    after = dataclasses.replace(config, n_gpu_optim=best_g)
+    return Replan(before=config, after=after, predicted_s=predicted_s, before_s=now, after_s=best)

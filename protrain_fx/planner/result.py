@@ -1,0 +1,230 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from protrain_fx.analysis.readable import human_bytes
+from protrain_fx.plan import Plan
+from protrain_fx.planner.budget import ALLOCATOR_HEADROOM
+from protrain_fx.planner.reserve import ReturnedOutput
+from protrain_fx.planner.verify import Trial
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.problem import Config, Estimate, Problem
+from protrain_fx.search.search import SearchResult
+
+if TYPE_CHECKING:
+    pass
+from protrain_fx.planner.rates import Replan, TrainingRates
+
+if TYPE_CHECKING:
+    from protrain_fx.planner.rates import StepCheck
+
+
+#: How far (a fraction of the allocated cap) a first step may peak above its cap before it counts
+#: as a miss. The budget keeps 8% over the cap for the allocator (``ALLOCATOR_HEADROOM``; the
+#: reserved peak ran 1.07x the allocated one for B24 760M on the H200), and a step that fits its
+#: prediction exactly still varies by a few MiB between runs (a 2 GiB step on the H200 measured
+#: 1.5 MiB, 0.07%, above its Inductor-judged prediction, 2026-12-01): compiling the graph again for
+#: that would trade a kept step for a slower plan over noise. Half a percent stays inside the headroom.
+MISS_TOLERANCE = 0.005
+
+
+@dataclass(frozen=True)
+class PeakCheck:
+    """The first training step of a planned graph, measured on the GPU, against its prediction.
+
+    ``measured_peak_bytes`` is ``torch.cuda.max_memory_allocated`` over the step (forward start to the
+    end of its backward pass), ``measured_start_bytes`` ``torch.cuda.memory_allocated`` when the forward
+    began; ``predicted_peak_bytes`` the analysis' peak and ``predicted_start_bytes`` what it has live
+    before the step's first node (parameters, optimizer state, inputs). ``step_peak_bytes`` puts the
+    measured rise on the predicted start (module docstring: the first step has no optimizer state yet,
+    and memory outside the step is not the plan's); ``error_pct`` compares it with the prediction.
+    ``over``: it is above ``allocated_cap_bytes``, the most the step was allowed (the plan's
+    graph peak plus what it kept for the user's code), by more than :data:`MISS_TOLERANCE` of it.
+    """
+
+    predicted_peak_bytes: int
+    predicted_start_bytes: int
+    measured_peak_bytes: int
+    measured_start_bytes: int
+    allocated_cap_bytes: int
+
+    @property
+    def step_peak_bytes(self) -> int:
+        return self.predicted_start_bytes + self.measured_peak_bytes - self.measured_start_bytes
+
+    @property
+    def error_pct(self) -> float:
+        """Measured step peak against the prediction, in % of the prediction (positive: above)."""
+        return 100 * (self.step_peak_bytes - self.predicted_peak_bytes) / max(1, self.predicted_peak_bytes)
+
+    @property
+    def over(self) -> bool:
+        return self.step_peak_bytes > self.allocated_cap_bytes * (1 + MISS_TOLERANCE)
+
+    @property
+    def outside_bytes(self) -> int:
+        """What the step held above the graph's analysed peak (the user's code around the graph,
+        and what the analysis did not see; 0 when it stayed under the prediction)."""
+        return max(0, self.step_peak_bytes - self.predicted_peak_bytes)
+
+    def line(self) -> str:
+        above = self.step_peak_bytes - self.allocated_cap_bytes
+        noise = (
+            f" ({100 * above / max(1, self.allocated_cap_bytes):.2f}% above it, inside the "
+            f"{100 * MISS_TOLERANCE:.1f}% tolerance: not a miss)"
+            if above > 0 and not self.over
+            else ""
+        )
+        return (
+            f"first step measured peak {human_bytes(self.step_peak_bytes)} against {human_bytes(self.predicted_peak_bytes)} "
+            f"predicted ({self.error_pct:+.1f}%; max_memory_allocated {human_bytes(self.measured_peak_bytes)}, "
+            f"{human_bytes(self.measured_start_bytes)} allocated at the start, "
+            f"{human_bytes(self.predicted_start_bytes)} predicted there); allocated cap {human_bytes(self.allocated_cap_bytes)}"
+            f"{noise}"
+        )
+
+
+@dataclass
+class AutoPlan:
+    """The plan the backend chose for one graph, and why (``CapturedGraph.auto_plan``).
+
+    ``plan`` lists every block (all ``"none"`` when the step fits as it is). ``predicted_peak_bytes``
+    and ``estimate`` are the cost model's for ``config``; ``analysed_peak_bytes`` is the peak the plan
+    was judged by: the memory analysis of the graphs as rewritten (``record.memory`` before Inductor
+    refines it), or with ``judged_by == "inductor"`` (option ``verify``) Inductor's allocation plan
+    of them (``empty_peak_bytes`` likewise).
+    ``allocated_cap_bytes`` is what that peak had to stay under: the budget less the allocator's
+    headroom (``step_cap_bytes``, what the whole step may reach) less ``reserve_bytes`` kept for the
+    user's code around the graph (``reserve_source``: ``"outputs"``, estimated from ``returned``, the
+    large outputs handed back to it; ``"measured"``, by an earlier first step on this device; ``""``,
+    none: :func:`outside_reserve`). ``how``: ``"fits as
+    is"``, ``"searched"`` or ``"least memory"``. ``trials``: every rewrite that was analysed, in order;
+    ``search``: the last search's result. ``budget_source``: ``"user"`` (``memory_budget``) or
+    ``"device"`` (none given: what the process could reach on its CUDA device). ``peak_check``: the
+    first step measured on the GPU (:func:`watch_first_step`; ``None`` until then, and on the CPU).
+    ``step_check``: the step period measured over the first training calls (:class:`StepCheck`;
+    ``None`` until :data:`STEP_TIMED_CALLS` have started).
+    """
+
+    plan: Plan
+    config: Config
+    estimate: Estimate
+    problem: Problem
+    budget_bytes: int
+    allocated_cap_bytes: int
+    predicted_peak_bytes: int
+    analysed_peak_bytes: int
+    empty_peak_bytes: int
+    empty_step_s: float
+    how: str
+    search: SearchResult | None = None
+    trials: list[Trial] = field(default_factory=list)
+    budget_source: str = "user"
+    reserve_bytes: int = 0
+    reserve_source: str = ""
+    returned: tuple[ReturnedOutput, ...] = ()
+    peak_check: PeakCheck | None = None
+    step_check: StepCheck | None = None
+    #: The host rates' spread the predicted step was averaged over (``cost.expected_estimate``; ``None``:
+    #: the step at the readings).
+    rate_spread: dict[str, float] | None = None
+    #: The offload runtime's CPU and device optimizer rates over the same training calls
+    #: (``protrain_fx.calibrate.TrainingRates``; ``None`` until then, and without offloaded steps).
+    training_rates: TrainingRates | None = None
+    #: ``n_gpu_optim`` chosen again at those rates and applied to the running step
+    #: (``protrain_fx.calibrate.Replan``; ``config`` and ``estimate`` stay the plan first chosen).
+    replanned: Replan | None = None
+    #: The chunk counts were chosen too (``protrain_fx.autooffload``); ``empty_*`` are then the step
+    #: with every parameter on the device and no plan.
+    offload: bool = False
+    #: Seconds spent describing the step to the cost model: the machine's rates and the matrix and
+    #: attention ops measured on the device (once per device and signature; read from the cache
+    #: after), and the block tables read from the analysis.
+    problem_s: float = 0.0
+    #: Seconds of the whole choice, from the first partition to the plan applied and verified.
+    choose_s: float = 0.0
+    #: What judged the plan kept: ``"graph"`` (the graph-level analysis) or ``"inductor"``; and
+    #: whether ``empty_peak_bytes`` is Inductor's.
+    judged_by: str = "graph"
+    empty_by_inductor: bool = False
+    #: Set after a measured miss when this graph was removed from Dynamo's cache, so that its next
+    #: call compiles it again under the lowered cap (``record_first_step``).
+    recompile: bool = False
+
+    @property
+    def step_cap_bytes(self) -> int:
+        """The allocated peak the whole step may reach: the graph's cap and the reserve."""
+        return self.allocated_cap_bytes + self.reserve_bytes
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The first step's measured peak on the prediction's terms (``PeakCheck.step_peak_bytes``)."""
+        return self.peak_check.step_peak_bytes if self.peak_check is not None else None
+
+    @property
+    def replan(self) -> bool:
+        """The first step measured above the allocated cap: later plans lower their cap, and the graph
+        is compiled again at its next call (:attr:`recompile`)."""
+        return self.peak_check is not None and self.peak_check.over
+
+    def table(self, index: int | None = None) -> str:
+        """The plan table with predicted step time and peak, for logs and reports."""
+        where = f" for graph {index}" if index is not None else ""
+        source = {"user": "memory_budget", "device": "reachable on the device"}.get(self.budget_source, self.budget_source)
+        lowered = (f", {human_bytes(self.reserve_bytes)} of it kept for your code around the graph "
+                   f"({'measured in a first step' if self.reserve_source == 'measured' else 'estimated'})"
+                   if self.reserve_bytes else "")
+        what = "offload and activation plan" if self.offload else "activation plan"
+        judged = "in Inductor's allocation plan" if self.judged_by == "inductor" else "analysed"
+        empty_judged = "in Inductor's allocation plan" if self.empty_by_inductor else "analysed"
+        lines = [
+            f"automatic {what}{where}: budget {human_bytes(self.budget_bytes)} ({source}), allocated peak "
+            f"at most {human_bytes(self.allocated_cap_bytes)} ({100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom{lowered})",
+            f"  {self.how}: n_swap={self.config.n_swap}, n_checkpoint={self.config.n_checkpoint}; predicted step "
+            f"{self.estimate.step_s * 1e3:.3f} ms (no plan: {self.empty_step_s * 1e3:.3f} ms); peak "
+            f"{human_bytes(self.analysed_peak_bytes)} {judged}, {human_bytes(self.predicted_peak_bytes)} by the "
+            f"cost model (no plan: {human_bytes(self.empty_peak_bytes)} {empty_judged})",
+        ]
+        if self.offload:
+            c, p = self.config, self.problem
+            lines.insert(2, (
+                f"  chunks: n_persist={c.n_persist}, n_buffer={c.n_buffer}, n_gpu_optim={c.n_gpu_optim} of "
+                f"{len(p.chunks)} chunks ({human_bytes(p.buffer_bytes)} buffers); every parameter on the device "
+                "would be the 'no plan' above"
+            ))
+        if self.rate_spread and self.config.n_persist < len(self.problem.chunks):
+            at_readings = CostModel(self.problem).estimate(self.config).step_s
+            lines.insert(3, (
+                "  predicted step: the mean over the host rates within "
+                + ", ".join(f"{100 * u:.0f}% ({k})" for k, u in self.rate_spread.items())
+                + f" of the profile's readings; {at_readings * 1e3:.3f} ms at the readings"
+            ))
+        if self.returned:
+            lines.append(
+                "  returned to your code: " + ", ".join(o.line() for o in self.returned)
+                + f"; what it computes on them (a loss) is outside the plan ({human_bytes(self.reserve_bytes)} kept "
+                "for it); computing the loss inside the compiled module (returned from forward) lowers the step's "
+                "peak by about that much"
+            )
+        if self.search is not None:
+            s = self.search
+            lines.append(f"  search: {s.evaluated} of {s.total} configs simulated in {s.seconds * 1e3:.1f} ms")
+        if self.choose_s:
+            lines.append(f"  chosen in {self.choose_s:.2f} s: {self.problem_s:.2f} s profiling and describing the step, "
+                         f"{len(self.trials)} rewrite(s) analysed")
+        if self.peak_check is not None:
+            lines.append(f"  {self.peak_check.line()}")
+        if self.step_check is not None:
+            lines.append(f"  {self.step_check.line()}")
+        if self.training_rates is not None:
+            lines.append(f"  {self.training_rates.line(self.problem, self.config)}")
+        if self.replanned is not None:
+            lines.append(f"  {self.replanned.line()}")
+        lines.append(self.plan.table([b.name for b in self.problem.blocks]))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()

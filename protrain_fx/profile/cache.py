@@ -1,0 +1,181 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+import statistics
+from pathlib import Path
+
+import torch
+
+from protrain_fx.search import problem
+
+MiB = 2**20
+
+
+#: Version of the machine cache file; a file of another version is measured again.
+CACHE_VERSION = 8
+
+
+def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
+    """Where measured machine profiles are kept: ``path``, else ``$PROTRAIN_CACHE_DIR``, else
+    ``~/.cache/protrain_fx``."""
+    if path is not None:
+        return Path(path)
+    env = os.environ.get("PROTRAIN_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "protrain_fx"
+
+
+def device_name(device: torch.device | str) -> str:
+    """The name a machine profile is cached under: the GPU's name, or ``cpu-<processor>``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{platform.processor() or platform.machine() or 'unknown'}"
+
+
+def cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None = None) -> Path:
+    """The JSON file of ``device``'s profile: keyed by device name and torch version."""
+    key = f"{device_name(device)}-torch{torch.__version__}"
+    slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", key).strip("_")
+    return cache_dir(cache) / f"machine-{slug}.json"
+
+
+#: How many in-training measurements of each rate a profile file keeps (the newest); the rate used
+#: is their median.
+TRAINING_KEEP = 5
+
+
+#: The key under ``"in_training"`` of the device steps' rates (``calibrate.alone_rate``: without the
+#: re-fetches beside them). Until the twenty-first session the window kept the median span's rate,
+#: re-fetches included, under ``"device_step_bytes_per_s"``; those entries are not read, since the
+#: cost model now adds the re-fetches to the rate it is given.
+TRAINING_DEVICE_KEY = "device_step_alone_bytes_per_s"
+
+
+def note_training_rates(
+    device: torch.device | str,
+    *,
+    chunk_params: int | None = None,
+    cpu_adam_params_per_s: float = 0.0,
+    device_step_bytes_per_s: float = 0.0,
+    cache: str | os.PathLike[str] | None = None,
+) -> Path | None:
+    """Keep rates measured in training (``protrain_fx.calibrate``) in ``device``'s profile file
+    (``"in_training"``), for :func:`training_rates`: the CPU chunk step's (per chunk size, rounded as
+    :func:`chunk_adam_rate` rounds it) and the device steps' (without the re-fetches beside them,
+    under :data:`TRAINING_DEVICE_KEY`). A rate of 0 is not kept. Without a profile file (nothing was
+    measured on this machine) nothing is written; measuring the profile again (``refresh``, another
+    cache version) starts without them. Returns the file written, else ``None``."""
+    path = cache_path(device, cache)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if data.get("version") != CACHE_VERSION or (device_step_bytes_per_s <= 0 and not (cpu_adam_params_per_s > 0 and chunk_params)):
+        return None
+    kept = data.setdefault("in_training", {})
+    if device_step_bytes_per_s > 0:
+        kept[TRAINING_DEVICE_KEY] = (kept.get(TRAINING_DEVICE_KEY, []) + [device_step_bytes_per_s])[-TRAINING_KEEP:]
+    if cpu_adam_params_per_s > 0 and chunk_params:
+        n = str(_granule(chunk_params))
+        by_chunk = kept.setdefault("cpu_adam_by_chunk", {})
+        by_chunk[n] = (by_chunk.get(n, []) + [cpu_adam_params_per_s])[-TRAINING_KEEP:]
+    _write_json(path, data)
+    return path
+
+
+def training_rates(
+    device: torch.device | str,
+    profile: problem.MachineProfile,
+    chunk_params: int | None = None,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+) -> tuple[problem.MachineProfile, list[str]]:
+    """``profile`` with the rates training reached on this machine (:func:`note_training_rates`) in
+    place of the profiler's, and the names of the fields replaced.
+
+    * ``device_step_bytes_per_s``: the median of those kept.
+    * ``cpu_adam_params_per_s`` (the rate of chunks of ``chunk_params``): the median of those kept for
+      this chunk size; for a size not trained yet, the median of the trained sizes' rates within
+      :data:`NEAR_CHUNK_FACTOR` of it; failing those, ``profile``'s rate scaled by the median ratio
+      of training's rate to the profiler's (``"cpu_adam_by_chunk"``) over the sizes trained. Without
+      ``chunk_params`` it is left as it is.
+
+    Why a near size's rate and not the scaled profile: on the six H200 hosts of 2026-12-01 that
+    trained chunks of both 117M and 234M parameters, the profiler's reading of each size missed its
+    training rate by 0.69-1.28x, and not by one factor for both sizes of a host. Predicting each
+    size's training rate from the other size on the same host, the scaled profile missed by 18% on
+    average (4-35%), the size's own profiled rate by 14%, the other size's training rate by 11%.
+    Scaled, one size's miss lands on the other: a 4.2B run's 234M chunks profiled at 0.99 and
+    trained at 1.43, so the 1.3B run after it priced its 117M chunks at 1.33 x 1.44 = 1.92 G/s and
+    trained at 1.48 (``docs/results.md``, seventeenth session)."""
+    try:
+        data = json.loads(cache_path(device, cache).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return profile, []
+    if data.get("version") != CACHE_VERSION:
+        return profile, []
+    kept = data.get("in_training")
+    kept = kept if isinstance(kept, dict) else {}
+    changes: dict[str, float] = {}
+    if device := _median_rate(kept.get(TRAINING_DEVICE_KEY)):
+        changes["device_step_bytes_per_s"] = device
+    by_chunk = kept.get("cpu_adam_by_chunk")
+    by_chunk = {k: r for k, v in by_chunk.items() if (r := _median_rate(v))} if isinstance(by_chunk, dict) else {}
+    if chunk_params and by_chunk:
+        n = str(_granule(chunk_params))
+        near = [r for k, r in by_chunk.items() if k.isdigit() and _near_size(int(k), int(n))]
+        if n in by_chunk:
+            changes["cpu_adam_params_per_s"] = by_chunk[n]
+        elif near:
+            changes["cpu_adam_params_per_s"] = statistics.median(near)
+        else:
+            profiled = data.get("cpu_adam_by_chunk")
+            profiled = profiled if isinstance(profiled, dict) else {}
+            ratios = [r / p for k, r in by_chunk.items() if (p := _median_rate([profiled.get(k)]))]
+            if ratios:
+                changes["cpu_adam_params_per_s"] = profile.cpu_adam_params_per_s * statistics.median(ratios)
+    return dataclasses.replace(profile, **changes), sorted(changes)
+
+
+#: A chunk size not trained yet takes the CPU rate training reached on sizes within this factor of
+#: it (:func:`training_rates`). Chunks of 16M parameters stepped faster than those of 100M-230M
+#: (0.51-0.87x the 16M rate on the H200's host; :func:`chunk_adam_rate`), while in training 117M
+#: chunks stepped at 0.89-1.34x the rate of 234M ones on the same host (six hosts, 2026-12-01).
+NEAR_CHUNK_FACTOR = 4
+
+
+def _near_size(a: int, b: int) -> bool:
+    return a > 0 and b > 0 and max(a, b) <= NEAR_CHUNK_FACTOR * min(a, b)
+
+
+def _median_rate(values: object) -> float:
+    """The median of the positive finite numbers in ``values`` (a list read from a profile file, which
+    a person may have edited), else 0: entries that are not rates are left out."""
+    if not isinstance(values, list):
+        return 0.0
+    rates = [float(v) for v in values
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0]
+    return statistics.median(rates) if rates else 0.0
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+
+
+#: The CPU chunk step is measured per chunk size rounded up to a multiple of this many parameters.
+CHUNK_RATE_GRANULE = 16 * 2**20
+
+
+def _granule(chunk_params: int) -> int:
+    """``chunk_params`` rounded up to :data:`CHUNK_RATE_GRANULE` (at least one granule): the chunk
+    size a CPU step rate is measured and kept at."""
+    return max(1, -(-chunk_params // CHUNK_RATE_GRANULE)) * CHUNK_RATE_GRANULE

@@ -1,0 +1,201 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from protrain_fx.profile.cache import MiB
+from protrain_fx.profile.load import (
+    _deep_queue_until,
+    _launch_until,
+    _matmuls_until,
+    _sync_until,
+)
+
+#: Default sizes of the measurements (``measure_machine`` arguments).
+COPY_BYTES = 256 * MiB
+
+
+#: Parameters per chunk of the measured device steps (:func:`_device_step_bytes_per_s`): 8 of the
+#: runtime's staging slices, so the slices' pipeline runs full for most of a step.
+DEVICE_STEP_PARAMS = 64 * 2**20
+
+
+#: Device-stepped chunks per round of :func:`device_step_rate` (the CPU's chunk beside them is one more).
+LAYOUT_STEP_CHUNKS = 3
+
+
+def layout_key(parts: Sequence[int]) -> str:
+    """The key of a chunk layout (its parameters' sizes in order) in the profile file: parameters,
+    count, and a digest of the sizes."""
+    digest = hashlib.sha1(",".join(map(str, parts)).encode()).hexdigest()[:12]
+    return f"{sum(parts)}:{len(parts)}:{digest}"
+
+
+def _cuda_copy_rates(device: torch.device, nbytes: int, repeat: int) -> tuple[float, float, float]:
+    """Pinned H2D, D2H and both-at-once (total) bytes per second, best of ``repeat``."""
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def one_way(dst: torch.Tensor, src: torch.Tensor) -> float:
+        best = float("inf")
+        for i in range(repeat + 1):  # the first is a warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(s1):
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+            end.synchronize()
+            if i:
+                best = min(best, start.elapsed_time(end) / 1e3)
+        return nbytes / best
+
+    h2d = one_way(dev_a, host_a)
+    d2h = one_way(host_a, dev_a)
+    best = float("inf")
+    for i in range(repeat + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(s1):
+            dev_a.copy_(host_a, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host_b.copy_(dev_b, non_blocking=True)
+        torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return h2d, d2h, 2 * nbytes / best
+
+
+def _device_step_bytes_per_s(
+    n: int, chunks: int = 3, repeat: int = 3, *, parts: Sequence[int] = (), cpu_rates: list[float] | None = None
+) -> float:
+    """Bytes per second each way of offloaded chunks' optimizer steps streamed through the GPU
+    (``runtime/device_adam.DeviceAdamW``): the bytes a step copies out (fp32 master and moments, the
+    new working copy: 14 per parameter) over the median span of :func:`device_step_spans` with the
+    CPU step and matrix products beside them. B24 4.2B's device steps moved 14 bytes per parameter at
+    38 GB/s in backward, where one copy out alone ran at 54 and both ways at once at 48 each, and this
+    measurement without the products read 44 (H200, 2026-11-30). It reads high: 41.6 to 48.7 GB/s on
+    2026-12-01's machines, whose training steps ran at 38 to 42. Keeping a kernel queue full beside
+    (``beside="deep"``) and loading the GPU while the third step waits (``while_waiting``) read 30.9
+    at this size and 42.6 at 226M parameters laid out as GPT blocks: not adopted before it matches
+    training at every size (``bench/device_step_rate.py``). ``parts`` and ``cpu_rates`` as for
+    :func:`device_step_spans` (:func:`device_step_rate` measures a model's chunk layout so)."""
+    spans = device_step_spans(n, chunks, repeat, cpu=True, beside="matmul", parts=parts, cpu_rates=cpu_rates)
+    return chunks * n * 14 / max(statistics.median(spans), 1e-9)
+
+
+def device_step_spans(
+    n: int, chunks: int = 3, repeat: int = 3, *, cpu: bool = True,
+    beside: str | Callable[[Callable[[], bool]], None] | None = "matmul", priority: int = 0,
+    parts: Sequence[int] = (), while_waiting: bool = False, cpu_rates: list[float] | None = None,
+    step_spans: list[float] | None = None, refetch: bool = False,
+) -> list[float]:
+    """Seconds, per round, of ``chunks`` chunks of ``n`` fp32 parameters (bf16 working copies, pinned
+    store) stepped through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW` one after another,
+    as backward issues them: from the first step's first copy in to the last step's last copy out
+    (CUDA events), ``repeat`` rounds after a warm-up. Meanwhile, with ``cpu``, the CPU optimizer's
+    worker steps another chunk of ``n`` over and over; this thread runs ``beside``: ``"matmul"``
+    (:func:`_matmuls_until`, backward's kernels), ``"deep"`` (:func:`_deep_queue_until`: products and
+    memory-bound kernels, the queue kept full), ``"deep_kept"`` (the same, its queue left to run when
+    it returns), ``"launch"`` (:func:`_launch_until`, the training
+    loop's launches), nothing, or a function of the caller's that takes ``done`` and returns once
+    ``done()`` is true (``bench/device_step_chain.py``: a GPT block's backward); with
+    ``while_waiting``, also while the issuing thread waits for room for the next step (as backward
+    goes on meanwhile; without it, nothing runs beside the first step while the third waits for it).
+    ``priority``: the update stream's (``bench/device_step_rate.py`` compares them). ``parts``: the
+    sizes of each chunk's parameters (summing to ``n``; empty: one parameter), as a model's chunk
+    holds its blocks' weights, biases and norms. ``cpu_rates``: a list
+    that gets, per timed round, the CPU step's parameters per second over that round (its worker's
+    compute, ``ChunkAdamW.computed``). ``step_spans``: a list that gets each timed step's own span
+    (its first copy in to its last copy out, as ``calibrate.RateWindow`` times training's steps).
+    ``refetch``: before each step, copy ``n`` compute-dtype elements in from pinned memory on a
+    stream of their own (backward's re-fetch of the next chunk's working copy). CUDA only."""
+    from protrain_fx.chunks import ParamInfo, pack
+    from protrain_fx.runtime.chunk_store import ChunkStore
+    from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
+    from protrain_fx.runtime.device_adam import DeviceAdamW
+
+    parts = list(parts) or [n]
+    if sum(parts) != n or min(parts) <= 0:
+        raise ValueError(f"device_step_spans: parts must be positive sizes summing to n={n}, got sum {sum(parts)}")
+    names = [[f"w{i}_{k}" for k in range(len(parts))] for i in range(chunks + 1)]  # the last chunk is the CPU's
+    params = {w: torch.nn.Parameter(torch.zeros(size, dtype=torch.float32))
+              for ws in names for w, size in zip(ws, parts)}
+    layout = pack([ParamInfo((w,), 4 * size, f"blocks.{i}", i) for i, ws in enumerate(names)
+                   for w, size in zip(ws, parts)], 4 * n)
+    store = ChunkStore(layout, params, compute_dtype=torch.bfloat16, pin_memory=True)
+    adam = ChunkAdamW(store, torch.optim.AdamW(list(params.values()), lr=1e-3, weight_decay=0.1, fused=True), params)
+    steps = DeviceAdamW(adam, "cuda", update_priority=priority)
+    steps.timing = []
+    grad = torch.full((n,), 1e-3, dtype=torch.bfloat16, device="cuda")  # read only: views for all
+    cpu_grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    if refetch:
+        fetch_src = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+        fetch_dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        fetch_stream = torch.cuda.Stream()
+
+    def grads_of(c: int, source: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, at = {}, 0
+        for w, size in zip(names[c], parts):
+            out[w] = source[at : at + size]
+            at += size
+        return out
+
+    run_beside = beside if callable(beside) else {
+        "matmul": _matmuls_until, "deep": _deep_queue_until, "launch": _launch_until,
+        "deep_kept": functools.partial(_deep_queue_until, drain=False), None: _sync_until}[beside]
+    spans = []
+    with OptimizerWorker(adam.step_chunk) as worker:
+
+        def keep_cpu_busy() -> None:
+            if cpu and not worker.pending(chunks):
+                store.write_grads(grads_of(chunks, cpu_grad))
+                store.wait_grad(chunks)
+                worker.submit(chunks)
+
+        for i in range(repeat + 1):  # the first allocates the staging sets and warms the pages
+            torch.cuda.synchronize()
+            steps.timing.clear()
+            computed = adam.computed
+            keep_cpu_busy()
+            for c in range(chunks):
+
+                def room(dev: DeviceAdamW = steps) -> bool:
+                    keep_cpu_busy()
+                    return dev.has_room()
+
+                if c and while_waiting:
+                    run_beside(room)
+                steps.make_room()
+                if refetch:
+                    with torch.cuda.stream(fetch_stream):
+                        fetch_dst.copy_(fetch_src, non_blocking=True)
+                steps.step_chunk(c, grads_of(c, grad))
+            last = steps.timing[-1][2]
+
+            def done() -> bool:
+                keep_cpu_busy()
+                return last.query()
+
+            run_beside(done)
+            if i:
+                spans.append(steps.timing[0][1].elapsed_time(last) / 1e3)
+                if step_spans is not None:
+                    step_spans.extend(start.elapsed_time(end) / 1e3 for _, start, end in steps.timing)
+            worker.wait_all()
+            seconds, params = (a - b for a, b in zip(adam.computed, computed))
+            if i and cpu_rates is not None and seconds > 0:
+                cpu_rates.append(params / seconds)
+    torch.cuda.synchronize()  # a re-fetch copy may still be reading
+    del steps, grad
+    torch.cuda.empty_cache()
+    return spans

@@ -1,0 +1,220 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from protrain_fx.errors import UnsupportedError
+from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.chunk_store import ChunkStore
+
+
+class HeldNorms:
+    """Per-parameter gradient norms of held chunks, for :meth:`OffloadHandle.clip_grad_norm_`:
+    the 2-norm taken where a chunk's gradient first lands (on the device, beside the copy to the
+    host), or, for a chunk whose held gradient was added to since (micro-batches, a chunk split by
+    a graph break) or another norm type, read back from the host store."""
+
+    def __init__(self) -> None:
+        self._norms: dict[Any, torch.Tensor] = {}
+        self._stale: set[int] = set()
+
+    def note(self, store: ChunkStore, chunk: int, names: list[str], grads: list[torch.Tensor], *,
+             fresh: bool) -> None:
+        if not fresh:
+            self._stale.add(chunk)
+            return
+        by_slot = store.grads_by_slot(dict(zip(names, grads)))
+        values = [g.detach() for g in by_slot.values()]
+        wide = any(v.dtype != torch.float32 for v in values)  # bf16 gradients: summed in fp32
+        norms = torch._foreach_norm(values, 2.0, dtype=torch.float32) if wide else torch._foreach_norm(values, 2.0)
+        self._norms.update(zip(by_slot, norms))
+
+    def of(self, store: ChunkStore, slot: Any, norm_type: float) -> torch.Tensor | None:
+        """The norm of ``slot``'s held gradient; ``None`` when it holds none (skipped, as torch
+        skips a ``.grad`` of ``None``)."""
+        if slot not in store.grad_slots(slot.chunk):
+            return None
+        if norm_type == 2.0 and slot.chunk not in self._stale and slot in self._norms:
+            return self._norms[slot]
+        store.wait_grad(slot.chunk)
+        view = store.grad_flat(slot.chunk)[slot.offset : slot.offset + slot.numel]
+        if view.dtype != torch.float32:
+            return torch.linalg.vector_norm(view, norm_type, dtype=torch.float32)
+        return torch._foreach_norm([view], norm_type)[0]  # as clip_grad_norm_ takes a CPU gradient's
+
+    def clear(self) -> None:
+        self._norms.clear()
+        self._stale.clear()
+
+
+def _group_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
+    """Each gradient's norm, computed as ``torch.nn.utils.get_total_norm`` computes it (foreach per
+    device and dtype where supported), in the order given."""
+    from torch.utils._foreach_utils import (
+        _device_has_foreach_support,
+        _group_tensors_by_device_and_dtype,
+        _has_foreach_support,
+    )
+
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    if not grads:
+        return []
+    grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
+    for (device, _), ([tensors], indices) in grouped.items():
+        if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
+            norms = torch._foreach_norm(tensors, norm_type)
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
+        for i, n in zip(indices, norms):
+            out[i] = n
+    return out  # type: ignore[return-value]
+
+
+log = logging.getLogger("protrain_fx")
+
+_TORCH_CLIP_GRAD_NORM: Callable[..., torch.Tensor] | None = None
+
+
+def install_clip_dispatch() -> None:
+    """Route ``torch.nn.utils.clip_grad_norm_`` to :meth:`OffloadHandle.clip_grad_norm_` when it is
+    given an offloaded model's parameters (their gradients are in the chunk store, not in
+    ``.grad``); any other call goes to torch's own function unchanged. Installed once, by the first
+    ``offload``; a name bound before it (``from torch.nn.utils import clip_grad_norm_``) still holds
+    torch's, which sees only the persistent chunks' gradients."""
+    global _TORCH_CLIP_GRAD_NORM
+    if _TORCH_CLIP_GRAD_NORM is not None:
+        return
+    from torch.nn.utils import clip_grad
+
+    original = _TORCH_CLIP_GRAD_NORM = clip_grad.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        handles = {}
+        for p in params:
+            found = chunk_ops.offloaded(p)
+            if found is not None:
+                handles[found[0]] = chunk_ops.handle(found[0])
+        if not handles:
+            return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        if len(handles) > 1:
+            raise UnsupportedError("protrain_fx: clip_grad_norm_ over the parameters of several offloaded models; "
+                                   "clip each model's parameters on their own")
+        (handle,) = handles.values()
+        return handle.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def clip_grad_norm(
+handle: Any,
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over ``parameters``, offloaded ones included: the norm
+    of every gradient, the persistent ones' ``.grad`` scaled in place and the offloaded chunks'
+    held steps queued with the same scale. ``torch.nn.utils.clip_grad_norm_`` comes here when
+    given parameters of this model (``offload`` installs the dispatch), so the loop is unchanged.
+
+    The offloaded chunks' steps run as their gradients land in backward, before a norm over all
+    of them exists; so the handle holds them (``grad_clipping``): always with ``True``; with
+    ``None`` (default) at the first step, and from then on when that step clipped. Held steps
+    start here, overlapping the optimizer's step of the persistent chunks and the next forward.
+    A non-finite norm skips the step everywhere (as ``GradScaler`` does): no offloaded chunk is
+    stepped and the persistent gradients are set to ``None``, so ``optimizer.step()`` leaves
+    those parameters too; ``error_if_nonfinite=True`` raises instead, as torch does."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    _check_clip(handle, params)
+    norm_type = float(norm_type)
+    norms: list[torch.Tensor] = []
+    persistent: list[torch.Tensor] = []
+    grads = [p.grad for p in params if chunk_ops.offloaded(p) is None and p.grad is not None]
+    by_id = dict(zip(map(id, grads), _group_norms(grads, norm_type, foreach)))
+    for p in params:
+        if chunk_ops.offloaded(p) is not None:
+            norm = handle._norms.of(handle.store, handle.store.slot(chunk_ops.offloaded(p)[3]), norm_type)
+            if norm is not None:
+                norms.append(norm)
+        elif p.grad is not None:
+            norms.append(by_id[id(p.grad)])
+            persistent.append(p)
+    if not norms:
+        return torch.tensor(0.0)
+    first = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+    finite = bool(torch.isfinite(total))  # (a device sync: the skip below is decided on the host)
+    if not finite and error_if_nonfinite:
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+            "anyway, set `error_if_nonfinite=False`"
+        )
+    handle._clipped = True
+    if handle.grad_clipping is None:
+        handle.grad_clipping = True
+    if not finite:
+        _skip_held_steps(handle, persistent, total)
+        return total
+    torch.nn.utils.clip_grads_with_norm_(persistent, max_norm, total, foreach)  # as torch scales them
+    scale = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).to("cpu", torch.float32)
+    for chunk in sorted(handle._pending):
+        handle._submit(chunk, grad_scale=scale)
+    return total
+
+def _check_clip(handle: Any, params: list[torch.Tensor]) -> None:
+    """Refuse a clip this handle cannot make exact (see :meth:`clip_grad_norm_`)."""
+    fix = ("pass grad_clipping=True to protrain_fx.offload(...), which holds the offloaded chunks' steps "
+           "until the norm is known (a loop that clips from its first step needs nothing)")
+    stepped = sorted(handle._submitted)
+    if stepped:
+        if handle._released_early:
+            lean = handle.store.num_chunks - min(handle.store.lean, default=handle.store.num_chunks)
+            fix = (f"pass grad_clipping=True to protrain_fx.offload(...): every one of the {lean} lean chunks then "
+                   f"holds its gradient in a landing buffer of {handle.store.chunk_numel * handle.store.compute_dtype.itemsize} "
+                   "bytes of host memory until the norm is known")
+            why = "at the first step, its lean chunks' gradients could not all wait in the landing pool"
+        elif handle.grad_clipping is False:
+            why = "this model's loop did not clip at its first step, so its chunks are stepped as their gradients land"
+        else:
+            why = "clip_grad_norm_ already ran in this step"
+        raise UnsupportedError(
+            f"protrain_fx: clip_grad_norm_ on an offloaded model whose chunks {stepped} were already "
+            f"stepped in this step, without clipping ({why}); {fix}"
+        )
+    given = {chunk_ops.offloaded(p)[3] for p in params if chunk_ops.offloaded(p) is not None}
+    held = {n for names in handle._landed.values() for n in names}
+    missing = sorted(held - {n for name in given for n in handle.store.slot(name).names})
+    if missing:
+        raise UnsupportedError(
+            f"protrain_fx: clip_grad_norm_ over part of an offloaded model's parameters ({missing[0]!r} has a "
+            "gradient but is not among them): the offloaded chunks are stepped together, with one "
+            "scale; clip over every parameter (model.parameters())"
+        )
+
+def _skip_held_steps(handle: Any, persistent: list[torch.Tensor], total: torch.Tensor) -> None:
+    """A non-finite gradient norm: drop every held gradient, leave the persistent parameters
+    without one (``optimizer.step()`` skips them), count and say so."""
+    for chunk in sorted(handle._pending):
+        handle.store.finish_step(chunk)  # the working copy back from the master, the gradient gone
+        handle._submitted.add(chunk)
+    handle._pending.clear()
+    for p in persistent:
+        p.grad = None
+    handle.skipped_steps += 1
+    log.warning("protrain_fx: the gradient norm is %s: this optimizer step is skipped (no offloaded chunk is "
+                "stepped and the persistent parameters' gradients were set to None); %d step(s) skipped so far",
+                float(total), handle.skipped_steps)
+

@@ -1,0 +1,697 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from protrain_fx.chunks import (
+    OUTSIDE,
+    Chunk,
+    ChunkLayout,
+    ParamInfo,
+    choose_layout,
+    dedupe_tied,
+    pack,
+)
+from protrain_fx.errors import UnsupportedError
+from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.buffer_pool import ChunkBufferPool
+from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore
+from protrain_fx.runtime.clipping import HeldNorms, clip_grad_norm, install_clip_dispatch
+from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker, _check_optimizer
+from protrain_fx.runtime.device_adam import DeviceAdamW
+from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
+from protrain_fx.runtime.shells import (
+    _check_not_offloaded,
+    _install_shell_repr,
+    _is_shell,
+    _refuse_eager_call,
+    _set_data,
+    _shell,
+)
+
+log = logging.getLogger("protrain_fx")
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+#: ``offload(..., n_persist=AUTO, n_buffer=AUTO)``: the backend chooses the counts.
+AUTO = "auto"
+
+
+class OffloadHandle:
+    """The state behind one offloaded model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        n_persist: int | Literal["auto"] = AUTO,
+        n_buffer: int | Literal["auto"] = AUTO,
+        device: torch.device | str,
+        chunk_bytes: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+        available_host_bytes: int | None = None,
+        init: Callable[[str, torch.Tensor], None] | Literal["model"] | None = None,
+        n_gpu_optim: int | Literal["auto"] | None = None,
+        n_lean: int | Literal["auto"] = "auto",
+        grad_pool: int = GRAD_POOL,
+        grad_clipping: bool | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        named, init = _checked_settings(model, optimizer, self.device, (n_persist, n_buffer, n_gpu_optim),
+                                        compute_dtype, grad_clipping, init)
+        auto = n_persist == AUTO
+        self.layout = _layout(named, chunk_bytes)
+        if not auto:
+            _check_hand_counts(self.layout, n_persist)
+        self.optimizer = optimizer
+        self._named = named
+        self._settings = {
+            "compute_dtype": compute_dtype,
+            "available_host_bytes": available_host_bytes,
+            "init": init,
+            "n_lean": n_lean,
+            "grad_pool": grad_pool,
+        }
+        self.n_persist: int | None = None
+        self.n_buffer: int | None = None
+        self.n_gpu_optim: int = 0
+        self.store: ChunkStore | None = None
+        self.adam: ChunkAdamW | None = None
+        self.worker: OptimizerWorker | None = None
+        self.device_adam: DeviceAdamW | None = None
+        self.pool: ChunkBufferPool | None = None
+        self.id: int | None = None
+        self._sources: dict[str, torch.Tensor] | None = None  # automatic counts: the values to build from
+        #: The backend chose the counts (``offload`` without them): later graphs get activation plans.
+        self.counts_chosen = False
+        self._built = False
+        self._accumulating = False
+        self._submitted: set[int] = set()
+        self._pending: set[int] = set()  # chunks holding gradients not yet queued for a step
+        #: Per chunk, the parameter names whose gradients landed since the last optimizer step.
+        self._landed: dict[int, set[str]] = {}
+        #: Whether the loop clips gradients (``grad_clipping``; ``None``: not known until the first
+        #: optimizer step, whose chunk steps are held until then: see :meth:`clip_grad_norm_`).
+        self.grad_clipping: bool | None = grad_clipping
+        self._norms = HeldNorms()
+        self._clipped = False  # clip_grad_norm_ ran in this step
+        self._released_early = False  # the first step's held chunks were stepped before its end
+        #: Optimizer steps whose offloaded chunk steps were skipped (a non-finite gradient norm).
+        self.skipped_steps = 0
+        self._landed_lean: list[int] = []  # lean chunks queued for a CPU step, oldest first
+        #: Seconds the landing thread waited for a lean chunk's landing buffer.
+        self.landing_wait_s = 0.0
+        for b in model.buffers():
+            b.data = b.data.to(self.device)
+        self._hooks = (optimizer.register_step_pre_hook(lambda *_: self._before_step()),
+                       optimizer.register_step_post_hook(lambda *_: self._after_step()))
+        install_clip_dispatch()
+        _install_shell_repr()
+        if auto:
+            self._defer()
+        else:
+            self._build(n_persist, n_buffer, n_gpu_optim or 0)
+        # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
+        # with the way out, before the first op reads one.
+        self._eager_guard = model.register_forward_pre_hook(_refuse_eager_call)
+
+    # ---- automatic counts: chosen by the backend when it compiles the first training graph ---------
+
+    @property
+    def automatic(self) -> bool:
+        """The counts are the backend's to choose (``offload`` without ``n_persist`` / ``n_buffer``)."""
+        return self._sources is not None
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' dtype (the fp32 master's and the persistent chunks')."""
+        return next(iter(self._named.values())).dtype
+
+    @property
+    def chunk_params(self) -> int:
+        """Parameters one chunk holds (its bytes in the parameters' dtype)."""
+        return self.layout.chunk_bytes // torch.empty(0, dtype=self.param_dtype).element_size()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the chunk buffers the graphs read (``compute_dtype``, else the parameters')."""
+        return self._settings["compute_dtype"] or self.param_dtype
+
+    @property
+    def configured(self) -> bool:
+        """The chunks are placed: given by hand, or chosen by the backend."""
+        return self._built
+
+    def _defer(self) -> None:
+        """Every parameter becomes a device tensor without bytes (what Dynamo traces); its values are
+        kept aside (moved to host memory, or still on ``meta`` to be initialised) until :meth:`configure`."""
+        sources: dict[int, torch.Tensor] = {}
+        for p in self._named.values():
+            if id(p) in sources:
+                continue
+            value = torch.empty_like(p, device="meta") if p.is_meta else p.data.to("cpu")
+            sources[id(p)] = value.requires_grad_(p.requires_grad)  # the store tells frozen ones by it
+            _set_data(p, _shell(p, self.device))
+        self._sources = {name: sources[id(p)] for name, p in self._named.items()}
+        chunk_ops.register_deferred(self, list(dict.fromkeys(self._named.values())))
+
+    def configure(self, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> None:
+        """Place the chunks with these counts (the backend calls this, before any step of the model
+        runs; again to place them otherwise, until :meth:`finalize`)."""
+        if self._sources is None:
+            raise RuntimeError("offload: the counts were given to offload(...); they cannot be chosen again")
+        if self._built:
+            self._teardown()
+        chunk_ops.unregister_deferred(self)
+        self._build(n_persist, n_buffer, n_gpu_optim)
+
+    def unplace(self) -> None:
+        """Back to no placement (a compile that chose the counts failed): the next compile chooses again."""
+        if self._sources is None:
+            return
+        if self._built:
+            self._teardown()
+        chunk_ops.register_deferred(self, list(dict.fromkeys(self._named.values())))
+
+    def finalize(self) -> None:
+        """The counts are final: forget the values kept to place the chunks again."""
+        if self._built and self._sources is not None:
+            self._sources = None
+            self.counts_chosen = True
+
+    def _teardown(self) -> None:
+        """Undo :meth:`_build` (before any step ran): free the store, persistent parameters back to shells."""
+        if self.worker is not None:
+            self.worker.close()
+        if self.id is not None:
+            chunk_ops.unregister(self.id)
+        for name in self._persistent_names:
+            p = self._named[name]
+            if p.untyped_storage().nbytes():
+                _set_data(p, _shell(p, self.device))
+        self.store = self.adam = self.worker = self.device_adam = self.pool = None
+        self.id = None
+        self._built = False
+        gc.collect()  # the store's pinned buffers go back before the next one is allocated
+        if self.device.type == "cuda":
+            # The placement's blocks (freed above) go back to the device: the next placement (the
+            # backend trying other counts) has other sizes and would take new segments beside the
+            # cached ones, and the reserved memory would add both up above the budget.
+            torch.cuda.empty_cache()
+
+    def _build(self, n_persist: int, n_buffer: int, n_gpu_optim: int) -> None:
+        named, sources = self._named, self._sources
+        source = (lambda name: sources[name]) if sources is not None else (lambda name: named[name])
+        n_chunks = len(self.layout.chunks)
+        if not 0 <= n_persist <= n_chunks:
+            raise ValueError(f"offload: n_persist must be in [0, {n_chunks}] ({n_chunks} chunks), got {n_persist}")
+        offloaded = self.layout.chunks[n_persist:]
+        if offloaded and n_buffer < 1:
+            raise ValueError(f"offload: {len(offloaded)} chunks live on the host and need n_buffer >= 1, got {n_buffer}")
+        if not 0 <= n_gpu_optim <= len(offloaded):
+            raise ValueError(
+                f"offload: n_gpu_optim must be in [0, {len(offloaded)}] (the offloaded chunks), got {n_gpu_optim}"
+            )
+        host_layout = ChunkLayout(
+            self.layout.chunk_bytes, tuple(Chunk(i, c.slots) for i, c in enumerate(offloaded))
+        )
+        host_names = {n for c in offloaded for s in c.slots for n in s.param.names}
+        settings = self._settings
+        n_lean = settings["n_lean"]
+        if self._sources is not None and n_lean != "auto":  # counts chosen by the backend: at most all lean
+            n_lean = min(n_lean, len(offloaded))  # as lean_counts() told the cost model
+        self.store = ChunkStore(
+            host_layout,
+            {n: source(n) for n in named if n in host_names},
+            compute_dtype=settings["compute_dtype"],
+            pin_memory=self.device.type == "cuda",
+            available_bytes=settings["available_host_bytes"],
+            init=settings["init"],
+            n_lean=n_lean,
+            grad_pool=settings["grad_pool"],
+        ) if offloaded else None
+        self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
+        self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
+        self.worker = OptimizerWorker(self.adam.step_chunk, self.adam.hyper) if self.adam else None
+        self.device_adam = DeviceAdamW(self.adam, self.device) if self.adam and n_gpu_optim else None
+        self.pool = (
+            ChunkBufferPool(self.store, n_buffer, self.device, wait_host=self.worker.wait) if self.store else None
+        )
+        # Model state: persistent parameters to the device, host chunks to empty shells.
+        shells: dict[int, tuple[torch.Tensor, int, int, str]] = {}
+        self._persistent_names = [n for n in named if n not in host_names]
+        placed: set[int] = set()  # tied parameters: placed at their first name
+        for name, p in named.items():
+            if id(p) in placed:
+                continue
+            placed.add(id(p))
+            src = source(name)
+            if name in host_names:
+                slot = self.store.slot(name)
+                shells[id(p)] = (p, slot.chunk, slot.offset, slot.name)
+                if not _is_shell(p, self.device):
+                    _set_data(p, _shell(p, self.device))
+            elif src.is_meta:  # a persistent parameter of a meta model: materialised on the device
+                value = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+                with torch.no_grad():
+                    settings["init"](name, value)
+                _set_data(p, value)
+            elif src is not p or p.device != self.device:
+                _set_data(p, src.detach().to(self.device))
+        self.id = chunk_ops.register(self, list(shells.values()))
+        self._built = True
+
+    # ---- what the rewritten graphs call ------------------------------------------------------
+
+    def gather(self, chunk: int) -> torch.Tensor:
+        return self.pool.acquire(chunk)
+
+    def prefetch(self, chunk: int) -> None:
+        self.pool.try_prefetch(chunk)
+
+    def release(self, chunk: int) -> None:
+        self.pool.release(chunk)
+
+    def land_grads(self, chunk: int, names: list[str], grads: list[torch.Tensor]) -> None:
+        landed = self._landed.setdefault(chunk, set())
+        if chunk in self._submitted:
+            raise UnsupportedError(self._second_landing(chunk, landed, names))
+        fresh = not self.store.holds_grad(chunk)
+        if (self.grad_clipping is None and not self._accumulating and not self._released_early
+                and self.store.is_lean(chunk) and fresh and self.store.landing_full()):
+            self._release_early()  # learning: held lean gradients may not take host memory beyond the pool
+        hold = self._accumulating or self.grad_clipping is True or (self.grad_clipping is None and not self._released_early)
+        on_device = chunk < self.n_gpu_optim and not hold and fresh
+        if on_device:
+            self.device_adam.make_room()  # bounds the device steps in flight, so their gradients' memory
+        if self.device.type == "cuda":
+            grads = _staged(grads, self.store.compute_dtype)
+        landed.update(names)
+        if on_device:
+            self.device_adam.step_chunk(chunk, dict(zip(names, grads)))  # its states stream through the GPU
+            self._submitted.add(chunk)
+            return
+        if hold and self.grad_clipping is not False and not self._released_early:  # a clip may follow: its norms
+            self._norms.note(self.store, chunk, names, grads, fresh=fresh)
+        if self.store.is_lean(chunk) and fresh:
+            self._wait_for_landing_buffer()
+        self.store.write_grads(dict(zip(names, grads)), accumulate=True)
+        if hold:
+            self._pending.add(chunk)
+        else:
+            self._submit(chunk)
+
+    def _release_early(self) -> None:
+        """The first step, learning whether the loop clips, cannot hold every chunk's gradient: a lean
+        chunk's would take a landing buffer beyond the pool (host memory the store was not sized
+        for). The held chunks are stepped now and the rest of this step's as they land; a clip in
+        this step is then refused (:meth:`_check_clip`)."""
+        self._released_early = True
+        for chunk in sorted(self._pending):
+            self._submit(chunk)
+
+    def _submit(self, chunk: int, **kwargs: Any) -> None:
+        """Queue the chunk's CPU step (``kwargs`` to ``ChunkAdamW.step_chunk``)."""
+        self._pending.discard(chunk)
+        self._submitted.add(chunk)
+        self.worker.submit(chunk, **kwargs)
+        if self.store.is_lean(chunk):
+            self._landed_lean.append(chunk)
+
+    def _second_landing(self, chunk: int, landed: set[str], names: list[str]) -> str:
+        """Why a chunk already stepped in this step got gradients again, and what to do."""
+        if landed.intersection(names):
+            return (
+                f"protrain_fx: the parameters of offloaded chunk {chunk} got a second gradient before "
+                "optimizer.step(), but their optimizer step already ran as the first one landed (a second "
+                "backward per step: micro-batches). Wrap the backward passes of all but the last micro-batch "
+                "in `with handle.accumulate():` (handle = protrain_fx.offload(...)'s return value)"
+            )
+        return (
+            f"protrain_fx: offloaded chunk {chunk} got gradients from two graphs in one step (a graph break "
+            "inside the parameters of one chunk, after its first part was stepped); remove the graph break "
+            "(protrain_fx.step_report() names it), or pass grad_clipping=True to offload(...), which holds "
+            "every chunk's step until the gradients are complete"
+        )
+
+    def _wait_for_landing_buffer(self) -> None:
+        """While the lean chunks' landing pool is full, wait for the oldest queued CPU step to give
+        its buffer back. With none queued (accumulated gradients hold the buffers until
+        ``optimizer.step()``) the store makes one more, checking the host memory."""
+        start = time.perf_counter()
+        while self.store.landing_full() and self._landed_lean:
+            self.worker.wait(self._landed_lean.pop(0))
+        self.landing_wait_s += time.perf_counter() - start
+
+    def set_gpu_optim(self, n_gpu_optim: int) -> None:
+        """Step the first ``n_gpu_optim`` offloaded chunks on the device from the next gradient that
+        lands, the others on the CPU (the backend re-plans this from the rates training reached:
+        ``protrain_fx.calibrate.replan_gpu_optim``). Nothing moves: both paths read and write the
+        optimizer state in the host store, with the same step counts. The steps still queued or
+        streaming are waited for first, so no chunk is stepped by both. With 0, the device steps'
+        staging goes back to the device's allocator."""
+        if not self._built:
+            raise RuntimeError("offload: set_gpu_optim before the chunks are placed")
+        offloaded = self.store.num_chunks if self.store is not None else 0
+        if not 0 <= n_gpu_optim <= offloaded:
+            raise ValueError(f"offload: n_gpu_optim must be in [0, {offloaded}] (the offloaded chunks), got {n_gpu_optim}")
+        if n_gpu_optim == self.n_gpu_optim:
+            return
+        self.synchronize()  # the CPU steps queued, and every device step's copies back
+        if n_gpu_optim and self.device_adam is None:
+            self.device_adam = DeviceAdamW(self.adam, self.device)
+        elif not n_gpu_optim and self.device_adam is not None:
+            self.device_adam = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.n_gpu_optim = n_gpu_optim
+
+    # ---- user API ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Backward passes inside add their gradients without stepping (micro-batches of one step)."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    def synchronize(self) -> None:
+        """Wait for every queued optimizer step of an offloaded chunk (raises a failure of the worker)."""
+        if self.worker is not None:
+            self.worker.wait_all()
+        if self.store is not None:
+            self.store.wait_writes()
+
+    def _before_step(self) -> None:
+        """``optimizer.step()`` is about to run: the chunks still holding gradients are stepped now
+        (accumulated micro-batches; the first step, held to learn whether the loop clips, which it
+        does not when it steps without clipping first)."""
+        if self._pending and self.grad_clipping is None and not self._clipped:
+            self.grad_clipping = False
+        for chunk in sorted(self._pending):
+            self._submit(chunk)
+
+    def _after_step(self) -> None:
+        if self.store is not None:  # forget lean chunks whose steps are over (else it grows every step)
+            self._landed_lean = [c for c in self._landed_lean if self.store.holds_grad(c)]
+        self._submitted.clear()
+        self._landed.clear()
+        self._norms.clear()
+        self._clipped = False
+        self._released_early = False
+
+    def clip_grad_norm_(
+        self,
+        parameters: Iterable[torch.Tensor] | torch.Tensor,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over ``parameters``, offloaded ones included: the norm
+        of every gradient, the persistent ones' ``.grad`` scaled in place and the offloaded chunks'
+        held steps queued with the same scale. ``torch.nn.utils.clip_grad_norm_`` comes here when
+        given parameters of this model (``offload`` installs the dispatch), so the loop is unchanged.
+
+        The offloaded chunks' steps run as their gradients land in backward, before a norm over all
+        of them exists; so the handle holds them (``grad_clipping``): always with ``True``; with
+        ``None`` (default) at the first step, and from then on when that step clipped. Held steps
+        start here, overlapping the optimizer's step of the persistent chunks and the next forward.
+        A non-finite norm skips the step everywhere (as ``GradScaler`` does): no offloaded chunk is
+        stepped and the persistent gradients are set to ``None``, so ``optimizer.step()`` leaves
+        those parameters too; ``error_if_nonfinite=True`` raises instead, as torch does."""
+        return clip_grad_norm(self, parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def host_bytes_per_param(self) -> float:
+        """Host bytes per offloaded parameter (chunk buffers; see ``ChunkStore.bytes_per_param``)."""
+        return self.store.bytes_per_param() if self.store else 0.0
+
+    @property
+    def n_lean(self) -> int:
+        """Offloaded chunks without a host working copy (fetched from their fp32 master)."""
+        return len(self.store.lean) if self.store else 0
+
+    def lean_counts(self) -> tuple[int, ...]:
+        """Per ``n_persist`` in ``0..`` the layout's chunks, how many offloaded chunks the store would
+        make lean (its rule, ``runtime/chunk_store.auto_lean``, for the host memory available now;
+        ``n_lean=K``: ``K``, or every offloaded chunk when fewer are offloaded). For the cost model,
+        before anything is placed."""
+        chunks, settings = self.layout.chunks, self._settings
+        n_lean = settings["n_lean"]
+        if n_lean != "auto":
+            return tuple(min(n_lean, len(chunks) - p) for p in range(len(chunks) + 1))
+        available = settings["available_host_bytes"]
+        if available is None:
+            available = available_host_bytes()
+        itemsize = self.param_dtype.itemsize
+        numel = self.layout.chunk_bytes // itemsize
+        trainable = [any(self._named[s.param.names[0]].requires_grad for s in c.slots) for c in chunks]
+        compute = self.compute_dtype.itemsize
+        return tuple(
+            auto_lean(numel, trainable[p:], compute, available, settings["grad_pool"]) for p in range(len(chunks) + 1)
+        )
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Model parameters and buffers as ordinary full CPU tensors (loads into a plain model)."""
+        self.synchronize()
+        host = self.store.param_state_dict() if self.store else {}
+        if not self._built:  # automatic counts not chosen yet: the values kept aside
+            self._require_values("state_dict")
+            host = {n: t.to("cpu", copy=True) for n, t in self._sources.items()}
+        out: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            out[name] = host[name] if name in host else p.detach().to("cpu", copy=True)
+        for name, b in model.named_buffers():
+            out[name] = b.detach().to("cpu", copy=True)
+        return out
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict with the host chunks' state filled in (loads into a plain AdamW)."""
+        self.synchronize()
+        return self.adam.state_dict() if self.adam else self.optimizer.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any] | None = None
+    ) -> None:
+        """Set parameters (and optionally the optimizer state) from ordinary full tensors."""
+        self.synchronize()
+        if not self._built:  # automatic counts not chosen yet: into the values kept aside
+            self._require_values("load_state_dict")
+            if optimizer_state is not None:
+                raise RuntimeError(
+                    "offload: load_state_dict(..., optimizer_state) before the model's first compile: the "
+                    "optimizer state goes where the chunks are, chosen at that compile; load it after the "
+                    "first compile (or give n_persist / n_buffer by hand)"
+                )
+            with torch.no_grad():
+                for name, t in self._sources.items():
+                    t.copy_(state_dict[name])
+                for name, b in model.named_buffers():
+                    b.copy_(state_dict[name])
+            return
+        if self.store:
+            self.store.load_param_state_dict(state_dict)
+        host = {n for s in (self.store.slots if self.store else ()) for n in s.names}
+        with torch.no_grad():
+            for name, p in model.named_parameters(remove_duplicate=False):
+                if name not in host:
+                    p.copy_(state_dict[name])
+            for name, b in model.named_buffers():
+                b.copy_(state_dict[name])
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+            if self.adam:
+                self.adam.load_state_dict(optimizer_state)
+
+    def close(self) -> None:
+        self.synchronize()
+        if self.worker is not None:
+            self.worker.close()
+        for hook in (*self._hooks, self._eager_guard):
+            hook.remove()
+        if self.id is not None:
+            chunk_ops.unregister(self.id)
+        chunk_ops.unregister_deferred(self)
+
+    def _require_values(self, what: str) -> None:
+        if any(t.is_meta for t in self._sources.values()):
+            raise RuntimeError(
+                f"offload: {what} before the model's first compile: its parameters are still on the meta "
+                "device (they are initialised when the backend places the chunks, at the first compile)"
+            )
+
+
+def offload(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    n_persist: int | Literal["auto"] = AUTO,
+    n_buffer: int | Literal["auto"] = AUTO,
+    device: torch.device | str = "cuda",
+    chunk_bytes: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+    available_host_bytes: int | None = None,
+    init: Callable[[str, torch.Tensor], None] | Literal["model"] | None = None,
+    n_gpu_optim: int | Literal["auto"] | None = None,
+    n_lean: int | Literal["auto"] = "auto",
+    grad_pool: int = GRAD_POOL,
+    grad_clipping: bool | None = None,
+) -> OffloadHandle:
+    """Put ``model``'s parameters into chunks (see the module docstring); call before ``torch.compile``.
+
+    ``n_persist``, ``n_buffer`` and ``n_gpu_optim`` left out (``"auto"``): the backend chooses them,
+    with the activation plan, when it compiles the model's first training graph: the fastest counts
+    whose predicted peak fits the ``memory_budget`` option (or, on a CUDA device without one, what
+    the process can reach there; ``protrain_fx/autooffload.py``). Until then every parameter is a
+    device tensor without bytes and its values wait in host memory (or on ``meta``, for ``init``).
+    Given by hand: ``n_persist`` and ``n_buffer`` together (``n_gpu_optim`` then defaults to 0).
+
+    A model built on the ``meta`` device is materialised straight into the chunks: ``init(name,
+    tensor)`` fills each parameter (first of its names when tied) in place, in the host chunk for
+    offloaded ones, on ``device`` for persistent ones. Host memory then peaks at the chunk store,
+    never at a whole second copy of the model. ``init="model"``: the model's own initialisation
+    (a Hugging Face model's ``_init_weights``, else each module's ``reset_parameters()``), its
+    ``meta`` buffers (rotary ``inv_freq``) recomputed on ``device``
+    (:mod:`protrain_fx.integrations.model_init`).
+
+    ``n_gpu_optim``: the first that many offloaded chunks (the last of backward, the first of the
+    next forward) are stepped on the device instead of the CPU, their fp32 states streamed through
+    it (``runtime/device_adam.py``): the CPU steps fewer chunks and forward waits less.
+
+    ``n_lean``: the last that many offloaded chunks keep no compute-dtype copy on the host (12
+    instead of 14 bytes per parameter; the device fetches their fp32 master, twice the bytes) and
+    land their gradients in ``grad_pool`` shared host buffers. ``"auto"`` (default): none when the
+    store fits the host with 8 GiB to spare, else the fewest that fit (``handle.n_lean`` says how
+    many); a host too small even then is refused with the bytes needed.
+
+    ``grad_clipping``: whether the training loop calls ``torch.nn.utils.clip_grad_norm_`` (which
+    then clips over every chunk: :meth:`OffloadHandle.clip_grad_norm_`). The offloaded chunks'
+    steps then wait for the end of backward instead of overlapping it. ``None`` (default): learned
+    at the first optimizer step, which waits; ``True``: always wait (a loop that starts clipping
+    later); ``False``: never wait, and a clip raises."""
+    return OffloadHandle(
+        model,
+        optimizer,
+        n_persist=n_persist,
+        n_buffer=n_buffer,
+        device=device,
+        chunk_bytes=chunk_bytes,
+        compute_dtype=compute_dtype,
+        available_host_bytes=available_host_bytes,
+        init=init,
+        n_gpu_optim=n_gpu_optim,
+        n_lean=n_lean,
+        grad_pool=grad_pool,
+        grad_clipping=grad_clipping,
+    )
+
+
+def _checked_settings(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+    counts: tuple[Any, Any, Any], compute_dtype: torch.dtype | None, grad_clipping: Any, init: Any,
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Refuse what :func:`offload` cannot do, before anything is changed; the model's parameters by
+    name and ``init`` resolved (``"model"``: the model's own initialisation, from ``integrations``)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("offload: device='cuda' but this machine has no CUDA device (use device='cpu' to try it)")
+    if init == "model":  # the model's own initialisation; its meta buffers recomputed on the device
+        from protrain_fx.integrations import model_init
+
+        init = model_init(model, device)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    if not named:
+        raise ValueError("offload: the model has no parameters")
+    _check_not_offloaded(named)
+    _check_optimizer(optimizer)  # the backend may offload any chunk: they are stepped by ChunkAdamW
+    if compute_dtype == torch.float16:
+        raise ValueError(
+            "offload: compute_dtype=torch.float16 needs loss scaling (GradScaler), whose unscaling does not reach "
+            "the offloaded chunks' gradients (they are stepped from the chunk store, not from .grad); use "
+            "compute_dtype=torch.bfloat16"
+        )
+    if grad_clipping not in (None, True, False):
+        raise ValueError(f"offload: grad_clipping must be None (learned at the first step), True or False, "
+                         f"got {grad_clipping!r}")
+    on_meta = [n for n, p in named.items() if p.is_meta]
+    if on_meta and init is None:
+        raise ValueError(
+            f"offload: {len(on_meta)} parameters (e.g. {on_meta[0]!r}) are on the meta device; give "
+            "init=fn, fn(name, tensor) filling tensor in place, or init='model' (the model's own "
+            "initialisation), to materialise them straight into chunks"
+        )
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ValueError(
+            f"offload: buffer {meta_buffers[0]!r} is on the meta device; materialise buffers before "
+            "offload (only parameters are materialised into chunks), or give init='model'"
+        )
+    n_persist, n_buffer, n_gpu_optim = counts
+    auto = [c == AUTO for c in (n_persist, n_buffer)]
+    if any(auto) and not all(auto):
+        raise ValueError(
+            f"offload: n_persist and n_buffer are chosen together: give both, or neither (\"auto\": chosen "
+            f"by the backend for its memory_budget); got n_persist={n_persist!r}, n_buffer={n_buffer!r}"
+        )
+    if all(auto) and n_gpu_optim not in (None, AUTO):
+        raise ValueError(
+            f"offload: n_gpu_optim={n_gpu_optim!r} with automatic n_persist and n_buffer; the backend "
+            "chooses it with them (leave it out), or give all three"
+        )
+    if not all(auto) and n_gpu_optim == AUTO:
+        raise ValueError("offload: n_gpu_optim='auto' needs n_persist and n_buffer 'auto' too")
+    return named, init
+
+
+def _check_hand_counts(layout: ChunkLayout, n_persist: int) -> None:
+    """Refuse counts by hand that offload nothing (a model smaller than its chunks)."""
+    n_chunks = len(layout.chunks)
+    if n_persist == n_chunks:
+        raise ValueError(
+            f"offload: n_persist={n_persist} keeps all {n_chunks} chunk(s) of this model on the device "
+            f"({sum(c.used_bytes for c in layout.chunks) / 2**20:.1f} MiB of parameters in chunks of "
+            f"{layout.chunk_bytes / 2**20:.1f} MiB): nothing would be offloaded. Leave n_persist / "
+            "n_buffer out (the backend chooses them for its memory budget), give a smaller chunk_bytes, or "
+            "train without protrain_fx.offload"
+        )
+
+
+def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None) -> ChunkLayout:
+    """Chunks in registration order (the order a transformer uses its parameters), blocks together."""
+    rows = []
+    for i, (name, p) in enumerate(named.items()):
+        m = _BLOCK.match(name)
+        rows.append((name, id(p), p.numel() * p.element_size(), m.group(1) if m else OUTSIDE, i))
+    infos: list[ParamInfo] = dedupe_tied(rows)
+    return pack(infos, chunk_bytes) if chunk_bytes else choose_layout(infos)
+
+
+def _staged(grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The gradients copied, in ``dtype``, into one fresh device buffer on the current stream.
+
+    The copies to the host read this buffer after the graph has gone on; the graph's own gradient
+    buffers are free as soon as this returns (Inductor may reuse them at once, which it could not
+    if the host copies read them), and the staging buffer is the caching allocator's, held until
+    the copy stream is done with it (``record_stream``)."""
+    flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+    views, start = [], 0
+    for g in grads:
+        view = flat[start : start + g.numel()].view(g.shape)
+        view.copy_(g)
+        views.append(view)
+        start += g.numel()
+    return views

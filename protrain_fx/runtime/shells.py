@@ -1,0 +1,95 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from protrain_fx.errors import UnsupportedError
+from protrain_fx.runtime import chunk_ops
+
+
+def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.data = value``, also for a ``meta`` parameter, whose data cannot be set to a real tensor:
+    its contents are swapped instead (the same object, so the optimizer's references stay valid)."""
+    if not p.is_meta:
+        p.data = value
+    elif isinstance(p, nn.Parameter):
+        torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+    else:
+        torch.utils.swap_tensors(p, value.requires_grad_(p.requires_grad))
+
+
+def _is_shell(p: torch.Tensor, device: torch.device) -> bool:
+    """``p`` is on ``device`` with a storage of 0 bytes (a shell, or not yet materialised)."""
+    return not p.is_meta and p.device == device and p.untyped_storage().nbytes() == 0
+
+
+def _shell(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor shaped, typed and placed like ``p`` whose storage holds no bytes (for tracing)."""
+    shell = torch.empty(p.shape, dtype=p.dtype, device=device)
+    shell.untyped_storage().resize_(0)
+    return shell
+
+
+def _check_not_offloaded(named: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a model offloaded before: its parameters are shells of 0 bytes (their values are in
+    the first handle's chunk store), and copying from them would read no memory."""
+    for name, p in named.items():
+        if chunk_ops.offloaded(p) is not None or chunk_ops.deferred(p) is not None or (
+            not p.is_meta and p.numel() and p.untyped_storage().nbytes() == 0
+        ):
+            raise ValueError(
+                f"offload: this model is already offloaded (parameter {name!r} holds no values: they live in the "
+                "chunk store of an earlier offload(...) call). Keep using the handle that call returned, or build "
+                "the model again (and its optimizer) to offload it anew"
+            )
+
+
+def _refuse_eager_call(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of an offloaded model: a call outside ``torch.compile`` (whose graphs read
+    the chunk buffers) would read parameters of 0 bytes."""
+    from torch._dynamo.eval_frame import _is_in_optimized_module
+
+    if torch.compiler.is_compiling() or _is_in_optimized_module():
+        return None
+    raise UnsupportedError(
+        f"protrain_fx: this {type(module).__name__} is offloaded (protrain_fx.offload): its offloaded parameters "
+        "hold no values outside the compiled graphs, so it runs only through torch.compile(model, "
+        "backend='protrain'); call the compiled module (handle.state_dict(model) gives the values, to load into "
+        "a plain copy of the model)"
+    )
+
+
+_TORCH_TENSOR_STR: Callable[..., str] | None = None
+
+
+def _install_shell_repr() -> None:
+    """Printing an offloaded parameter (a shell of 0 bytes) shows what it is instead of reading
+    memory it does not have (which crashes the process): ``torch._tensor_str._str``, which
+    ``Tensor.__repr__`` calls, is wrapped once; every other tensor prints as before."""
+    global _TORCH_TENSOR_STR
+    if _TORCH_TENSOR_STR is not None:
+        return
+    from torch import _tensor_str
+
+    original = _TORCH_TENSOR_STR = _tensor_str._str
+
+    @functools.wraps(original)
+    def _str(self, *, tensor_contents=None):
+        try:
+            hollow = (type(self) in (torch.Tensor, nn.Parameter) and not self.is_meta and self.numel() > 0
+                      and self.untyped_storage().nbytes() == 0)
+        except Exception:  # noqa: BLE001 -- tensors without a plain storage print as torch prints them
+            hollow = False
+        if hollow:
+            return (f"tensor(<no values here: offloaded by protrain_fx, they live in the chunk store; "
+                    f"handle.state_dict(model) gives them>, size={tuple(self.shape)}, dtype={self.dtype}, "
+                    f"device='{self.device}')")
+        return original(self, tensor_contents=tensor_contents)
+
+    _tensor_str._str = _str

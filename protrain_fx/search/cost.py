@@ -1,0 +1,642 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from protrain_fx.plan import _segment_starts
+from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT, Config, Estimate, Problem
+from protrain_fx.search.tables import _PerBuffer, _PerPersist
+
+
+_NONE, _CKPT, _SWAP = 0, 1, 2
+
+
+_Forward = tuple[list[float], list[float], list[float], float, float, float]
+
+
+def estimate(problem: Problem, config: Config) -> Estimate:
+    """Predicted step time and peak memory of ``config``. Raises ``ValueError`` for an invalid config."""
+    return CostModel(problem).estimate(config)
+
+
+class CostModel:
+    """:func:`estimate` with the per-problem precomputation kept (the search calls it many times)."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        p = problem
+        m = p.machine
+        self.n_blocks = N = len(p.blocks)
+        self.n_chunks = len(p.chunks)
+        self._labels = [b.name for b in p.blocks]
+        # Forward steps 0..N (N = outside); backward visits j = N, N-1, ..., 0.
+        self.cf = [b.fwd_s for b in p.blocks] + [p.outside_fwd_s]
+        self.cb = [b.bwd_s for b in p.blocks] + [p.outside_bwd_s]
+        self.rc = [b.recompute_s for b in p.blocks] + [0.0]
+        self.rc_chained = [b.recompute_chained_s for b in p.blocks] + [0.0]
+        self._recomputes: dict[tuple[int, int], tuple[float, ...]] = {}
+        step_chunks = [sorted(set(b.chunk_ids)) for b in p.blocks] + [sorted(set(p.outside_chunk_ids))]
+        self.compute_s = sum(self.cf) + sum(self.cb)
+
+        # Runs: maximal ranges of consecutive forward steps using one chunk, sorted by (first, chunk).
+        runs: list[tuple[int, int, int]] = []  # (first, chunk, last)
+        open_run: dict[int, list[int]] = {}
+        for j in range(N + 1):
+            for c in step_chunks[j]:
+                if c in open_run and open_run[c][1] == j - 1:
+                    open_run[c][1] = j
+                else:
+                    if c in open_run:
+                        runs.append((open_run[c][0], c, open_run[c][1]))
+                    open_run[c] = [j, j]
+        runs += [(f, c, last) for c, (f, last) in open_run.items()]
+        runs.sort()
+        self.run_first = [r[0] for r in runs]
+        self.run_chunk = [r[1] for r in runs]
+        self.run_last = [r[2] for r in runs]
+        self.run_bytes = [p.chunks[c].bytes for c in self.run_chunk]
+        R = len(runs)
+        self.step_runs = [[r for r in range(R) if self.run_first[r] <= j <= self.run_last[r]] for j in range(N + 1)]
+        # The run whose gradient lands last in backward (the chunk's earliest run) triggers CPU Adam.
+        self.adam_run = {}
+        for r in range(R):
+            self.adam_run.setdefault(self.run_chunk[r], r)
+        self.adam_s = [c.n_params / m.cpu_adam_params_per_s for c in p.chunks]
+        self.gpu_adam_s = [c.n_params / m.gpu_adam_params_per_s for c in p.chunks]
+        # device steps: fp32 master and moments in; the same and the working copy out (shared rates)
+        self.dev_in_bytes = [c.n_params * (4 + p.adam_state_bytes_per_param) for c in p.chunks]
+        self.dev_out_bytes = [x + c.bytes for x, c in zip(self.dev_in_bytes, p.chunks)]
+        self._lean = p.lean_chunks or (0,) * (len(p.chunks) + 1)
+        self._cpu_after = [sum(self.adam_s[k:]) for k in range(len(p.chunks) + 1)]  # CPU Adam of chunks >= k
+        self._gpu_before = [sum(self.gpu_adam_s[:k]) for k in range(len(p.chunks) + 1)]  # GPU Adam of chunks < k
+        h2d_shared = min(m.h2d_bytes_per_s, m.duplex_bytes_per_s / 2)
+        d2h_shared = min(m.d2h_bytes_per_s, m.duplex_bytes_per_s / 2)
+        if m.device_step_bytes_per_s:  # measured: the steps' copies and the CPU step share the host
+            h2d_shared = d2h_shared = m.device_step_bytes_per_s
+        self._d2h_dev = d2h_shared
+        self.dev_in_s = [x / h2d_shared for x in self.dev_in_bytes]
+        self.dev_out_s = [x / d2h_shared for x in self.dev_out_bytes]  # a lean chunk's: _PerPersist.dev_out_s
+        for k, seconds in p.device_step_s:  # timed in training: its copies in scaled as its step
+            if self.dev_out_s[k] > 0:
+                self.dev_in_s[k] *= seconds / self.dev_out_s[k]
+        self._step_timed = [False] * len(p.chunks)  # its re-fetches are in its seconds (_dev_refetch)
+        for k, _ in p.device_step_s:
+            self._step_timed[k] = True
+        self.dev_out_s = self.timed_steps(self.dev_out_s)
+
+        # Static reference timeline (compute only, no recompute) and the copies' reference intervals.
+        fs = [0.0] * (N + 1)
+        for j in range(1, N + 1):
+            fs[j] = fs[j - 1] + self.cf[j - 1]
+        fe = [fs[j] + self.cf[j] for j in range(N + 1)]
+        bs = [0.0] * (N + 1)  # indexed by forward step j
+        t = fe[N]
+        for j in range(N, -1, -1):
+            bs[j] = t
+            t += self.cb[j]
+        be = [bs[j] + self.cb[j] for j in range(N + 1)]
+        self.fwd_ref_start = fs
+        self._fwd_ref_end = fe[N]
+        h2d, d2h = m.h2d_bytes_per_s, m.d2h_bytes_per_s
+
+        def iv(start: float, nbytes: int, rate: float) -> tuple[float, float]:
+            return (start, start + nbytes / rate)
+
+        blocks = p.blocks
+        ff = [iv(fs[self.run_first[r] - 1] if self.run_first[r] else 0.0, self.run_bytes[r], h2d) for r in range(R)]
+        bf = [iv(bs[self.run_last[r] + 1] if self.run_last[r] < N else bs[N], self.run_bytes[r], h2d) for r in range(R)]
+        rl = [iv(bs[i + 1], blocks[i].swap_bytes, h2d) for i in range(N)]
+        so = [iv(fe[i], blocks[i].swap_bytes, d2h) for i in range(N)]
+        go = [iv(be[self.run_first[r]], self.run_bytes[r], d2h) for r in range(R)]
+
+        def hit(a: tuple[float, float], b: tuple[float, float]) -> bool:
+            return a[0] < b[1] and b[0] < a[1]
+
+        inf = math.inf
+        # An H2D copy is shared iff a performed swap offload (block < n_swap) or gradient offload
+        # (chunk >= n_persist) overlaps it: keep the smallest such block and the largest such chunk.
+        def h2d_keys(x: tuple[float, float]) -> tuple[float, int]:
+            return (
+                min((i for i in range(N) if hit(x, so[i])), default=inf),
+                max((self.run_chunk[r] for r in range(R) if hit(x, go[r])), default=-1),
+            )
+
+        self.ff_key = [h2d_keys(x) for x in ff]
+        self.bf_key = [h2d_keys(x) for x in bf]
+        self.rl_key = [h2d_keys(x) for x in rl]
+
+        # A D2H copy is shared iff a performed forward fetch (chunk >= n_persist), swap reload
+        # (block < n_swap) or backward re-fetch (config dependent: listed) overlaps it.
+        def d2h_keys(x: tuple[float, float]) -> tuple[int, float, list[int]]:
+            return (
+                max((self.run_chunk[r] for r in range(R) if hit(x, ff[r])), default=-1),
+                min((i for i in range(N) if hit(x, rl[i])), default=inf),
+                [r for r in range(R) if hit(x, bf[r])],
+            )
+
+        self.so_key = [d2h_keys(x) for x in so]
+        self.go_key = [d2h_keys(x) for x in go]
+        # Copy durations alone (d1) and sharing the link (d2).
+        h2d_sh = min(h2d, m.duplex_bytes_per_s / 2)
+        d2h_sh = min(d2h, m.duplex_bytes_per_s / 2)
+        self._h2d, self._h2d_sh = h2d, h2d_sh
+        self.h_d1 = [x / h2d for x in self.run_bytes]  # fetch durations; lean chunks': _PerPersist.h_d1
+        self.h_d2 = [x / h2d_sh for x in self.run_bytes]
+        self.g_d1 = [x / d2h for x in self.run_bytes]
+        self.g_d2 = [x / d2h_sh for x in self.run_bytes]
+        swap = [b.swap_bytes for b in blocks]
+        self.rl_d1 = [x / h2d for x in swap]
+        self.rl_d2 = [x / h2d_sh for x in swap]
+        self.so_d1 = [x / d2h for x in swap]
+        self.so_d2 = [x / d2h_sh for x in swap]
+        self._saved = [b.saved_bytes for b in blocks]
+        self._ck = [b.checkpoint_saved_bytes for b in blocks]
+        self._swap = swap
+        self._transient = [b.transient_bytes for b in blocks]
+        # Where passes/swap.py frees and reloads swapped bytes: its own timeline, copies with its margin.
+        place_fwd_start = [0.0] * (N + 1)  # block j's forward starts; [N]: the outside work after the blocks
+        for j in range(N):
+            place_fwd_start[j + 1] = place_fwd_start[j] + blocks[j].place_fwd_s
+        self._place_fwd_start = place_fwd_start
+        self._place_bwd = [b.place_bwd_s for b in blocks]
+        self._place_rc_scale = [b.place_fwd_s / b.fwd_s if b.fwd_s > 0 else 0.0 for b in blocks]
+        margin = p.copy_margin
+        out_rate = p.place_d2h_bytes_per_s or d2h
+        in_rate = p.place_h2d_bytes_per_s or h2d
+        # the parts of swapped blocks in the rewrite's queue order: (issued at, block, copy s, bytes)
+        self._swap_out = sorted((place_fwd_start[i] + t, i, x * margin / out_rate, x)
+                                for i, b in enumerate(blocks) for t, _, x in b.swap_parts if x)
+        self._swap_in = [[(u, x * margin / in_rate, x) for _, u, x in b.swap_parts if x] for b in blocks]
+        self._freed_at: dict[int, tuple[tuple[int, int, int], ...]] = {}
+        self._reloaded_at: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}
+
+        self._per_p: dict[tuple[int, int], _PerPersist] = {}
+        self._per_pb: dict[tuple[int, int], _PerBuffer] = {}
+        self._per_pbg: dict[tuple[int, int, int], list[float]] = {}
+        self._policies: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._fwd_cache: dict[tuple[int, int, int], _Forward] = {}
+        static_persist = [0]
+        for c in range(self.n_chunks):
+            static_persist.append(static_persist[-1] + p.persistent_bytes(c))
+        self._static_persist = static_persist
+        self._buffer_bytes = p.buffer_bytes
+        self._min_buffers = [max(sum(1 for x in cs if x >= q) for cs in step_chunks) for q in range(self.n_chunks + 1)]
+
+    # ------------------------------------------------------------------ memory
+
+    def static_bytes(self, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> int:
+        """Model-state bytes resident all step: fixed + persistent chunks + chunk buffers (+ the
+        device steps' staging and gradients in flight)."""
+        device = self.device_step_bytes if n_gpu_optim else 0
+        lean = self.problem.lean_staging_bytes if self._lean[n_persist] else 0
+        return (self.problem.fixed_bytes + self._static_persist[n_persist] + n_buffer * self._buffer_bytes
+                + device + lean)
+
+    def lean_from(self, n_persist: int) -> int:
+        """The first lean chunk with ``n_persist`` persistent chunks (``n_chunks``: none is lean)."""
+        return self.n_chunks - self._lean[n_persist]
+
+    @property
+    def device_step_bytes(self) -> int:
+        """What ``n_gpu_optim > 0`` adds: staging and :data:`DEVICE_STEPS_IN_FLIGHT` gradient buffers."""
+        return self.problem.device_step_bytes + DEVICE_STEPS_IN_FLIGHT * self._buffer_bytes
+
+    def activation_peak(self, n_swap: int, n_checkpoint: int) -> int:
+        """Peak activation bytes of the per-block walk in the module docstring ("Swap memory": a
+        swapped block's bytes stay on the device until the rewrite's wait for their copy out, and
+        are back from where it issues their reload)."""
+        pol = self.policies(n_swap, n_checkpoint)
+        saved, ck, sw, tr = self._saved, self._ck, self._swap, self._transient
+        N = self.n_blocks
+        keep = [ck[i] if pol[i] == _CKPT else saved[i] - sw[i] if i < n_swap else saved[i] for i in range(N)]
+        back = self.swap_reloaded_at(n_swap, n_checkpoint)
+        out = [0] * (N + 3)  # difference array over forward steps 0..N (N: the outside work after the blocks)
+        inn = [0] * (N + 2)  # ... over backward steps 0..N (N: the outside work before the blocks)
+        for i, k, x in self.swap_freed_at(n_swap):
+            out[i + 1] += x  # on the device after block i's forward (which counts it as saved)
+            out[k] -= x  # up to the step before which its wait frees it
+        for i, m, x in back:
+            inn[i + 1] += x  # back from the step whose backward issues its reload down to block i
+            inn[m + 1] -= x
+        peak = base = flight = 0
+        for i in range(N):
+            flight += out[i]
+            x = base + flight + tr[i] + (ck[i] if pol[i] == _CKPT else saved[i])
+            if x > peak:
+                peak = x
+            base += keep[i]
+        flight += out[N]
+        x = base + flight + self.problem.outside_peak_bytes
+        if x > peak:
+            peak = x
+        back_bytes = [0] * (N + 1)
+        acc = 0
+        for k in range(N + 1):
+            acc += inn[k]
+            back_bytes[k] = acc
+        x = base + back_bytes[N] + self.problem.outside_peak_bytes  # the outside backward, reloads issued there
+        if x > peak:
+            peak = x
+        below = base
+        for i in range(N - 1, -1, -1):
+            below -= keep[i]
+            x = below + saved[i] + tr[i] + (ck[i] if pol[i] == _CKPT else 0) + back_bytes[i]
+            if x > peak:
+                peak = x
+        return peak
+
+    def swap_freed_at(self, n_swap: int) -> tuple[tuple[int, int, int], ...]:
+        """``(block, step, bytes)`` per :attr:`BlockProfile.swap_parts` part of the swapped blocks
+        (``block < n_swap``): ``passes/swap.py`` frees those bytes before forward step ``step``
+        (``N``: the outside work after the blocks; ``N + 1``: at the forward's end). The rewrite
+        queues the copies out on one stream in the order they are issued, each starting when issued
+        or when the one before it is placed done and lasting ``copy_margin`` times its bytes over
+        the placement rate, and waits for each (freeing the device copy) before the first node
+        estimated to start after it ends; the estimate is its roofline (``place_fwd_s``). So a
+        copy longer than the blocks after it keeps its bytes, and those of every swap queued behind
+        it, on the device. Here a wait inside a block frees its bytes only after that block."""
+        got = self._freed_at.get(n_swap)
+        if got is None:
+            starts = self._place_fwd_start
+            N = self.n_blocks
+            free = []
+            queue = 0.0
+            for issued, i, seconds, x in self._swap_out:
+                if i >= n_swap:
+                    continue
+                queue = (queue if queue > issued else issued) + seconds
+                k = bisect.bisect_left(starts, queue, i + 1)  # the first step starting at or after it
+                free.append((i, k if k <= N else N + 1, x))
+            got = self._freed_at[n_swap] = tuple(free)
+        return got
+
+    def swap_reloaded_at(self, n_swap: int, n_checkpoint: int) -> tuple[tuple[int, int, int], ...]:
+        """``(block, step, bytes)`` per part of the swapped blocks: the step (forward index; ``N``:
+        the outside work, which backward runs first) whose backward issues its reload in
+        ``passes/swap.py``. The rewrite lays the reloads out latest first, each ending by its first
+        use and before the later one starts, each ``copy_margin`` times its bytes over the placement
+        rate long, on its backward timeline (``place_bwd_s``, a checkpointed block's recompute
+        scaled as its forward). From there to its block's backward the bytes are on the device."""
+        key = (n_swap, n_checkpoint)
+        got = self._reloaded_at.get(key)
+        if got is None:
+            N = self.n_blocks
+            rc = self.recomputes(n_swap, n_checkpoint)
+            starts = [0.0] * N  # block j's backward starts (placement timeline)
+            t = self.problem.outside_place_bwd_s
+            for j in range(N - 1, -1, -1):
+                starts[j] = t
+                t += self._place_bwd[j] + rc[j] * self._place_rc_scale[j]
+            parts = sorted(
+                ((starts[i] + u, i, seconds, x) for i in range(n_swap) for u, seconds, x in self._swap_in[i]),
+                reverse=True,
+            )
+            issued = []
+            latest = math.inf
+            for use, i, seconds, x in parts:  # the last used first
+                latest = (use if use < latest else latest) - seconds
+                m = next((j for j in range(i, N) if starts[j] <= latest), N)
+                issued.append((i, m, x))
+            got = self._reloaded_at[key] = tuple(issued)
+        return got
+
+    def min_buffers(self, n_persist: int) -> int:
+        """Fewest buffers with ``n_persist`` persistent chunks: the most non-persistent chunks one step uses."""
+        return self._min_buffers[n_persist]
+
+    def buffer_range(self, n_persist: int) -> range:
+        """Valid ``n_buffer`` values: ``[0]`` when all chunks persist, else ``min_buffers .. n_chunks - n_persist``."""
+        if n_persist == self.n_chunks:
+            return range(1)
+        return range(self.min_buffers(n_persist), self.n_chunks - n_persist + 1)
+
+    def policies(self, n_swap: int, n_checkpoint: int) -> tuple[int, ...]:
+        """Per-block policy codes (0 none, 1 checkpoint, 2 swap) of :func:`block_plan`.
+
+        Built from :func:`protrain_fx.plan._segment_starts`, the rule :func:`~protrain_fx.plan.interleaved`
+        applies (a test checks both agree), because building a validated ``Plan`` per pair would cost
+        the search more than all its simulations.
+        """
+        key = (n_swap, n_checkpoint)
+        pol = self._policies.get(key)
+        if pol is None:
+            N = self.n_blocks
+            codes = [_SWAP] * n_swap + [_NONE] * (N - n_swap)
+            for i in _segment_starts(N - n_swap, n_checkpoint):
+                codes[n_swap + i] = _CKPT
+            pol = self._policies[key] = tuple(codes)
+        return pol
+
+    def recomputes(self, n_swap: int, n_checkpoint: int) -> tuple[float, ...]:
+        """Per block, the recompute it adds to backward under :meth:`policies`: 0 unless checkpointed;
+        ``recompute_chained_s`` when the next block is checkpointed too, else ``recompute_s``."""
+        key = (n_swap, n_checkpoint)
+        got = self._recomputes.get(key)
+        if got is None:
+            pol = self.policies(n_swap, n_checkpoint)
+            N = self.n_blocks
+            got = self._recomputes[key] = tuple(
+                0.0 if pol[i] != _CKPT else self.rc_chained[i] if i + 1 < N and pol[i + 1] == _CKPT else self.rc[i]
+                for i in range(N)
+            )
+        return got
+
+    # ------------------------------------------------------------------ time
+
+    def validate(self, config: Config) -> Config:
+        p, b, s, c, g = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint, config.n_gpu_optim
+        for name, v in config.to_dict().items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Config: {name}={v!r} must be an int >= 0")
+        if p > self.n_chunks:
+            raise ValueError(f"Config: n_persist={p} exceeds the {self.n_chunks} chunks")
+        if b not in self.buffer_range(p):
+            r = self.buffer_range(p)
+            raise ValueError(f"Config: n_buffer={b} with n_persist={p}; accepted: {r.start}..{r.stop - 1}")
+        if s + c > self.n_blocks:
+            raise ValueError(f"Config: n_swap + n_checkpoint = {s + c} exceeds the {self.n_blocks} blocks")
+        if p + g > self.n_chunks:
+            raise ValueError(f"Config: n_gpu_optim={g} with n_persist={p}; accepted: 0..{self.n_chunks - p}")
+        return config
+
+    def estimate(self, config: Config) -> Estimate:
+        self.validate(config)
+        p, b, s, c, g = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint, config.n_gpu_optim
+        return self._simulate(p, b, s, c, g, optimizer=True, detail=True)  # type: ignore[return-value]
+
+    def step_time(self, p: int, b: int, s: int, c: int, g: int = 0, *, optimizer: bool = True) -> float:
+        """:attr:`Estimate.step_s` without building the Estimate (no validation: the search's fast path)."""
+        return self._simulate(p, b, s, c, g, optimizer=optimizer, detail=False)[0]  # type: ignore[index]
+
+    def step_and_forward_time(self, p: int, b: int, s: int, c: int, g: int = 0) -> tuple[float, float]:
+        """``(step_s, fwd_s)`` of a config, unvalidated. The forward does not depend on ``n_checkpoint``
+        (recompute happens in backward) or ``n_gpu_optim`` and only slows down with ``n_swap``, so
+        ``fwd_s`` of ``(p, b, 0, 0)`` bounds the forward of every ``(p, b, s, c, g)`` from below."""
+        return self._simulate(p, b, s, c, g, optimizer=True, detail=False)  # type: ignore[return-value]
+
+    def cpu_adam_time(self, n_persist: int, n_gpu_optim: int = 0) -> float:
+        """Seconds of CPU Adam in a step: the chunks neither persistent nor stepped on the GPU."""
+        return self._cpu_after[n_persist + n_gpu_optim]
+
+    def gpu_adam_time(self, n_persist: int) -> float:
+        """Seconds of GPU Adam of the persistent chunks in a step."""
+        return self._gpu_before[n_persist]
+
+    def timed_steps(self, dev_out_s: list[float]) -> list[float]:
+        """``dev_out_s`` (seconds per chunk of its device step's copies out) with each chunk timed in
+        training (:attr:`Problem.device_step_s`) at its own seconds."""
+        timed = dict(self.problem.device_step_s)
+        return [timed.get(k, x) for k, x in enumerate(dev_out_s)]
+
+    def device_step_bound(self, n_persist: int, n_gpu_optim: int) -> float:
+        """A lower bound of the step time of every config with these two counts: the device steps'
+        copies queue one after another in each direction, so the last one issued ends no earlier
+        than all of one direction's; the next forward needs that chunk at its reference start
+        (at most the latest reference start of these chunks' first use)."""
+        if not n_gpu_optim:
+            return 0.0
+        chunks = range(n_persist, n_persist + n_gpu_optim)
+        out_s = self._pp(n_persist).dev_out_s
+        copies = max(sum(self.dev_in_s[c] for c in chunks), sum(out_s[c] for c in chunks))
+        ref = max(self.fwd_ref_start[self.run_first[self.adam_run[c]]] for c in chunks)
+        return max(copies - ref, 0.0)
+
+    def _device_chain(
+        self, dev_trigger: list[bool], offload_at: list[list[int]], dev_out_s: list[float]
+    ) -> tuple[list[tuple[int, float, float]], list[float]]:
+        """Device steps on the reference timeline (compute only, no recompute), backward held up as
+        the runtime holds it: a step is issued when its chunk's last gradient is made, once the step
+        issued :data:`DEVICE_STEPS_IN_FLIGHT` before it ended; the steps run one after another on
+        their lanes, each ``max(in, out)`` long. Returns ``[(chunk, start, end)]`` in issue order and
+        when each step's backward starts (indexed by forward step)."""
+        N = self.n_blocks
+        t, lane = self._fwd_ref_end, 0.0
+        bwd_start = [0.0] * (N + 1)
+        steps: list[tuple[int, float, float]] = []
+        for j in range(N, -1, -1):
+            bwd_start[j] = t
+            t += self.cb[j]
+            for r in offload_at[j]:
+                if dev_trigger[r]:
+                    k = len(steps)
+                    if k >= DEVICE_STEPS_IN_FLIGHT and steps[k - DEVICE_STEPS_IN_FLIGHT][2] > t:
+                        t = steps[k - DEVICE_STEPS_IN_FLIGHT][2]
+                    ch = self.run_chunk[r]
+                    start = lane if lane > t else t
+                    lane = start + max(self.dev_in_s[ch], dev_out_s[ch])
+                    steps.append((ch, start, lane))
+        return steps, bwd_start
+
+    def _forward(self, p: int, b: int, s: int) -> _Forward:
+        """Forward of ``(p, b, s, *)``; it does not depend on ``n_checkpoint``, so recent ones are kept.
+
+        Returns ``done`` (run -> its fetch finished), ``ff_dur`` (run -> fetch duration), ``so_done``
+        (block -> its swap offload finished), and when the H2D queue, the D2H queue and the GPU are
+        free at the end of forward (read-only: callers copy ``done`` before writing).
+        """
+        key = (p, b, s)
+        got = self._fwd_cache.get(key)
+        if got is not None:
+            return got
+        if len(self._fwd_cache) > 256:
+            self._fwd_cache.clear()
+        N = self.n_blocks
+        P = self._pp(p)
+        PB = self._pb(p, b)
+        cf, h_d1, h_d2, ff_thr = self.cf, P.h_d1, P.h_d2, P.ff_thr
+        done = [0.0] * len(h_d1)
+        ff_dur = [0.0] * len(h_d1)
+        fe = [0.0] * (N + 1)
+        so_done = [0.0] * N
+        gpu = h2d = d2h = 0.0
+        wait_step = PB.wait_step
+        for j in range(N + 1):
+            for k, r in P.fetch_at[j]:
+                ready = fe[wait_step[k]] if k >= b else 0.0
+                dur = ff_dur[r] = h_d2[r] if s > ff_thr[r] else h_d1[r]
+                h2d = (h2d if h2d > ready else ready) + dur
+                done[r] = h2d
+            start = gpu
+            for r in P.step_runs[j]:
+                if done[r] > start:
+                    start = done[r]
+            gpu = fe[j] = start + cf[j]
+            if j < s:  # swap blocks are the first n_swap
+                d2h = (d2h if d2h > gpu else gpu) + (self.so_d2[j] if s > PB.so_thr[j] else self.so_d1[j])
+                so_done[j] = d2h
+        if s and so_done[s - 1] > gpu:
+            gpu = so_done[s - 1]  # the forward's graph waits for its offloads by its output at the latest
+        got = self._fwd_cache[key] = (done, ff_dur, so_done, h2d, d2h, gpu)
+        return got
+
+    def _simulate(
+        self, p: int, b: int, s: int, c: int, g: int = 0, *, optimizer: bool, detail: bool
+    ) -> tuple[float, float] | Estimate:
+        N = self.n_blocks
+        P = self._pp(p, g if optimizer else 0)
+        PB = self._pb(p, b)
+        dev_refetch = self._dev_refetch(p, b, g) if optimizer and g else None
+        pol = self.policies(s, c)
+        cb, rc = self.cb, self.recomputes(s, c)
+        h_d1, h_d2, g_d1, g_d2 = P.h_d1, P.h_d2, self.g_d1, self.g_d2
+        bf_thr, go_thr = P.bf_thr, PB.go_thr
+        # ---- forward (shared by every n_checkpoint)
+        fdone, ff_dur, so_done, h2d, d2h, gpu = self._forward(p, b, s)
+        done = fdone[:]  # fetch finished; in backward: re-fetch, then gradient offload finished
+        fwd_end = gpu
+        # ---- backward
+        adam_done: list[tuple[int, float]] = []
+        cpu = recompute = 0.0
+        prev_start = gpu
+        rl_d1, rl_d2, rl_thr = self.rl_d1, self.rl_d2, P.rl_thr
+        adam_s = P.adam_s if optimizer else P.no_adam
+        device, dev_trigger = P.device, P.dev_trigger
+        dev_done: list[float] = []
+        dev_in = dev_out = 0.0  # when the device steps' copies in and out are done
+        for j in range(N, -1, -1):
+            for r, freed_by in PB.refetch_at[j]:
+                ready = done[freed_by]  # its gradient offload (stored in done[] when it finished)
+                h2d = (h2d if h2d > ready else ready) + (h_d2[r] if s > bf_thr[r] else h_d1[r])
+                done[r] = h2d
+            start = gpu
+            if j < s:
+                ready = so_done[j] if so_done[j] > prev_start else prev_start
+                h2d = (h2d if h2d > ready else ready) + (rl_d2[j] if s > rl_thr[j] else rl_d1[j])
+                if h2d > start:
+                    start = h2d
+            for r in PB.step_refetched[j]:
+                if done[r] > start:
+                    start = done[r]
+            prev_start = start
+            gpu = start + cb[j]
+            if j < N and pol[j] == _CKPT:
+                gpu += rc[j]
+                recompute += rc[j]
+            for r in P.offload_at[j]:
+                if device[r]:  # stepped on the GPU: its gradient stays, its buffer is free now
+                    done[r] = gpu
+                    if dev_trigger[r]:
+                        k = len(dev_done)
+                        if k >= DEVICE_STEPS_IN_FLIGHT and dev_done[k - DEVICE_STEPS_IN_FLIGHT] > gpu:
+                            gpu = dev_done[k - DEVICE_STEPS_IN_FLIGHT]  # the issuing thread waits
+                        ch = self.run_chunk[r]
+                        h_start = dev_in if dev_in > gpu else gpu  # the step's own copy lanes
+                        dev_in = h_start + self.dev_in_s[ch]
+                        for i, d in P.dev_swap_in[ch]:  # swap-ins beside it on the reference timeline
+                            if i < s:
+                                dev_in += d  # take the host-to-device link from its copies in
+                        dev_out = (dev_out if dev_out > h_start else h_start) + P.dev_out_s[ch]
+                        if dev_refetch is not None and dev_refetch[ch]:  # re-fetches beside it: both ways
+                            dev_in += dev_refetch[ch]
+                            dev_out += dev_refetch[ch]
+                        if dev_in > dev_out:
+                            dev_out = dev_in
+                        dev_done.append(dev_out)
+                        adam_done.append((r, dev_out))
+                    continue
+                d2h = (d2h if d2h > gpu else gpu) + (g_d2[r] if s > go_thr[r] else g_d1[r])
+                done[r] = d2h  # the run's buffer is free again
+                if adam_s[r]:
+                    cpu = (cpu if cpu > d2h else d2h) + adam_s[r]
+                    adam_done.append((r, cpu))
+        bwd_end = gpu
+        # ---- optimizer, and the next forward overlapping the CPU Adam tail
+        gpu_adam = P.gpu_adam_s if optimizer else 0.0
+        cpu_adam = P.cpu_adam_s if optimizer else 0.0
+        step = bwd_end + gpu_adam
+        if cpu_adam > step:
+            step = cpu_adam
+        ref = self.fwd_ref_start
+        for r, a in adam_done:
+            x = a + ff_dur[r] - ref[self.run_first[r]]
+            if x > step:
+                step = x
+        if not detail:
+            return step, fwd_end
+        static = self.static_bytes(p, b, g)
+        act = self.activation_peak(s, c)
+        refetched = sum(P.fetch_bytes[r] for r in P.runs if PB.refetch[r])
+        fetched = sum(P.fetch_bytes[r] for r in P.runs)
+        offloaded = sum(self.run_bytes[r] for r in P.runs if not device[r])
+        stepped = [ch for ch in range(p, p + g)] if optimizer else []
+        swapped = sum(self._swap[:s])
+        return Estimate(
+            step_s=step,
+            peak_bytes=static + act,
+            fwd_s=fwd_end,
+            bwd_s=bwd_end - fwd_end,
+            opt_s=step - bwd_end,
+            static_bytes=static,
+            activation_peak_bytes=act,
+            compute_s=self.compute_s,
+            recompute_s=recompute,
+            gpu_adam_s=gpu_adam,
+            cpu_adam_s=cpu_adam,
+            h2d_bytes=fetched + refetched + swapped + sum(self.dev_in_bytes[ch] for ch in stepped),
+            d2h_bytes=offloaded + swapped + sum(P.dev_out_bytes[ch] for ch in stepped),
+            device_steps=len(stepped),
+        )
+
+    # ------------------------------------------------------------------ per-config tables
+
+    def _pp(self, p: int, g: int = 0) -> _PerPersist:
+        got = self._per_p.get((p, g))
+        if got is None:
+            got = self._per_p[(p, g)] = _PerPersist.build(self, p, g)
+        return got
+
+    def refetch_beside_steps(self, config: Config) -> list[float]:
+        """Chunk -> seconds ``config``'s device step of it is lengthened by the backward re-fetches
+        beside it (0 for a chunk not stepped on the device, or timed in training): see
+        :meth:`_dev_refetch`."""
+        p, b, g = config.n_persist, config.n_buffer, config.n_gpu_optim
+        return list(self._dev_refetch(p, b, g)) if g else [0.0] * self.n_chunks
+
+    def _dev_refetch(self, p: int, b: int, g: int) -> list[float]:
+        """Chunk -> seconds its device step is lengthened by the backward re-fetches beside it.
+
+        Decided on the device steps' reference timeline (:meth:`_device_chain`, kept by
+        :class:`_PerPersist`), as the swap-ins are: a run re-fetched in backward (``n_buffer = b``) is
+        issued when the backward of the step after its last use starts and lasts its bytes over the
+        one-way rate, and it is over when the backward of its last use starts (that backward waits
+        for it); the first step it overlaps there is lengthened by its whole duration, its copies in
+        and out alike. A step timed in training (:attr:`Problem.device_step_s`) has them in its seconds
+        and is not lengthened. Fixed by the config alone (never by the simulated timing), so the
+        step time stays built from ``max`` and ``+`` of durations the config decides, and it is
+        non-increasing in ``b`` (the runs re-fetched with ``b + 1`` buffers are among those with ``b``).
+
+        Why both ways: a step moves 12 bytes a parameter in and 14 out, near the link's duplex
+        rate, so what else crosses the link while it runs delays the whole step. On the H200 (B24 4.2B
+        at 24 GiB, 3/3/0/35/11, twenty-first session) the two steps issued after backward's last
+        re-fetch took 67-70 ms where the profile priced 69, and the others 72-85 (medians of calls
+        3-8), where one re-fetch alone takes 8.4 ms."""
+        key = (p, b, g)
+        got = self._per_pbg.get(key)
+        if got is not None:
+            return got
+        if len(self._per_pbg) > 4096:
+            self._per_pbg.clear()
+        P, PB = self._pp(p, g), self._pb(p, b)
+        got = [0.0] * self.n_chunks
+        N = self.n_blocks
+        for r in P.runs:
+            if not PB.refetch[r]:
+                continue
+            j = self.run_last[r]
+            a = P.dev_bwd_start[j + 1] if j < N else P.dev_bwd_start[N]
+            # over by the time block j's backward starts (it waits for it): a step issued then is not beside it
+            e = min(a + P.h_d1[r], P.dev_bwd_start[j])
+            for ch, x, y in P.dev_chain:
+                if a < y and x < e:
+                    if not self._step_timed[ch]:
+                        got[ch] += P.h_d1[r]
+                    break
+        self._per_pbg[key] = got
+        return got
+
+    def _pb(self, p: int, b: int) -> _PerBuffer:
+        got = self._per_pb.get((p, b))
+        if got is None:
+            got = self._per_pb[(p, b)] = _PerBuffer.build(self, self._pp(p), b)
+        return got

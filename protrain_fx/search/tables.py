@@ -1,0 +1,164 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class _PerPersist:
+    """Tables that depend on ``n_persist`` (and ``n_gpu_optim``: which runs are stepped on the GPU):
+    the runs of non-persistent chunks, and when each H2D copy shares the link (iff ``n_swap > thr``)."""
+
+    p: int
+    runs: list[int]  # forward order (first, chunk)
+    by_last: list[int]  # release order in forward: (last, run)
+    fetch_at: list[list[tuple[int, int]]]  # step -> [(fetch index k, run)]
+    step_runs: list[list[int]]
+    offload_at: list[list[int]]  # step -> runs whose gradient is final after its backward (FIFO order)
+    adam_trigger: list[bool]
+    adam_s: list[float]  # run -> CPU Adam time of its chunk when its gradient offload completes the chunk, else 0
+    no_adam: list[float]
+    min_buffers: int
+    gpu_adam_s: float
+    cpu_adam_s: float
+    ff_thr: list[float]
+    bf_thr: list[float]
+    rl_thr: list[float]
+    device: list[bool]  # run -> its chunk is stepped on the GPU
+    dev_trigger: list[bool]  # run -> its gradient completes a GPU-stepped chunk: issue the step
+    fetch_bytes: list[int]  # run -> bytes one fetch moves (a lean chunk's fp32 master)
+    h_d1: list[float]  # run -> fetch duration alone
+    h_d2: list[float]  # run -> fetch duration sharing the link
+    dev_out_bytes: list[int]  # chunk -> bytes its device step copies out (a lean chunk: no working copy)
+    dev_out_s: list[float]
+    dev_swap_in: list[list[tuple[int, float]]]  # chunk -> [(block, seconds of its swap-in alone)] stalling its step
+    dev_chain: list[tuple[int, float, float]]  # the device steps on their reference timeline (chunk, start, end)
+    dev_bwd_start: list[float]  # forward step -> when its backward starts on that timeline
+
+    @classmethod
+    def build(cls, m: Any, p: int, g: int = 0) -> _PerPersist:
+        N = m.n_blocks
+        R = len(m.run_chunk)
+        runs = [r for r in range(R) if m.run_chunk[r] >= p]
+        fetch_at: list[list[tuple[int, int]]] = [[] for _ in range(N + 1)]
+        for k, r in enumerate(runs):
+            fetch_at[m.run_first[r]].append((k, r))
+        offload_at: list[list[int]] = [[] for _ in range(N + 1)]
+        for r in reversed(runs):  # backward release order: (first desc, run desc)
+            offload_at[m.run_first[r]].append(r)
+        device = [p <= m.run_chunk[r] < p + g for r in range(R)]
+        adam_trigger = [False] * R
+        dev_trigger = [False] * R
+        for ch, r in m.adam_run.items():
+            adam_trigger[r] = ch >= p + g
+            dev_trigger[r] = p <= ch < p + g
+        step_runs = [[r for r in rs if m.run_chunk[r] >= p] for rs in m.step_runs]
+
+        def thr(key: tuple[float, int]) -> float:  # shared iff a swap block < n_swap or a chunk >= p overlaps
+            return -1 if key[1] >= p else key[0]
+
+        lean_from = m.lean_from(p)
+        chunks = m.problem.chunks
+        if lean_from < m.n_chunks:
+            fetch_bytes = [
+                chunks[c].lean_fetch_bytes if c >= lean_from else x for c, x in zip(m.run_chunk, m.run_bytes)
+            ]
+            h_d1, h_d2 = [x / m._h2d for x in fetch_bytes], [x / m._h2d_sh for x in fetch_bytes]
+            dev_out_bytes = [
+                x if c >= lean_from else y for c, (x, y) in enumerate(zip(m.dev_in_bytes, m.dev_out_bytes))
+            ]
+            dev_out_s = m.timed_steps([x / m._d2h_dev for x in dev_out_bytes])
+        else:
+            fetch_bytes, h_d1, h_d2, dev_out_bytes, dev_out_s = m.run_bytes, m.h_d1, m.h_d2, m.dev_out_bytes, m.dev_out_s
+
+        # A swap-in that overlaps a device step on the reference timeline (CostModel._device_chain)
+        # stalls that step: it takes the host-to-device link from the step's copies in.
+        dev_swap_in: list[list[tuple[int, float]]] = [[] for _ in range(m.n_chunks)]
+        steps: list[tuple[int, float, float]] = []
+        bwd_start: list[float] = []
+        if g:
+            steps, bwd_start = m._device_chain(dev_trigger, offload_at, dev_out_s)
+            for i in range(N):
+                a = bwd_start[i + 1]  # a block's swap-in is issued when the next block's backward starts
+                b = a + m.rl_d1[i]
+                if b > a:
+                    for ch, x, y in steps:
+                        if a < y and x < b:
+                            dev_swap_in[ch].append((i, m.rl_d1[i]))
+                            break
+
+        return cls(
+            p=p,
+            runs=runs,
+            by_last=sorted(runs, key=lambda r: (m.run_last[r], r)),
+            fetch_at=fetch_at,
+            step_runs=step_runs,
+            offload_at=offload_at,
+            adam_trigger=adam_trigger,
+            adam_s=[m.adam_s[m.run_chunk[r]] if adam_trigger[r] else 0.0 for r in range(R)],
+            no_adam=[0.0] * R,
+            min_buffers=max((len(rs) for rs in step_runs), default=0),
+            gpu_adam_s=sum(m.gpu_adam_s[:p]),
+            cpu_adam_s=sum(m.adam_s[p + g :]),
+            ff_thr=[thr(k) for k in m.ff_key],
+            bf_thr=[thr(k) for k in m.bf_key],
+            rl_thr=[thr(k) for k in m.rl_key],
+            device=device,
+            dev_trigger=dev_trigger,
+            fetch_bytes=fetch_bytes,
+            h_d1=h_d1,
+            h_d2=h_d2,
+            dev_out_bytes=dev_out_bytes,
+            dev_out_s=dev_out_s,
+            dev_swap_in=dev_swap_in,
+            dev_chain=steps,
+            dev_bwd_start=bwd_start,
+        )
+
+
+@dataclass
+class _PerBuffer:
+    """Tables that depend on ``(n_persist, n_buffer)``: which buffer each fetch waits for, which runs
+    are re-fetched in backward, and when each D2H copy shares the link (iff ``n_swap > thr``)."""
+
+    wait_step: list[int]  # fetch k >= B waits for the end of this forward step
+    refetch: list[bool]  # run -> re-fetched in backward
+    refetch_at: list[list[tuple[int, int]]]  # step -> [(run, run whose gradient offload frees its buffer)]
+    step_refetched: list[list[int]]  # step -> its runs that were re-fetched
+    so_thr: list[float]
+    go_thr: list[float]
+
+    @classmethod
+    def build(cls, m: Any, P: _PerPersist, b: int) -> _PerBuffer:
+        N = m.n_blocks
+        K = len(P.runs)
+        p = P.p
+        wait_step = [0] * K
+        for k in range(b, K):
+            wait_step[k] = m.run_last[P.by_last[k - b]]
+            assert wait_step[k] < m.run_first[P.runs[k]], "fewer buffers than one step needs"
+        acquire = P.by_last[::-1]  # backward acquisition order; the first b are still resident
+        release = P.runs[::-1]  # backward release order (gradient offload FIFO order)
+        refetch = [False] * len(m.run_chunk)
+        refetch_at: list[list[tuple[int, int]]] = [[] for _ in range(N + 1)]
+        for pos in range(b, K):
+            r = acquire[pos]
+            refetch[r] = True
+            freed_by = release[pos - b]
+            assert m.run_first[freed_by] > m.run_last[r], "fewer buffers than one step needs"
+            refetch_at[m.run_last[r]].append((r, freed_by))
+
+        def thr(key: tuple[int, float, list[int]]) -> float:
+            # shared iff a fetched chunk >= p, a re-fetched run or a reloaded block < n_swap overlaps
+            return -1 if key[0] >= p or any(refetch[r] for r in key[2]) else key[1]
+
+        return cls(
+            wait_step=wait_step,
+            refetch=refetch,
+            refetch_at=refetch_at,
+            step_refetched=[[r for r in rs if refetch[r]] for rs in P.step_runs],
+            so_thr=[thr(k) for k in m.so_key],
+            go_thr=[thr(k) for k in m.go_key],
+        )

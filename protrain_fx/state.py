@@ -1,0 +1,65 @@
+"""What protrain_fx keeps between compiles in one process: one owner, one ``reset()``.
+
+Lifetime: the :data:`STATE` lives as long as the process. What it holds is made by compiles and
+first steps and read by later ones:
+
+* ``records``: every graph the backend captured, in order (``capture.CapturedGraph``), and the
+  graph-break bookkeeping that attributes Dynamo's breaks to them;
+* ``measured_outside``: per device, the bytes a first step held above its graph's analysed peak
+  (the user's code around the graph); later plans keep that much under their cap
+  (``planner/reserve.py``);
+* ``reset_after_miss``: devices whose next planned graph resets the peak statistics before its
+  first step (``planner/first_step.py``);
+* what runtime components register with :meth:`ProcessState.on_reset` (the swap ops' pinned host pool).
+
+``protrain_fx.reset()`` (that is, :meth:`ProcessState.reset`) forgets all of it; ``torch._dynamo.reset()``
+is still needed to compile again. Offloaded models are not forgotten: their chunk stores belong to
+their handles and live as long as the handles do.
+
+This module imports nothing from the rest of the package, so every layer (the runtime too) may use it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ProcessState:
+    """The process-wide state of protrain_fx (module docstring)."""
+
+    #: Captured graphs, in capture order (``capture.CapturedGraph``).
+    records: list[Any] = field(default_factory=list)
+    #: Dynamo's graph-break counter as last seen, to attribute new breaks to the next graph.
+    breaks_seen: Counter[str] = field(default_factory=Counter)
+    #: Entries of Dynamo's ``graph_break_reasons`` already attributed.
+    break_stacks_seen: int = 0
+    #: Per device (``"cuda:0"``): bytes a first step held above its graph's analysed peak.
+    measured_outside: dict[str, int] = field(default_factory=dict)
+    #: Devices whose next planned graph resets the peak statistics before its first step.
+    reset_after_miss: dict[str, bool] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _on_reset: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_reset(self, forget: Callable[[], None]) -> None:
+        """Have ``forget()`` called by every :meth:`reset` (a component's own process-wide state)."""
+        self._on_reset.append(forget)
+
+    def reset(self) -> None:
+        """Forget everything listed in the module docstring."""
+        with self.lock:
+            self.records.clear()
+            self.breaks_seen.clear()
+            self.break_stacks_seen = 0
+            self.measured_outside.clear()
+            self.reset_after_miss.clear()
+        for forget in self._on_reset:
+            forget()
+
+
+#: The one state of this process.
+STATE = ProcessState()
