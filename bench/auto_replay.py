@@ -13,9 +13,9 @@ timed them. Then the step replayed with the in-training CPU rate, and with both 
 (what is left is the model's own error, not the machine profile's), and at the rates of the backend's
 own window (``auto_plan.training_rates``). With ``--search``, also the config the search picks with
 the in-training rate (same budget and cap, and with the cap raised by 3 GiB as
-``autoplan.raised_choice`` could). With ``--recompute-factor K``, every block's recompute is replayed
+``planner.verify.raised_choice`` could). With ``--recompute-factor K``, every block's recompute is replayed
 at ``K`` times its forward, and with ``--chained-factor K2`` at ``K2`` times when the next block is
-checkpointed too (``cost.BlockProfile.recompute_chained_s``).
+checkpointed too (``search.problem.BlockProfile.recompute_chained_s``).
 
 ``--summary``: one line per run instead: the step the run's plan was predicted at when it ran, the step
 this code's cost model replays from the same dumped problem, and the measured step (the timed calls
@@ -30,7 +30,7 @@ the profile's inputs again after training (``PEERS_REREAD=N`` for ``bench/peers.
 phase priced with their matrix and attention nodes at the times read then, with 5 calls between two
 events (``events``) and with the device kept busy (``prefilled``), times the scale the compile applied
 (``compute_scale``). The last lines: over those runs, each phase's measured time over its unscaled
-``prefilled`` price (the fit behind ``profiler.IN_STEP_SCALE``), and each run left out in turn, priced
+``prefilled`` price (the fit behind ``planner.problem.IN_STEP_SCALE``), and each run left out in turn, priced
 with one scale for both phases and with one per phase.
 
 Every replay is a prediction: nothing here was measured with the replayed config.
@@ -88,12 +88,12 @@ def main() -> None:
                 problem = dataclasses.replace(problem, blocks=[
                     dataclasses.replace(b, recompute_s=k * b.fwd_s, recompute_chained_s=kc * b.fwd_s)
                     for b in problem.blocks])
-            # predicted as the mean over the host rates' spread where the run recorded one (cost.expected_estimate)
+            # predicted as the mean over the host rates' spread where the run recorded one (search.spread.expected_estimate)
             spread = ap.get("rate_spread")
             est = expected_estimate(problem, config, spread) if spread else CostModel(problem).estimate(config)
             steps = r["breakdown"][1:] or r["breakdown"]  # the first step compiles
             step = r["step_s"]
-            replan = ap.get("replan")  # n_gpu_optim changed at the start of call 8 (calibrate.Replan)
+            replan = ap.get("replan")  # n_gpu_optim changed at the start of call 8 (planner.rates.Replan)
             if replan:  # the first plan ran the timed steps before call 8 (the bench times from call 3)
                 first, last = replan["calls"] or (9, 14)
                 before = r["step_times_s"][: first - 4]
@@ -156,7 +156,7 @@ def main() -> None:
                       f"G/s, training {rate / 1e9:.2f} G/s; step replayed at the training rate {again.step_s * 1e3:.0f} ms "
                       f"({100 * (again.step_s / step - 1):+.1f}%)")
                 machine = dataclasses.replace(machine, cpu_adam_params_per_s=rate)
-            kept = ap.get("training_rates")  # the backend's own window (protrain_fx.calibrate)
+            kept = ap.get("training_rates")  # the backend's own window (protrain_fx.planner.rates)
             if kept:
                 from protrain_fx.planner.rates import TrainingRates
 
@@ -194,7 +194,7 @@ def summary(files: list[str]) -> None:
             replan = ap.get("replan")
             step = (statistics.median(r["step_times_s"][: (replan["calls"] or (9, 14))[0] - 4])
                     if replan else r["step_s"])
-            # a first plan predicted as the mean over the host rates' spread is replayed so (cost.expected_estimate)
+            # a first plan predicted as the mean over the host rates' spread is replayed so (search.spread.expected_estimate)
             spread = ap.get("rate_spread")
             now = (expected_estimate(problem, config, spread) if spread else CostModel(problem).estimate(config)).step_s
             then = ap["predicted_step_s"]
@@ -233,7 +233,7 @@ def phase_rows(files: list[str]) -> list[dict]:
             }
             sums = (r.get("reread") or {}).get("op_sums_s")
             if sums and config.n_checkpoint == 0:  # a recomputed block's products would count twice
-                k = r["reread"].get("compute_scale", 1.0)  # the compile's profiler.IN_STEP_SCALE (1: before it)
+                k = r["reread"].get("compute_scale", 1.0)  # the compile's planner.problem.IN_STEP_SCALE (1: before it)
                 for protocol in ("events", "prefilled"):
                     d_fwd, d_bwd = (k * (sums[protocol][i] - sums["cached"][i]) for i in (0, 1))
                     row[protocol] = (est.fwd_s + d_fwd, est.bwd_s + d_bwd, est.step_s + d_fwd + d_bwd)
@@ -276,7 +276,7 @@ def phases(files: list[str]) -> None:
 def phase_scales(table: list[dict]) -> None:
     """Measured over the unscaled ``prefilled`` price per phase, on the reread runs; then each run left
     out in turn, its step priced with one scale for both phases (the mean of the others' forward plus
-    backward ratios, as ``profiler.IN_STEP_SCALE``) and with one per phase (the others' mean each)."""
+    backward ratios, as ``planner.problem.IN_STEP_SCALE``) and with one per phase (the others' mean each)."""
     runs = [t for t in table if "unscaled" in t]
     if len(runs) < 3:
         return

@@ -6,7 +6,7 @@ against the copy rates the cost model builds them from. GPU only.
 Steps ``--chunks`` chunks of ``--params`` fp32 parameters (bf16 working copies, pinned store) one
 after another through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW`, as backward issues
 them, and times them from the first copy in to the last copy out: the profiler's own measurement
-(``profiler.device_step_spans``), in each of these scenarios:
+(``profile.device.device_step_spans``), in each of these scenarios:
 
 * ``alone``: nothing else runs;
 * ``cpu``: the CPU optimizer's worker steps another chunk of the same size meanwhile, as it does in

@@ -1,4 +1,4 @@
-"""Hugging Face 7B models trained through protrain_fx under a GPU memory budget (issue 34, item 2).
+"""Hugging Face 7B models trained through protrain_fx under a GPU memory budget.
 
 Each model is built on the ``meta`` device with no pretrained weights, offloaded without counts
 (``protrain_fx.offload(model, optimizer, compute_dtype=torch.bfloat16, init="model")``: the chunk

@@ -81,7 +81,7 @@ SYSTEMS = (
     "protrain", "protrain_plan", "protrain_offload", "eager", "eager_ac", "compile", "compile_amb0",
     "compile_amb05", "fsdp2", "deepspeed",
 )
-#: bf16 dense matmul rate measured on the H200 (anchors.md), the denominator of MFU.
+#: bf16 dense matmul rate of the H200, the denominator of MFU (``docs/results.md#the-gpu-machine``).
 PEAK_FLOPS = 786e12
 #: Statuses that end a system's ladder: it is not run at the larger sizes of the same model.
 LADDER_STOPS = ("OOM", "crash", "timeout", "skipped_host_ram", "refused_host_ram")
@@ -278,7 +278,7 @@ def parse_offload_spec(spec: str) -> tuple[int | str, int | str, str, int | str,
     counts, as ``--plan``; empty: none), the offloaded chunks stepped on the GPU and the lean chunks
     (no host bf16 copy; a number or ``auto``, the library's default). ``buffer`` is required;
     ``persist`` and ``gpu_optim`` default to 0."""
-    if spec.strip() in ("auto", "auto:inductor", "auto:graph"):  # the backend chooses the counts and the plan (autooffload.py)
+    if spec.strip() in ("auto", "auto:inductor", "auto:graph"):  # the backend chooses the counts and the plan (planner/offload.py)
         return "auto", "auto", "", "auto", "auto"
     counts: dict[str, int | str] = {"persist": 0, "gpu_optim": 0, "lean": "auto"}
     rest = []
@@ -507,7 +507,7 @@ def _build_fsdp2(size: str):
             model = build_model(size)
         # Materialise on the CPU, where CPUOffloadPolicy keeps parameters; to_empty unties the tied
         # embedding / LM head, so tie again before initialising (else the model is not the one the
-        # other systems train: seen on 2026-11-30 as a higher loss).
+        # other systems train, and its loss is higher).
         model.to_empty(device="cpu")
         model.tie_weights()
         model.reset_parameters()
@@ -549,8 +549,8 @@ def _build_deepspeed(size: str):
     if family(size) == "gpt":
         # zero.Init partitions each submodule's parameters as soon as it is built, so the GPT's own
         # init (reset_parameters at the end of GPT.__init__) ran on empty partitions and the model
-        # kept nn.Linear / nn.Embedding defaults (N(0, 1) tied embedding): losses of 120-211 on
-        # 2026-11-30 against ~10.4 for every other system. Initialise each parameter gathered.
+        # kept nn.Linear / nn.Embedding defaults (N(0, 1) tied embedding) and a loss far above every
+        # other system's (``docs/results.md#history``). Initialise each parameter gathered.
         for name, p in model.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 model.init_parameter(name, p.data)
@@ -647,7 +647,7 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
 
 
 def _replan(replan) -> dict | None:
-    """A ``calibrate.Replan`` as plain data (``None``: the running plan was not changed)."""
+    """A ``planner.rates.Replan`` as plain data (``None``: the running plan was not changed)."""
     if replan is None:
         return None
     check = replan.step_check
@@ -667,13 +667,13 @@ def _reread(device_steps: int) -> dict:
     """The profile's readings taken again after training, on the host that trained, into a copy of
     the profile files (the lane's cache is left as it was): per graph phase, the summed times of its
     matrix and attention nodes as the compile cached them (``cached``: with the device kept busy, as
-    ``planner_problem.device_op_times`` times them; before c104151, 2026-12-02, the plain events protocol),
+    ``planner.problem.device_op_times`` times them; older result files hold the plain events protocol),
     timed afresh with 5 calls between two events (``events``) and with the device kept busy
-    (``prefilled``, ``opprofile._time_node``), and ``compute_scale``, what the compile multiplied its
-    node times by (``planner_problem.IN_STEP_SCALE``); for a model with offloaded chunks, the device-step
+    (``prefilled``, ``profile.ops._time_node``), and ``compute_scale``, what the compile multiplied its
+    node times by (``planner.problem.IN_STEP_SCALE``); for a model with offloaded chunks, the device-step
     rate of its layout ``device_steps`` times and the CPU chunk step's rate twice
-    (``machine_profile.device_step_rate``, ``machine_profile.chunk_adam_rate``). Any failure is recorded as its
-    reason; the run's own results stand."""
+    (``profile.machine_profile.device_step_rate``, ``profile.machine_profile.chunk_adam_rate``). Any
+    failure is recorded as its reason; the run's own results stand."""
     import shutil
     import tempfile
 
@@ -742,11 +742,11 @@ def _protrain_prediction() -> dict:
             "trials": len(a.trials), "trial_peaks": [(t.config.to_dict(), t.predicted_peak_bytes, t.analysed_peak_bytes,
                                                       t.by_inductor) for t in a.trials],
             "first_step_peak_bytes": a.measured_peak_bytes,
-            # the backend's own step period (calls 3..8, wall time between starts; autoplan.StepCheck)
+            # the backend's own step period (calls 3..8, wall time between starts; planner.rates.StepCheck)
             "backend_step_s": a.step_check.measured_step_s if a.step_check else None,
-            # the runtime's CPU and device optimizer rates over those calls (protrain_fx.calibrate)
+            # the runtime's CPU and device optimizer rates over those calls (protrain_fx.planner.rates)
             "training_rates": dataclasses.asdict(a.training_rates) if a.training_rates is not None else None,
-            # n_gpu_optim chosen again at those rates (protrain_fx.calibrate.Replan), and the step period
+            # n_gpu_optim chosen again at those rates (protrain_fx.planner.rates.Replan), and the step period
             # measured after it against its prediction; config and predicted_step_s stay the first plan's
             "replan": _replan(a.replanned),
             "problem_s": a.problem_s, "choose_s": a.choose_s,

@@ -7,8 +7,8 @@ automatic plan runs when everything fits: Inductor codegen, parameters kept), tr
 steps with ``torch.profiler`` (a device sync after the forward, so kernels split into forward and
 backward by their start), and sums the kernels' device time per kind: matrix products (cuBLAS),
 attention, Inductor's generated kernels, other. Beside it, the estimate the cost model prices the
-same graphs at (``profiler._node_times`` with the fused roofline and the measured op times, as
-``profiler.problem_from_record`` does): the timed ops split into products and attention, the rest
+same graphs at (``planner.problem._node_times`` with the fused roofline and the measured op times, as
+``planner.problem.problem_from_record`` does): the timed ops split into products and attention, the rest
 (the fused roofline). The question it answers: do the products run faster inside the step than
 measured alone, or is the fused roofline high. Also per phase, where the device sat idle
 (:func:`gap_analysis`: before the first kernel, between kernels, and how much of it waited for the
@@ -192,7 +192,7 @@ def gap_analysis(prof, steps: int) -> dict:
 
 def protocol_rounds(record, machine, rounds: int, device: str = "cuda") -> dict:
     """The graphs' products and attention timed afresh ``rounds`` times under each of two protocols of
-    ``opprofile._time_node``: ``events`` (the profiler's: 5 calls back to back between two events) and
+    ``profile.ops._time_node``: ``events`` (the profiler's: 5 calls back to back between two events) and
     ``prefilled`` (the same with the device kept busy while they are queued); per round and protocol,
     the estimate's seconds per phase and kind at those times (nothing cached is read or written)."""
     import torch
