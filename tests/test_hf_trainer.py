@@ -5,7 +5,6 @@ worker all run), gradient accumulation, gradient clipping, evaluation and resumi
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -17,6 +16,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from protrain_fx.integrations.trainer import ProTrainTrainer  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a few seconds a Trainer run on CPU
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
             vocab_size=64, max_position_embeddings=32, use_cache=False, tie_word_embeddings=False,
@@ -108,14 +109,19 @@ def _assert_same_run(trainer, reference, rtol: float, atol: float) -> None:
         torch.testing.assert_close(weights[name], value, rtol=rtol, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["backend", "offload"])
-@pytest.mark.parametrize("accumulate_and_clip", [False, True], ids=["plain-steps", "accumulate-clip"])
-def test_trainer_trains_like_the_plain_trainer(tmp_path, caplog, offload, accumulate_and_clip):
+@pytest.mark.parametrize(("steps", "offload"), [
+    ("plain", False), ("accumulate-clip", False),  # without offload micro-batches need nothing of ours
+    ("plain", True), ("accumulate", True), ("accumulate-clip", True),
+], ids=["plain-backend", "accumulate-clip-backend", "plain-offload", "accumulate-offload", "accumulate-clip-offload"])
+def test_trainer_trains_like_the_plain_trainer(tmp_path, caplog, offload, steps):
     # (1) backend: the same losses as the plain Trainer within 1e-5; (2) offload: eager codegen, fp32
     # and torch's fused AdamW stepping the host chunks give the same bits, as in tests/test_offload.py,
     # so the same 1e-5 holds; (3) two micro-batches a step (the first under handle.accumulate()) and
-    # max_grad_norm=1.0, which clips at this learning rate's first steps (asserted below).
-    extra = dict(gradient_accumulation_steps=2, max_grad_norm=1.0) if accumulate_and_clip else {}
+    # max_grad_norm=1.0, which clips at this learning rate's first steps (asserted below). Without
+    # clipping an offloaded chunk steps as soon as its gradients land: the first micro-batch must
+    # not (handle.accumulate()); with clipping every chunk step waits for the norm.
+    extra = {"plain": {}, "accumulate": dict(gradient_accumulation_steps=2),
+             "accumulate-clip": dict(gradient_accumulation_steps=2, max_grad_norm=1.0)}[steps]
     reference = _train(tmp_path / "plain", protrain=False, **extra)
     with caplog.at_level(logging.INFO, logger="protrain_fx"):
         trainer = _train(tmp_path / "protrain", protrain=True, offload=offload, **extra)
@@ -132,7 +138,7 @@ def test_trainer_trains_like_the_plain_trainer(tmp_path, caplog, offload, accumu
         assert handle is not None and handle.store is not None
         host = {n for s in handle.store.slots for n in s.names}
         assert host and all(trainer.model.get_parameter(n).untyped_storage().nbytes() == 0 for n in host)
-    if accumulate_and_clip:
+    if steps == "accumulate-clip":
         norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
         ref_norms = [e["grad_norm"] for e in reference.state.log_history if "grad_norm" in e]
         assert len(norms) == 4 and max(ref_norms) > 1.0  # the clip changed the steps
