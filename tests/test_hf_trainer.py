@@ -160,6 +160,10 @@ def test_a_run_resumed_from_its_step_2_checkpoint_continues_exactly(tmp_path, of
     assert len(_losses(first)) == 2
     checkpoint = tmp_path / "first" / "checkpoint-2"
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.pt").is_file()
+    # The weights file has the keys of the plain model's state dict (no non-persistent buffer).
+    import safetensors.torch
+
+    assert set(safetensors.torch.load_file(checkpoint / "model.safetensors")) == set(_model().state_dict())
     # The checkpoint holds ordinary full tensors: the optimizer state of every parameter, each
     # moment of its parameter's shape (an offloaded chunk's too, filled in from the host store).
     state = torch.load(checkpoint / "optimizer.pt", weights_only=True)

@@ -223,8 +223,8 @@ class ProTrainTrainer(transformers.Trainer):
 
 def checkpoint_weights(checkpoint: str, model: nn.Module) -> dict[str, torch.Tensor]:
     """The model weights of a Trainer checkpoint folder (safetensors, sharded or not, or
-    ``pytorch_model.bin``) by every parameter name of ``model``: tied names that ``save_pretrained``
-    left out get their twin's tensor."""
+    ``pytorch_model.bin``) by every parameter and buffer name of ``model``: tied names that
+    ``save_pretrained`` left out get their twin's tensor, buffers it did not save the model's own."""
     import safetensors.torch
 
     single, index = os.path.join(checkpoint, _SAFE_WEIGHTS), os.path.join(checkpoint, _SAFE_WEIGHTS_INDEX)
@@ -250,16 +250,22 @@ def checkpoint_weights(checkpoint: str, model: nn.Module) -> dict[str, torch.Ten
             raise ValueError(f"ProTrainTrainer: checkpoint {checkpoint} has no weight for {names[0]!r}")
         for name in names:
             state.setdefault(name, state[present])
+    for name, b in model.named_buffers():  # non-persistent buffers are not saved: the model's own stay
+        state.setdefault(name, b.detach())
     return state
 
 
 def _without_tied_copies(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with one entry per tied parameter (its first name), as ``model.state_dict()`` would
-    give ``save_pretrained``, which otherwise sees two distinct tensors for one weight."""
+    """``state`` with the keys of ``model.state_dict()`` (no non-persistent buffer such as a rotary
+    ``inv_freq``) and one entry per tied parameter (its first name): ``save_pretrained`` would
+    otherwise see two distinct tensors for one weight."""
     seen: set[int] = set()
     out = {}
     params = dict(model.named_parameters(remove_duplicate=False))
+    persistent = set(model.state_dict(keep_vars=True))  # the keys only: the shells are not read
     for name, value in state.items():
+        if name not in persistent:
+            continue
         p = params.get(name)
         if p is not None:
             if id(p) in seen:
