@@ -6,23 +6,13 @@ import bisect
 import math
 from protrain_fx.plan import _segment_starts
 from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT, Config, Estimate, Problem
-from protrain_fx.search.tables import _PerBuffer, _PerPersist
+from protrain_fx.search.tables import _PerBuffer, _PerPersist, link_sharing_keys
 
 
 _NONE, _CKPT, _SWAP = 0, 1, 2
 
 
 _Forward = tuple[list[float], list[float], list[float], float, float, float]
-_Interval = tuple[float, float]
-
-
-def _interval(start: float, nbytes: int, rate: float) -> _Interval:
-    """A copy of ``nbytes`` issued at ``start`` at ``rate`` bytes/s, as ``(start, end)``."""
-    return (start, start + nbytes / rate)
-
-
-def _overlaps(a: _Interval, b: _Interval) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
 
 
 def estimate(problem: Problem, config: Config) -> Estimate:
@@ -38,7 +28,7 @@ class CostModel:
         step_chunks = self._steps(problem)
         self._runs(step_chunks)
         self._optimizer_steps(problem)
-        self._sharing_keys(*self._reference_copies(problem))
+        self._reference_timeline()
         self._copy_durations(problem)
         self._swap_placement(problem)
         self._caches(problem, step_chunks)
@@ -112,11 +102,10 @@ class CostModel:
             self._step_timed[k] = True
         self.dev_out_s = self.timed_steps(self.dev_out_s)
 
-    def _reference_copies(self, p: Problem) -> tuple[list[_Interval], ...]:
-        """The static reference timeline (compute only, no recompute) and on it each copy's interval
-        (issued one step before its use, lasting its bytes over the one-way rate): forward fetches,
-        backward re-fetches and gradient offloads per run, swap reloads and swap offloads per block."""
-        N, R = self.n_blocks, len(self.run_chunk)
+    def _reference_timeline(self) -> None:
+        """The static reference timeline (compute only, no recompute) the link-sharing decision is
+        made on (:func:`~protrain_fx.search.tables.link_sharing_keys`)."""
+        N = self.n_blocks
         fs = [0.0] * (N + 1)
         for j in range(1, N + 1):
             fs[j] = fs[j - 1] + self.cf[j - 1]
@@ -129,47 +118,7 @@ class CostModel:
         be = [bs[j] + self.cb[j] for j in range(N + 1)]
         self.fwd_ref_start = fs
         self._fwd_ref_end = fe[N]
-        h2d, d2h = p.machine.h2d_bytes_per_s, p.machine.d2h_bytes_per_s
-        blocks = p.blocks
-        ff = [_interval(fs[self.run_first[r] - 1] if self.run_first[r] else 0.0, self.run_bytes[r], h2d)
-              for r in range(R)]
-        bf = [_interval(bs[self.run_last[r] + 1] if self.run_last[r] < N else bs[N], self.run_bytes[r], h2d)
-              for r in range(R)]
-        rl = [_interval(bs[i + 1], blocks[i].swap_bytes, h2d) for i in range(N)]
-        so = [_interval(fe[i], blocks[i].swap_bytes, d2h) for i in range(N)]
-        go = [_interval(be[self.run_first[r]], self.run_bytes[r], d2h) for r in range(R)]
-        return ff, bf, rl, so, go
-
-    def _sharing_keys(self, ff: list[_Interval], bf: list[_Interval], rl: list[_Interval],
-                      so: list[_Interval], go: list[_Interval]) -> None:
-        """Per copy, what decides whether it shares the link with the other direction (the configs
-        whose copies overlap it on the reference timeline), so a config's decision is a comparison."""
-        N, R = self.n_blocks, len(self.run_chunk)
-        inf = math.inf
-
-        # An H2D copy is shared iff a performed swap offload (block < n_swap) or gradient offload
-        # (chunk >= n_persist) overlaps it: keep the smallest such block and the largest such chunk.
-        def h2d_keys(x: _Interval) -> tuple[float, int]:
-            return (
-                min((i for i in range(N) if _overlaps(x, so[i])), default=inf),
-                max((self.run_chunk[r] for r in range(R) if _overlaps(x, go[r])), default=-1),
-            )
-
-        self.ff_key = [h2d_keys(x) for x in ff]
-        self.bf_key = [h2d_keys(x) for x in bf]
-        self.rl_key = [h2d_keys(x) for x in rl]
-
-        # A D2H copy is shared iff a performed forward fetch (chunk >= n_persist), swap reload
-        # (block < n_swap) or backward re-fetch (config dependent: listed) overlaps it.
-        def d2h_keys(x: _Interval) -> tuple[int, float, list[int]]:
-            return (
-                max((self.run_chunk[r] for r in range(R) if _overlaps(x, ff[r])), default=-1),
-                min((i for i in range(N) if _overlaps(x, rl[i])), default=inf),
-                [r for r in range(R) if _overlaps(x, bf[r])],
-            )
-
-        self.so_key = [d2h_keys(x) for x in so]
-        self.go_key = [d2h_keys(x) for x in go]
+        self.ff_key, self.bf_key, self.rl_key, self.so_key, self.go_key = link_sharing_keys(self, fs, fe, bs, be)
 
     def _copy_durations(self, p: Problem) -> None:
         """Copy seconds alone on the link (``d1``) and sharing it with the other direction (``d2``),
