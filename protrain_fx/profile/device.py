@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""Device-side measurements: the pinned copy link and offloaded chunks' optimizer steps on the GPU.
+
+:func:`_cuda_copy_rates` times host <-> device copies one way and both ways at once;
+:func:`device_step_spans` steps chunks through ``runtime/device_adam.DeviceAdamW`` as backward
+issues them, beside a load from :mod:`protrain_fx.profile.load` and the CPU optimizer, and returns
+the spans it timed with CUDA events. Rates are bytes per second each way. Nothing here is cached:
+:mod:`protrain_fx.profile.machine_profile` decides what to measure and keeps the results. CUDA only."""
 
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from protrain_fx.profile.load import (
     _sync_until,
 )
 
-#: Default sizes of the measurements (``measure_machine`` arguments).
+#: Default bytes of each timed copy (``measure_machine``'s ``copy_bytes``).
 COPY_BYTES = 256 * MiB
 
 
@@ -82,14 +88,11 @@ def _device_step_bytes_per_s(
     """Bytes per second each way of offloaded chunks' optimizer steps streamed through the GPU
     (``runtime/device_adam.DeviceAdamW``): the bytes a step copies out (fp32 master and moments, the
     new working copy: 14 per parameter) over the median span of :func:`device_step_spans` with the
-    CPU step and matrix products beside them. B24 4.2B's device steps moved 14 bytes per parameter at
-    38 GB/s in backward, where one copy out alone ran at 54 and both ways at once at 48 each, and this
-    measurement without the products read 44 (H200, 2026-11-30). It reads high: 41.6 to 48.7 GB/s on
-    2026-12-01's machines, whose training steps ran at 38 to 42. Keeping a kernel queue full beside
-    (``beside="deep"``) and loading the GPU while the third step waits (``while_waiting``) read 30.9
-    at this size and 42.6 at 226M parameters laid out as GPT blocks: not adopted before it matches
-    training at every size (``bench/device_step_rate.py``). ``parts`` and ``cpu_rates`` as for
-    :func:`device_step_spans` (:func:`device_step_rate` measures a model's chunk layout so)."""
+    CPU step and matrix products beside them. On chunks of one large tensor beside stand-in
+    products it reads above what training's steps reach; a model's own layout and kernels
+    (``machine_profile.device_step_rate``) read closer, and training's own timing replaces both
+    (``docs/results.md#device-step-rate-measured-against-training``). ``parts`` and ``cpu_rates``
+    as for :func:`device_step_spans`."""
     spans = device_step_spans(n, chunks, repeat, cpu=True, beside="matmul", parts=parts, cpu_rates=cpu_rates)
     return chunks * n * 14 / max(statistics.median(spans), 1e-9)
 
