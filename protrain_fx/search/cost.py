@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""ProTrain's cost model: a config in, its predicted step time and peak memory out.
+
+:class:`CostModel` turns a :class:`~protrain_fx.search.problem.Problem` into per-problem and
+per-config tables once (``tables.py``), then prices each config by an event simulation over the
+GPU stream, the two copy queues and the CPU optimizer's worker; peak memory is exact arithmetic,
+``static(n_persist, n_buffer) + activations(n_swap, n_checkpoint)``. ``docs/DESIGN.md#the-cost-model``
+derives both and lists the monotonicity properties the search prunes with (tests check them on
+random problems). Seconds and bytes throughout. No torch, no FX: a dumped Problem replays exactly.
+The hot loops write ``x if x > y else y`` rather than ``max``: about twice as fast in CPython."""
 
 from __future__ import annotations
 
@@ -197,8 +205,8 @@ class CostModel:
         return self.problem.device_step_bytes + DEVICE_STEPS_IN_FLIGHT * self._buffer_bytes
 
     def activation_peak(self, n_swap: int, n_checkpoint: int) -> int:
-        """Peak activation bytes of the per-block walk in the module docstring ("Swap memory": a
-        swapped block's bytes stay on the device until the rewrite's wait for their copy out, and
+        """Peak activation bytes of the per-block walk of ``docs/DESIGN.md#the-cost-model`` ("Swap
+        memory": a swapped block's bytes stay on the device until the rewrite's wait for their copy out, and
         are back from where it issues their reload)."""
         pol = self.policies(n_swap, n_checkpoint)
         saved, ck, sw, tr = self._saved, self._ck, self._swap, self._transient
@@ -638,10 +646,9 @@ class CostModel:
         non-increasing in ``b`` (the runs re-fetched with ``b + 1`` buffers are among those with ``b``).
 
         Why both ways: a step moves 12 bytes a parameter in and 14 out, near the link's duplex
-        rate, so what else crosses the link while it runs delays the whole step. On the H200 (B24 4.2B
-        at 24 GiB, 3/3/0/35/11, twenty-first session) the two steps issued after backward's last
-        re-fetch took 67-70 ms where the profile priced 69, and the others 72-85 (medians of calls
-        3-8), where one re-fetch alone takes 8.4 ms."""
+        rate, so what else crosses the link while it runs delays the whole step: steps with a
+        re-fetch beside them run longer than those without by about the re-fetch's own time
+        (``docs/results.md#device-steps-beside-re-fetches-and-swap-ins``)."""
         key = (p, b, g)
         got = self._per_pbg.get(key)
         if got is not None:

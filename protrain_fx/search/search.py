@@ -1,12 +1,13 @@
 """Exhaustive search over ProTrain's four counts, with pruning that never drops the optimum.
 
-:func:`search` returns the :class:`~protrain_fx.cost.Config` with the smallest predicted step time
+:func:`search` returns the :class:`~protrain_fx.search.problem.Config` with the smallest predicted step time
 whose predicted peak fits ``budget_bytes - reserve_bytes``, over every valid config:
 ``n_persist`` in ``0..n_chunks``; ``n_buffer`` in ``min_buffers(n_persist)..n_chunks - n_persist``
 (0 only when every chunk persists; ``min_buffers`` = the most non-persistent chunks one block uses);
 ``n_swap + n_checkpoint <= n_blocks``. Among equally fast configs it returns the first one it finds.
 
-What the pruning relies on (all properties of :mod:`protrain_fx.cost`, stated and tested there):
+What the pruning relies on (all properties of the cost model, :mod:`protrain_fx.search.cost`, stated
+in ``docs/DESIGN.md#the-cost-model`` and tested):
 
 1. ``peak = static(p, b) + activations(s, c)`` exactly, and ``static`` grows with ``b``. So for each
    ``(p, b)`` the fitting ``(s, c)`` are those with ``activations <= budget - static(p, b)``.
@@ -31,7 +32,7 @@ the device. The bounds hold for any subset of ``n_persist`` values, so the resul
 fitting config of that subset.
 
 ``gpu_optim=True`` also searches ``n_gpu_optim`` (the first non-persistent chunks stepped on the GPU,
-:mod:`protrain_fx.cost`): the same walk per ``(n_persist, n_gpu_optim)`` (rules 1 to 3 hold for each
+:mod:`protrain_fx.search.cost`): the same walk per ``(n_persist, n_gpu_optim)`` (rules 1 to 3 hold for each
 ``n_gpu_optim``; its static bytes add the device staging when it is above 0), first ``n_gpu_optim =
 0`` for every ``n_persist`` (a good incumbent), then the others, each pair skipped when its bound
 ``max(compute + gpu_adam, cpu_adam of the chunks left to the CPU, CostModel.device_step_bound)``
@@ -39,7 +40,8 @@ is not below the best time. ``n_gpu_optim`` takes every value in ``0..n_chunks -
 there are at most :data:`GPU_OPTIM_GRID` + 1 of them; otherwise :data:`GPU_OPTIM_GRID` + 1 evenly
 spread values, then every value within one grid step of the best found (for its ``n_persist``). So
 the result equals brute force on small problems (tested); on large ones the refinement is local,
-which keeps the search near a second on 100 chunks (``bench/search_time.py``).
+which keeps the search under a second on 100 chunks (``bench/search_time.py``;
+``docs/results.md#search-and-planning-time``).
 """
 
 from __future__ import annotations

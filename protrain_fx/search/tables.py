@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""The cost model's precomputed tables, so that simulating one config is list lookups and comparisons.
+
+:func:`link_sharing_keys` decides, once per problem, which copies of the other direction each copy
+overlaps on the reference timeline; :class:`_PerPersist` (per ``n_persist`` and ``n_gpu_optim``)
+and :class:`_PerBuffer` (per ``n_persist`` and ``n_buffer``) turn those keys and the chunk runs into
+thresholds and queues for one config. :class:`~protrain_fx.search.cost.CostModel` builds and caches
+them; they read its attributes (passed in as ``m``) and never import it, so the model imports them
+without a cycle. Seconds and bytes, as the cost model."""
 
 from __future__ import annotations
 
