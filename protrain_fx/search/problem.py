@@ -189,7 +189,7 @@ class Problem:
 
     ``lean_chunks``: empty (no chunk is ever lean), or per ``n_persist`` in ``0..len(chunks)`` how
     many of the last chunks are lean (the chunk store's rule for the host memory there is,
-    ``runtime/chunk_store.auto_lean``), never more than are offloaded and never more with more
+    ``runtime/host_memory.auto_lean``), never more than are offloaded and never more with more
     persistent chunks. ``lean_staging_bytes``: device bytes of the fp32 staging lean chunks are
     fetched through (``ChunkBufferPool.staging_bytes``), resident when any chunk is lean.
 
