@@ -206,8 +206,8 @@ class CostModel:
 
     def activation_peak(self, n_swap: int, n_checkpoint: int) -> int:
         """Peak activation bytes of the per-block walk of ``docs/DESIGN.md#the-cost-model`` ("Swap
-        memory": a swapped block's bytes stay on the device until the rewrite's wait for their copy out, and
-        are back from where it issues their reload)."""
+        memory": a swapped block's bytes stay on the device until the rewrite's wait for their copy
+        out, and are back from where it issues their reload)."""
         pol = self.policies(n_swap, n_checkpoint)
         saved, ck, sw, tr = self._saved, self._ck, self._swap, self._transient
         N = self.n_blocks
