@@ -78,7 +78,7 @@ class ProtrainConfig:
     Attributes:
         memory_budget_bytes: GPU bytes the training step may use (``None``: no budget). Without a
             ``plan``, for a model whose parameters stay on the device, the backend chooses the
-            activation plan that fits it (``protrain_fx.autoplan``); otherwise it is checked against
+            activation plan that fits it (``planner/activations.py``); otherwise it is checked against
             the predicted peak and a warning names the gap.
         codegen: ``"inductor"`` (default) compiles the captured graphs with Inductor keeping our node
             order; ``"eager"`` runs them as plain FX code (bit-exact with eager PyTorch; for debugging
@@ -94,7 +94,7 @@ class ProtrainConfig:
             ``{"h2d_bytes": 25e9, "d2h_bytes": 25e9}`` for a PCIe Gen4 card); see ``protrain_fx.machine``.
         auto_plan: ``True`` (default): the backend chooses the activation plan when it has a budget:
             ``memory_budget``, or without one, for a step on a CUDA device, the memory this process can
-            still reach there (``pipeline.device_budget_bytes``). ``False``: it never chooses one; no
+            still reach there (``planner/budget.device_budget_bytes``). ``False``: it never chooses one; no
             budget is taken from the device, and a ``memory_budget`` is only checked against the
             prediction (as with a ``plan`` by hand). For runs that must compile exactly as written
             (the automatic plan specialises the graph to its input shapes).
@@ -104,11 +104,11 @@ class ProtrainConfig:
             graph-level memory analysis, which counts every value of the graphs. ``"inductor"``
             (Inductor codegen only): each plan tried is lowered with Inductor, as the compile will
             lower it, and judged by Inductor's allocation plan, the one that runs
-            (``autoplan.judged_peak``). Inductor never stores most pointwise values: on the H200 the
-            graph-level analysis put B24 760M's step at 24.7 GiB, its compiled peak was 21.1, and at
-            a 24 GiB budget only this judge keeps every parameter on the device (95.6k tok/s
-            against 84.3k, 2026-12-01). Each plan tried costs one extra lowering of both graphs
-            (tens of seconds on the first step of a large model). ``"auto"`` (default):
+            (``planner/verify.judged_peak``). Inductor never stores most pointwise values, so the
+            graph-level analysis overstates a compiled step's peak, and near the limit only this
+            judge keeps every parameter on the device, the faster plan
+            (``docs/results.md#which-analysis-judges-a-plan``). Each plan tried costs one extra
+            lowering of both graphs (tens of seconds on the first step of a large model). ``"auto"`` (default):
             ``"inductor"`` for a step on a CUDA device compiled with Inductor, ``"graph"`` otherwise
             (:meth:`verify_for`).
     """

@@ -1,11 +1,13 @@
 """Machine constants the rewrites plan with: compute rate, memory bandwidth, host<->device copy speed.
 
-Today these are known numbers for GPUs we measured (anchors: the H200 of our GPU machine) and
-conservative defaults elsewhere; ``options={"machine": {...}}`` overrides any of them. The profiler
-(a later release) measures them on the device instead.
+These are known numbers for the GPUs measured (``docs/results.md#the-gpu-machine``) and
+conservative defaults elsewhere; ``options={"machine": {...}}`` overrides any of them. The rates the
+cost model prices an offloaded plan with (the copy link, the optimizer steps) are measured on each
+host instead (``profile/machine_profile.py``).
 
-They are only used to *place* work (when to wait for an offload, how early to prefetch); a wrong
-number costs time (a copy waited on too early), never correctness.
+They price what is not measured (the roofline of memory-bound nodes, ``analysis/estimate.py``) and
+*place* work (when to wait for an offload, how early to prefetch); a wrong number costs time (a copy
+waited on too early), never correctness.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ class Machine:
     duplex_bytes: float
     flops_efficiency: float = 0.6
     hbm_efficiency: float = 0.7
-    #: Swap copies are placed as if they took this many times their bytes / bandwidth. Measured on
-    #: the H200 (B24 760M, 2 swapped blocks, 2026-11-30): at 1.25 the waits came early and 51% of
-    #: the copy time showed in the step; at 3.7, 10% (bench/swap_profile.py). The estimate of compute
+    #: Swap copies are placed as if they took this many times their bytes / bandwidth: placed near
+    #: their link time the waits come early and about half the copy time shows in the step, at three
+    #: times or more a tenth or less (``docs/results.md#activation-swap``). The estimate of compute
     #: time it is laid against is a roofline that Inductor's fused kernels beat.
     copy_margin: float = 3.0
     #: A block swap leaves saved values smaller than this on the device: their copy saves next to no
@@ -63,8 +65,8 @@ class Machine:
         return dataclasses.replace(self, **dict(overrides))
 
 
-#: Measured on our GPU machine (anchors.md, 2026-11-30): bf16 8192^3 matmul 786 TFLOP/s, pinned
-#: H2D 55.3 GB/s, D2H 55.2 GB/s, 97 GB/s both at once. HBM3e: 4.8 TB/s datasheet.
+#: The GPU machine's readings (``docs/results.md#the-gpu-machine``): bf16 8192^3 matrix products,
+#: pinned copies one way and both at once; HBM3e bandwidth from the datasheet.
 H200 = Machine(
     "NVIDIA H200",
     flops=786e12,

@@ -2,7 +2,7 @@
 
 A :class:`Plan` is the output of the search and the input of the annotate pass (decide → annotate →
 rewrite). It is plain data: standard library only, no torch, no FX; it round-trips through JSON and
-carries a format version. Block labels are the ones :class:`~protrain_fx.passes.blocks.BlockInfo`
+carries a format version. Block labels are the ones :class:`~protrain_fx.analysis.blocks.BlockInfo`
 finds (``"blocks.0"``, ``"transformer.h.3"``, ...), in forward order.
 
 Per-block policies (:data:`BlockPolicy`):

@@ -57,13 +57,12 @@ def fused_node_times(nodes: list[fx.Node], machine: Machine) -> dict[fx.Node, fl
     generates kernels for) that feed one another form fused groups. A group reads the tensors that
     enter it from outside, each once however many of its nodes read it, and writes the tensors
     used outside it (or returned): one launch plus those bytes over the memory bandwidth, shared
-    among its nodes in proportion to their own traffic. (Counted once per reading node, as before
-    2026-12-01, a decomposed layer norm's backward read its incoming gradient three or four times:
-    B24 760M's backward estimate lost 1.4 ms of its 57.2 with the count fixed, where 51.7 was
-    measured on the H200; 350M 0.9 of 29.8 against 27.9.) Matrix products and attention (nodes
-    with a FLOP count) keep :func:`node_time`, and so do views and the ``protrain`` ops (0). The
-    per-node sum of :func:`node_time` counts every intermediate of a decomposed layer norm or GELU
-    as a round trip to memory; on B24 350M (H200, 2026-11-30) it read 3x the measured step."""
+    among its nodes in proportion to their own traffic (counted once per reading node instead, a
+    decomposed layer norm's backward would read its incoming gradient three or four times). Matrix
+    products and attention (nodes with a FLOP count) keep :func:`node_time`, and so do views and
+    the ``protrain`` ops (0). The per-node sum of :func:`node_time` counts every intermediate of a
+    decomposed layer norm or GELU as a round trip to memory and reads several times the measured
+    step (``docs/results.md#the-compute-estimate``)."""
     members = [n for n in nodes if _fusable(n)]
     in_graph = set(nodes)
     group: dict[fx.Node, int] = {}

@@ -6,7 +6,7 @@ order of its last op. Its wrapper code generator records all of that as memory-p
 (allocate, free, reuse) between ``LineContext`` markers that name the FX node being lowered. This
 module reads those lines after compilation into a :class:`GraphPlan` per graph (plain data), and
 replays the plans of the forward and backward graphs, with the model state around them, into the
-same :class:`~protrain_fx.passes.memory.MemoryAnalysis` the FX-level analysis produces.
+same :class:`~protrain_fx.analysis.memory.MemoryAnalysis` the FX-level analysis produces.
 
 Not seen here (as for the FX-level analysis): memory an extern kernel allocates inside itself
 (cuBLAS workspaces, attention scratch) and the allocator's block rounding beyond 512 bytes.

@@ -424,7 +424,7 @@ def finish_analysis(
 
 def grad_staging(rows: list[tuple[str, int, object]], device: torch.device,
                  offload: Mapping[int, OffloadFacts]) -> list["_Buffer"]:
-    """The staging buffers ``chunk_grads`` allocates on a GPU (``param_offload._staged``): the
+    """The staging buffers ``chunk_grads`` allocates on a GPU (``runtime/offload._staged``): the
     chunk's gradients in the compute dtype, from the op until its copy to the host is done --
     counted as live until the next ``chunk_grads`` (or the end of backward), so two overlap there.
     A chunk stepped on the device (``n_gpu_optim``) holds its buffer until its step has streamed

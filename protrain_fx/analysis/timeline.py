@@ -2,7 +2,7 @@
 
 A timeline is plain data (no FX, no torch tensors): a list of buffer events (a buffer of ``nbytes``
 becomes live or dies at step position ``index``) plus, for predicted timelines, one entry per graph
-node. Exporters (``protrain_fx.export``) turn it into a PyTorch memory snapshot pickle, a Chrome trace
+node. Exporters (``inspect/export.py``) turn it into a PyTorch memory snapshot pickle, a Chrome trace
 JSON or an SVG plot.
 """
 

@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""Where measured machine profiles live on disk, and the rates training reached kept beside them.
+
+One JSON file per (device name, torch version) under :func:`cache_dir` holds the profile
+:mod:`protrain_fx.profile.machine_profile` measured and, under ``"in_training"``, the newest rates
+the backend timed in training (``planner/rates.py``). Kept apart from the measurements so the
+planner's first-step feedback reads and updates the file without the code that measures (this
+module never measures). Rates are parameters or bytes per second; files are written whole and atomically, and a
+file of another :data:`CACHE_VERSION` is ignored (measured again)."""
 
 from __future__ import annotations
 
@@ -51,10 +58,9 @@ def cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None 
 TRAINING_KEEP = 5
 
 
-#: The key under ``"in_training"`` of the device steps' rates (``calibrate.alone_rate``: without the
-#: re-fetches beside them). Until the twenty-first session the window kept the median span's rate,
-#: re-fetches included, under ``"device_step_bytes_per_s"``; those entries are not read, since the
-#: cost model now adds the re-fetches to the rate it is given.
+#: The key under ``"in_training"`` of the device steps' rates (``planner/rates.alone_rate``: without
+#: the re-fetches beside them). Entries under ``"device_step_bytes_per_s"`` hold rates with the
+#: re-fetches included and are not read: the cost model adds the re-fetches to the rate it is given.
 TRAINING_DEVICE_KEY = "device_step_alone_bytes_per_s"
 
 
@@ -66,7 +72,7 @@ def note_training_rates(
     device_step_bytes_per_s: float = 0.0,
     cache: str | os.PathLike[str] | None = None,
 ) -> Path | None:
-    """Keep rates measured in training (``protrain_fx.calibrate``) in ``device``'s profile file
+    """Keep rates measured in training (``planner/rates.py``) in ``device``'s profile file
     (``"in_training"``), for :func:`training_rates`: the CPU chunk step's (per chunk size, rounded as
     :func:`chunk_adam_rate` rounds it) and the device steps' (without the re-fetches beside them,
     under :data:`TRAINING_DEVICE_KEY`). A rate of 0 is not kept. Without a profile file (nothing was
@@ -98,23 +104,19 @@ def training_rates(
     cache: str | os.PathLike[str] | None = None,
 ) -> tuple[problem.MachineProfile, list[str]]:
     """``profile`` with the rates training reached on this machine (:func:`note_training_rates`) in
-    place of the profiler's, and the names of the fields replaced.
+    place of the profiled ones, and the names of the fields replaced.
 
     * ``device_step_bytes_per_s``: the median of those kept.
     * ``cpu_adam_params_per_s`` (the rate of chunks of ``chunk_params``): the median of those kept for
       this chunk size; for a size not trained yet, the median of the trained sizes' rates within
       :data:`NEAR_CHUNK_FACTOR` of it; failing those, ``profile``'s rate scaled by the median ratio
-      of training's rate to the profiler's (``"cpu_adam_by_chunk"``) over the sizes trained. Without
+      of training's rate to the profiled one (``"cpu_adam_by_chunk"``) over the sizes trained. Without
       ``chunk_params`` it is left as it is.
 
-    Why a near size's rate and not the scaled profile: on the six H200 hosts of 2026-12-01 that
-    trained chunks of both 117M and 234M parameters, the profiler's reading of each size missed its
-    training rate by 0.69-1.28x, and not by one factor for both sizes of a host. Predicting each
-    size's training rate from the other size on the same host, the scaled profile missed by 18% on
-    average (4-35%), the size's own profiled rate by 14%, the other size's training rate by 11%.
-    Scaled, one size's miss lands on the other: a 4.2B run's 234M chunks profiled at 0.99 and
-    trained at 1.43, so the 1.3B run after it priced its 117M chunks at 1.33 x 1.44 = 1.92 G/s and
-    trained at 1.48 (``docs/results.md``, seventeenth session)."""
+    Why a near size's rate and not the scaled profile: the profiled reading of each chunk size
+    misses its training rate by a factor that differs between sizes on one host, so scaling the
+    profile carries one size's miss onto the other; a near size's training rate predicts a size's
+    training rate best (``docs/results.md#cpu-step-rate-within-and-across-hosts``)."""
     try:
         data = json.loads(cache_path(device, cache).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -145,9 +147,8 @@ def training_rates(
 
 
 #: A chunk size not trained yet takes the CPU rate training reached on sizes within this factor of
-#: it (:func:`training_rates`). Chunks of 16M parameters stepped faster than those of 100M-230M
-#: (0.51-0.87x the 16M rate on the H200's host; :func:`chunk_adam_rate`), while in training 117M
-#: chunks stepped at 0.89-1.34x the rate of 234M ones on the same host (six hosts, 2026-12-01).
+#: it (:func:`training_rates`): small chunks step much faster than large ones, while sizes within
+#: a factor of 4 step at nearly one rate in training (``docs/results.md#cpu-step-rate-within-and-across-hosts``).
 NEAR_CHUNK_FACTOR = 4
 
 

@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""Device-side measurements: the pinned copy link and offloaded chunks' optimizer steps on the GPU.
+
+:func:`_cuda_copy_rates` times host <-> device copies one way and both ways at once;
+:func:`device_step_spans` steps chunks through ``runtime/device_adam.DeviceAdamW`` as backward
+issues them, beside a load from :mod:`protrain_fx.profile.load` and the CPU optimizer, and returns
+the spans it timed with CUDA events. Rates are bytes per second each way. Nothing here is cached:
+:mod:`protrain_fx.profile.machine_profile` decides what to measure and keeps the results. CUDA only."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import hashlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -18,7 +25,7 @@ from protrain_fx.profile.load import (
     _sync_until,
 )
 
-#: Default sizes of the measurements (``measure_machine`` arguments).
+#: Default bytes of each timed copy (``measure_machine``'s ``copy_bytes``).
 COPY_BYTES = 256 * MiB
 
 
@@ -81,14 +88,11 @@ def _device_step_bytes_per_s(
     """Bytes per second each way of offloaded chunks' optimizer steps streamed through the GPU
     (``runtime/device_adam.DeviceAdamW``): the bytes a step copies out (fp32 master and moments, the
     new working copy: 14 per parameter) over the median span of :func:`device_step_spans` with the
-    CPU step and matrix products beside them. B24 4.2B's device steps moved 14 bytes per parameter at
-    38 GB/s in backward, where one copy out alone ran at 54 and both ways at once at 48 each, and this
-    measurement without the products read 44 (H200, 2026-11-30). It reads high: 41.6 to 48.7 GB/s on
-    2026-12-01's machines, whose training steps ran at 38 to 42. Keeping a kernel queue full beside
-    (``beside="deep"``) and loading the GPU while the third step waits (``while_waiting``) read 30.9
-    at this size and 42.6 at 226M parameters laid out as GPT blocks: not adopted before it matches
-    training at every size (``bench/device_step_rate.py``). ``parts`` and ``cpu_rates`` as for
-    :func:`device_step_spans` (:func:`device_step_rate` measures a model's chunk layout so)."""
+    CPU step and matrix products beside them. On chunks of one large tensor beside stand-in
+    products it reads above what training's steps reach; a model's own layout and kernels
+    (``machine_profile.device_step_rate``) read closer, and training's own timing replaces both
+    (``docs/results.md#device-step-rate-measured-against-training``). ``parts`` and ``cpu_rates``
+    as for :func:`device_step_spans`."""
     spans = device_step_spans(n, chunks, repeat, cpu=True, beside="matmul", parts=parts, cpu_rates=cpu_rates)
     return chunks * n * 14 / max(statistics.median(spans), 1e-9)
 
@@ -106,50 +110,28 @@ def device_step_spans(
     worker steps another chunk of ``n`` over and over; this thread runs ``beside``: ``"matmul"``
     (:func:`_matmuls_until`, backward's kernels), ``"deep"`` (:func:`_deep_queue_until`: products and
     memory-bound kernels, the queue kept full), ``"deep_kept"`` (the same, its queue left to run when
-    it returns), ``"launch"`` (:func:`_launch_until`, the training
-    loop's launches), nothing, or a function of the caller's that takes ``done`` and returns once
-    ``done()`` is true (``bench/device_step_chain.py``: a GPT block's backward); with
-    ``while_waiting``, also while the issuing thread waits for room for the next step (as backward
-    goes on meanwhile; without it, nothing runs beside the first step while the third waits for it).
-    ``priority``: the update stream's (``bench/device_step_rate.py`` compares them). ``parts``: the
-    sizes of each chunk's parameters (summing to ``n``; empty: one parameter), as a model's chunk
-    holds its blocks' weights, biases and norms. ``cpu_rates``: a list
+    it returns), ``"launch"`` (:func:`_launch_until`, the training loop's launches), nothing, or a
+    function of the caller's that takes ``done`` and returns once ``done()`` is true (such as a GPT
+    block's backward); with ``while_waiting``, also while the issuing thread waits for room for the
+    next step (as backward goes on meanwhile; without it, nothing runs beside the first step while
+    the third waits for it). ``priority``: the update stream's (``bench/device_step_rate.py``
+    compares them). ``parts``: the sizes of each chunk's parameters (summing to ``n``; empty: one
+    parameter), as a model's chunk holds its blocks' weights, biases and norms. ``cpu_rates``: a list
     that gets, per timed round, the CPU step's parameters per second over that round (its worker's
     compute, ``ChunkAdamW.computed``). ``step_spans``: a list that gets each timed step's own span
-    (its first copy in to its last copy out, as ``calibrate.RateWindow`` times training's steps).
+    (its first copy in to its last copy out, as ``planner/rates.RateWindow`` times training's steps).
     ``refetch``: before each step, copy ``n`` compute-dtype elements in from pinned memory on a
     stream of their own (backward's re-fetch of the next chunk's working copy). CUDA only."""
-    from protrain_fx.chunks import ParamInfo, pack
-    from protrain_fx.runtime.chunk_store import ChunkStore
-    from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
-    from protrain_fx.runtime.device_adam import DeviceAdamW
+    from protrain_fx.runtime.cpu_adam import OptimizerWorker
 
     parts = list(parts) or [n]
     if sum(parts) != n or min(parts) <= 0:
         raise ValueError(f"device_step_spans: parts must be positive sizes summing to n={n}, got sum {sum(parts)}")
     names = [[f"w{i}_{k}" for k in range(len(parts))] for i in range(chunks + 1)]  # the last chunk is the CPU's
-    params = {w: torch.nn.Parameter(torch.zeros(size, dtype=torch.float32))
-              for ws in names for w, size in zip(ws, parts)}
-    layout = pack([ParamInfo((w,), 4 * size, f"blocks.{i}", i) for i, ws in enumerate(names)
-                   for w, size in zip(ws, parts)], 4 * n)
-    store = ChunkStore(layout, params, compute_dtype=torch.bfloat16, pin_memory=True)
-    adam = ChunkAdamW(store, torch.optim.AdamW(list(params.values()), lr=1e-3, weight_decay=0.1, fused=True), params)
-    steps = DeviceAdamW(adam, "cuda", update_priority=priority)
-    steps.timing = []
+    store, adam, steps = _step_rig(names, parts, n, priority)
     grad = torch.full((n,), 1e-3, dtype=torch.bfloat16, device="cuda")  # read only: views for all
     cpu_grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
-    if refetch:
-        fetch_src = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
-        fetch_dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-        fetch_stream = torch.cuda.Stream()
-
-    def grads_of(c: int, source: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, at = {}, 0
-        for w, size in zip(names[c], parts):
-            out[w] = source[at : at + size]
-            at += size
-        return out
-
+    fetch = _refetch_copy(n) if refetch else None
     run_beside = beside if callable(beside) else {
         "matmul": _matmuls_until, "deep": _deep_queue_until, "launch": _launch_until,
         "deep_kept": functools.partial(_deep_queue_until, drain=False), None: _sync_until}[beside]
@@ -158,44 +140,95 @@ def device_step_spans(
 
         def keep_cpu_busy() -> None:
             if cpu and not worker.pending(chunks):
-                store.write_grads(grads_of(chunks, cpu_grad))
+                store.write_grads(_grads_of(names[chunks], parts, cpu_grad))
                 store.wait_grad(chunks)
                 worker.submit(chunks)
 
         for i in range(repeat + 1):  # the first allocates the staging sets and warms the pages
-            torch.cuda.synchronize()
-            steps.timing.clear()
-            computed = adam.computed
-            keep_cpu_busy()
-            for c in range(chunks):
-
-                def room(dev: DeviceAdamW = steps) -> bool:
-                    keep_cpu_busy()
-                    return dev.has_room()
-
-                if c and while_waiting:
-                    run_beside(room)
-                steps.make_room()
-                if refetch:
-                    with torch.cuda.stream(fetch_stream):
-                        fetch_dst.copy_(fetch_src, non_blocking=True)
-                steps.step_chunk(c, grads_of(c, grad))
-            last = steps.timing[-1][2]
-
-            def done() -> bool:
-                keep_cpu_busy()
-                return last.query()
-
-            run_beside(done)
+            computed, last = _step_round(adam, steps, names, parts, grad, keep_cpu_busy, run_beside,
+                                         while_waiting=while_waiting, fetch=fetch)
             if i:
                 spans.append(steps.timing[0][1].elapsed_time(last) / 1e3)
                 if step_spans is not None:
                     step_spans.extend(start.elapsed_time(end) / 1e3 for _, start, end in steps.timing)
             worker.wait_all()
-            seconds, params = (a - b for a, b in zip(adam.computed, computed))
+            seconds, stepped = (a - b for a, b in zip(adam.computed, computed))
             if i and cpu_rates is not None and seconds > 0:
-                cpu_rates.append(params / seconds)
+                cpu_rates.append(stepped / seconds)
     torch.cuda.synchronize()  # a re-fetch copy may still be reading
     del steps, grad
     torch.cuda.empty_cache()
     return spans
+
+
+def _step_rig(names: list[list[str]], parts: list[int], n: int, priority: int) -> tuple[Any, Any, Any]:
+    """The measured chunks as the runtime holds them: one chunk of ``n`` fp32 parameters of sizes
+    ``parts`` per row of ``names`` in a pinned store with bf16 working copies, its CPU optimizer and
+    the device steps through it (timing each step). Returns ``(store, adam, steps)``."""
+    from protrain_fx.chunks import ParamInfo, pack
+    from protrain_fx.runtime.chunk_store import ChunkStore
+    from protrain_fx.runtime.cpu_adam import ChunkAdamW
+    from protrain_fx.runtime.device_adam import DeviceAdamW
+
+    params = {w: torch.nn.Parameter(torch.zeros(size, dtype=torch.float32))
+              for ws in names for w, size in zip(ws, parts)}
+    layout = pack([ParamInfo((w,), 4 * size, f"blocks.{i}", i) for i, ws in enumerate(names)
+                   for w, size in zip(ws, parts)], 4 * n)
+    store = ChunkStore(layout, params, compute_dtype=torch.bfloat16, pin_memory=True)
+    adam = ChunkAdamW(store, torch.optim.AdamW(list(params.values()), lr=1e-3, weight_decay=0.1, fused=True), params)
+    steps = DeviceAdamW(adam, "cuda", update_priority=priority)
+    steps.timing = []
+    return store, adam, steps
+
+
+def _refetch_copy(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream]:
+    """Source, destination and stream of a backward re-fetch of ``n`` compute-dtype elements."""
+    fetch_src = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    fetch_dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    return fetch_src, fetch_dst, torch.cuda.Stream()
+
+
+def _grads_of(names: list[str], parts: list[int], source: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One chunk's gradients as views of ``source``, in the sizes ``parts``."""
+    out, at = {}, 0
+    for w, size in zip(names, parts):
+        out[w] = source[at : at + size]
+        at += size
+    return out
+
+
+def _step_round(
+    adam: Any, steps: Any, names: list[list[str]], parts: list[int], grad: torch.Tensor,
+    keep_cpu_busy: Callable[[], None], run_beside: Callable[[Callable[[], bool]], None], *,
+    while_waiting: bool, fetch: tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream] | None,
+) -> tuple[tuple[float, float], torch.cuda.Event]:
+    """One round: the device steps of every chunk but the last issued one after another (each after
+    its re-fetch, with ``fetch``), ``run_beside`` meanwhile until the last step ends, the CPU step
+    kept busy throughout. Returns the CPU optimizer's ``computed`` before the round and the event
+    that ends the last step."""
+    torch.cuda.synchronize()
+    steps.timing.clear()
+    computed = adam.computed
+    keep_cpu_busy()
+    for c in range(len(names) - 1):
+
+        def room(dev: Any = steps) -> bool:
+            keep_cpu_busy()
+            return dev.has_room()
+
+        if c and while_waiting:
+            run_beside(room)
+        steps.make_room()
+        if fetch is not None:
+            fetch_src, fetch_dst, fetch_stream = fetch
+            with torch.cuda.stream(fetch_stream):
+                fetch_dst.copy_(fetch_src, non_blocking=True)
+        steps.step_chunk(c, _grads_of(names[c], parts, grad))
+    last = steps.timing[-1][2]
+
+    def done() -> bool:
+        keep_cpu_busy()
+        return last.query()
+
+    run_beside(done)
+    return computed, last

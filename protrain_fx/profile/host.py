@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""Host-side measurements: the CPU optimizer's chunk step, the host's copy rate, and how busy its CPUs are.
+
+:func:`_chunk_adam_params_per_s` times the offload runtime's own CPU step of a chunk on its worker
+thread, with training's copy traffic and kernel launches beside it on CUDA;
+:func:`_adam_params_per_s` times a fused AdamW step on the device. Rates are parameters (or bytes)
+per second. A CPU rate read while other processes hold the host's CPUs reads low and misleads the
+plan, so :func:`wait_for_quiet_cpus` holds each such measurement back (``/proc``; Linux only, and
+at most :data:`QUIET_WAIT_S` per process). Nothing here is cached: ``machine_profile.py`` keeps it."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import torch
 
 from protrain_fx.profile.load import _COPY_LOAD_BYTES, _CopyLoad, _launch_until
 
+#: Default parameters of the timed optimizer steps (``measure_machine``'s ``adam_params``).
 ADAM_PARAMS = 16 * 2**20
 
 
@@ -104,18 +112,12 @@ def wait_for_quiet_cpus(device: torch.device, what: str, max_wait_s: float | Non
     :data:`BUSY_ELSEWHERE_LIMIT` of the host's CPUs are busy with other processes, with one
     progress line if it waits. Returns the last fraction seen (``None`` off CUDA or off Linux).
 
-    Why: on two fresh H200 hosts (2026-12-02) a 4.2B compile read the CPU step at 0.19-0.69 G
-    params/s, where training on one of them reached 1.07 and a later process on the other read
-    1.08-1.22; the plan built on the low reading stepped every offloaded chunk on the GPU. The cause
-    suspected then: ``torch._inductor.compile_fx`` wakes Inductor's pool of compile workers (one
-    subprocess per ``TORCHINDUCTOR_COMPILE_THREADS``, 8 there, each importing torch) as the compile
-    starts, and the profile runs inside that compile. It was ruled out on two H200 hosts
-    (twenty-first session, ``bench/cpu_rate_after_wakeup.py``): the pool kept at most 9% of the CPUs
-    busy, for about 10 s, the CPU step still moved 0.63-1.55 G params/s within a minute with nothing
-    busy and under 1% steal, and this wait never waited in three compiles (nor in the twenty-second
-    session's): the cause is outside what the guest sees. The wait stays, as it costs half a second
-    when the host is quiet. The file keeps the fraction seen at each measurement
-    (``"busy_elsewhere"``)."""
+    Why: a CPU rate read low makes the plan step every offloaded chunk on the GPU, and the profile
+    runs inside a compile, beside whatever else the host runs (Inductor's compile workers among
+    them). Other processes do not explain every slow reading (a host's CPU step also moves while
+    nothing else is busy: ``docs/results.md#cpu-step-rate-within-and-across-hosts``), but the wait
+    costs half a second when the host is quiet. The profile file keeps the fraction seen at each
+    measurement (``"busy_elsewhere"``)."""
     if device.type != "cuda":
         return None
     shared = max_wait_s is None
@@ -201,9 +203,8 @@ def _chunk_adam_params_per_s(
 def _adam_params_per_s(device: torch.device, n: int, repeat: int) -> float:
     """Parameters per second of ``torch.optim.AdamW(fused=True)`` on one fp32 tensor: the slope
     between steps of ``n`` and ``4 * n`` parameters. A step's fixed cost (the optimizer's Python
-    bookkeeping, a launch: about 0.3 ms) is paid once per step, not per chunk; timing one tensor of
-    16M read 43 G params/s on the H200, where a 1.3B model's 1.1 G persistent parameters stepped at
-    123 G/s (B24, 2026-11-30)."""
+    bookkeeping, a launch: about 0.3 ms) is paid once per step, not per chunk, so timing one small
+    tensor alone reads a fraction of the rate a model's persistent parameters step at."""
     small = _adam_step_s(device, n, repeat)
     large = _adam_step_s(device, 4 * n, repeat)
     return 3 * n / max(large - small, large / 4, 1e-9)

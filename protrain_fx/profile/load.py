@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""Loads run beside a measured rate, so it is read under the traffic training puts beside it.
+
+Each ``*_until(done)`` function keeps one kind of work going on this thread until ``done()`` is true:
+matrix products (backward's compute-bound kernels), a kernel queue kept full, small launches from
+Python (the training loop's share of the CPU), or nothing; :class:`_CopyLoad` runs pinned copies
+both ways on side streams. :mod:`protrain_fx.profile.device` and :mod:`protrain_fx.profile.host`
+measure beside them; this module measures nothing itself. CUDA only, except :func:`_sync_until`."""
 
 from __future__ import annotations
 
@@ -17,9 +23,9 @@ def _sync_until(done: Callable[[], bool]) -> None:
 
 
 def _matmuls_until(done: Callable[[], bool], size: int = 8192) -> None:
-    """Run bf16 matrix products of ``size`` x ``size`` (about 1.5 ms each on the H200, as long as
-    B24 4.2B's backward products) on this thread's stream until ``done()``: a stand-in for backward's
-    kernels, which hold the SMs that the device steps' update kernels queue for."""
+    """Run bf16 matrix products of ``size`` x ``size`` (at 8192, about as long as a large model's
+    backward products) on this thread's stream until ``done()``: a stand-in for backward's kernels,
+    which hold the SMs that the device steps' update kernels queue for."""
     x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     while not done():
         for _ in range(4):
@@ -69,8 +75,8 @@ _COPY_LOAD_BYTES = 256 * MiB
 
 class _CopyLoad:
     """Pinned copies both ways on side streams while the CPU steps a chunk, as in training (chunk
-    fetches, gradient landings): they share the host's memory bandwidth with the CPU Adam, which read
-    about 2x faster alone than it ran in B24 1.3B/4.2B steps on the H200 (2026-11-30)."""
+    fetches, gradient landings): they share the host's memory bandwidth with the CPU Adam, which
+    steps markedly faster alone than beside them (``docs/results.md#the-cpu-optimizer``)."""
 
     def __init__(self, nbytes: int) -> None:
         self.host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]

@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""The machine profile: the rates the cost model prices a plan with, measured once per machine and cached.
+
+:func:`measure_machine` measures the copy link and the optimizer rates (``device.py``, ``host.py``)
+into a :class:`~protrain_fx.search.problem.MachineProfile`; :func:`chunk_adam_rate` and
+:func:`device_step_rate` add the CPU step at a model's chunk size and the device steps at its chunk
+layout. Each result is kept in the profile file of :mod:`protrain_fx.profile.cache` (one per device
+name and torch version), so a later compile, in this process or another, reads it instead of
+measuring; ``refresh=True`` measures again. Rates are bytes or parameters per second. The planner
+(``planner/offload.py``) calls these; training's own timings later replace what they read."""
 
 from __future__ import annotations
 
@@ -57,25 +65,20 @@ def chunk_adam_rate(
     size, with one progress line, and kept in ``device``'s profile file (``"cpu_adam_by_chunk"``;
     each reading in ``"cpu_adam_chunk_readings"``), which :func:`measure_machine` makes first. A
     reading is the median of ``repeat`` steps: 7, as :func:`measure_machine`'s own CPU rate takes
-    (the median of 3 read 2.4x the others once in five on one H200 host, ``bench/cpu_rate_rounds.py``,
-    sixteenth session). With ``readings``, the file keeps at least that many readings (more are
-    taken, at the time of the call, while it has fewer) and the rate is the fastest.
+    (the median of 3 reads far above the others now and then). With ``readings``, the file keeps at
+    least that many readings (more are taken, at the time of the call, while it has fewer) and the
+    rate is the fastest.
 
     Why the chunk's own size: a step streams the chunk's master, moments, gradient and working copy
-    through host memory, and the rate fell with the size. On the development CPU (32 MiB L3,
-    2026-11-30) 16M parameters stepped at 0.52 G/s and 64M or 128M at 0.42; on the H200's host, B24
-    chunks of 100M-230M parameters stepped at 0.51-0.87x the rate measured on 16M (1.0 against
-    1.3-2.0 G/s; ``docs/results.md``, seventh session).
+    through host memory, and the rate falls with the size (large chunks step at a fraction of a
+    small one's rate).
 
-    Why the fastest of readings apart in time: a host's CPU can be slow for a while. On one H200
-    host (2026-12-02) a fresh 4.2B compile read 0.19 G/s on its 224M chunk, where the same host
-    read 1.2 a few minutes later and 0.51 with device steps beside it seconds later; two of the 27
-    profiles recorded in sessions 12-19 read under 0.4 once, where their other readings were
-    0.87-1.22 (``docs/raw/session1[78]_machine_c3.json``). A rate read too low makes the plan step
-    every offloaded chunk on the GPU, so no chunk's CPU step is timed in training and the rate is
-    never corrected (``calibrate``); one read too high is, once training's steps are timed. On
-    another host the second reading read lower still (0.69, then 0.32): hence also
-    :func:`wait_for_quiet_cpus` before each reading."""
+    Why the fastest of readings apart in time: a host's CPU can be slow for a while, and the two
+    errors are not alike. A rate read too low makes the plan step every offloaded chunk on the GPU,
+    so no chunk's CPU step is timed in training and the rate is never corrected
+    (``planner/rates.py``); one read too high is, once training's steps are timed. Hence also
+    :func:`wait_for_quiet_cpus` before each reading
+    (``docs/results.md#cpu-step-rate-within-and-across-hosts``)."""
     device = torch.device(device)
     measure_machine(device, cache=cache)  # the file this rate is kept in
     path = cache_path(device, cache)
@@ -114,7 +117,7 @@ def measure_machine(
     adam_params: int = ADAM_PARAMS,
     repeat: int = 3,
 ) -> problem.MachineProfile:
-    """Measured rates of ``device`` as a :class:`~protrain_fx.cost.MachineProfile`, cached.
+    """Measured rates of ``device`` as a :class:`~protrain_fx.search.problem.MachineProfile`, cached.
 
     The first call for a (device name, torch version) pair measures, prints one progress line to
     stderr and writes ``cache_path(device, cache)``; later calls (even after a restart) read that
@@ -127,9 +130,9 @@ def measure_machine(
       both directions at once on two streams (``duplex``: total bytes over the wall time of both);
       the CPU step of one offloaded chunk of ``adam_params`` parameters as the offload runtime runs
       it (:func:`_chunk_adam_params_per_s`: fused AdamW on the fp32 master plus the new bf16 working
-      copy; a plain fused AdamW step on one tensor read about 2x this path's rate on the H200, and
-      up to 5x what the steps reached in training, so the cost model used to think the CPU kept up
-      with the GPU when it did not), on the runtime's worker thread, on CUDA while pinned copies run
+      copy: a plain fused AdamW step on one tensor reads well above this path's rate and above what
+      the steps reach in training, and would make the CPU seem to keep up with the GPU when it does
+      not), on the runtime's worker thread, on CUDA while pinned copies run
       both ways (:class:`_CopyLoad`, the traffic of training) and this thread launches kernels; a
       ``torch.optim.AdamW(fused=True)`` step on the GPU (the slope between ``adam_params`` and four
       times as many: :func:`_adam_params_per_s`); offloaded chunks' steps streamed through the GPU
@@ -157,8 +160,8 @@ def measure_machine(
         file=sys.stderr,
         flush=True,
     )
-    # the two rates training pays on every step: medians of more rounds (3 rounds read from 1.14 to
-    # 1.81 G params/s on H200 machines whose training ran at 1.14 to 1.36)
+    # the two rates training pays on every step: medians of more rounds (a median of 3 rounds reads
+    # well above training now and then)
     busy = wait_for_quiet_cpus(device, "the CPU step")
     cpu_adam = _chunk_adam_params_per_s(device.type == "cuda", adam_params, 2 * repeat + 1)
     stand_ins: list[str] = []
@@ -212,30 +215,25 @@ def device_step_rate(
     """Bytes per second each way of device steps (``runtime/device_adam.DeviceAdamW``) of chunks laid
     out as a model's: ``parts`` are the sizes, in order, of one chunk's parameters. Measured by
     :func:`device_step_spans` on :data:`LAYOUT_STEP_CHUNKS` such chunks, beside the CPU step and
-    the model's own compute-bound kernels (``opprofile.compute_load`` of ``load_nodes``, the
+    the model's own compute-bound kernels (``profile/ops.compute_load`` of ``load_nodes``, the
     captured forward and backward graphs' nodes; 8192^3 matrix products where there are none), as
     each step's 14 bytes a parameter copied out over the median step's own span (first copy in to
-    last copy out, as ``calibrate.RateWindow`` times training's steps); once per layout and load, with
+    last copy out, as ``planner/rates.RateWindow`` times training's steps); once per layout and load, with
     one progress line, kept in ``device``'s profile file (``"device_step_by_layout"``, with the
     round's rate, as :func:`_device_step_bytes_per_s` reads one, and the CPU step's rate beside the
     device steps, for comparison with training's). 0 where there is nothing to measure: not CUDA, no
     parts, or a host whose available memory is under 4x the pinned memory the measurement takes (its
     store of ``LAYOUT_STEP_CHUNKS + 1`` chunks). A size that is not positive raises ``ValueError``.
 
-    Why the layout: the steps' copies and updates run per slice and per parameter, and on the H200
-    (2026-12-01, ``bench/device_step_rate.py``) one 64M-parameter tensor read 47.9 GB/s where chunks
-    of B24 1.3B's and 4.2B's blocks read 39.9 and 44.4, and their training reached 41.1 and 41.4.
-    Why the load and the step's span: beside 8192^3 products, the round's rate read 34.5-35.3 GB/s at
-    1.3B's layout on four hosts where training reached 36.6-40.5, and 45.7-46.7 at 4.2B's on five
-    hosts of six where it reached 39.2-41.8. In ``bench/device_step_chain.py`` (2026-12-02), each
-    step's span beside a GPT block's own kernels read 40.6 and 42.2 where that host's training
-    reached 40.3 and 41.1, and 38.8 and 41.7 on another host where it reached 35.3 and 41.9. In the
-    compile, on two hosts, this measurement then read 5.7-13.9% above the median span training
-    reached (``docs/results.md``, twentieth session). That span includes the copies beside the
-    steps, which the cost model now adds itself (``cost.CostModel._dev_refetch``); against
-    training's rate without them (``calibrate.alone_rate``) it read +1.5%, +3.3% (one host), -7.4%,
-    -2.9% (another) and -14.1% (a third, whose pinned copies both ways also read 10-15% below the
-    other hosts' at profile time; twenty-first session)."""
+    Why the layout: the steps' copies and updates run per slice and per parameter, so one large
+    tensor reads faster than chunks of a model's many smaller weights, biases and norms. Why the
+    load and each step's own span: beside stand-in matrix products the round's rate misses
+    training's by a different sign at different layouts, while each step's span beside the model's
+    own kernels reads close to training
+    (``docs/results.md#device-step-rate-measured-against-training``). The re-fetches that cross
+    the link beside a step in training are left out here: the cost model adds them itself
+    (``search/cost.CostModel._dev_refetch``), and training's rate is compared without them
+    (``planner/rates.alone_rate``)."""
     device = torch.device(device)
     parts = [int(x) for x in parts]
     if parts and min(parts) <= 0:

@@ -1,20 +1,19 @@
 """Measured times of the compute-bound nodes of a graph (matrix products, convolutions, attention).
 
-The roofline (``passes/estimate.py``) prices a matrix product at its FLOPs over the machine's peak
-rate times one assumed efficiency (``Machine.flops_efficiency``). What a GEMM or attention kernel
-reaches depends on its shapes, strides and dtype; on an H200 the fused roofline of a B8x1024 350M GPT
-read about 52 ms for forward + backward against 39-42 ms measured. So these nodes are timed instead:
-each distinct call (:func:`op_signature`) once per device and torch version, on inputs of the traced
-shapes, and the result is cached as JSON next to the machine profile (``profiler.cache_dir``).
+The roofline (``analysis/estimate.py``) prices a matrix product at its FLOPs over the machine's
+peak rate times one assumed efficiency (``Machine.flops_efficiency``). What a GEMM or attention
+kernel reaches depends on its shapes, strides and dtype, so one efficiency misprices a model's
+products by tens of percent. So these nodes are timed instead: each distinct call
+(:func:`op_signature`) once per device and torch version, on inputs of the traced shapes, and the
+result is cached as JSON next to the machine profile (``profile/cache.cache_dir``).
 Memory-bound nodes (the pointwise groups Inductor fuses) keep the roofline: what they cost depends
 on the fusion Inductor will choose, which a single op's timing does not show.
 
 Two ways of timing, each with its own cache file (:func:`ops_cache_path`): calls queued between two
 CUDA events, and the same with the device kept busy while they are queued (``prefill``), so the
-host's speed at that moment stays out of the reading. The profiler uses the second
-(``profiler.device_op_times``): on the H200 it read 5-11% above the step's own kernel time and
-steady to 2% between rounds, where the first read 19-30% above and moved by up to 6%
-(``docs/results.md``, twenty-third and twenty-fourth sessions).
+host's speed at that moment stays out of the reading. The planner uses the second
+(``planner/problem.device_op_times``): it reads closer to the step's own kernel time and steadier
+between rounds than the first (``docs/results.md#the-compute-estimate``).
 
 The signature captures everything a kernel choice can depend on: the op overload, and per argument
 (args and kwargs, through lists and tuples) a tensor's shape, stride, dtype and device type (from
@@ -105,7 +104,7 @@ def ops_cache_path(
     device: torch.device | str, cache: str | os.PathLike[str] | None = None, *, prefill: bool = False
 ) -> Path:
     """The JSON file of ``device``'s op times: ``ops-<device name>-torch<version>.json`` next to the
-    machine profile (``profiler.cache_path``); ``ops-prefilled-...`` for times taken with the device
+    machine profile (``profile/cache.cache_path``); ``ops-prefilled-...`` for times taken with the device
     kept busy (:func:`_time_node`'s ``prefill``), which are not the same readings."""
     from protrain_fx.profile.cache import cache_path
 
@@ -170,7 +169,7 @@ def measure_op_times(
 
 
 #: GPU clock cycles :func:`_time_node` keeps the device busy for (``torch.cuda._sleep``) per call
-#: it then queues, with ``prefill``: 0.2 ms a call at the H200's 1.98 GHz, several times what the
+#: it then queues, with ``prefill``: about 0.2 ms a call at a 2 GHz clock, several times what the
 #: host takes to queue one.
 PREFILL_CYCLES_PER_CALL = 400_000
 
@@ -211,8 +210,8 @@ def _time_node(node: fx.Node, device: torch.device, repeat: int, *, prefill: boo
 
 
 #: Seconds of matrix products run before timing on CUDA, so that the ops are timed at the clocks a
-#: training step runs at: an idle H200 sat at 345 MHz and ran at 1980 MHz just after a burst of
-#: products (KINDS.md of the device library), and the compile that measures has left it idle.
+#: training step runs at: an idle GPU lowers its clocks to a fraction of the peak and raises them
+#: only after a burst of work, and the compile that measures has left it idle.
 CLOCK_WARMUP_S = 0.2
 
 
@@ -284,12 +283,10 @@ def compute_load(
     measurement beside it allocates too), it stops loading, waits for ``done()`` and sets
     ``load.out_of_memory``. ``load.calls``: the ``(op, args, kwargs)`` it runs, in order.
 
-    Why: the device steps of offloaded chunks (``profiler.device_step_rate``) share the GPU with
-    backward's kernels, and how long they take depends on those kernels' sizes. B24 1.3B's chunk
-    steps (each step's span) read 35.7 GB/s beside 8192^3 products and 40.6 beside a GPT block's
-    own recompute and backward, where its training reached 40.3; on another host 32.9 and 38.8
-    (38.6 beside this load of the block), where training reached 35.3 (H200, 2026-12-02,
-    ``bench/device_step_chain.py``)."""
+    Why: the device steps of offloaded chunks (``profile/machine_profile.device_step_rate``) share
+    the GPU with backward's kernels, and how long they take depends on those kernels' sizes: beside
+    a model's own kernels they read close to training, beside stand-in products often below
+    (``docs/results.md#device-step-rate-measured-against-training``)."""
     device = torch.device(device)
     first = distinct_calls(nodes)
     pool: dict[str, torch.Tensor] = {}

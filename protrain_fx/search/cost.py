@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""ProTrain's cost model: a config in, its predicted step time and peak memory out.
+
+:class:`CostModel` turns a :class:`~protrain_fx.search.problem.Problem` into per-problem and
+per-config tables once (``tables.py``), then prices each config by an event simulation over the
+GPU stream, the two copy queues and the CPU optimizer's worker; peak memory is exact arithmetic,
+``static(n_persist, n_buffer) + activations(n_swap, n_checkpoint)``. ``docs/DESIGN.md#the-cost-model``
+derives both and lists the monotonicity properties the search prunes with (tests check them on
+random problems). Seconds and bytes throughout. No torch, no FX: a dumped Problem replays exactly.
+The hot loops write ``x if x > y else y`` rather than ``max``: about twice as fast in CPython."""
 
 from __future__ import annotations
 
@@ -6,7 +14,7 @@ import bisect
 import math
 from protrain_fx.plan import _segment_starts
 from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT, Config, Estimate, Problem
-from protrain_fx.search.tables import _PerBuffer, _PerPersist
+from protrain_fx.search.tables import _PerBuffer, _PerPersist, link_sharing_keys
 
 
 _NONE, _CKPT, _SWAP = 0, 1, 2
@@ -25,21 +33,33 @@ class CostModel:
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
-        p = problem
-        m = p.machine
-        self.n_blocks = N = len(p.blocks)
+        step_chunks = self._steps(problem)
+        self._runs(step_chunks)
+        self._optimizer_steps(problem)
+        self._reference_timeline()
+        self._copy_durations(problem)
+        self._swap_placement(problem)
+        self._caches(problem, step_chunks)
+
+    def _steps(self, p: Problem) -> list[list[int]]:
+        """Per step its compute seconds; returns the chunks each step uses. Forward steps are
+        ``0..N`` (``N``: the outside work after the blocks); backward visits ``N, N-1, ..., 0``."""
+        self.n_blocks = len(p.blocks)
         self.n_chunks = len(p.chunks)
         self._labels = [b.name for b in p.blocks]
-        # Forward steps 0..N (N = outside); backward visits j = N, N-1, ..., 0.
         self.cf = [b.fwd_s for b in p.blocks] + [p.outside_fwd_s]
         self.cb = [b.bwd_s for b in p.blocks] + [p.outside_bwd_s]
         self.rc = [b.recompute_s for b in p.blocks] + [0.0]
         self.rc_chained = [b.recompute_chained_s for b in p.blocks] + [0.0]
         self._recomputes: dict[tuple[int, int], tuple[float, ...]] = {}
-        step_chunks = [sorted(set(b.chunk_ids)) for b in p.blocks] + [sorted(set(p.outside_chunk_ids))]
         self.compute_s = sum(self.cf) + sum(self.cb)
+        return [sorted(set(b.chunk_ids)) for b in p.blocks] + [sorted(set(p.outside_chunk_ids))]
 
-        # Runs: maximal ranges of consecutive forward steps using one chunk, sorted by (first, chunk).
+    def _runs(self, step_chunks: list[list[int]]) -> None:
+        """Runs: maximal ranges of consecutive forward steps using one chunk, sorted by (first,
+        chunk); the runs each step uses; and per chunk the run whose gradient lands last in backward
+        (its earliest run), which triggers the chunk's optimizer step."""
+        N = self.n_blocks
         runs: list[tuple[int, int, int]] = []  # (first, chunk, last)
         open_run: dict[int, list[int]] = {}
         for j in range(N + 1):
@@ -55,13 +75,18 @@ class CostModel:
         self.run_first = [r[0] for r in runs]
         self.run_chunk = [r[1] for r in runs]
         self.run_last = [r[2] for r in runs]
-        self.run_bytes = [p.chunks[c].bytes for c in self.run_chunk]
+        self.run_bytes = [self.problem.chunks[c].bytes for c in self.run_chunk]
         R = len(runs)
         self.step_runs = [[r for r in range(R) if self.run_first[r] <= j <= self.run_last[r]] for j in range(N + 1)]
-        # The run whose gradient lands last in backward (the chunk's earliest run) triggers CPU Adam.
         self.adam_run = {}
         for r in range(R):
             self.adam_run.setdefault(self.run_chunk[r], r)
+
+    def _optimizer_steps(self, p: Problem) -> None:
+        """Per chunk the seconds of its CPU and GPU Adam step and of its device step's copies in and
+        out; a chunk timed in training (:attr:`Problem.device_step_s`) takes its own seconds, its
+        copies in scaled alike."""
+        m = p.machine
         self.adam_s = [c.n_params / m.cpu_adam_params_per_s for c in p.chunks]
         self.gpu_adam_s = [c.n_params / m.gpu_adam_params_per_s for c in p.chunks]
         # device steps: fp32 master and moments in; the same and the working copy out (shared rates)
@@ -85,7 +110,10 @@ class CostModel:
             self._step_timed[k] = True
         self.dev_out_s = self.timed_steps(self.dev_out_s)
 
-        # Static reference timeline (compute only, no recompute) and the copies' reference intervals.
+    def _reference_timeline(self) -> None:
+        """The static reference timeline (compute only, no recompute) the link-sharing decision is
+        made on (:func:`~protrain_fx.search.tables.link_sharing_keys`)."""
+        N = self.n_blocks
         fs = [0.0] * (N + 1)
         for j in range(1, N + 1):
             fs[j] = fs[j - 1] + self.cf[j - 1]
@@ -98,46 +126,13 @@ class CostModel:
         be = [bs[j] + self.cb[j] for j in range(N + 1)]
         self.fwd_ref_start = fs
         self._fwd_ref_end = fe[N]
+        self.ff_key, self.bf_key, self.rl_key, self.so_key, self.go_key = link_sharing_keys(self, fs, fe, bs, be)
+
+    def _copy_durations(self, p: Problem) -> None:
+        """Copy seconds alone on the link (``d1``) and sharing it with the other direction (``d2``),
+        and the blocks' activation bytes."""
+        m = p.machine
         h2d, d2h = m.h2d_bytes_per_s, m.d2h_bytes_per_s
-
-        def iv(start: float, nbytes: int, rate: float) -> tuple[float, float]:
-            return (start, start + nbytes / rate)
-
-        blocks = p.blocks
-        ff = [iv(fs[self.run_first[r] - 1] if self.run_first[r] else 0.0, self.run_bytes[r], h2d) for r in range(R)]
-        bf = [iv(bs[self.run_last[r] + 1] if self.run_last[r] < N else bs[N], self.run_bytes[r], h2d) for r in range(R)]
-        rl = [iv(bs[i + 1], blocks[i].swap_bytes, h2d) for i in range(N)]
-        so = [iv(fe[i], blocks[i].swap_bytes, d2h) for i in range(N)]
-        go = [iv(be[self.run_first[r]], self.run_bytes[r], d2h) for r in range(R)]
-
-        def hit(a: tuple[float, float], b: tuple[float, float]) -> bool:
-            return a[0] < b[1] and b[0] < a[1]
-
-        inf = math.inf
-        # An H2D copy is shared iff a performed swap offload (block < n_swap) or gradient offload
-        # (chunk >= n_persist) overlaps it: keep the smallest such block and the largest such chunk.
-        def h2d_keys(x: tuple[float, float]) -> tuple[float, int]:
-            return (
-                min((i for i in range(N) if hit(x, so[i])), default=inf),
-                max((self.run_chunk[r] for r in range(R) if hit(x, go[r])), default=-1),
-            )
-
-        self.ff_key = [h2d_keys(x) for x in ff]
-        self.bf_key = [h2d_keys(x) for x in bf]
-        self.rl_key = [h2d_keys(x) for x in rl]
-
-        # A D2H copy is shared iff a performed forward fetch (chunk >= n_persist), swap reload
-        # (block < n_swap) or backward re-fetch (config dependent: listed) overlaps it.
-        def d2h_keys(x: tuple[float, float]) -> tuple[int, float, list[int]]:
-            return (
-                max((self.run_chunk[r] for r in range(R) if hit(x, ff[r])), default=-1),
-                min((i for i in range(N) if hit(x, rl[i])), default=inf),
-                [r for r in range(R) if hit(x, bf[r])],
-            )
-
-        self.so_key = [d2h_keys(x) for x in so]
-        self.go_key = [d2h_keys(x) for x in go]
-        # Copy durations alone (d1) and sharing the link (d2).
         h2d_sh = min(h2d, m.duplex_bytes_per_s / 2)
         d2h_sh = min(d2h, m.duplex_bytes_per_s / 2)
         self._h2d, self._h2d_sh = h2d, h2d_sh
@@ -145,16 +140,20 @@ class CostModel:
         self.h_d2 = [x / h2d_sh for x in self.run_bytes]
         self.g_d1 = [x / d2h for x in self.run_bytes]
         self.g_d2 = [x / d2h_sh for x in self.run_bytes]
-        swap = [b.swap_bytes for b in blocks]
+        swap = [b.swap_bytes for b in p.blocks]
         self.rl_d1 = [x / h2d for x in swap]
         self.rl_d2 = [x / h2d_sh for x in swap]
         self.so_d1 = [x / d2h for x in swap]
         self.so_d2 = [x / d2h_sh for x in swap]
-        self._saved = [b.saved_bytes for b in blocks]
-        self._ck = [b.checkpoint_saved_bytes for b in blocks]
+        self._saved = [b.saved_bytes for b in p.blocks]
+        self._ck = [b.checkpoint_saved_bytes for b in p.blocks]
         self._swap = swap
-        self._transient = [b.transient_bytes for b in blocks]
-        # Where passes/swap.py frees and reloads swapped bytes: its own timeline, copies with its margin.
+        self._transient = [b.transient_bytes for b in p.blocks]
+
+    def _swap_placement(self, p: Problem) -> None:
+        """Where ``passes/swap.py`` frees and reloads swapped bytes: its own timeline, each copy
+        lasting ``copy_margin`` times its bytes over the placement rate."""
+        N, blocks = self.n_blocks, p.blocks
         place_fwd_start = [0.0] * (N + 1)  # block j's forward starts; [N]: the outside work after the blocks
         for j in range(N):
             place_fwd_start[j + 1] = place_fwd_start[j] + blocks[j].place_fwd_s
@@ -162,8 +161,8 @@ class CostModel:
         self._place_bwd = [b.place_bwd_s for b in blocks]
         self._place_rc_scale = [b.place_fwd_s / b.fwd_s if b.fwd_s > 0 else 0.0 for b in blocks]
         margin = p.copy_margin
-        out_rate = p.place_d2h_bytes_per_s or d2h
-        in_rate = p.place_h2d_bytes_per_s or h2d
+        out_rate = p.place_d2h_bytes_per_s or p.machine.d2h_bytes_per_s
+        in_rate = p.place_h2d_bytes_per_s or p.machine.h2d_bytes_per_s
         # the parts of swapped blocks in the rewrite's queue order: (issued at, block, copy s, bytes)
         self._swap_out = sorted((place_fwd_start[i] + t, i, x * margin / out_rate, x)
                                 for i, b in enumerate(blocks) for t, _, x in b.swap_parts if x)
@@ -171,6 +170,9 @@ class CostModel:
         self._freed_at: dict[int, tuple[tuple[int, int, int], ...]] = {}
         self._reloaded_at: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}
 
+    def _caches(self, p: Problem, step_chunks: list[list[int]]) -> None:
+        """The per-config tables' caches, the persistent chunks' bytes by count, and the fewest
+        buffers per ``n_persist``."""
         self._per_p: dict[tuple[int, int], _PerPersist] = {}
         self._per_pb: dict[tuple[int, int], _PerBuffer] = {}
         self._per_pbg: dict[tuple[int, int, int], list[float]] = {}
@@ -203,9 +205,9 @@ class CostModel:
         return self.problem.device_step_bytes + DEVICE_STEPS_IN_FLIGHT * self._buffer_bytes
 
     def activation_peak(self, n_swap: int, n_checkpoint: int) -> int:
-        """Peak activation bytes of the per-block walk in the module docstring ("Swap memory": a
-        swapped block's bytes stay on the device until the rewrite's wait for their copy out, and
-        are back from where it issues their reload)."""
+        """Peak activation bytes of the per-block walk of ``docs/DESIGN.md#the-cost-model`` ("Swap
+        memory": a swapped block's bytes stay on the device until the rewrite's wait for their copy
+        out, and are back from where it issues their reload)."""
         pol = self.policies(n_swap, n_checkpoint)
         saved, ck, sw, tr = self._saved, self._ck, self._swap, self._transient
         N = self.n_blocks
@@ -473,19 +475,35 @@ class CostModel:
     def _simulate(
         self, p: int, b: int, s: int, c: int, g: int = 0, *, optimizer: bool, detail: bool
     ) -> tuple[float, float] | Estimate:
-        N = self.n_blocks
+        """``(step_s, fwd_s)`` of ``(p, b, s, c, g)``, or with ``detail`` its whole :class:`Estimate`;
+        ``optimizer=False`` leaves every optimizer step out (the activation plan's bound)."""
         P = self._pp(p, g if optimizer else 0)
+        fdone, ff_dur, so_done, h2d, d2h, gpu = self._forward(p, b, s)  # shared by every n_checkpoint
+        fwd_end = gpu
+        bwd_end, adam_done, recompute = self._backward(P, p, b, s, c, g, optimizer, fdone, so_done, h2d, d2h, gpu)
+        gpu_adam = P.gpu_adam_s if optimizer else 0.0
+        cpu_adam = P.cpu_adam_s if optimizer else 0.0
+        step = self._step_end(bwd_end + gpu_adam, cpu_adam, adam_done, ff_dur)
+        if not detail:
+            return step, fwd_end
+        return self._estimate(P, p, b, s, c, g, optimizer, step=step, fwd_end=fwd_end, bwd_end=bwd_end,
+                              recompute=recompute, gpu_adam=gpu_adam, cpu_adam=cpu_adam)
+
+    def _backward(
+        self, P: _PerPersist, p: int, b: int, s: int, c: int, g: int, optimizer: bool,
+        fdone: list[float], so_done: list[float], h2d: float, d2h: float, gpu: float,
+    ) -> tuple[float, list[tuple[int, float]], float]:
+        """Backward from the forward's end state (its fetches done, swap offloads done, and when the
+        two copy queues and the GPU are free). Returns when backward's GPU work ends, ``(run, when
+        its chunk is updated)`` per optimizer step, and the recompute seconds."""
+        N = self.n_blocks
         PB = self._pb(p, b)
         dev_refetch = self._dev_refetch(p, b, g) if optimizer and g else None
         pol = self.policies(s, c)
         cb, rc = self.cb, self.recomputes(s, c)
         h_d1, h_d2, g_d1, g_d2 = P.h_d1, P.h_d2, self.g_d1, self.g_d2
         bf_thr, go_thr = P.bf_thr, PB.go_thr
-        # ---- forward (shared by every n_checkpoint)
-        fdone, ff_dur, so_done, h2d, d2h, gpu = self._forward(p, b, s)
         done = fdone[:]  # fetch finished; in backward: re-fetch, then gradient offload finished
-        fwd_end = gpu
-        # ---- backward
         adam_done: list[tuple[int, float]] = []
         cpu = recompute = 0.0
         prev_start = gpu
@@ -517,22 +535,7 @@ class CostModel:
                 if device[r]:  # stepped on the GPU: its gradient stays, its buffer is free now
                     done[r] = gpu
                     if dev_trigger[r]:
-                        k = len(dev_done)
-                        if k >= DEVICE_STEPS_IN_FLIGHT and dev_done[k - DEVICE_STEPS_IN_FLIGHT] > gpu:
-                            gpu = dev_done[k - DEVICE_STEPS_IN_FLIGHT]  # the issuing thread waits
-                        ch = self.run_chunk[r]
-                        h_start = dev_in if dev_in > gpu else gpu  # the step's own copy lanes
-                        dev_in = h_start + self.dev_in_s[ch]
-                        for i, d in P.dev_swap_in[ch]:  # swap-ins beside it on the reference timeline
-                            if i < s:
-                                dev_in += d  # take the host-to-device link from its copies in
-                        dev_out = (dev_out if dev_out > h_start else h_start) + P.dev_out_s[ch]
-                        if dev_refetch is not None and dev_refetch[ch]:  # re-fetches beside it: both ways
-                            dev_in += dev_refetch[ch]
-                            dev_out += dev_refetch[ch]
-                        if dev_in > dev_out:
-                            dev_out = dev_in
-                        dev_done.append(dev_out)
+                        gpu, dev_in, dev_out = self._device_step(P, r, s, gpu, dev_in, dev_out, dev_done, dev_refetch)
                         adam_done.append((r, dev_out))
                     continue
                 d2h = (d2h if d2h > gpu else gpu) + (g_d2[r] if s > go_thr[r] else g_d1[r])
@@ -540,11 +543,41 @@ class CostModel:
                 if adam_s[r]:
                     cpu = (cpu if cpu > d2h else d2h) + adam_s[r]
                     adam_done.append((r, cpu))
-        bwd_end = gpu
-        # ---- optimizer, and the next forward overlapping the CPU Adam tail
-        gpu_adam = P.gpu_adam_s if optimizer else 0.0
-        cpu_adam = P.cpu_adam_s if optimizer else 0.0
-        step = bwd_end + gpu_adam
+        return gpu, adam_done, recompute
+
+    def _device_step(
+        self, P: _PerPersist, r: int, s: int, gpu: float, dev_in: float, dev_out: float,
+        dev_done: list[float], dev_refetch: list[float] | None,
+    ) -> tuple[float, float, float]:
+        """Issue the device step of run ``r``'s chunk when its last gradient is made (at ``gpu``):
+        the issuing thread, and the GPU stream with it, first waits for the step issued
+        :data:`DEVICE_STEPS_IN_FLIGHT` before; the copies in and out run on the steps' own lanes,
+        lengthened by the swap-ins and re-fetches beside them. Appends when it ends to ``dev_done``;
+        returns the new ``gpu``, ``dev_in`` and ``dev_out``."""
+        k = len(dev_done)
+        if k >= DEVICE_STEPS_IN_FLIGHT and dev_done[k - DEVICE_STEPS_IN_FLIGHT] > gpu:
+            gpu = dev_done[k - DEVICE_STEPS_IN_FLIGHT]  # the issuing thread waits
+        ch = self.run_chunk[r]
+        h_start = dev_in if dev_in > gpu else gpu  # the step's own copy lanes
+        dev_in = h_start + self.dev_in_s[ch]
+        for i, d in P.dev_swap_in[ch]:  # swap-ins beside it on the reference timeline
+            if i < s:
+                dev_in += d  # take the host-to-device link from its copies in
+        dev_out = (dev_out if dev_out > h_start else h_start) + P.dev_out_s[ch]
+        if dev_refetch is not None and dev_refetch[ch]:  # re-fetches beside it: both ways
+            dev_in += dev_refetch[ch]
+            dev_out += dev_refetch[ch]
+        if dev_in > dev_out:
+            dev_out = dev_in
+        dev_done.append(dev_out)
+        return gpu, dev_in, dev_out
+
+    def _step_end(self, gpu_end: float, cpu_adam: float, adam_done: list[tuple[int, float]],
+                  ff_dur: list[float]) -> float:
+        """The step time: the end of the GPU work, of the CPU Adam work, and, for each chunk updated
+        after backward, when the next forward can use it (updated, then fetched, against the
+        compute-only time at which the next forward reaches it)."""
+        step = gpu_end
         if cpu_adam > step:
             step = cpu_adam
         ref = self.fwd_ref_start
@@ -552,13 +585,19 @@ class CostModel:
             x = a + ff_dur[r] - ref[self.run_first[r]]
             if x > step:
                 step = x
-        if not detail:
-            return step, fwd_end
+        return step
+
+    def _estimate(
+        self, P: _PerPersist, p: int, b: int, s: int, c: int, g: int, optimizer: bool, *, step: float,
+        fwd_end: float, bwd_end: float, recompute: float, gpu_adam: float, cpu_adam: float,
+    ) -> Estimate:
+        """The :class:`Estimate` of a simulated config: its times, memory and link traffic."""
+        PB = self._pb(p, b)
         static = self.static_bytes(p, b, g)
         act = self.activation_peak(s, c)
         refetched = sum(P.fetch_bytes[r] for r in P.runs if PB.refetch[r])
         fetched = sum(P.fetch_bytes[r] for r in P.runs)
-        offloaded = sum(self.run_bytes[r] for r in P.runs if not device[r])
+        offloaded = sum(self.run_bytes[r] for r in P.runs if not P.device[r])
         stepped = [ch for ch in range(p, p + g)] if optimizer else []
         swapped = sum(self._swap[:s])
         return Estimate(
@@ -607,10 +646,9 @@ class CostModel:
         non-increasing in ``b`` (the runs re-fetched with ``b + 1`` buffers are among those with ``b``).
 
         Why both ways: a step moves 12 bytes a parameter in and 14 out, near the link's duplex
-        rate, so what else crosses the link while it runs delays the whole step. On the H200 (B24 4.2B
-        at 24 GiB, 3/3/0/35/11, twenty-first session) the two steps issued after backward's last
-        re-fetch took 67-70 ms where the profile priced 69, and the others 72-85 (medians of calls
-        3-8), where one re-fetch alone takes 8.4 ms."""
+        rate, so what else crosses the link while it runs delays the whole step: steps with a
+        re-fetch beside them run longer than those without by about the re-fetch's own time
+        (``docs/results.md#device-steps-beside-re-fetches-and-swap-ins``)."""
         key = (p, b, g)
         got = self._per_pbg.get(key)
         if got is not None:

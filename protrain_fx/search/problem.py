@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""The search problem: one training step as plain data, and the config and estimate the cost model trades in.
+
+:class:`Problem` holds per transformer block its times and activation bytes (:class:`BlockProfile`),
+per parameter chunk its size (:class:`ChunkProfile`), the work outside the blocks and the machine's
+rates (:class:`MachineProfile`); :class:`Config` is ProTrain's counts and :class:`Estimate` what
+the cost model predicts for one. Times are seconds, sizes bytes, rates per second. Kept apart from
+the graph: ``planner/problem.py`` extracts a Problem from a captured graph, and nothing here imports
+torch or FX, so a Problem dumped as JSON (:meth:`Problem.dump`) replays in a test with no model.
+Every field is validated on construction (``ValueError`` naming it)."""
 
 from __future__ import annotations
 
@@ -61,7 +69,7 @@ class BlockProfile:
     ``bwd_s`` is backward without recompute; ``recompute_s`` the forward rerun a checkpointed block
     adds to backward, and ``recompute_chained_s`` (default ``recompute_s``) the same when the next
     block is checkpointed too: the partitioner then keeps this block's output as the next one's
-    input, so less is rerun (``profiler._recompute_times``). ``saved_bytes``: activations kept for
+    input, so less is rerun (``planner/problem._recompute_times``). ``saved_bytes``: activations kept for
     backward; ``checkpoint_saved_bytes``: what a checkpointed block still keeps (its input);
     ``swap_bytes``: what a swap moves to the CPU (at most ``saved_bytes``; the rest stays);
     ``transient_bytes``: peak working memory inside the block's forward or backward on top of the
@@ -69,8 +77,9 @@ class BlockProfile:
 
     ``place_fwd_s`` / ``place_bwd_s`` (default ``fwd_s`` / ``bwd_s``): the block's forward and
     backward (without recompute) on the timeline ``passes/swap.py`` places its copies' waits by (its
-    own roofline, ``passes/estimate.start_times``). They decide where the swap rewrite frees a
-    swapped block's bytes and issues its reload, hence the swap memory (module docstring); never time.
+    own roofline, ``analysis/estimate.start_times``). They decide where the swap rewrite frees a
+    swapped block's bytes and issues its reload, hence the swap memory (``docs/DESIGN.md#the-cost-model``,
+    "Swap memory"); never time.
     ``swap_parts``: ``(issue_s, use_s, bytes)`` adding up to ``swap_bytes``, one per storage the
     rewrite moves: its copy out is issued ``issue_s`` after the block's forward starts (after the
     storage's last forward use, which may lie in a later block: a residual the next block reads, a
@@ -140,7 +149,7 @@ class BlockProfile:
 class ChunkProfile:
     """One parameter chunk: ``bytes`` of its compute-dtype working copy (padding included), ``n_params``.
     ``lean_fetch_bytes``: what one fetch moves when the chunk is lean (its fp32 master, padding
-    included; see the module docstring); 0 where the problem never makes it lean."""
+    included; ``docs/DESIGN.md#the-cost-model``, "Lean chunks"); 0 where the problem never makes it lean."""
 
     bytes: int
     n_params: int
@@ -161,7 +170,7 @@ class ChunkProfile:
 
 @dataclass(frozen=True, kw_only=True)
 class Problem:
-    """What the search needs to know about one training step (see the module docstring for the model).
+    """What the search needs to know about one training step (``docs/DESIGN.md#the-cost-model`` derives the model).
 
     ``chunks`` are in first-use order: the first ``n_persist`` stay on the GPU. ``outside_*``: the work
     outside the blocks (embedding, head, loss), modelled as one step after the last block in forward
@@ -180,18 +189,18 @@ class Problem:
 
     ``lean_chunks``: empty (no chunk is ever lean), or per ``n_persist`` in ``0..len(chunks)`` how
     many of the last chunks are lean (the chunk store's rule for the host memory there is,
-    ``runtime/chunk_store.auto_lean``), never more than are offloaded and never more with more
+    ``runtime/host_memory.auto_lean``), never more than are offloaded and never more with more
     persistent chunks. ``lean_staging_bytes``: device bytes of the fp32 staging lean chunks are
     fetched through (``ChunkBufferPool.staging_bytes``), resident when any chunk is lean.
 
     ``device_step_s``: ``(chunk id, seconds)`` of chunks whose device step was timed in training
-    (``calibrate.TrainingRates``): that chunk's step takes those seconds instead of its bytes over
-    ``machine.device_step_bytes_per_s`` (its copies in scaled alike). On the H200 the device step of
-    the first offloaded chunk, issued last in backward, ran 47 ms where the others ran 34; priced per
-    chunk, 23 of the 24 recorded runs with device steps replay within 5% of their step, against 20 at
-    the median rate (``docs/results.md``, seventeenth session).
+    (``planner/rates.TrainingRates``): that chunk's step takes those seconds instead of its bytes over
+    ``machine.device_step_bytes_per_s`` (its copies in scaled alike). The steps of one plan do not
+    run at one rate (the first offloaded chunk's, issued last in backward, runs markedly longer than
+    the others), so priced per chunk the recorded runs replay closer to their step than at
+    the median rate (``docs/results.md#the-rate-window-and-the-re-plan``).
 
-    Swap placement (``passes/swap.py``, module docstring "Swap memory"): ``outside_place_bwd_s`` is
+    Swap placement (``passes/swap.py``; ``docs/DESIGN.md#the-cost-model``, "Swap memory"): ``outside_place_bwd_s`` is
     the backward of the outside work before the first block's backward on the rewrite's timeline
     (default ``outside_bwd_s``); ``place_d2h_bytes_per_s`` / ``place_h2d_bytes_per_s`` the copy rates
     it places with (``Machine.d2h_bytes`` / ``h2d_bytes``; 0: the machine profile's one-way rates),

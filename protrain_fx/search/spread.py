@@ -1,7 +1,7 @@
 """The predicted step over the spread of the host rates a plan depends on.
 
-The CPU optimizer's and the device steps' rates move between readings on one host (docs/results.md,
-"Profiled rates against training"); a plan that is fastest at one reading can be slow at another.
+The CPU optimizer's and the device steps' rates move between readings on one host
+(``docs/results.md#profiled-rates-against-training``); a plan that is fastest at one reading can be slow at another.
 :func:`expected_estimate` averages the step over :func:`rate_scenarios` (each rate at its reading and
 at the ends of :data:`RATE_SPREAD`), and :func:`steadiest_gpu_optim` picks the ``n_gpu_optim`` of
 least expected step. Plain data in, numbers out, as the cost model.
@@ -17,12 +17,11 @@ from protrain_fx.search.cost import estimate
 
 
 #: How far each host rate an offloaded step rests on may be from the profile's reading, as a fraction:
-#: over the recorded B24 runs on the H200 (``bench/device_rate_definitions.py``, 2026-12-02), the CPU
-#: chunk step reached in training 11% (1.3B) and 18% (4.2B) away from its profiled rate on average, and
-#: training's own rate spread 27% across hosts at 4.2B; the device steps 7-10% away. The profile cannot
-#: do better on those hosts: the CPU step's rate moved 0.6-1.6 G params/s within a minute with nothing
-#: else running (twenty-first session). :func:`expected_estimate` and :func:`steadiest_gpu_optim` price
-#: a config at the reading and at each rate this fraction either side of it.
+#: the rate the CPU chunk step reaches in training lies tens of percent from its profiled rate, the
+#: device steps' about a tenth, and the profile cannot do better, as a host's CPU step moves that much
+#: within a minute with nothing else running (``docs/results.md#profiled-rates-against-training``).
+#: :func:`expected_estimate` and :func:`steadiest_gpu_optim` price a config at the reading and at each
+#: rate this fraction either side of it.
 RATE_SPREAD: dict[str, float] = {"cpu_adam_params_per_s": 0.25, "device_step_bytes_per_s": 0.10}
 
 
@@ -69,11 +68,10 @@ def steadiest_gpu_optim(
 
     Why: the search takes the count fastest at the rates read, and a rate read a little high makes it
     step too much on that side, where the step then slows by more than a rate read low would cost.
-    Replayed on the 48 recorded offloaded runs of the H200 (``bench/gpu_optim_rules.py``, 2026-12-02),
-    each priced at the rates its training reached: this count's step was 2.9% slower than the best
-    count's on average and 13.4% at most, against 3.7% and 31.6% for the count fastest at the
-    readings; and the first plan's prediction (:func:`expected_estimate`) was within 5% of that
-    price on 25 runs, against 19 (mean error 4.8% against 7.2%)."""
+    Replayed on recorded offloaded runs, each priced at the rates its training reached, this count
+    loses less against the best count, on average and at worst, than the count fastest at the
+    readings, and the first plan's prediction (:func:`expected_estimate`) lands nearer the step
+    (``docs/results.md#n_gpu_optim-over-the-rate-spread``)."""
     if config.n_persist >= len(problem.chunks):
         return config
     models = [CostModel(q) for q in rate_scenarios(problem, spread)]

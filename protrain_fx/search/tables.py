@@ -1,9 +1,70 @@
-"""TODO docstring."""
+"""The cost model's precomputed tables, so that simulating one config is list lookups and comparisons.
+
+:func:`link_sharing_keys` decides, once per problem, which copies of the other direction each copy
+overlaps on the reference timeline; :class:`_PerPersist` (per ``n_persist`` and ``n_gpu_optim``)
+and :class:`_PerBuffer` (per ``n_persist`` and ``n_buffer``) turn those keys and the chunk runs into
+thresholds and queues for one config. :class:`~protrain_fx.search.cost.CostModel` builds and caches
+them; they read its attributes (passed in as ``m``) and never import it, so the model imports them
+without a cycle. Seconds and bytes, as the cost model."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+
+_Interval = tuple[float, float]
+
+
+def _interval(start: float, nbytes: int, rate: float) -> _Interval:
+    """A copy of ``nbytes`` issued at ``start`` at ``rate`` bytes/s, as ``(start, end)``."""
+    return (start, start + nbytes / rate)
+
+
+def _overlaps(a: _Interval, b: _Interval) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def link_sharing_keys(
+    m: Any, fs: list[float], fe: list[float], bs: list[float], be: list[float]
+) -> tuple[list[tuple[float, int]], list[tuple[float, int]], list[tuple[float, int]],
+           list[tuple[int, float, list[int]]], list[tuple[int, float, list[int]]]]:
+    """Per copy, what decides whether it shares the link with the other direction: the copies of
+    the other direction its interval overlaps on the reference timeline (forward steps' starts
+    ``fs`` and ends ``fe``, backward steps' ``bs`` and ``be``, indexed by forward step), each copy
+    issued one step before its use and lasting its bytes over the one-way rate. Returns the keys
+    of forward fetches, backward re-fetches and swap reloads (H2D), then of swap offloads and
+    gradient offloads (D2H); ``thr`` in :class:`_PerPersist` and :class:`_PerBuffer` reads them."""
+    N, R = m.n_blocks, len(m.run_chunk)
+    h2d, d2h = m.problem.machine.h2d_bytes_per_s, m.problem.machine.d2h_bytes_per_s
+    blocks = m.problem.blocks
+    ff = [_interval(fs[m.run_first[r] - 1] if m.run_first[r] else 0.0, m.run_bytes[r], h2d) for r in range(R)]
+    bf = [_interval(bs[m.run_last[r] + 1] if m.run_last[r] < N else bs[N], m.run_bytes[r], h2d) for r in range(R)]
+    rl = [_interval(bs[i + 1], blocks[i].swap_bytes, h2d) for i in range(N)]
+    so = [_interval(fe[i], blocks[i].swap_bytes, d2h) for i in range(N)]
+    go = [_interval(be[m.run_first[r]], m.run_bytes[r], d2h) for r in range(R)]
+    inf = math.inf
+
+    # An H2D copy is shared iff a performed swap offload (block < n_swap) or gradient offload
+    # (chunk >= n_persist) overlaps it: keep the smallest such block and the largest such chunk.
+    def h2d_keys(x: _Interval) -> tuple[float, int]:
+        return (
+            min((i for i in range(N) if _overlaps(x, so[i])), default=inf),
+            max((m.run_chunk[r] for r in range(R) if _overlaps(x, go[r])), default=-1),
+        )
+
+    # A D2H copy is shared iff a performed forward fetch (chunk >= n_persist), swap reload
+    # (block < n_swap) or backward re-fetch (config dependent: listed) overlaps it.
+    def d2h_keys(x: _Interval) -> tuple[int, float, list[int]]:
+        return (
+            max((m.run_chunk[r] for r in range(R) if _overlaps(x, ff[r])), default=-1),
+            min((i for i in range(N) if _overlaps(x, rl[i])), default=inf),
+            [r for r in range(R) if _overlaps(x, bf[r])],
+        )
+
+    return ([h2d_keys(x) for x in ff], [h2d_keys(x) for x in bf], [h2d_keys(x) for x in rl],
+            [d2h_keys(x) for x in so], [d2h_keys(x) for x in go])
 
 
 @dataclass
