@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""What the timeline exporters share: event order, fake-address alignment, phase alignment.
+
+A :class:`~protrain_fx.analysis.timeline.Timeline` is exported three ways (memory snapshot,
+Chrome trace, SVG plot); this module holds what all three read the same way, so that they agree:
+the order in which events apply (allocs before frees at one index, as ``Timeline.curve()``), the
+512-byte block rounding of fake addresses, ``"file:line"`` source splitting, and the phase-by-phase
+map of a measured timeline's step indices onto a predicted one's. It also holds the SVG canvas
+geometry. Everything here reads timelines; nothing writes files.
+"""
 
 from __future__ import annotations
 

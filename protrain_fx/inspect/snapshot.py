@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""A timeline as a ``torch.cuda.memory._snapshot()`` dict that pytorch.org/memory_viz opens.
+
+The predicted timeline has no addresses, so buffers are placed first-fit in one fake segment
+(512-byte blocks, 2 MiB-rounded segment) and every event becomes the allocator's trace entry
+(``alloc``, or ``free_requested`` + ``free_completed``) with the step index as ``time_us``.
+Buffers freed without an alloc in the step are live from the start; the baseline bytes no event
+frees (parameters, optimizer state) are permanent blocks. Pickles are written with protocol 4, the highest the
+viewer's unpickler reads.
+"""
 
 from __future__ import annotations
 

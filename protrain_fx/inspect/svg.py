@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""A self-contained SVG plot of bytes live over one step, predicted with measured overlaid.
+
+The measured curve is mapped onto the predicted one's x axis phase by phase (linearly over the
+whole range when the two share no phase), the baseline is a dashed line, peaks are labelled where
+the labels do not overlap. The plot needs no plotting library: it is written as SVG text, so that
+an export works on any machine that can run the backend.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""Timelines as a Chrome trace (chrome://tracing, ui.perfetto.dev).
+
+Each timeline is one process with three threads: a live-bytes counter, one slice per node, one
+slice per phase. Timestamps are step indices read as microseconds, so the trace shows order and
+not wall time; with ``align_to_first`` the later timelines are mapped onto the first one's indices
+phase by phase, for a measured step beside its prediction.
+"""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ UNBOUNDED = 2**62
 class FitReport:
     """One training graph's answer. ``budget_bytes``: what it was asked under (``None``: no budget,
     only the minimum is reported); ``fits``: a plan keeps the allocated peak under the budget less the
-    allocator's headroom (``pipeline.allocated_cap_bytes``); ``plan``: the plan the backend would run
+    allocator's headroom (``planner.budget.allocated_cap_bytes``); ``plan``: the plan the backend would run
     (``None`` when nothing fits); ``min_budget_bytes``: the smallest budget with which the backend
     finds a plan (that of least memory, allocator headroom included); ``host_swap_bytes``: pinned host
     memory the plan's swaps need (0 without swaps).
@@ -154,13 +154,13 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
 
 def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | None], None]) -> None:
     """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
-    the training compile would choose under the budget (``autooffload.choose_offload``, which places
-    the chunks of each config it tries and checks it with the memory analysis), and the smallest
-    budget: the least peak of the least-memory configs (``autooffload.least_memory_candidates``: the
-    cost model's least, and checkpointing every block) as the analysis judges it, the judge training uses (the
-    cost model's peak is not asked to fit: it can fall below the analysis', on small chunks and on
-    swaps, 1.957 against 2.120 GB on the H200 in the eighth session, or far above it). Then nothing stays placed (``handle.unplace()``)
-    and the compile stops with the report."""
+    the training compile would choose under the budget (``planner.offload.choose_offload``, which
+    places the chunks of each config it tries and checks it with the memory analysis), and the
+    smallest budget: the least peak of the least-memory configs
+    (``planner.offload.least_memory_candidates``: the cost model's least, and checkpointing every
+    block) as the analysis judges it, the judge training uses (the cost model's peak is not asked to
+    fit: it can fall below the analysis', on small chunks and on swaps, or far above it). Then
+    nothing stays placed (``handle.unplace()``) and the compile stops with the report."""
     from protrain_fx.planner import offload as autooffload
     from protrain_fx.planner.budget import budget_for_peak
     from protrain_fx.planner.reserve import outside_reserve

@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""The one extractor from a captured, analysed step to the search's plain ``Problem``.
+
+:func:`problem_from_record` (a :class:`~protrain_fx.search.problem.Problem`) reads the forward and backward graphs, the memory analysis' per-block
+table and the chunk layout, and prices each block (roofline node times, with the matrix,
+convolution and attention ops measured on CUDA: :func:`device_op_times`). Its result holds no FX
+and no torch, so the cost model and search stay free of both and a dumped problem replays in a
+unit test. This module never rewrites a graph; it reads what the analyses left in ``node.meta``.
+"""
 
 from __future__ import annotations
 
