@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""Host-memory arithmetic of the chunk store: what it will need, what the host has, and the check.
+
+Kept apart from ``chunk_store.py`` so that the planner can price a store (and how many lean chunks
+it would make) without building one. Everything here is plain arithmetic over counts and
+``/proc/meminfo``; the check raises :class:`HostMemoryError`, naming the bytes, before anything
+is allocated.
+"""
 
 from __future__ import annotations
 
