@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -45,13 +45,9 @@ from protrain_fx.planner.verify import (
 )
 from protrain_fx.search import problem
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.spread import expected_estimate
 from protrain_fx.search.problem import Config, Problem, block_plan
 from protrain_fx.search.search import NoPlanFits, SearchResult, search
-
-if TYPE_CHECKING:
-    pass
-
+from protrain_fx.search.spread import expected_estimate
 
 log = logging.getLogger("protrain_fx")
 

@@ -36,16 +36,13 @@ lives) and the activation plan (compiled in) stay.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config, Problem
-
-if TYPE_CHECKING:
-    pass
-import dataclasses
 
 if TYPE_CHECKING:
     from protrain_fx.runtime.offload import OffloadHandle

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,14 +19,6 @@ from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.planner.budget import allocated_cap_bytes
 from protrain_fx.state import STATE
-
-if TYPE_CHECKING:
-    pass
-
-
-
-
-
 
 #: A training graph's outputs handed back to the user's code with a gradient to come (a tangent)
 #: of at least this many bytes are where that code computes (a loss on logits): named in the plan

@@ -15,15 +15,13 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.search.problem import Config
 from protrain_fx.search.search import NoPlanFits, SearchResult
 
 log = logging.getLogger("protrain_fx")
-if TYPE_CHECKING:
-    pass
 
 
 #: Searches after a rewritten step analysed above the cap, before the least-memory config is tried.
