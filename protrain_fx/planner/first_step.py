@@ -7,8 +7,8 @@ callback queued on the autograd engine) and hands them to :func:`record_first_st
 and, after a miss or when that reserve allows a faster plan, the graph removed from Dynamo's cache
 so that its next call compiles it again. Calls 3 to 8 (``STEP_TIMED_CALLS``) are timed against the
 predicted step, and an offloaded step's optimizer rates over them may re-plan ``n_gpu_optim``.
-Peak statistics are reset only when the compile itself raised them; off CUDA nothing is measured
-(tests replace :func:`memory_counters`).
+Peak statistics are reset only when the compile itself raised them, or after a miss; off CUDA
+nothing is measured (tests replace :func:`memory_counters`).
 """
 
 from __future__ import annotations
