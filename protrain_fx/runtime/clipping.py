@@ -7,7 +7,8 @@ parameters; every other call reaches torch unchanged. The norm is taken over eve
 chunks' per-parameter norms kept by :class:`HeldNorms` as their gradients land), the persistent
 gradients are scaled as torch scales them, and the held chunk steps start with the same scale. A
 non-finite norm skips the step everywhere. Clipping needs the chunks' steps held until the norm
-is known; a clip that cannot be exact is refused, naming the ``grad_clipping`` option.
+is known (``offload(..., grad_clipping=...)``); a clip that cannot be exact is refused with the
+way out.
 """
 
 from __future__ import annotations
