@@ -16,7 +16,7 @@ from protrain_fx.config import ProtrainConfig, parse_bytes, parse_options
 
 
 def offload(model, optimizer, **kwargs):
-    """Put ``model``'s parameters into chunks, most in host memory; see :mod:`protrain_fx.param_offload`."""
+    """Put ``model``'s parameters into chunks, most in host memory; see :mod:`protrain_fx.runtime.offload`."""
     from protrain_fx.runtime.offload import offload as _offload
 
     return _offload(model, optimizer, **kwargs)
@@ -24,14 +24,14 @@ def offload(model, optimizer, **kwargs):
 
 def what_fits(model, *args, **kwargs):
     """The plan and the smallest memory budget of ``model`` on these inputs, without training; see
-    :mod:`protrain_fx.fit`."""
+    :mod:`protrain_fx.planner.fit`."""
     from protrain_fx.planner.fit import what_fits as _what_fits
 
     return _what_fits(model, *args, **kwargs)
 
 
 def step_report():
-    """A :class:`~protrain_fx.report.StepReport` of every graph captured so far (print it for the
+    """A :class:`~protrain_fx.inspect.report.StepReport` of every graph captured so far (print it for the
     per-block tables, predicted peaks and graph breaks)."""
     from protrain_fx.inspect.report import StepReport
 

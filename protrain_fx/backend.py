@@ -165,7 +165,7 @@ class _Partitioner(CustomPartitionerFn):
                 "answers for a model whose parameters stay on the device, or one offloaded without counts"
             )
         resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
-        handle = deferred_handle(record)  # offload(...) without counts: chosen here (autooffload.py)
+        handle = deferred_handle(record)  # offload(...) without counts: chosen here (planner/offload.py)
         placed = placed_handle(record) if handle is None else None  # ... or at an earlier compile
         if handle is not None or placed is not None:
             _check_automatic_offload(record, answering=handle is not None)
@@ -217,7 +217,7 @@ class _Partitioner(CustomPartitionerFn):
 
 
 def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:
-    """What an offload with automatic counts needs from the options (``autooffload.choose_offload``).
+    """What an offload with automatic counts needs from the options (``planner.offload.choose_offload``).
     ``answering``: ``what_fits`` may ask (the counts are not chosen yet), no budget needed."""
     config = record.config
     fix = "give n_persist / n_buffer to offload(...) by hand"

@@ -100,11 +100,11 @@ class CapturedGraph:
     auto_plan: Any = None  # planner.result.AutoPlan
     #: Where ``config.memory_budget_bytes`` came from: ``"user"`` (``memory_budget``), ``"device"``
     #: (none given: what the process could reach on the step's CUDA device when it was compiled,
-    #: ``pipeline.resolve_budget``) or ``None`` (no budget).
+    #: ``planner.budget.resolve_budget``) or ``None`` (no budget).
     budget_source: str | None = None
     #: The code object whose Dynamo cache holds this graph (the frame Dynamo was compiling, or the
     #: resume function after a graph break): removing it from the cache makes the next call compile
-    #: the graph again (``autoplan.record_first_step`` after a measured miss). ``None`` when the
+    #: the graph again (``planner.first_step.record_first_step`` after a measured miss). ``None`` when the
     #: backend was called outside Dynamo.
     dynamo_code: types.CodeType | None = None
 

@@ -9,7 +9,7 @@ that marker: a subclass of the error's own class and of ``ShortenTraceback``, so
 as itself, as a ``ValueError`` (where it is one), and prints its own message without the footer.
 
 Which errors are the user's to act on (:func:`is_user_error`): bad settings (``ValueError``, of
-which :class:`~protrain_fx.search.NoPlanFits` is one), wrong types (``TypeError``), a host too small
+which :class:`~protrain_fx.search.search.NoPlanFits` is one), wrong types (``TypeError``), a host too small
 for the chunk store (``MemoryError``), and :class:`UnsupportedError` for what this release refuses
 with a way out. Anything else (an ``AssertionError``, an error inside PyTorch) keeps Dynamo's
 wrapping: it is a bug, and the report PyTorch asks for is the right next step.

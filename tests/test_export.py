@@ -432,8 +432,8 @@ def _entry(action: str, addr: int, size: int, frames: list[dict], t: int) -> dic
 def _marker(name: str, addr: int, t: int, with_frames: bool = True) -> list[dict]:
     frames = (
         _frames(
-            ("/work/main/protrain_fx/measure.py", 80, "_leave_phase_mark"),
-            ("/work/main/protrain_fx/measure.py", 75, "mark_phase"),
+            ("/work/main/protrain_fx/inspect/measure.py", 80, "_leave_phase_mark"),
+            ("/work/main/protrain_fx/inspect/measure.py", 75, "mark_phase"),
             ("/home/u/train.py", 30, "step"),
         )
         if with_frames

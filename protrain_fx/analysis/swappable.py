@@ -18,7 +18,7 @@ from protrain_fx.plan import Plan
 
 
 @dataclass
-class _Group:
+class SwapGroup:
     """Saved values sharing one storage (q, k and v are views of one projection): swapped together."""
 
     members: list[
@@ -57,7 +57,7 @@ def swap_candidates(
     covers, values also returned to the user) is not among them."""
     out_node = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
     plan = Plan(blocks={label: "swap" for label in labels})
-    groups, _ = _select(forward, backward, list(out_node.args[0]), plan, set(labels), num_user_outputs,
+    groups, _ = select_swaps(forward, backward, list(out_node.args[0]), plan, set(labels), num_user_outputs,
                         state_inputs, min_bytes)
     position = {n: i for i, n in enumerate(backward.graph.nodes)}
     found = []
@@ -73,7 +73,7 @@ def swap_candidates(
     return found
 
 
-def _select(
+def select_swaps(
     forward: fx.GraphModule,
     backward: fx.GraphModule,
     outputs: list,
@@ -82,7 +82,7 @@ def _select(
     num_user_outputs: int,
     state_inputs: frozenset[str],
     min_bytes: int,
-) -> tuple[list[_Group], dict[str, str]]:
+) -> tuple[list[SwapGroup], dict[str, str]]:
     """Storages to swap (a storage is swapped whole or not at all), and why asked values were not."""
     from_state = _state_derived(forward, state_inputs)
     bw_inputs = {n.name: n for n in backward.graph.nodes if n.op == "placeholder"}
@@ -96,7 +96,7 @@ def _select(
         for t in meta.tensor_values(node):
             aliases.setdefault(meta.storage_key(t), []).append(node)
     order = {n: i for i, n in enumerate(forward.graph.nodes)}
-    groups: list[_Group] = []
+    groups: list[SwapGroup] = []
     refused: dict[str, str] = {}
     for key, entries in by_storage.items():
         names = [value.name for _, value in entries]
@@ -132,7 +132,7 @@ def _select(
             continue
         readers = [u for n in aliases[key] for u in n.users if u.op != "output"]
         last_use = max((*aliases[key], *readers), key=order.__getitem__)
-        groups.append(_Group(members=members, base=base, last_use=last_use))
+        groups.append(SwapGroup(members=members, base=base, last_use=last_use))
     return groups, refused
 
 

@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""What the timeline exporters share: event order, fake-address alignment, phase alignment.
+
+A :class:`~protrain_fx.analysis.timeline.Timeline` is exported three ways (memory snapshot,
+Chrome trace, SVG plot); this module holds what all three read the same way, so that they agree:
+the order in which events apply (allocs before frees at one index, as ``Timeline.curve()``), the
+512-byte block rounding of fake addresses, ``"file:line"`` source splitting, and the phase-by-phase
+map of a measured timeline's step indices onto a predicted one's. It also holds the SVG canvas
+geometry. Everything here reads timelines; nothing writes files.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +20,11 @@ def ordered_events(timeline: Timeline) -> list[BufferEvent]:
     return sorted(timeline.events, key=lambda e: (e.index, e.action == "free"))
 
 
-def _align(nbytes: int) -> int:
+def align_bytes(nbytes: int) -> int:
     return max(BLOCK_ALIGN, -(-nbytes // BLOCK_ALIGN) * BLOCK_ALIGN)
 
 
-def _split_source(source: str) -> tuple[str, int]:
+def split_source(source: str) -> tuple[str, int]:
     """``"path/model.py:12"`` (or ``"path:12:4"``) into ``("path/model.py", 12)``."""
     parts = source.split(":")
     numbers: list[int] = []
@@ -26,7 +34,7 @@ def _split_source(source: str) -> tuple[str, int]:
     return (filename or "<unknown source>", numbers[0] if numbers else 0)
 
 
-def _check_events(timeline: Timeline) -> None:
+def check_events(timeline: Timeline) -> None:
     for ev in timeline.events:
         if ev.action not in ("alloc", "free"):
             raise ValueError(f"event {ev!r}: action must be 'alloc' or 'free'")
@@ -36,7 +44,7 @@ def _check_events(timeline: Timeline) -> None:
             raise ValueError(f"event {ev!r}: index must be an int")
 
 
-def _as_timelines(timelines: Timeline | Iterable[Timeline]) -> list[Timeline]:
+def as_timelines(timelines: Timeline | Iterable[Timeline]) -> list[Timeline]:
     result = [timelines] if isinstance(timelines, Timeline) else list(timelines)
     if not result:
         raise ValueError("no timeline given")
@@ -46,14 +54,16 @@ def _as_timelines(timelines: Timeline | Iterable[Timeline]) -> list[Timeline]:
     return result
 
 
-def _display_name(timeline: Timeline) -> str:
+def display_name(timeline: Timeline) -> str:
     return timeline.label or timeline.kind
 
 
-_W, _H = 1000, 500
+#: The SVG plot's size in pixels.
+WIDTH, HEIGHT = 1000, 500
 
 
-_LEFT, _RIGHT, _TOP, _BOTTOM = 80, 970, 56, 420
+#: The SVG plot area's edges in pixels (room for axis labels, title and legend around it).
+LEFT, RIGHT, TOP, BOTTOM = 80, 970, 56, 420
 
 
 #: The caching allocator rounds every block to 512 bytes; fake addresses keep that alignment.
@@ -67,7 +77,7 @@ GIB = 1024**3
 ToTs = Callable[[float], float | None]
 
 
-def _phase_pairs(src: Bounds, dst: Bounds) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+def phase_pairs(src: Bounds, dst: Bounds) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """``(src range, dst range)`` of each phase both have, in destination order."""
     pairs = [
         (tuple(src[p]), tuple(dst[p]))
@@ -77,20 +87,20 @@ def _phase_pairs(src: Bounds, dst: Bounds) -> list[tuple[tuple[int, int], tuple[
     return sorted(pairs, key=lambda pair: pair[1])  # type: ignore[return-value]
 
 
-def _map_linear(x: float, src: tuple[float, float], dst: tuple[float, float]) -> float:
+def map_linear(x: float, src: tuple[float, float], dst: tuple[float, float]) -> float:
     if src[1] == src[0]:
         return float(dst[0])
     return dst[0] + (x - src[0]) * (dst[1] - dst[0]) / (src[1] - src[0])
 
 
-def _map_x(x: float, pairs: Sequence[tuple[tuple[int, int], tuple[int, int]]]) -> float | None:
+def map_x(x: float, pairs: Sequence[tuple[tuple[int, int], tuple[int, int]]]) -> float | None:
     for src, dst in pairs:
         if src[0] <= x < src[1]:
-            return _map_linear(x, src, dst)
+            return map_linear(x, src, dst)
     return None
 
 
-def _index_range(timeline: Timeline) -> tuple[int, int]:
+def index_range(timeline: Timeline) -> tuple[int, int]:
     """``[first, last + 1)`` over events, nodes and phases (``(0, 1)`` for an empty timeline)."""
     xs = [e.index for e in timeline.events] + [e.index for e in timeline.entries]
     lo = min([*xs, *(b[0] for b in timeline.phase_bounds.values())], default=0)
@@ -98,16 +108,16 @@ def _index_range(timeline: Timeline) -> tuple[int, int]:
     return lo, max(hi, lo + 1)
 
 
-def _alignment(
+def alignment(
     timeline: Timeline, reference: Timeline
 ) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """How ``timeline``'s x maps onto ``reference``'s: phase by phase, or whole range if no phase
     is shared."""
-    pairs = _phase_pairs(timeline.phase_bounds, reference.phase_bounds)
-    return pairs or [(_index_range(timeline), _index_range(reference))]
+    pairs = phase_pairs(timeline.phase_bounds, reference.phase_bounds)
+    return pairs or [(index_range(timeline), index_range(reference))]
 
 
-def _identity(x: float) -> float:
+def identity(x: float) -> float:
     return x
 
 

@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""One call that writes every view of a predicted (and optionally measured) step's memory.
+
+:func:`write_all` puts into one directory the memory snapshots (for pytorch.org/memory_viz), the
+Chrome trace (chrome://tracing, ui.perfetto.dev) and the SVG plot, named from one stem. It is
+separate from the three writers so that each stays usable alone and this module is the only one
+that knows the file names. A real ``torch.cuda.memory._snapshot()`` dict, when given, is written
+as it is, with its own addresses and stacks.
+"""
 
 from __future__ import annotations
 

@@ -35,13 +35,13 @@ from protrain_fx.analysis.timeline import BufferEvent, Timeline
 PHASE_NAMES = ("setup", "forward", "backward", "optimizer", "end")
 _PHASE_SET = frozenset(PHASE_NAMES)
 _MARK_FUNCTION = "_leave_phase_mark"
-_MARK_FILE_SUFFIX = "protrain_fx/measure.py"
+_MARK_FILE_SUFFIX = "protrain_fx/inspect/measure.py"  # this file, where the marker is left
 _MARK_UNIT = 512  # marker sizes step by the allocator's rounding unit ...
 _MARK_OFFSET = 37  # ... plus an odd offset that real float tensors never have
 #: Frames whose file contains one of these are library code, not the user's source.
 _LIBRARY_PARTS = ("/torch/", "/protrain_fx/", "/torchinductor_", "/site-packages/torch")
 #: Pseudo file names of generated code (FX graph modules, frozen modules, torch.package) and of
-#: the frames ``protrain_fx.export`` writes for what it does not know a source line of.
+#: the frames ``inspect/snapshot.py`` writes for what it does not know a source line of.
 _GENERATED_PREFIXES = (
     "<eval_with_key>",
     "<frozen ",

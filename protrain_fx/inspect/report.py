@@ -179,7 +179,7 @@ def inspect_model(
 
     ``loss_fn`` turns the model's output into a scalar (default: the output itself, which must then
     be a scalar). Gradients already on the parameters are restored afterwards. ``measure_time`` times
-    every node per block (see :mod:`protrain_fx.profile`) to fill the table's time column.
+    every node per block (``inspect/block_times.py``) to fill the table's time column.
     Resets Dynamo's compile cache (``torch._dynamo.reset()``) so the model is captured afresh.
     """
     torch._dynamo.reset()

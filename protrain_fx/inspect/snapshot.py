@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""A timeline as a ``torch.cuda.memory._snapshot()`` dict that pytorch.org/memory_viz opens.
+
+The predicted timeline has no addresses, so buffers are placed first-fit in one fake segment
+(512-byte blocks, 2 MiB-rounded segment) and every event becomes the allocator's trace entry
+(``alloc``, or ``free_requested`` + ``free_completed``) with the step index as ``time_us``.
+Buffers freed without an alloc in the step are live from the start; the baseline bytes no event
+frees (parameters, optimizer state) are permanent blocks. Pickles are written with protocol 4, the highest the
+viewer's unpickler reads.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +19,10 @@ from typing import Any
 
 from protrain_fx.analysis.timeline import BufferEvent, Timeline, TimelineEntry
 from protrain_fx.inspect.events import (
-    _align,
-    _check_events,
-    _split_source,
+    align_bytes,
+    check_events,
     ordered_events,
+    split_source,
 )
 
 #: pytorch.org/memory_viz has its own unpickler, which reads protocols 2 to 4 only (Python 3.14
@@ -67,7 +75,7 @@ class _Block:
 
 def _frames_for(ev: BufferEvent, entry: TimelineEntry | None, kind: str) -> list[dict[str, Any]]:
     """Innermost frame first: the user's source line named by the node, then the node's context."""
-    filename, line = _split_source(ev.source or (entry.source if entry else ""))
+    filename, line = split_source(ev.source or (entry.source if entry else ""))
     frames: list[dict[str, Any]] = [{"filename": filename, "line": line, "name": ev.name}]
     if entry is not None:
         where = f"[{entry.phase}] {entry.block}" if entry.block else f"[{entry.phase}]"
@@ -131,7 +139,7 @@ def _baseline_blocks(
         remaining = nbytes - freed.get(category, 0)
         if remaining <= 0:
             continue
-        span = _align(remaining)
+        span = align_bytes(remaining)
         frames = [{"filename": "<live before the step>", "line": 0, "name": f"baseline {category}"}]
         blocks.append(_Block(space.alloc(span), span, remaining, frames, category))
     return blocks
@@ -202,21 +210,21 @@ def to_memory_snapshot(timeline: Timeline, *, device_index: int = 0) -> dict[str
     """
     if not isinstance(device_index, int) or device_index < 0:
         raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
-    _check_events(timeline)
+    check_events(timeline)
     events = ordered_events(timeline)
     orphans = _find_orphan_frees(events)
     entries = {e.index: e for e in timeline.entries}
     space = _AddressSpace()
     live: dict[int, _Block] = {}
     for ev in orphans:  # live from the start, so placed first
-        span = _align(ev.nbytes)
+        span = align_bytes(ev.nbytes)
         frames = _frames_for(ev, None, timeline.kind)
         live[ev.buffer] = _Block(space.alloc(span), span, ev.nbytes, frames, ev.category)
     permanent = _baseline_blocks(timeline, orphans, space)
     trace: list[dict[str, Any]] = []
     for ev in events:
         if ev.action == "alloc":
-            span = _align(ev.nbytes)
+            span = align_bytes(ev.nbytes)
             frames = _frames_for(ev, entries.get(ev.index), timeline.kind)
             block = _Block(space.alloc(span), span, ev.nbytes, frames, ev.category)
             live[ev.buffer] = block

@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""A self-contained SVG plot of bytes live over one step, predicted with measured overlaid.
+
+The measured curve is mapped onto the predicted one's x axis phase by phase (linearly over the
+whole range when the two share no phase), the baseline is a dashed line, peaks are labelled where
+the labels do not overlap. The plot needs no plotting library: it is written as SVG text, so that
+an export works on any machine that can run the backend.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +18,20 @@ from xml.sax.saxutils import escape
 
 from protrain_fx.analysis.timeline import Timeline
 from protrain_fx.inspect.events import (
-    _BOTTOM,
-    _H,
-    _LEFT,
-    _RIGHT,
-    _TOP,
-    _W,
+    BOTTOM,
     GIB,
+    HEIGHT,
+    LEFT,
+    RIGHT,
+    TOP,
+    WIDTH,
     Bounds,
     Point,
-    _alignment,
-    _display_name,
-    _index_range,
-    _map_linear,
-    _phase_pairs,
+    alignment,
+    display_name,
+    index_range,
+    map_linear,
+    phase_pairs,
 )
 
 _COLORS = {"predicted": "#1f77b4", "measured": "#d62728", "baseline": "#7f7f7f"}
@@ -98,7 +104,7 @@ def _runs(
         i = bisect.bisect_left(xs, src[0])
         run: list[Point] = [(float(dst[0]), float(points[i - 1][1] if i else baseline))]
         while i < len(points) and points[i][0] < src[1]:
-            run.append((_map_linear(points[i][0], src, dst), float(points[i][1])))
+            run.append((map_linear(points[i][0], src, dst), float(points[i][1])))
             i += 1
         run.append((float(dst[1]), run[-1][1]))
         runs.append(run)
@@ -110,7 +116,7 @@ def _series(key: str, timeline: Timeline, pairs: Sequence[Any], note: str = "") 
     peak = max((v for run in runs for v in run), key=lambda v: v[1], default=None)
     reported = max(timeline.peak_bytes, int(peak[1]) if peak else 0)
     label = (
-        f"{key} ({_display_name(timeline)})" if timeline.label and timeline.label != key else key
+        f"{key} ({display_name(timeline)})" if timeline.label and timeline.label != key else key
     )
     return _Series(key, label + note, runs, peak, reported)
 
@@ -123,10 +129,10 @@ class _Canvas:
         self.y_max = y_max
 
     def px(self, x: float) -> float:
-        return _LEFT + (x - self.x0) * (_RIGHT - _LEFT) / (self.x1 - self.x0)
+        return LEFT + (x - self.x0) * (RIGHT - LEFT) / (self.x1 - self.x0)
 
     def py(self, y: float) -> float:
-        return _BOTTOM - y * (_BOTTOM - _TOP) / self.y_max
+        return BOTTOM - y * (BOTTOM - TOP) / self.y_max
 
 
 def _column_moves(y_in: float, ys: Sequence[float]) -> list[str]:
@@ -157,32 +163,32 @@ def _step_path(vertices: Sequence[Point]) -> str:
 
 def _svg_axes(canvas: _Canvas, unit: tuple[str, int]) -> list[str]:
     parts = [
-        f'<rect x="{_LEFT}" y="{_TOP}" width="{_RIGHT - _LEFT}" height="{_BOTTOM - _TOP}" '
+        f'<rect x="{LEFT}" y="{TOP}" width="{RIGHT - LEFT}" height="{BOTTOM - TOP}" '
         'fill="white" stroke="#444"/>'
     ]
     for v in _ticks(0, canvas.y_max / unit[1], 6):
         y = canvas.py(v * unit[1])
         parts.append(
-            f'<line x1="{_LEFT}" y1="{y:.1f}" x2="{_RIGHT}" y2="{y:.1f}" stroke="#e6e6e6"/>'
+            f'<line x1="{LEFT}" y1="{y:.1f}" x2="{RIGHT}" y2="{y:.1f}" stroke="#e6e6e6"/>'
         )
         parts.append(
-            f'<text x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(v)}</text>'
+            f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(v)}</text>'
         )
     for v in _ticks(canvas.x0, canvas.x1, 10, integer=True):
         x = canvas.px(v)
         parts.append(
-            f'<line x1="{x:.1f}" y1="{_BOTTOM}" x2="{x:.1f}" y2="{_BOTTOM + 5}" stroke="#444"/>'
+            f'<line x1="{x:.1f}" y1="{BOTTOM}" x2="{x:.1f}" y2="{BOTTOM + 5}" stroke="#444"/>'
         )
         parts.append(
-            f'<text x="{x:.1f}" y="{_BOTTOM + 18}" text-anchor="middle">{_tick_label(v)}</text>'
+            f'<text x="{x:.1f}" y="{BOTTOM + 18}" text-anchor="middle">{_tick_label(v)}</text>'
         )
-    mid_y = (_TOP + _BOTTOM) / 2
+    mid_y = (TOP + BOTTOM) / 2
     parts.append(
         f'<text x="22" y="{mid_y}" text-anchor="middle" transform="rotate(-90 22 {mid_y})">'
         f"{unit[0]} live (before the step + allocated in it)</text>"
     )
     parts.append(
-        f'<text x="{(_LEFT + _RIGHT) / 2}" y="{_BOTTOM + 38}" text-anchor="middle">'
+        f'<text x="{(LEFT + RIGHT) / 2}" y="{BOTTOM + 38}" text-anchor="middle">'
         "step position (node index of the predicted timeline)</text>"
     )
     return parts
@@ -192,14 +198,14 @@ def _svg_phases(canvas: _Canvas, bounds: Bounds) -> list[str]:
     parts = []
     for phase, (start, end) in sorted(bounds.items(), key=lambda kv: kv[1]):
         for x in (canvas.px(start), canvas.px(end)):
-            if _LEFT < x < _RIGHT:
+            if LEFT < x < RIGHT:
                 parts.append(
-                    f'<line x1="{x:.1f}" y1="{_TOP}" x2="{x:.1f}" y2="{_BOTTOM}" '
+                    f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{BOTTOM}" '
                     'stroke="#999" stroke-dasharray="4 3"/>'
                 )
         middle = (canvas.px(start) + canvas.px(end)) / 2
         parts.append(
-            f'<text x="{middle:.1f}" y="{_TOP - 8}" text-anchor="middle" fill="#555" '
+            f'<text x="{middle:.1f}" y="{TOP - 8}" text-anchor="middle" fill="#555" '
             f'class="phase-label">{escape(phase)}</text>'
         )
     return parts
@@ -221,12 +227,12 @@ def _overlaps(a: Box, b: Box) -> bool:
 def _place_label(x: float, y: float, text: str, taken: Sequence[Box]) -> tuple[float, float, str]:
     """Where a peak label goes: above the marker, on the roomier side, away from other labels."""
     sides = [("start", 8), ("end", -8)]
-    if x > _LEFT + 0.6 * (_RIGHT - _LEFT):
+    if x > LEFT + 0.6 * (RIGHT - LEFT):
         sides.reverse()
     candidates = [(x + dx, y + dy, anchor) for dy in (-8, 18, -26, 36) for anchor, dx in sides]
     for cx, cy, anchor in candidates:
         box = _label_box(cx, cy, anchor, text)
-        inside = _LEFT <= box[0] and box[2] <= _RIGHT and _TOP <= box[1] and box[3] <= _BOTTOM
+        inside = LEFT <= box[0] and box[2] <= RIGHT and TOP <= box[1] and box[3] <= BOTTOM
         if inside and not any(_overlaps(box, other) for other in taken):
             return cx, cy, anchor
     return candidates[0]
@@ -269,7 +275,7 @@ def _svg_legend(
         items.append(
             ("live before the step (predicted)", _COLORS["baseline"], ' stroke-dasharray="6 4"')
         )
-    parts, x, y = [], float(_LEFT), _H - 14
+    parts, x, y = [], float(LEFT), HEIGHT - 14
     for text, color, dash in items:
         parts.append(
             f'<line x1="{x:.0f}" y1="{y - 4}" x2="{x + 24:.0f}" y2="{y - 4}" stroke="{color}" '
@@ -282,12 +288,12 @@ def _svg_legend(
 
 def svg_plot(predicted: Timeline, measured: Timeline | None = None, *, title: str = "") -> str:
     """The SVG document ``write_svg_plot`` writes."""
-    x_range = _index_range(predicted)
+    x_range = index_range(predicted)
     series = [_series("predicted", predicted, [(x_range, x_range)])]
     if measured is not None:
-        shared = _phase_pairs(measured.phase_bounds, predicted.phase_bounds)
+        shared = phase_pairs(measured.phase_bounds, predicted.phase_bounds)
         note = "" if shared else ", x scaled linearly: no shared phase"
-        series.append(_series("measured", measured, _alignment(measured, predicted), note))
+        series.append(_series("measured", measured, alignment(measured, predicted), note))
     baseline = sum(predicted.baseline_bytes.values())
     top = max(
         [
@@ -300,21 +306,21 @@ def svg_plot(predicted: Timeline, measured: Timeline | None = None, *, title: st
     unit = _unit(top)
     canvas = _Canvas((float(x_range[0]), float(x_range[1])), top * 1.12)
     title = (
-        title or f"Memory over one training step: {_display_name(predicted)} on {predicted.device}"
+        title or f"Memory over one training step: {display_name(predicted)} on {predicted.device}"
     )
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
-        f'viewBox="0 0 {_W} {_H}" font-family="Helvetica, Arial, sans-serif" font-size="12">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+        f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="Helvetica, Arial, sans-serif" font-size="12">',
         f"<title>{escape(title)}</title>",
-        f'<rect width="{_W}" height="{_H}" fill="white"/>',
-        f'<text x="{_LEFT}" y="22" font-size="16" font-weight="bold">{escape(title)}</text>',
+        f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
+        f'<text x="{LEFT}" y="22" font-size="16" font-weight="bold">{escape(title)}</text>',
         *_svg_axes(canvas, unit),
         *_svg_phases(canvas, predicted.phase_bounds),
     ]
     if baseline:
         y = canvas.py(baseline)
         parts.append(
-            f'<line class="baseline" x1="{_LEFT}" y1="{y:.1f}" x2="{_RIGHT}" y2="{y:.1f}" '
+            f'<line class="baseline" x1="{LEFT}" y1="{y:.1f}" x2="{RIGHT}" y2="{y:.1f}" '
             f'stroke="{_COLORS["baseline"]}" stroke-dasharray="6 4"/>'
         )
     taken: list[Box] = []

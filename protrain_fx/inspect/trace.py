@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""Timelines as a Chrome trace (chrome://tracing, ui.perfetto.dev).
+
+Each timeline is one process with three threads: a live-bytes counter, one slice per node, one
+slice per phase. Timestamps are step indices read as microseconds, so the trace shows order and
+not wall time; with ``align_to_first`` the later timelines are mapped onto the first one's indices
+phase by phase, for a measured step beside its prediction.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +17,16 @@ from typing import Any
 from protrain_fx.analysis.timeline import Timeline
 from protrain_fx.inspect.events import (
     ToTs,
-    _alignment,
-    _as_timelines,
-    _display_name,
-    _identity,
-    _map_x,
+    alignment,
+    as_timelines,
+    display_name,
+    identity,
+    map_x,
 )
 
 
 def _metadata_events(pid: int, timeline: Timeline) -> list[dict[str, Any]]:
-    name = f"{_display_name(timeline)} ({timeline.kind}, {timeline.device})"
+    name = f"{display_name(timeline)} ({timeline.kind}, {timeline.device})"
     events = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
         {
@@ -118,12 +124,12 @@ def to_chrome_trace(
     Timestamps are step indices read as microseconds. With ``align_to_first`` the later timelines'
     indices are mapped onto the first one's, phase by phase (points outside shared phases dropped).
     """
-    tls = _as_timelines(timelines)
+    tls = as_timelines(timelines)
     events: list[dict[str, Any]] = []
     for pid, tl in enumerate(tls, start=1):
         reference = tls[0] if align_to_first and pid > 1 else None
         to_ts: ToTs = (
-            _identity if reference is None else partial(_map_x, pairs=_alignment(tl, reference))
+            identity if reference is None else partial(map_x, pairs=alignment(tl, reference))
         )
         events += _metadata_events(pid, tl)
         events += _counter_events(pid, tl, to_ts)

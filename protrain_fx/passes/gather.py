@@ -1,7 +1,7 @@
 """Chunk rewrite: graphs read host-stored parameters from chunk buffers, and hand their gradients back.
 
 Runs on the partitioned graphs when some forward inputs are parameters an offload handle holds
-(``protrain_fx.param_offload``; the model keeps them as device tensors with no bytes). Per chunk and graph:
+(``runtime/offload.py``; the model keeps them as device tensors with no bytes). Per chunk and graph:
 
 * ``chunk_gather`` before the first node that reads one of the chunk's parameters, each parameter
   then a view of the returned flat buffer, made where the parameter is first read (cast to the

@@ -7,9 +7,9 @@ state alone) and checkpointing only moves. For a model whose parameters an offlo
 (``protrain_fx.offload``), the weight is in a chunk the backward gathers anyway, in the compute dtype
 already: keeping the cast across the step only costs memory.
 
-A policy pass on the joint graph, before the partitioner (``pipeline.run_joint_passes``): every
-dtype cast of a parameter input, and the views of it (a transpose), is tagged ``MUST_RECOMPUTE``;
-the partitioner then saves the parameter itself (a shell without bytes) and recasts it in the
+A policy pass on the joint graph, before the partitioner (``JOINT_PASSES`` in
+``passes/pipeline.py``): every dtype cast of a parameter input, and the views of it (a transpose),
+is tagged ``MUST_RECOMPUTE``; the partitioner then saves the parameter itself (a shell without bytes) and recasts it in the
 backward graph, where ``passes/gather.py`` reads it from the chunk buffer (the cast to the buffer's
 dtype folds into the buffer's view there). Tags the plan writes afterwards (``passes/annotate.py``)
 take precedence. The values are the same: a cast recomputed from the same parameter.

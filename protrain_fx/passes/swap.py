@@ -11,7 +11,7 @@ for backward whose block the plan swaps (or that a per-tensor override swaps):
   (queued behind the earlier reloads) finish before the first use, and ``reload_wait`` sits right
   before that first use.
 
-"Estimated" uses ``passes/estimate.py`` (roofline per node) and the machine's copy bandwidth, with
+"Estimated" uses ``analysis/estimate.py`` (roofline per node) and the machine's copy bandwidth, with
 :attr:`Machine.copy_margin` on top. Parameters, user outputs, and values computed from the model state
 alone (bf16 casts of weights: a block swap leaves them; cheap to keep, pointless to copy) stay.
 """
@@ -27,7 +27,7 @@ from torch._guards import detect_fake_mode
 
 from protrain_fx import meta
 from protrain_fx.analysis.estimate import start_times
-from protrain_fx.analysis.swappable import _Group, _select
+from protrain_fx.analysis.swappable import SwapGroup, select_swaps
 from protrain_fx.machine import Machine
 from protrain_fx.plan import Plan
 from protrain_fx.runtime import swap as swap_ops  # noqa: F401  (registers the protrain:: ops)
@@ -74,7 +74,7 @@ def swap_pass(
         return []
     out_node = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
     outputs = list(out_node.args[0])
-    groups, refused = _select(
+    groups, refused = select_swaps(
         forward, backward, outputs, plan, swapped_blocks, num_user_outputs, state_inputs, machine.min_swap_bytes
     )
     asked = {name for name, policy in plan.tensors.items() if policy == "swap"}
@@ -119,7 +119,7 @@ def swap_pass(
 
 
 def _insert_offload(
-    forward: fx.GraphModule, group: _Group, outputs: list, slot_prefix: str, where: fx.Node
+    forward: fx.GraphModule, group: SwapGroup, outputs: list, slot_prefix: str, where: fx.Node
 ) -> fx.Node:
     """``offload`` of the storage right after its last forward use; the host copy replaces every
     member among the forward outputs."""
@@ -140,7 +140,7 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _place_offload_waits(
-    forward: fx.GraphModule, groups: list[_Group], machine: Machine
+    forward: fx.GraphModule, groups: list[SwapGroup], machine: Machine
 ) -> list[tuple[str, float]]:
     """Insert each ``offload_wait`` where its copy is estimated done; returns (node before, copy s)."""
     nodes = _compute_nodes(forward)
@@ -167,7 +167,7 @@ def _place_offload_waits(
 
 
 def _place_reloads(
-    backward: fx.GraphModule, groups: list[_Group], machine: Machine
+    backward: fx.GraphModule, groups: list[SwapGroup], machine: Machine
 ) -> list[tuple[str, str, float]]:
     """Insert ``reload`` as late as lets the queued copy finish before the first use, ``reload_wait``
     right before that use and the members as views of the reloaded storage after it; returns

@@ -1,11 +1,24 @@
-"""TODO docstring."""
+"""The automatic activation plan: which blocks to swap and checkpoint under a memory budget.
+
+For a train graph whose parameters stay on the device, with a budget and no plan by hand
+(:func:`~protrain_fx.planner.budget.wants_auto_plan`), the partitioner calls :func:`choose_plan`:
+
+1. The step is partitioned and analysed with no plan.
+2. If that peak fits the allocated cap (budget less headroom and reserve), nothing is rewritten.
+3. Otherwise :func:`activation_problem` describes the step to the cost model (roofline block times
+   with measured matrix and attention ops on CUDA, this device's swap threshold, all parameters in
+   one unpadded chunk) and the search finds the fastest ``(n_swap, n_checkpoint)`` predicted to fit.
+4. The step is partitioned with that plan and analysed again; the analysis judges, the search is
+   lowered or raised around it (``planner/verify.py``), and last the least-memory configs are tried.
+5. When nothing fits, :class:`~protrain_fx.search.search.NoPlanFits` names the smallest budget.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -32,13 +45,9 @@ from protrain_fx.planner.verify import (
 )
 from protrain_fx.search import problem
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.spread import expected_estimate
 from protrain_fx.search.problem import Config, Problem, block_plan
 from protrain_fx.search.search import NoPlanFits, SearchResult, search
-
-if TYPE_CHECKING:
-    pass
-
+from protrain_fx.search.spread import expected_estimate
 
 log = logging.getLogger("protrain_fx")
 
@@ -64,8 +73,9 @@ def machine_profile(machine: Machine) -> problem.MachineProfile:
 
 
 def activation_problem(record: CapturedGraph) -> Problem:
-    """The cost model's :class:`~protrain_fx.cost.Problem` for a step analysed with no plan, as the
-    module docstring says: roofline times, this device's swap threshold, one unpadded chunk."""
+    """The cost model's :class:`~protrain_fx.search.problem.Problem` for a step analysed with no plan,
+    as the module docstring says: roofline times, this device's swap threshold, one unpadded chunk
+    (every chunk persists, so the padding a layout adds would count memory the model does not use)."""
     device = torch.device(record.memory.device)
     machine = machine_for(device, record.config.machine)
     params = parameter_infos(record.step, record.dynamo_graph)
@@ -82,7 +92,7 @@ def activation_problem(record: CapturedGraph) -> Problem:
 
 def search_activation_plan(problem: Problem, budget_bytes: int, *, reserve_bytes: int = 0) -> SearchResult:
     """The fastest ``(n_swap, n_checkpoint)`` with every chunk persistent that fits
-    ``budget_bytes - reserve_bytes``: :func:`protrain_fx.search.search` with ``persist_all=True``."""
+    ``budget_bytes - reserve_bytes``: :func:`protrain_fx.search.search.search` with ``persist_all=True``."""
     return search(problem, budget_bytes, reserve_bytes=reserve_bytes, persist_all=True)
 
 
@@ -136,7 +146,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     ``trial(plan)`` partitions the step with ``plan`` (``None``: no plan) and runs the passes on it,
     leaving ``record``'s graphs and ``record.memory`` as of that plan; on return the record holds the
     chosen plan's graphs. Returns ``None`` for a step without transformer blocks (nothing to plan;
-    the record holds it as it is). Raises :class:`~protrain_fx.search.NoPlanFits` when nothing fits.
+    the record holds it as it is). Raises :class:`~protrain_fx.search.search.NoPlanFits` when nothing fits.
     """
     started = time.perf_counter()
     budget = record.config.memory_budget_bytes
@@ -216,7 +226,7 @@ def chosen(
     ``started``: ``time.perf_counter()`` when the choice began (for ``choose_s``);
     ``empty_by_inductor``: ``empty_peak_bytes`` is Inductor's (:func:`judged_peak`). With
     ``rate_spread``, the predicted step is the mean over the host rates within that spread of their
-    readings (``cost.expected_estimate``)."""
+    readings (``search.spread.expected_estimate``)."""
     est = expected_estimate(model.problem, config, rate_spread) if rate_spread else model.estimate(config)
     kept = next((t for t in trials if t.config == config), None)
     if kept is not None:

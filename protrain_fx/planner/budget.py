@@ -1,4 +1,13 @@
-"""TODO docstring."""
+"""Budget arithmetic: where a step's memory budget comes from and what allocated peak it allows.
+
+The budget is the user's ``memory_budget`` or, with none and a CUDA device, what this process can
+still reach there when the step is compiled (:func:`resolve_budget`). It caps what the caching
+allocator *reserves*, which runs above what tensors hold, so every comparison is against
+:func:`allocated_cap_bytes`: the budget less :data:`ALLOCATOR_HEADROOM`, in exact fractions. The
+same rule says "fits" in the plan table, the report and the refusal's minimum budget
+(:func:`budget_for_peak`). CUDA is read only here and only at compile time; tests replace
+:func:`device_budget_bytes` to plan a CPU step for a budget of their own.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ log = logging.getLogger("protrain_fx")
 
 def reads_hand_offloaded(record: CapturedGraph) -> bool:
     """Whether the graph reads parameters offloaded with counts given by hand (the backend plans
-    the activations of a model whose counts it chose itself: ``autooffload.choose_for_placed``)."""
+    the activations of a model whose counts it chose itself: ``planner.offload.choose_for_placed``)."""
     return any(
         found is not None and not chunk_ops.handle(found[0]).counts_chosen
         for found in map(chunk_ops.offloaded, record.real_inputs())
@@ -30,8 +39,8 @@ def wants_auto_plan(record: CapturedGraph, *, budget_needed: bool = True) -> boo
     """A memory budget (the user's or, after :func:`resolve_budget`, the device's), ``auto_plan`` on,
     no plan by hand and no parameter offloaded with counts by hand (those models keep the path they
     had; an offload whose counts the backend chose gets an activation plan for its chunks,
-    ``autooffload.choose_for_placed``): the backend chooses the activation plan
-    (``protrain_fx.autoplan``). Asked before partitioning a train graph. ``budget_needed=False``: the
+    ``planner.offload.choose_for_placed``): the backend chooses the activation plan
+    (``planner/activations.py``). Asked before partitioning a train graph. ``budget_needed=False``: the
     same without the budget (``protrain_fx.what_fits`` also answers without one)."""
     config = record.config
     return (
@@ -104,9 +113,9 @@ def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
 
 
 #: The caching allocator reserves more than the tensors it holds (block rounding, fragmentation);
-#: a budget (a memory cap) limits what it reserves. Measured on the H200 (docs/results.md,
-#: 2026-11-30): reserved/allocated peaks of 1.015 (350M) to 1.07 (760M); two plans whose allocated
-#: peak was predicted 4-5% under a 20 GiB cap ran out of memory.
+#: a budget (a memory cap) limits what it reserves. Reserved ran up to 7% above allocated with every
+#: chunk on the device, and plans predicted 4-5% under their cap ran out of memory
+#: (``docs/results.md#allocator-headroom``).
 ALLOCATOR_HEADROOM = 0.08
 
 

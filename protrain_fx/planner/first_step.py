@@ -1,4 +1,15 @@
-"""TODO docstring."""
+"""Measured against predicted, over the first training calls of a planned graph.
+
+:func:`watch_first_step` wraps the compiled callable. Its first call with grad enabled reads the
+CUDA memory counters at the forward's start and at the end of the backward its outputs join (a
+callback queued on the autograd engine) and hands them to :func:`record_first_step`: a
+:class:`~protrain_fx.planner.result.PeakCheck`, the measured reserve for the code around the graph,
+and, after a miss or when that reserve allows a faster plan, the graph removed from Dynamo's cache
+so that its next call compiles it again. Calls 3 to 8 (``STEP_TIMED_CALLS``) are timed against the
+predicted step, and an offloaded step's optimizer rates over them may re-plan ``n_gpu_optim``.
+Peak statistics are reset only when the compile itself raised them, or after a miss; off CUDA
+nothing is measured (tests replace :func:`memory_counters`).
+"""
 
 from __future__ import annotations
 
@@ -141,7 +152,7 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
     first, last = STEP_TIMED_CALLS
     after: tuple[int, int] | None = None  # the calls timed after a re-plan
 
-    window: list[RateWindow] = []  # the offload runtime's rates over the same calls (protrain_fx.calibrate)
+    window: list[RateWindow] = []  # the offload runtime's rates over the same calls (planner/rates.py)
     replanned: list[OffloadHandle] = []  # the handle whose n_gpu_optim the rates changed
 
     def intervals(a: int, b: int) -> list[float]:
@@ -171,7 +182,7 @@ def _open_rate_window(record: CapturedGraph) -> list[RateWindow]:
     """``[RateWindow]`` on the offload handle whose chunks ``record``'s automatic plan placed with
     optimizer steps of their own (CPU or device), else ``[]``."""
     from protrain_fx.planner.offload import (
-        placed_handle,  # (autooffload imports this module)
+        placed_handle,  # (planner/offload.py imports this module)
     )
 
     auto = record.auto_plan
@@ -184,10 +195,10 @@ def _open_rate_window(record: CapturedGraph) -> list[RateWindow]:
 
 
 def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | None:
-    """Stores, logs and keeps for later plans (``profiler.note_training_rates``) the rates
+    """Stores, logs and keeps for later plans (``profile.cache.note_training_rates``) the rates
     ``window`` measured (``AutoPlan.training_rates``). Where the counts were chosen by the backend
     and it may step chunks on the device (:func:`replans_device_steps`), ``n_gpu_optim`` is chosen
-    again at those rates (``calibrate.replan_gpu_optim``) and a faster count is applied to the
+    again at those rates (``planner.rates.replan_gpu_optim``) and a faster count is applied to the
     handle at once (``AutoPlan.replanned``, logged); that :class:`Replan` is returned."""
     from protrain_fx.profile.cache import (
         note_training_rates,  # read at the call (tests replace it)

@@ -42,7 +42,7 @@ UNBOUNDED = 2**62
 class FitReport:
     """One training graph's answer. ``budget_bytes``: what it was asked under (``None``: no budget,
     only the minimum is reported); ``fits``: a plan keeps the allocated peak under the budget less the
-    allocator's headroom (``pipeline.allocated_cap_bytes``); ``plan``: the plan the backend would run
+    allocator's headroom (``planner.budget.allocated_cap_bytes``); ``plan``: the plan the backend would run
     (``None`` when nothing fits); ``min_budget_bytes``: the smallest budget with which the backend
     finds a plan (that of least memory, allocator headroom included); ``host_swap_bytes``: pinned host
     memory the plan's swaps need (0 without swaps).
@@ -154,14 +154,14 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
 
 def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | None], None]) -> None:
     """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
-    the training compile would choose under the budget (``autooffload.choose_offload``, which places
-    the chunks of each config it tries and checks it with the memory analysis), and the smallest
-    budget: the least peak of the least-memory configs (``autooffload.least_memory_candidates``: the
-    cost model's least, and checkpointing every block) as the analysis judges it, the judge training uses (the
-    cost model's peak is not asked to fit: it can fall below the analysis', on small chunks and on
-    swaps, 1.957 against 2.120 GB on the H200 in the eighth session, or far above it). Then nothing stays placed (``handle.unplace()``)
-    and the compile stops with the report."""
-    from protrain_fx.planner import offload as autooffload
+    the training compile would choose under the budget (``planner.offload.choose_offload``, which
+    places the chunks of each config it tries and checks it with the memory analysis), and the
+    smallest budget: the least peak of the least-memory configs
+    (``planner.offload.least_memory_candidates``: the cost model's least, and checkpointing every
+    block) as the analysis judges it, the judge training uses (the cost model's peak is not asked to
+    fit: it can fall below the analysis', on small chunks and on swaps, or far above it). Then
+    nothing stays placed (``handle.unplace()``) and the compile stops with the report."""
+    from protrain_fx.planner import offload as planner_offload
     from protrain_fx.planner.budget import budget_for_peak
     from protrain_fx.planner.reserve import outside_reserve
     from protrain_fx.search.search import NoPlanFits
@@ -171,20 +171,20 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     # after the trial, which puts the user's options back: choose_offload reads the budget first thing
     record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
     assert record.memory is not None
-    model = autooffload.offload_cost_model(record, handle, "what_fits cannot choose its offload counts")
+    model = planner_offload.offload_cost_model(record, handle, "what_fits cannot choose its offload counts")
     problem = model.problem
-    candidates = autooffload.least_memory_candidates(model)
+    candidates = planner_offload.least_memory_candidates(model)
     least = candidates[0]
     outside = outside_reserve(record)[0]
     chosen = None
     try:
         try:
-            chosen = autooffload.choose_offload(record, handle, trial, final=False, model=model)
+            chosen = planner_offload.choose_offload(record, handle, trial, final=False, model=model)
             judged = []
             for config in candidates:
                 done = next((t for t in chosen.trials if t.config == config), None)
                 if done is None:
-                    done = autooffload.place_and_analyse(record, handle, model, config, trial)
+                    done = planner_offload.place_and_analyse(record, handle, model, config, trial)
                 judged.append(done)
             done = min(judged, key=lambda t: t.analysed_peak_bytes)
             least = done.config

@@ -13,27 +13,27 @@ graph, :func:`choose_offload` runs instead of partitioning once:
 2. :func:`offload_problem` describes the step to the cost model with the handle's own chunks (the
    ones the runtime will move): chunk buffers in the compute dtype, persistent chunks as the runtime
    keeps them (fp32 parameter and gradient, two fp32 Adam moments: ``persistent_param_bytes``),
-   block times from the roofline (``passes/estimate.py``) with the matrix and attention nodes
-   measured on CUDA (``profiler.device_op_times``), the machine's copy and Adam rates
-   measured once and cached (``profiler.measure_machine``, the CPU step at the handle's chunk size:
-   ``profiler.chunk_adam_rate``; on a device that is not CUDA the
+   block times from the roofline (``analysis/estimate.py``) with the matrix and attention nodes
+   measured on CUDA (``planner.problem.device_op_times``), the machine's copy and Adam rates
+   measured once and cached (``profile.machine_profile.measure_machine``, the CPU step at the
+   handle's chunk size: ``chunk_adam_rate`` there; on a device that is not CUDA the
    backend's ``machine`` constants stand in, see :func:`offload_machine`).
-3. :func:`protrain_fx.search.search` finds the fastest ``(n_persist, n_buffer, n_swap,
+3. :func:`protrain_fx.search.search.search` finds the fastest ``(n_persist, n_buffer, n_swap,
    n_checkpoint, n_gpu_optim)`` whose predicted peak fits the budget less the allocator's headroom
-   (``pipeline.allocated_cap_bytes``); ``n_gpu_optim`` only on CUDA (on the CPU there is no second
+   (``planner.budget.allocated_cap_bytes``); ``n_gpu_optim`` only on CUDA (on the CPU there is no second
    device to step on). A config with more persistent chunks predicted within 5% of it is taken
    instead (:func:`prefer_persistent`).
 4. The handle places its chunks with those counts (``OffloadHandle.configure``: the host store,
    the chunk buffers, persistent parameters on the device), the step is partitioned again with the
-   activation plan (``cost.block_plan``) and rewritten to read the chunks (``passes/gather.py``),
+   activation plan (``search.problem.block_plan``) and rewritten to read the chunks (``passes/gather.py``),
    and the memory analysis checks the rewritten step, chunk buffers and staging included. Above the
    cap, the search runs again with the cap lowered by the miss (the handle is placed again; nothing
    has run yet), a few times; last the configs of least memory (no persistent chunk, the fewest
    buffers, and the cost model's least activation counts, then checkpointing every block:
    :func:`least_memory_candidates`), each judged by the analysis. Under the cap, the search
    runs again with the cap raised by the cost model's margin over the analysis, and a faster config
-   it finds is placed and kept if it analyses under the cap (``autoplan.raised_choice``).
-5. Nothing fits: :class:`~protrain_fx.search.NoPlanFits` names the smallest budget with a plan.
+   it finds is placed and kept if it analyses under the cap (``planner.verify.raised_choice``).
+5. Nothing fits: :class:`~protrain_fx.search.search.NoPlanFits` names the smallest budget with a plan.
    A host too small for the chunk store is refused by the store, naming its bytes.
 
 Then the handle forgets the values it kept (``OffloadHandle.finalize``): the counts are final for
@@ -42,7 +42,7 @@ its own activation plan for the chunks as placed (:func:`choose_for_placed`).
 
 Lean chunks (a host short of memory for every chunk's compute-dtype copy): the cost model gets
 how many the store would make for each ``n_persist`` (``OffloadHandle.lean_counts``), their fp32
-fetch bytes and the fp32 fetch staging (``cost`` module docstring).
+fetch bytes and the fp32 fetch staging (``search/cost.py``).
 """
 
 from __future__ import annotations
@@ -216,16 +216,17 @@ def chunk_parts(handle: OffloadHandle) -> list[int]:
 def offload_machine(
     device: torch.device, record: CapturedGraph, chunk_params: int | None = None, parts: Sequence[int] = ()
 ) -> MachineProfile:
-    """The machine's rates: measured on CUDA (``profiler.measure_machine``, once per device and torch
-    version, cached; the rates training reached on this machine in their place where known:
-    ``profiler.training_rates``); elsewhere the backend's ``machine`` constants (``autoplan.machine_profile``)
-    with the CPU Adam rate measured the same way (the one rate a CPU step depends on). With
-    ``chunk_params``, the CPU Adam rate is that of chunks of this size (``profiler.chunk_adam_rate``,
-    cached per size): the rate fell with the chunk's size; on CUDA, the faster of two readings, one
+    """The machine's rates: measured on CUDA (``profile.machine_profile.measure_machine``, once per
+    device and torch version, cached; the rates training reached on this machine in their place where
+    known: ``profile.cache.training_rates``); elsewhere the backend's ``machine`` constants
+    (``planner.activations.machine_profile``) with the CPU Adam rate measured the same way (the one
+    rate a CPU step depends on). With ``chunk_params``, the CPU Adam rate is that of chunks of this
+    size (``profile.machine_profile.chunk_adam_rate``, cached per size): the rate fell with the chunk's size; on CUDA, the faster of two readings, one
     before and one after the device steps' measurement (a host's CPU can be slow for a while). With
     ``parts`` (:func:`chunk_parts`), on CUDA, the device-step rate is that of chunks laid out so,
-    stepped beside the model's own matrix and attention kernels (``profiler.device_step_rate``,
-    cached per layout and load): one tensor of 64M parameters read 15% above what training reached."""
+    stepped beside the model's own matrix and attention kernels
+    (``profile.machine_profile.device_step_rate``, cached per layout and load): one large tensor
+    reads well above what training reaches (``docs/results.md#device-step-rate-measured-against-training``)."""
     measured = measure_machine(device)
     if chunk_params:
         measured = dataclasses.replace(measured, cpu_adam_params_per_s=chunk_adam_rate(device, chunk_params))
@@ -242,7 +243,7 @@ def offload_machine(
     for name in trained:
         log.info(
             "protrain_fx: graph %d: %s %.4g, the rate training reached on this machine (profiled %.4g; "
-            "protrain_fx.calibrate)", record.index, name, getattr(measured, name), getattr(profiled, name),
+            "planner/rates.py)", record.index, name, getattr(measured, name), getattr(profiled, name),
         )
     if device.type == "cuda":
         return measured
@@ -296,12 +297,12 @@ PREFER_PERSISTENT = 0.05
 
 
 def prefer_persistent(problem: Problem, budget: int, reserve: int, *, gpu_optim: bool) -> SearchResult:
-    """The fastest config (:func:`protrain_fx.search.search`), unless one with more persistent chunks
+    """The fastest config (:func:`protrain_fx.search.search.search`), unless one with more persistent chunks
     is predicted within :data:`PREFER_PERSISTENT` of it: then the one with the most. An offloaded
     chunk's speed rests on host rates measured once, in isolation, and on the cost model's overlap of
     CPU steps with compute; where the model sees a few percent to gain by offloading, the device is
-    the safer bet (B24 350M at 24 GiB on the H200, 2026-11-30: offloading 4 of 6 chunks was predicted
-    4% faster than keeping all, and ran 2.2x slower than torch.compile)."""
+    the safer bet: a gain of a few percent is inside the host rates' error, and an offload that
+    loses it runs far slower than keeping every chunk (``docs/results.md#profiled-rates-against-training``)."""
     best = search(problem, budget, reserve_bytes=reserve, gpu_optim=gpu_optim)
     seconds = best.seconds
     for p in range(len(problem.chunks), best.best.n_persist, -1):
@@ -320,7 +321,7 @@ def steadier_gpu_optim(
     spread: Mapping[str, float] = RATE_SPREAD,
 ) -> Config:
     """The chosen config ``kept.config`` with the ``n_gpu_optim`` of the least expected step over the
-    host rates' spread (``cost.steadiest_gpu_optim``), within the memory its judged peak leaves under
+    host rates' spread (``search.spread.steadiest_gpu_optim``), within the memory its judged peak leaves under
     ``cap``; applied to ``handle`` and appended to ``trials`` (the judged peak raised by the static
     bytes the change adds), with a log line, when it differs. The count changes no graph: the two
     optimizer paths read and write the same host state (``OffloadHandle.set_gpu_optim``)."""
@@ -349,7 +350,7 @@ def least_memory_config(model: CostModel) -> Config:
 
 def least_memory_candidates(model: CostModel) -> list[Config]:
     """The configs tried as the plan of least memory: no persistent chunk, the fewest buffers, no
-    device step, and the activation counts of ``autoplan.least_memory_configs`` (the cost model's
+    device step, and the activation counts of ``planner.activations.least_memory_configs`` (the cost model's
     least, then checkpointing every block)."""
     b = model.min_buffers(0) if model.n_chunks else 0
     return least_memory_configs(model, 0, b)
@@ -364,7 +365,7 @@ def place_and_analyse(
 ) -> Trial:
     """Place ``handle``'s chunks with ``config``'s counts, rewrite and analyse the step with its
     activation plan (``trial``), and return the :class:`Trial`: the cost model's peak and the
-    analysis' (``autoplan.judged_peak``: or Inductor's plan's, with ``verify="inductor"``). ``record``
+    analysis' (``planner.verify.judged_peak``: or Inductor's plan's, with ``verify="inductor"``). ``record``
     is left as of this config."""
     with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
         handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim)
@@ -382,7 +383,7 @@ def choose_offload(
     model: CostModel | None = None,
 ) -> AutoPlan:
     """Choose the counts and the activation plan, place ``handle``'s chunks and verify (module
-    docstring). ``trial`` is :func:`protrain_fx.autoplan.choose_plan`'s: it partitions and analyses
+    docstring). ``trial`` is :func:`protrain_fx.planner.activations.choose_plan`'s: it partitions and analyses
     the step with a plan, leaving ``record`` as of that plan. ``final=False`` (``what_fits``): the
     chunks stay placed but not final, so that ``handle.unplace()`` can undo them. ``model``: the
     cost model of the step, when the caller made it after ``trial(None)``."""

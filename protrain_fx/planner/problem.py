@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""The one extractor from a captured, analysed step to the search's plain ``Problem``.
+
+:func:`problem_from_record` (a :class:`~protrain_fx.search.problem.Problem`) reads the forward and backward graphs, the memory analysis' per-block
+table and the chunk layout, and prices each block (roofline node times, with the matrix,
+convolution and attention ops measured on CUDA: :func:`device_op_times`). Its result holds no FX
+and no torch, so the cost model and search stay free of both and a dumped problem replays in a
+unit test. This module never rewrites a graph; it reads what the analyses left in ``node.meta``.
+"""
 
 from __future__ import annotations
 
@@ -39,105 +46,163 @@ def problem_from_record(
     op_times: Mapping[str, float] | None = None,
     compute_scale: float = 1.0,
 ) -> problem.Problem:
-    """The search's :class:`~protrain_fx.cost.Problem` for a captured training step.
+    """The search's :class:`~protrain_fx.search.problem.Problem` for a captured training step.
 
     ``record`` must have a backward graph and its memory analysis (the backend fills both). Blocks are
     the labels of the forward graph's nodes other than ``"outside"``, in order of first appearance
-    (forward order). Per block:
+    (forward order). The steps, each documented where it is done: :func:`_step_times` (the blocks'
+    and outside's forward, backward and recompute seconds), :func:`_swap_placement` (what the swap
+    rewrite moves and the timeline it places copies by; ``min_swap_bytes`` defaults to
+    ``Machine``'s, the GPU rule even on the CPU), :func:`_chunk_profiles`, :func:`_block_profiles`.
 
-    * ``saved_bytes`` / ``transient_bytes``: the analysis' per-block table (``record.memory.blocks``:
-      ``saved_activation_bytes``, ``transient_peak_bytes``). With Inductor codegen that table is the
-      one of Inductor's plans once the backward has been compiled.
-    * ``checkpoint_saved_bytes``: the bytes of the values that cross into the block (forward graph
-      values of another block, or graph inputs other than parameters, read by the block's nodes; each
-      storage once). That is what a checkpointed block must keep to rerun its forward; the min-cut
-      partitioner may keep a little more (e.g. a cheap-to-save statistic), which this ignores.
-    * ``swap_bytes``: what ``passes/swap.py`` moves when it swaps the block
-      (``passes/swap.swap_candidates``: the storages its own selection takes, each rounded up to
-      the allocator's granule), with ``min_swap_bytes`` (default: ``Machine``'s default, 1 MiB, the
-      GPU rule even when the record was captured on the CPU, whose machine swaps everything);
-      capped at ``saved_bytes``. What a swap leaves on the device is not counted: values under
-      ``min_swap_bytes``, values computed from the model state alone (the compute-dtype casts of
-      weights under autocast), storages no contiguous value covers (rotary q / k saved as views).
-      ``swap_parts``: each of those storages, where the rewrite issues its copy out (after its last
-      forward use) and where backward first reads it, on the rewrite's timeline (below).
-    * ``place_fwd_s`` / ``place_bwd_s``: the block's forward and backward on the timeline the swap
-      rewrite places its waits and reloads by (``passes/estimate.node_time`` per node, unfused,
-      with ``estimate_machine``); the Problem's ``outside_place_bwd_s`` the outside backward nodes
-      before the first block's, and its placement rates and ``copy_margin`` that machine's
-      (``cost`` module docstring, "Swap memory").
-    * ``fwd_s``, ``bwd_s``: from ``block_times`` when given, else a roofline estimate
-      (``passes/estimate.node_time`` summed over the block's forward / backward nodes with
-      ``estimate_machine``, default ``machine_for`` the analysed device). ``block_times`` maps a
-      label to ``(fwd_s, bwd_s)``, or to one number (fwd + bwd, as ``profile.profile_block_times``
-      returns), split 1 : 2 between forward and backward (backward computes two products per
-      forward product). A block missing from ``block_times`` falls back to the roofline. With
-      Inductor codegen the roofline fuses memory-bound nodes as Inductor does
-      (``passes/estimate.fused_node_times``); with eager codegen every node is its own kernel.
-      ``op_times`` (``opprofile.op_signature`` -> seconds, as ``opprofile.measure_op_times``
-      returns) replaces the roofline of the nodes it has a time for: the matrix products,
-      convolutions and attention ops measured on the device; the other nodes keep the roofline.
-      ``compute_scale`` multiplies the times so estimated (not ``block_times``): what a step takes
-      beyond the sum of its nodes (:data:`IN_STEP_SCALE`, with op times taken as
-      :func:`device_op_times` takes them).
-    * ``recompute_s`` / ``recompute_chained_s``: what a checkpointed block reruns in backward when the
-      next block is not / is checkpointed too (:func:`_recompute_times`: the block's nodes the
-      backward's reads depend on), as a fraction of the estimated forward applied to ``fwd_s``.
-    * ``chunk_ids``: the chunks holding the block's parameters.
-
-    Chunks: the parameters (``passes/params.parameter_infos``, tied ones once, buffers included)
-    packed by ``chunks.choose_layout`` (or ``chunks.pack`` with ``chunk_bytes``), or ``layout`` when
-    given (an offload handle's, whose chunks are the ones the runtime will move). A chunk's ``bytes``
-    is the chunk size (padding included) times ``buffer_bytes_per_byte`` (the chunk buffers' element
-    size over the parameters': 0.5 for fp32 parameters fetched as bf16), ``n_params`` its used bytes
-    over the parameters' mean element size; ``persistent_param_bytes`` is passed to the Problem. Chunks holding ``"outside"`` parameters (or of a block the forward graph does not
-    show) are ``outside_chunk_ids``.
-
-    Outside: ``outside_fwd_s`` / ``outside_bwd_s`` as for blocks over the ``"outside"`` nodes (label
-    ``"outside"`` in ``block_times``); ``outside_peak_bytes`` = the outside row's transient peak plus
-    its saved bytes (the cost model keeps no saved bytes outside the blocks otherwise: embedding and
-    head activations are counted as working memory at the end of forward). ``fixed_bytes`` = the
-    step's inputs (``memory.input_bytes``). ``master_bytes_per_param`` is 0 when the parameters are
-    fp32 (the working copy is the master), else 4; ``adam_state_bytes_per_param`` is 4 bytes per state
-    the configured optimizer keeps (8 for Adam/AdamW); ``device_step_bytes`` is the device staging of
-    chunks stepped on the GPU (``runtime/device_adam.py``).
+    Outside the blocks: ``outside_peak_bytes`` = the outside row's transient peak plus its saved
+    bytes (embedding and head activations count as working memory at the end of forward);
+    ``fixed_bytes`` = the step's inputs. ``master_bytes_per_param`` is 0 for fp32 parameters (the
+    working copy is the master), else 4; ``adam_state_bytes_per_param`` is 4 bytes per state the
+    optimizer keeps; ``device_step_bytes`` is the device staging of chunks stepped on the GPU.
     """
+    fw_nodes, bw_nodes, labels = _step_nodes(record)
+    analysis = record.memory
+    device = torch.device(analysis.device)
+    est = estimate_machine or machine_for(device, record.config.machine)
+    times, estimated, rerun = _step_times(
+        record, fw_nodes, bw_nodes, est, block_times=block_times, op_times=op_times, compute_scale=compute_scale
+    )
+    if min_swap_bytes is None:
+        min_swap_bytes = Machine.__dataclass_fields__["min_swap_bytes"].default
+    place, outside_place_bwd, parts = _swap_placement(
+        record, labels, fw_nodes, bw_nodes, est, min_swap_bytes, default_granule(device)
+    )
+    chunk_profiles, chunks_of, elem = _chunk_profiles(record, labels, layout, chunk_bytes, buffer_bytes_per_byte)
+    rows = {b.block: b for b in analysis.blocks}
+    blocks = _block_profiles(
+        labels, rows, times, estimated, rerun, _crossing_bytes(fw_nodes, record.step.state_inputs),
+        parts, place, chunks_of,
+    )
+    outside = rows.get(meta.OUTSIDE)
+    out_fwd, out_bwd = times.get(meta.OUTSIDE, (0.0, 0.0))
+    return problem.Problem(
+        blocks=tuple(blocks),
+        chunks=tuple(chunk_profiles),
+        machine=machine,
+        outside_fwd_s=out_fwd,
+        outside_bwd_s=out_bwd,
+        outside_peak_bytes=(outside.transient_peak_bytes + outside.saved_activation_bytes) if outside else 0,
+        outside_chunk_ids=tuple(sorted(set(chunks_of.get(meta.OUTSIDE, ())))),
+        fixed_bytes=analysis.input_bytes,
+        master_bytes_per_param=0 if elem >= 4 else 4,
+        adam_state_bytes_per_param=_STATE_BYTES * record.config.optimizer_states_per_param,
+        device_step_bytes=_device_step_staging_bytes(round(elem * buffer_bytes_per_byte)),
+        persistent_param_bytes=persistent_param_bytes,
+        outside_place_bwd_s=outside_place_bwd,
+        place_d2h_bytes_per_s=est.d2h_bytes,
+        place_h2d_bytes_per_s=est.h2d_bytes,
+        copy_margin=est.copy_margin,
+    )
+
+
+def _step_nodes(record: CapturedGraph) -> tuple[list[fx.Node], list[fx.Node], list[str]]:
+    """The forward's and backward's compute nodes and the block labels in forward order; refuses a
+    record with no backward graph, no memory analysis or no transformer block."""
     if record.forward is None or record.backward is None or record.step is None:
         raise ValueError(f"graph {record.index} has no backward graph: nothing to train")
     if record.memory is None:
         raise ValueError(f"graph {record.index} has no memory analysis")
-    analysis = record.memory
-    rows = {b.block: b for b in analysis.blocks}
     fw_nodes = [n for n in record.forward.graph.nodes if n.op not in ("placeholder", "output")]
     bw_nodes = [n for n in record.backward.graph.nodes if n.op not in ("placeholder", "output")]
     labels = list(dict.fromkeys(_label(n) for n in fw_nodes if _label(n) != meta.OUTSIDE))
     if not labels:
         raise ValueError(f"graph {record.index}: no transformer blocks were found")
+    return fw_nodes, bw_nodes, labels
 
-    device = torch.device(analysis.device)
-    est = estimate_machine or machine_for(device, record.config.machine)
+
+def _step_times(
+    record: CapturedGraph,
+    fw_nodes: list[fx.Node],
+    bw_nodes: list[fx.Node],
+    est: Machine,
+    *,
+    block_times: Mapping[str, Any] | None,
+    op_times: Mapping[str, float] | None,
+    compute_scale: float,
+) -> tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:
+    """``(times, estimated, rerun)`` per label: ``(fwd_s, bwd_s)`` as the Problem gets them, the
+    same as estimated (unscaled, without ``block_times``), and :func:`_recompute_times`.
+
+    ``fwd_s``, ``bwd_s``: from ``block_times`` when given, else a roofline estimate
+    (``analysis.estimate.node_time`` summed over the block's forward / backward nodes with ``est``).
+    ``block_times`` maps a label to ``(fwd_s, bwd_s)``, or to one number (fwd + bwd, as
+    ``inspect.block_times.profile_block_times`` returns), split 1 : 2 between forward and backward
+    (backward computes two products per forward product). A block missing from ``block_times``
+    falls back to the roofline. With Inductor codegen the roofline fuses memory-bound nodes as
+    Inductor does (``analysis.estimate.fused_node_times``); with eager codegen every node is its own
+    kernel. ``op_times`` (``profile.ops.op_signature`` -> seconds, as ``profile.ops.measure_op_times``
+    returns) replaces the roofline of the nodes it has a time for: the matrix products, convolutions
+    and attention ops measured on the device; the other nodes keep the roofline. ``compute_scale``
+    multiplies the times so estimated (not ``block_times``): what a step takes beyond the sum of its
+    nodes (:data:`IN_STEP_SCALE`, with op times taken as :func:`device_op_times` takes them).
+
+    ``rerun``: what a checkpointed block reruns in backward when the next block is not / is
+    checkpointed too, in the unscaled estimate's seconds; :func:`_block_profiles` applies it to
+    ``fwd_s`` as a fraction of the estimated forward."""
     fused = record.config.codegen == "inductor"
     fw_times = _node_times(fw_nodes, est, fused=fused, op_times=op_times)
     times = _label_times(fw_times, _node_times(bw_nodes, est, fused=fused, op_times=op_times))
     rerun = _recompute_times(fw_nodes, fw_times, _output_args(record.forward)[record.step.num_user_outputs :])
     estimated = dict(times)
-    if compute_scale != 1.0:  # the recompute fractions below stay those of the unscaled estimate
+    if compute_scale != 1.0:  # the recompute fractions stay those of the unscaled estimate
         times = {label: (f * compute_scale, b * compute_scale) for label, (f, b) in times.items()}
     if block_times:
         for label, value in block_times.items():
             times[label] = _split(value)
+    return times, estimated, rerun
 
-    state = record.step.state_inputs
-    crossing = _crossing_bytes(fw_nodes, state)
-    if min_swap_bytes is None:
-        min_swap_bytes = Machine.__dataclass_fields__["min_swap_bytes"].default
+
+def _swap_placement(
+    record: CapturedGraph,
+    labels: list[str],
+    fw_nodes: list[fx.Node],
+    bw_nodes: list[fx.Node],
+    est: Machine,
+    min_swap_bytes: int,
+    granule: int,
+) -> tuple[dict[str, tuple[float, float]], float, dict[str, list[tuple[float, float, int]]]]:
+    """``(place, outside_place_bwd_s, parts)``: the timeline the swap rewrite places its waits and
+    reloads by, and what it moves.
+
+    ``place``: per label, ``(place_fwd_s, place_bwd_s)``, the block's forward and backward at
+    ``analysis.estimate.node_time`` per node, unfused, with ``est``; ``outside_place_bwd_s``: the
+    outside backward nodes before the first block's. ``parts``: per block, :func:`_swap_parts`, what
+    ``passes/swap.py`` moves when it swaps the block (``analysis.swappable.swap_candidates``: the
+    storages its own selection takes, each rounded up to the allocator's ``granule``). What a swap leaves on the device is not counted:
+    values under ``min_swap_bytes``, values computed from the model state alone (the compute-dtype
+    casts of weights under autocast), storages no contiguous value covers (rotary q / k saved as
+    views)."""
     place_fw = {n: node_time(n, est) for n in fw_nodes}
     place_bw = {n: node_time(n, est) for n in bw_nodes}
     place = _label_times(place_fw, place_bw)
     first_block = next((i for i, n in enumerate(bw_nodes) if _label(n) != meta.OUTSIDE), len(bw_nodes))
     outside_place_bwd = sum(place_bw[n] for n in bw_nodes[:first_block])
-    parts = _swap_parts(record, labels, fw_nodes, bw_nodes, place_fw, place_bw, min_swap_bytes, default_granule(device))
+    parts = _swap_parts(record, labels, fw_nodes, bw_nodes, place_fw, place_bw, min_swap_bytes, granule)
+    return place, outside_place_bwd, parts
 
+
+def _chunk_profiles(
+    record: CapturedGraph,
+    labels: list[str],
+    layout: chunks_mod.ChunkLayout | None,
+    chunk_bytes: int | None,
+    buffer_bytes_per_byte: float,
+) -> tuple[list[problem.ChunkProfile], dict[str, list[int]], float]:
+    """``(chunk profiles, chunk ids per label, mean parameter element size)``.
+
+    The parameters (``analysis.params.parameter_infos``, tied ones once, buffers included) packed by
+    ``chunks.choose_layout`` (or ``chunks.pack`` with ``chunk_bytes``), or ``layout`` when given (an
+    offload handle's, whose chunks are the ones the runtime will move). A chunk's ``bytes`` is the
+    chunk size (padding included) times ``buffer_bytes_per_byte`` (the chunk buffers' element size
+    over the parameters': 0.5 for fp32 parameters fetched as bf16), ``n_params`` its used bytes over
+    the parameters' mean element size. Chunks holding ``"outside"`` parameters (or of a block the
+    forward graph does not show) are listed under ``"outside"``."""
     if layout is None:
         params = parameter_infos(record.step, record.dynamo_graph)
         layout = chunks_mod.pack(params, chunk_bytes) if chunk_bytes else chunks_mod.choose_layout(params)
@@ -150,7 +215,35 @@ def problem_from_record(
     for c in layout.chunks:
         for block in dict.fromkeys(s.param.block for s in c.slots):
             chunks_of[block if block in labels else meta.OUTSIDE].append(c.index)
+    return chunk_profiles, chunks_of, elem
 
+
+def _block_profiles(
+    labels: list[str],
+    rows: Mapping[str, Any],
+    times: Mapping[str, tuple[float, float]],
+    estimated: Mapping[str, tuple[float, float]],
+    rerun: Mapping[str, tuple[float, float]],
+    crossing: Mapping[str, int],
+    parts: Mapping[str, list[tuple[float, float, int]]],
+    place: Mapping[str, tuple[float, float]],
+    chunks_of: Mapping[str, list[int]],
+) -> list[problem.BlockProfile]:
+    """One ``BlockProfile`` per label, from the steps before.
+
+    * ``saved_bytes`` / ``transient_bytes``: the analysis' per-block table (``rows``:
+      ``saved_activation_bytes``, ``transient_peak_bytes``). With Inductor codegen that table is the
+      one of Inductor's plans once the backward has been compiled.
+    * ``checkpoint_saved_bytes``: ``crossing``, the bytes of the values that cross into the block
+      (:func:`_crossing_bytes`). That is what a checkpointed block must keep to rerun its forward;
+      the min-cut partitioner may keep a little more (e.g. a cheap-to-save statistic), which this
+      ignores.
+    * ``swap_bytes`` / ``swap_parts``: the block's ``parts`` capped at ``saved_bytes``; each part is
+      where the rewrite issues its copy out (after its last forward use) and where backward first
+      reads it, on the placement timeline.
+    * ``recompute_s`` / ``recompute_chained_s``: ``rerun`` as a fraction of the estimated forward,
+      applied to ``fwd_s`` (at most ``fwd_s``).
+    * ``chunk_ids``: the chunks holding the block's parameters."""
     blocks = []
     for label in labels:
         row = rows.get(label)
@@ -177,46 +270,21 @@ def problem_from_record(
                 place_bwd_s=place.get(label, (0.0, 0.0))[1],
             )
         )
-    outside = rows.get(meta.OUTSIDE)
-    out_fwd, out_bwd = times.get(meta.OUTSIDE, (0.0, 0.0))
-    n_states = record.config.optimizer_states_per_param
-    return problem.Problem(
-        blocks=tuple(blocks),
-        chunks=tuple(chunk_profiles),
-        machine=machine,
-        outside_fwd_s=out_fwd,
-        outside_bwd_s=out_bwd,
-        outside_peak_bytes=(outside.transient_peak_bytes + outside.saved_activation_bytes) if outside else 0,
-        outside_chunk_ids=tuple(sorted(set(chunks_of.get(meta.OUTSIDE, ())))),
-        fixed_bytes=analysis.input_bytes,
-        master_bytes_per_param=0 if elem >= 4 else 4,
-        adam_state_bytes_per_param=_STATE_BYTES * n_states,
-        device_step_bytes=_device_step_staging_bytes(round(elem * buffer_bytes_per_byte)),
-        persistent_param_bytes=persistent_param_bytes,
-        outside_place_bwd_s=outside_place_bwd,
-        place_d2h_bytes_per_s=est.d2h_bytes,
-        place_h2d_bytes_per_s=est.h2d_bytes,
-        copy_margin=est.copy_margin,
-    )
+    return blocks
 
 
 #: A training step's forward and backward over the sum of their nodes as :func:`problem_from_record`
 #: prices them with :func:`device_op_times` (matrix and attention ops timed with the device kept busy,
-#: the roofline for the rest). On the H200 (2026-12-02, ``bench/peers.py`` with ``PEERS_REREAD``:
-#: the ops timed again right after training, in the same process) B24 350M, 760M at 24 and 40 GiB
-#: and 1.3B at 40 GiB, on two hosts, took 1.047, 1.062, 1.055 and 1.068 times that (mean 1.058, sd
-#: 0.009). What the ratio holds, from the step's kernel traces (``bench/step_trace.py``, twenty-third
-#: session): the device's idle time, at each phase's start and between kernels, less what the timed
-#: products read above their in-step kernel time. Priced with the ops as the profiler timed them
-#: before (5 calls between two events, the first round cached), the same runs' forward and backward
-#: took 0.92-0.97 times their price: a ratio that moved twice as much, from host to host and between
-#: rounds, and put 760M@40's first plan 7.5% high.
+#: the roofline for the rest). It stands for the device's idle time, at each phase's start and
+#: between kernels, less what the timed products read above their in-step kernel time; fitted over
+#: on-device runs whose products were timed again right after training
+#: (``docs/results.md#the-compute-estimate``).
 IN_STEP_SCALE = 1.058
 
 
 def device_op_times(record: CapturedGraph) -> dict[str, float] | None:
     """Measured seconds of the matrix, convolution and attention nodes of ``record``'s forward and
-    backward graphs (``opprofile.measure_op_times`` with the device kept busy while each op's calls
+    backward graphs (``profile.ops.measure_op_times`` with the device kept busy while each op's calls
     are queued: once per distinct call, device and torch version, cached), for
     :func:`problem_from_record`'s ``op_times``, with ``compute_scale`` :data:`IN_STEP_SCALE`;
     ``None`` off CUDA (the CPU "device" plans with relative numbers, and its tests stay
@@ -256,9 +324,9 @@ def _node_times(
     fused: bool = False,
     op_times: Mapping[str, float] | None = None,
 ) -> dict[fx.Node, float]:
-    """Seconds per node of one graph: the roofline (``passes/estimate.node_time``, or with ``fused``
-    ``passes/estimate.fused_node_times``: memory-bound nodes fused as Inductor fuses them), except
-    for nodes whose ``opprofile.op_signature`` has a measured time in ``op_times``."""
+    """Seconds per node of one graph: the roofline (``analysis.estimate.node_time``, or with ``fused``
+    ``analysis.estimate.fused_node_times``: memory-bound nodes fused as Inductor fuses them), except
+    for nodes whose ``profile.ops.op_signature`` has a measured time in ``op_times``."""
     times = fused_node_times(nodes, machine) if fused else {n: node_time(n, machine) for n in nodes}
     if op_times:
         for n in nodes:
@@ -356,7 +424,7 @@ def _swap_parts(
     granule: int,
 ) -> dict[str, list[tuple[float, float, int]]]:
     """Per block, ``BlockProfile.swap_parts``: what ``passes/swap.py`` moves when it swaps the
-    block (``passes/swap.swap_candidates``), each storage as ``(issue_s, use_s, bytes)`` on the
+    block (``analysis.swappable.swap_candidates``), each storage as ``(issue_s, use_s, bytes)`` on the
     rewrite's own timeline (``place_fw`` / ``place_bw``: the roofline per node it places by): its
     copy out issued when its last forward use ends, from the start of the block's forward; its
     first backward use, from the start of the block's backward."""
@@ -379,7 +447,7 @@ def _swap_parts(
 
 
 def _starts(nodes: list[fx.Node], times: Mapping[fx.Node, float]) -> dict[fx.Node, float]:
-    """When each of ``nodes`` starts when they run back to back from 0 (``passes/estimate.start_times``)."""
+    """When each of ``nodes`` starts when they run back to back from 0 (``analysis.estimate.start_times``)."""
     out, t = {}, 0.0
     for n in nodes:
         out[n] = t

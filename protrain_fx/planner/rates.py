@@ -1,14 +1,14 @@
 """The rates an offloaded step reaches in training, measured over its first training calls.
 
-The machine profile (``profiler.measure_machine``) measures the two rates an offloaded step pays on
-every step with stand-ins for training around them: the CPU step of one chunk under copy traffic and
-kernel launches, and device steps (``runtime/device_adam.py``) beside matrix products. On the H200
-machines of 2026-12-01 the device steps ran 12-20% slower in training than measured there, and the
-CPU step's profiled rate moved by +-20% between machines (``docs/results.md``, twelfth and thirteenth
-sessions): enough to put a predicted step 10-15% off.
+The machine profile (``profile/machine_profile.py``, ``measure_machine``) measures the two rates an
+offloaded step pays on every step with stand-ins for training around them: the CPU step of one chunk
+under copy traffic and kernel launches, and device steps (``runtime/device_adam.py``) beside matrix
+products. Training reaches neither exactly: the device steps run slower beside the model's own
+kernels than beside the stand-ins, and the CPU step's rate moves from host to host, enough to put a
+predicted step 10-15% off (``docs/results.md#profiled-rates-against-training``).
 
 So the runtime's own work is timed while the user trains. Between the starts of the training calls
-``autoplan.STEP_TIMED_CALLS`` (a :class:`RateWindow` on the graph's offload handle):
+:data:`STEP_TIMED_CALLS` (a :class:`RateWindow` on the graph's offload handle):
 
 * the CPU worker's chunk steps: seconds from each step's gradient landed on the host to its new
   working copy written, and the parameters stepped (``ChunkAdamW.computed``);
@@ -18,10 +18,10 @@ So the runtime's own work is timed while the user trains. Between the starts of 
   ``MachineProfile.device_step_bytes_per_s``, before it adds them).
 
 At the window's end the rates are kept in the device's profile file
-(``profiler.note_training_rates``) and later plans on this machine are priced at them
-(``profiler.training_rates``: a restart, another budget or model, a new input shape). The running
+(``profile/cache.py``, ``note_training_rates``) and later plans on this machine are priced at them
+(``training_rates`` there: a restart, another budget or model, a new input shape). The running
 plan's step is predicted again at these rates, each timed chunk's device step at its own median
-time (``cost.Problem.device_step_s``: the one issued last in backward runs longer than the rest),
+time (``search.problem.Problem.device_step_s``: the one issued last in backward runs longer than the rest),
 and logged beside the measured step period (:class:`TrainingRates`).
 
 Then the one count the running step can change is chosen again at these rates:
@@ -29,24 +29,20 @@ Then the one count the running step can change is chosen again at these rates:
 (:func:`replan_gpu_optim`). A faster count (by :data:`REPLAN_MIN_GAIN`, and only where its device
 staging fits under the cap) is applied between two calls (``OffloadHandle.set_gpu_optim``) and the
 calls after it are timed against its prediction (:class:`Replan`). Measured slower than the
-calls before it, the change is undone: the cost model can be wrong about it (on the H200, B24
-1.3B at 16 GiB, one more device-stepped chunk was predicted 6% faster and ran 4% slower: the
-device steps held backward up more than modelled). The chunk counts (where the optimizer state
+calls before it, the change is undone: the cost model can be wrong about it, when the device
+steps hold backward up more than it models (``docs/results.md#the-rate-window-and-the-re-plan``). The chunk counts (where the optimizer state
 lives) and the activation plan (compiled in) stay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config, Problem
-
-if TYPE_CHECKING:
-    pass
-import dataclasses
 
 if TYPE_CHECKING:
     from protrain_fx.runtime.offload import OffloadHandle
@@ -102,7 +98,7 @@ class TrainingRates:
     (:func:`alone_rate`; 0: none timed), the rate the cost model prices an untimed step at.
     ``device_step_s``: per chunk timed (in the cost model's numbering, all
     chunks from 0), the median of its steps' seconds: the running plan is priced with them
-    (:meth:`priced`, ``cost.Problem.device_step_s``), the chunks not timed at the median rate."""
+    (:meth:`priced`, ``search.problem.Problem.device_step_s``), the chunks not timed at the median rate."""
 
     cpu_params: int
     cpu_s: float
@@ -188,9 +184,9 @@ def alone_rate(model: CostModel, config: Config, seconds: dict[int, float]) -> f
     plan priced at it does not count the re-fetches twice. 0: nothing timed.
 
     Summed, not per chunk: the model places the re-fetches on a reference timeline without
-    recompute, so it gives the first step issued more of them than it ran beside (B24 4.2B at 24 GiB
-    on the H200, twenty-first session: 16.7 ms added to the first, which measured 3 ms over the
-    profiled 69) while the total was close (75 ms added against 81 measured over the profiled rate)."""
+    recompute, so it gives the first step issued more of them than it ran beside, while the total
+    over all steps comes close to what was measured
+    (``docs/results.md#device-steps-beside-re-fetches-and-swap-ins``)."""
     if not seconds:
         return 0.0
     lean_from = model.lean_from(config.n_persist)
@@ -214,7 +210,7 @@ class Replan:
     (:func:`replan_gpu_optim`); the other counts and the activation plan stayed. ``predicted_s``:
     ``before``'s step as first predicted (the profiled rates); ``before_s`` and ``after_s``: both
     steps predicted at the measured rates. ``step_check``: the step period measured over the calls
-    after the change (``autoplan.StepCheck``; ``None`` until they ran)."""
+    after the change (:class:`StepCheck`; ``None`` until they ran)."""
 
     before: Config
     after: Config
@@ -257,9 +253,9 @@ def replan_gpu_optim(
     Why only this count: moving a chunk between the CPU's and the device's optimizer step moves no
     state (both read and write the host store; ``OffloadHandle.set_gpu_optim``) and changes no graph,
     so the running step can take it between two calls. The chunk counts place the optimizer state
-    and the activation counts are compiled in. A CPU step slower in training than profiled (0.45 G
-    params/s on one H200 host against 1.1-1.5 on others, 2026-12-01) makes a plan that steps many
-    chunks there slow by the same factor, and stepping more on the device is then the one remedy
+    and the activation counts are compiled in. A CPU step slower in training than profiled (the rate
+    differs from host to host: ``docs/results.md#cpu-step-rate-within-and-across-hosts``) makes a plan that
+    steps many chunks there slow by the same factor, and stepping more on the device is then the one remedy
     the running step can take.
 
     Memory: a count above 0 holds the device steps' staging and gradients in flight

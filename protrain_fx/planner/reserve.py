@@ -1,10 +1,17 @@
-"""TODO docstring."""
+"""What a plan keeps under its cap for the user's code around the compiled graph.
+
+A training graph that hands large outputs back to the user's code (logits, when the loss is
+computed outside the compiled module) leaves that code to compute on them between forward and
+backward, outside every graph the analysis sees. Until a first step on the device measures what it
+holds (``STATE.measured_outside``), a plan keeps :data:`OUTSIDE_BYTES_PER_ELEMENT` per element of
+those outputs; afterwards the measured bytes. :func:`plan_cap` is the cap a plan's graph peak must
+stay under: the allocated cap less that reserve.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,14 +19,6 @@ from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.planner.budget import allocated_cap_bytes
 from protrain_fx.state import STATE
-
-if TYPE_CHECKING:
-    pass
-
-
-
-
-
 
 #: A training graph's outputs handed back to the user's code with a gradient to come (a tangent)
 #: of at least this many bytes are where that code computes (a loss on logits): named in the plan
@@ -30,7 +29,7 @@ LARGE_OUTPUT_BYTES = 16 * 2**20
 #: Bytes per element of such an output kept under the cap for the user's code until a first step
 #: measures it: a loss in fp32 on it (``F.cross_entropy(logits.float(), y)``) holds an fp32 copy and
 #: its log-softmax at the forward's end, then the log-softmax and its gradient at the backward's
-#: start, 8 bytes per element (docs/results.md, "Loss outside the compiled model"); a quarter more
+#: start, 8 bytes per element (``docs/results.md#loss-outside-the-compiled-model``); a quarter more
 #: for a loss with one more fp32 temporary.
 OUTSIDE_BYTES_PER_ELEMENT = 10
 
@@ -90,7 +89,7 @@ def outside_reserve(record: CapturedGraph) -> tuple[int, str]:
 
 def plan_cap(record: CapturedGraph, budget: int) -> tuple[int, int, str]:
     """``(cap, reserve, source)``: the allocated peak a plan of ``record`` may reach under ``budget``
-    (``pipeline.allocated_cap_bytes`` less :func:`outside_reserve`), the reserve and its source."""
+    (``planner.budget.allocated_cap_bytes`` less :func:`outside_reserve`), the reserve and its source."""
     reserve, source = outside_reserve(record)
     return max(0, allocated_cap_bytes(budget) - reserve), reserve, source
 

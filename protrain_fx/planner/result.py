@@ -1,4 +1,13 @@
-"""TODO docstring."""
+"""What the planner hands back: :class:`AutoPlan` (the plan chosen and why) and :class:`PeakCheck`.
+
+Data and its formatting only: choosing is ``planner/activations.py`` and ``planner/offload.py``,
+measuring is ``planner/first_step.py``. An ``AutoPlan`` lives on ``CapturedGraph.auto_plan`` for
+the life of the compiled graph and gains its measurements (peak, step period, training rates,
+re-plan) as the first training calls run. A first step starts without optimizer state (made at the
+first ``step()``) and beside memory that is not the plan's (other tensors, library workspaces), so
+:class:`PeakCheck` puts the step's measured rise above its start on the predicted start before
+comparing.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ from typing import TYPE_CHECKING
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.plan import Plan
 from protrain_fx.planner.budget import ALLOCATOR_HEADROOM
+from protrain_fx.planner.rates import Replan, TrainingRates
 from protrain_fx.planner.reserve import ReturnedOutput
 from protrain_fx.planner.verify import Trial
 from protrain_fx.search.cost import CostModel
@@ -15,19 +25,14 @@ from protrain_fx.search.problem import Config, Estimate, Problem
 from protrain_fx.search.search import SearchResult
 
 if TYPE_CHECKING:
-    pass
-from protrain_fx.planner.rates import Replan, TrainingRates
-
-if TYPE_CHECKING:
     from protrain_fx.planner.rates import StepCheck
 
 
 #: How far (a fraction of the allocated cap) a first step may peak above its cap before it counts
-#: as a miss. The budget keeps 8% over the cap for the allocator (``ALLOCATOR_HEADROOM``; the
-#: reserved peak ran 1.07x the allocated one for B24 760M on the H200), and a step that fits its
-#: prediction exactly still varies by a few MiB between runs (a 2 GiB step on the H200 measured
-#: 1.5 MiB, 0.07%, above its Inductor-judged prediction, 2026-12-01): compiling the graph again for
-#: that would trade a kept step for a slower plan over noise. Half a percent stays inside the headroom.
+#: as a miss. The budget keeps 8% over the cap for the allocator (``ALLOCATOR_HEADROOM``), and a
+#: step that fits its prediction exactly still varies by a few MiB between runs: compiling the graph
+#: again for that would trade a kept step for a slower plan over noise. Half a percent stays inside
+#: the headroom (``docs/results.md#allocator-headroom``).
 MISS_TOLERANCE = 0.005
 
 
@@ -128,16 +133,16 @@ class AutoPlan:
     returned: tuple[ReturnedOutput, ...] = ()
     peak_check: PeakCheck | None = None
     step_check: StepCheck | None = None
-    #: The host rates' spread the predicted step was averaged over (``cost.expected_estimate``; ``None``:
+    #: The host rates' spread the predicted step was averaged over (``search.spread.expected_estimate``; ``None``:
     #: the step at the readings).
     rate_spread: dict[str, float] | None = None
     #: The offload runtime's CPU and device optimizer rates over the same training calls
-    #: (``protrain_fx.calibrate.TrainingRates``; ``None`` until then, and without offloaded steps).
+    #: (``planner.rates.TrainingRates``; ``None`` until then, and without offloaded steps).
     training_rates: TrainingRates | None = None
     #: ``n_gpu_optim`` chosen again at those rates and applied to the running step
-    #: (``protrain_fx.calibrate.Replan``; ``config`` and ``estimate`` stay the plan first chosen).
+    #: (``planner.rates.Replan``; ``config`` and ``estimate`` stay the plan first chosen).
     replanned: Replan | None = None
-    #: The chunk counts were chosen too (``protrain_fx.autooffload``); ``empty_*`` are then the step
+    #: The chunk counts were chosen too (``planner/offload.py``); ``empty_*`` are then the step
     #: with every parameter on the device and no plan.
     offload: bool = False
     #: Seconds spent describing the step to the cost model: the machine's rates and the matrix and

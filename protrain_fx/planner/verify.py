@@ -1,4 +1,13 @@
-"""TODO docstring."""
+"""How a plan the cost model proposes is judged and kept: the memory analysis is the judge.
+
+The cost model's peak is an upper bound of the analysis', not its order, so every config the search
+proposes is applied and analysed (the graph-level analysis or, with ``verify="inductor"``,
+Inductor's allocation plan). :func:`verified_choice` lowers the cap after an overshoot and falls
+back to the least-memory configs; :func:`raised_choice` uses a fitting plan's margin to search
+again with a raised cap. Both are control flow over two callbacks (``search_at``, ``run``): the
+caller partitions and analyses, so the same procedure serves the activation plan and the offload
+counts.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +15,13 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.search.problem import Config
 from protrain_fx.search.search import NoPlanFits, SearchResult
 
 log = logging.getLogger("protrain_fx")
-if TYPE_CHECKING:
-    pass
 
 
 #: Searches after a rewritten step analysed above the cap, before the least-memory config is tried.
@@ -62,10 +69,11 @@ def verified_choice(
     trials: list[Trial],
     cap: int,
 ) -> tuple[Config | None, str, SearchResult | None, int, Config]:
-    """Steps 3 and 4 of the module docstring, shared with ``autooffload``: ``search_at(lowered)``
-    searches with the cap lowered by ``lowered`` bytes (raised when negative), ``run(config)``
-    applies a config and returns its analysed :class:`Trial` (appending it to ``trials``). ``least``:
-    the configs of least memory (:func:`least_memory_configs`), in the order to try them. Returns
+    """Steps 3 and 4 of ``planner/activations.py``'s module docstring, shared with
+    ``planner/offload.py``: ``search_at(lowered)`` searches with the cap lowered by ``lowered``
+    bytes (raised when negative), ``run(config)`` applies a config and returns its analysed
+    :class:`Trial` (appending it to ``trials``). ``least``: the configs of least memory
+    (``planner.activations.least_memory_configs``), in the order to try them. Returns
     ``(config, how, last search, peak needed, least config)``: a searched config analysed under
     ``cap`` (``"searched"``), else the first of ``least`` the analysis puts under ``cap`` (``"least
     memory"``; tried even when the cost model says it does not fit, and judged by the analysis
@@ -126,14 +134,12 @@ def raised_choice(
     """The search result to keep after ``found.best`` (trial ``fitted``) analysed under ``cap``.
 
     The cost model's peak is an upper bound of the analysis' (it keeps gradients and optimizer
-    state live for the whole step; 25-49% above the measured peak on the H200 at B24, 2026-11-30), so
-    a plan it calls fitting may leave gigabytes unused that a faster plan could take. Up to
+    state live for the whole step: ``docs/results.md#which-analysis-judges-a-plan``), so a plan it
+    calls fitting may leave gigabytes unused that a faster plan could take. Up to
     :data:`MAX_RAISES` times: the search runs again with the cap raised by the fitted config's ratio
     of predicted to analysed peak (a config the model predicts at most ``cap * predicted / analysed``
-    analyses under the cap if the ratio carries over; the ratio held within 1.22-1.26 over the
-    configs analysed for B24 1.3B at 16 GiB and 4.2B at 24 GiB on the H200, 2026-12-01, where the
-    difference ranged over 3.0-3.8 and 4.4-5.4 GB: raised by the fitted config's difference, B24
-    1.3B's search stopped 0.1 GB short of the plan that ran fastest), and a config it finds that is predicted
+    analyses under the cap if the ratio carries over; the ratio varies less across configs than the
+    difference does: ``docs/results.md#the-raised-search``), and a config it finds that is predicted
     :data:`RAISE_MIN_GAIN` faster and was not tried is applied and analysed. Under the cap it is kept
     and the next raise starts from it. Above it, the search runs again with the raised cap lowered to
     just under that config's predicted peak (it, and every config the model puts at or above it,
@@ -143,12 +149,9 @@ def raised_choice(
     another was tried after it (the record must hold its graphs). The analysis stays the judge:
     nothing is kept that it puts above the cap.
 
-    Why lower rather than stop: the predicted-to-analysed ratio is not one number. B24 4.2B at 24
-    GiB on the H200 (twenty-first session): the config that fitted, 3/3/0/35/11, was predicted at
-    23.5 GB and analysed at 19.1 (a measured peak of 16.7 under a cap of 23.9), so the cap was raised
-    to 29.3; the search's pick there, 5/3/5/31/9, predicted 29.24 GB, analysed at 24.3, over the cap,
-    and the raising stopped on two hosts. 5/2/1/35/9, predicted 29.18, analysed at 23.2 on a third
-    host and ran there (8.6k tok/s against 7.4-7.5k for 3/3/0/35/11 on the other two)."""
+    Why lower rather than stop: the predicted-to-analysed ratio is not one number. The raised
+    search's pick can analyse over the cap where a config the cost model puts a little lower
+    analyses under it and runs faster than the config that first fitted."""
     applied = fitted.config  # the config whose graphs the record holds
     raise_by: int | None = None  # None: from the fitted config's ratio
     for _ in range(MAX_RAISES):
@@ -184,16 +187,10 @@ def lowered_raise(fitted: Trial, over: Trial, cap: int) -> int:
     cost model puts at or above it, left out), and no higher than where the line through the two
     trials' (predicted, analysed) peaks puts an analysed peak of ``cap``.
 
-    Why the line: one step under the overshooting config can take one raise per buffer. B24 4.2B at
-    40 GiB on the H200 (twenty-second session): 7/9/0/36/9 fitted, predicted 39.75 GB and analysed
-    32.22 under a cap of 39.77; raised by its ratio, the search found 10/5/0/36/6 (48.79, analysed
-    41.26), then, one step under each, 10/4 and 10/3 (48.33 and 47.87, analysed 40.80 and 40.34), and
-    the raises ran out with 7.5 GB unused. All four differed from their analysis by 7.53 GB, so the
-    line puts the cap at a predicted 47.30, where the search finds 10/2/2/34/6 (47.21, predicted
-    721 ms against 7/9/0/36/9's 816). On the next call, with this rule, the raise found 10/6/3/33/5
-    (48.95, analysed 42.87: this difference was 6.08), the line put the cap at 46.27, and 9/7/0/36/6
-    (46.08) analysed at 38.55 GB and peaked at 36.32 in training; after the window's re-plan it ran
-    798 ms a step (10.3k tok/s) where 7/9/0/36/9 had run 881 ms (9.3k) on the call before."""
+    Why the line: stepping down just under the overshooting config moves one buffer per search,
+    and the raises run out gigabytes short of the cap. Where the two trials differ from their
+    analysis by about the same bytes, the line puts the next cap near the fastest config that
+    fits in one search (``docs/results.md#the-raised-search``)."""
     top = over.predicted_peak_bytes - 1
     predicted_rise = over.predicted_peak_bytes - fitted.predicted_peak_bytes
     analysed_rise = over.analysed_peak_bytes - fitted.analysed_peak_bytes
@@ -203,7 +200,7 @@ def lowered_raise(fitted: Trial, over: Trial, cap: int) -> int:
 
 
 def widened(budget: int, reserve: int) -> tuple[int, int]:
-    """``(budget, reserve)`` for :func:`protrain_fx.search.search` with a reserve that may be negative
+    """``(budget, reserve)`` for :func:`protrain_fx.search.search.search` with a reserve that may be negative
     (a cap raised above the budget by :func:`raised_choice`): the search takes no negative reserve, so
     the budget grows instead."""
     return (budget - reserve, 0) if reserve < 0 else (budget, reserve)

@@ -1,5 +1,5 @@
 """Custom ops the parameter-chunk rewrite inserts, and the registry that connects them to the
-offload handles (``protrain_fx.param_offload``) they serve.
+offload handles (``runtime/offload.py``) they serve.
 
 * ``protrain::chunk_gather(handle, chunk, span)`` → the chunk's flat device buffer (fetched from the
   host store into one of the pool's ``n_buffer`` buffers if it is not resident; waits for the
@@ -59,7 +59,7 @@ def unregister(hid: int) -> None:
 
 
 #: id(parameter) -> (the parameter, weakly; its handle, weakly), for handles whose counts the
-#: backend has not chosen yet (``offload`` with automatic counts; ``autooffload.py``).
+#: backend has not chosen yet (``offload`` with automatic counts; ``planner/offload.py``).
 _deferred: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 

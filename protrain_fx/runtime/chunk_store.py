@@ -1,4 +1,22 @@
-"""TODO docstring."""
+"""Host side of the parameter chunks: per chunk, flat host buffers with the layout's offsets.
+
+========== ============= ==================================================================
+buffer     dtype         holds
+========== ============= ==================================================================
+working    compute dtype the values the device fetches; between the chunk's backward and its
+                         optimizer step, its gradient (the master is authoritative meanwhile)
+master     fp32          the authoritative parameter values
+exp_avg    fp32          Adam's first moment (chunks with a trainable parameter)
+exp_avg_sq fp32          Adam's second moment (idem)
+========== ============= ==================================================================
+
+*Lean* chunks have no working copy: the device fetches the fp32 master, and their gradients land
+in a pool of ``grad_pool`` compute-dtype buffers given back by the chunk's optimizer step
+(:meth:`ChunkStore.finish_step`). Tied parameters are stored once; frozen ones refuse gradients.
+The store lives as long as its offload handle. On CUDA, gradients arrive on a side stream with an
+event (:meth:`ChunkStore.wait_grad`), and device reads of a buffer are noted
+(:meth:`ChunkStore.note_host_read`) so that no host write overtakes a copy in flight.
+"""
 
 from __future__ import annotations
 

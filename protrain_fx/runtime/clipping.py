@@ -1,4 +1,15 @@
-"""TODO docstring."""
+"""Exact ``clip_grad_norm_`` over an offloaded model: persistent ``.grad`` and held chunk gradients.
+
+An offloaded chunk's gradient lives in the host store, not in ``.grad``, so torch's own function
+would see only the persistent chunks. :func:`install_clip_dispatch` routes
+``torch.nn.utils.clip_grad_norm_`` to :func:`clip_grad_norm` when it is given an offloaded model's
+parameters; every other call reaches torch unchanged. The norm is taken over every gradient (the
+chunks' per-parameter norms kept by :class:`HeldNorms` as their gradients land), the persistent
+gradients are scaled as torch scales them, and the held chunk steps start with the same scale. A
+non-finite norm skips the step everywhere. Clipping needs the chunks' steps held until the norm
+is known (``offload(..., grad_clipping=...)``); a clip that cannot be exact is refused with the
+way out.
+"""
 
 from __future__ import annotations
 

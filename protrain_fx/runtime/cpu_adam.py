@@ -54,7 +54,7 @@ class ChunkAdamW:
         optimizer: torch.optim.Optimizer,
         named_params: Mapping[str, torch.Tensor],
     ) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         self.store = store
         self.optimizer = optimizer
         stored = _store_names(store)
@@ -76,7 +76,7 @@ class ChunkAdamW:
         self.slice_elems = SLICE_ELEMS
         #: (seconds, parameters) of the chunk steps so far, from each step's gradient landed on the
         #: host to its new working copy written: the CPU rate training reaches
-        #: (``protrain_fx.calibrate``). One tuple, replaced whole, so another thread reads a pair.
+        #: (``planner/rates.py``). One tuple, replaced whole, so another thread reads a pair.
         self.computed: tuple[float, int] = (0.0, 0)
         if any(p in optimizer.state for p in _tensors(named_params, slot_of_tensor)):
             self.load_state_dict(optimizer.state_dict())
@@ -124,10 +124,9 @@ class ChunkAdamW:
     ) -> None:
         """The fused kernel over slices of at most ``slice_elems`` elements: per slice the
         gradient's fp32 copy (bf16 compute), the update, and the slice's new working copy, while
-        the slice is still in the CPU's caches. Measured on the H200 host (16 threads, 200M
-        parameters, ``bench/cpu_adam_speed.py``, 2026-11-30): 2.39 G params/s in three whole-chunk
-        passes, 2.50 with 1M-element slices, against 4.01 for torch's fused AdamW on fp32
-        parameters alone: the bf16<->fp32 conversions, not DRAM passes, cost the difference."""
+        the slice is still in the CPU's caches. Slicing gains a few percent over whole-chunk
+        passes; the step stays well below torch's fused AdamW on fp32 parameters alone because of
+        the bf16<->fp32 conversions, not DRAM passes (``docs/results.md#the-cpu-optimizer``)."""
         store = self.store
         steps = self.advance(slots)
         fused, hyper = self.kernel(g) if kernel is None else kernel
@@ -135,7 +134,7 @@ class ChunkAdamW:
         working = None if store.is_lean(chunk_id) else store.flat("working", chunk_id)  # == grad
         exp_avg, exp_avg_sq = store.flat("exp_avg", chunk_id), store.flat("exp_avg_sq", chunk_id)
         scratch = store.scratch
-        for batch in _slices(slots, steps, self.slice_elems):
+        for batch in slice_batches(slots, steps, self.slice_elems):
             ranges = [(a, b) for a, b, _ in batch]
             if scratch is None:  # fp32 compute: the gradient is already fp32
                 grads = [grad[a:b] for a, b in ranges]
@@ -238,7 +237,7 @@ class ChunkAdamW:
 
 
 #: Elements per fused call (see :meth:`ChunkAdamW._step_group`): 4 MiB of each fp32 buffer, the
-#: best of the sizes measured on the H200 host (by 5%).
+#: best of the sizes measured, by 5% (``docs/results.md#the-cpu-optimizer``).
 SLICE_ELEMS = 1 << 20
 #: Slices of one parameter start at multiples of this many elements from its start. The fused CPU
 #: kernel splits its work in 64-byte units and runs a vector loop with a scalar tail per unit
@@ -247,7 +246,7 @@ SLICE_ELEMS = 1 << 20
 SLICE_ALIGN = 64
 
 
-def _slices(
+def slice_batches(
     slots: list[ParamSlot], steps: list[torch.Tensor], limit: int
 ) -> list[list[tuple[int, int, torch.Tensor]]]:
     """Batches of ``(start, end, step)`` element ranges of the chunk, at most about ``limit``
@@ -276,10 +275,9 @@ def worker_threads(process_threads: int | None = None) -> int:
     :data:`DRIVER_CORES` (less one on a machine of at most ``2 * DRIVER_CORES``), at least one.
 
     Why: a parallel region waits for its slowest thread, and a team spanning every core shares one
-    with the thread launching the GPU's work. On the H200's host (16 cores, 128M-parameter chunk,
-    under pinned copies both ways and a Python thread launching CUDA kernels,
-    ``bench/cpu_adam_contention.py``, 2026-11-30) a step ran at 1.12 G params/s with 16 threads,
-    1.45 with 15, 1.46 with 14 and 1.06 with 8."""
+    with the thread launching the GPU's work: beside pinned copies and a thread launching CUDA
+    kernels, a team one or two threads short of the cores steps about 30% faster than one on every
+    core, and a team of half the cores is slower again (``docs/results.md#the-cpu-optimizer``)."""
     n = torch.get_num_threads() if process_threads is None else process_threads
     return max(1, n - (DRIVER_CORES if n > 2 * DRIVER_CORES else 1))
 
@@ -377,7 +375,7 @@ class OptimizerWorker:
                 raise future.exception()
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
         raise TypeError(
             f"the CPU chunk optimizer implements Adam and AdamW; got {type(optimizer).__name__}. "

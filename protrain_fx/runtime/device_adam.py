@@ -11,18 +11,18 @@ update). That moves 12 bytes per parameter in and 14 out, at the link's speed, a
 free for the chunks it steps.
 
 Why three streams and three sets: the update kernels queue for the SMs behind backward's matrix
-products. With the copies out on the update's stream and two sets, every slice's copy out waited
-for that queue and the link idled: 226M-parameter chunks stepped in 105 ms beside bf16 8192^2
-matrix products against 70 ms beside nothing (``bench/device_step_rate.py``, H200, 2026-11-30). A
-high priority for the update's stream did not help, before this change (105 ms against 106) or
-after it (69.6 ms against 68.6 at normal priority).
+products. With the copies out on the update's stream and two sets, every slice's copy out waits
+for that queue and the link idles: a step beside matrix products takes half as long again as
+beside nothing. On their own stream the copies out start when the slice's update ends, and the
+step beside products runs as fast as alone; a high priority for the update's stream helps neither
+way (``docs/results.md#device-optimizer-steps``).
 
 Everything is issued from the thread that lands the gradient, without blocking it: the chunk's host
 buffers are marked as written until the last copy ends (:meth:`ChunkStore.note_host_write`), which
 fetches of the chunk (next forward) wait for on their stream and host readers block on.
 
 On a CPU device the same slices go through CPU staging buffers and torch's fused CPU kernel, with
-slice boundaries on the grid of ``cpu_adam._slices``: the same bits as the host path and as
+slice boundaries on the grid of ``cpu_adam.slice_batches``: the same bits as the host path and as
 ``torch.optim.AdamW(fused=True)`` (tested), so CI checks the bookkeeping exactly.
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Mapping
 import torch
 
 from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot
-from protrain_fx.runtime.cpu_adam import ChunkAdamW, _slices
+from protrain_fx.runtime.cpu_adam import ChunkAdamW, slice_batches
 
 #: Elements per staging slice on a GPU: 3 sets x 8M x 18 bytes (fp32 master, moments, gradient and
 #: the compute-dtype working copy) = 432 MiB of device memory, 96 MiB in per slice -- about 2 ms at
@@ -46,8 +46,8 @@ DEVICE_SLICE_ELEMS = 1 << 23
 N_SETS = 3
 #: Device steps in flight at most: a chunk's gradient buffer lives until its step is done, so the
 #: thread landing gradients waits (:meth:`DeviceAdamW.make_room`) before a third one is made. The
-#: memory analysis counts exactly that many (``passes/memory.py``, ``grad_staging``); on the H200 the
-#: steps kept up with backward, so the wait costs nothing there.
+#: memory analysis counts exactly that many (``analysis/memory.py``, ``grad_staging``); where the
+#: steps keep up with backward, the wait costs nothing.
 MAX_IN_FLIGHT = 2
 
 
@@ -76,7 +76,7 @@ class DeviceAdamW:
         #: timing events, start recorded on the load stream before its first copy, done after its
         #: last copy back. A benchmark reads and clears it; ``None`` (default) records nothing.
         self.timing: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
-        #: The same, for the rate training reaches (``protrain_fx.calibrate``): its own list, so that
+        #: The same, for the rate training reaches (``planner/rates.py``): its own list, so that
         #: a benchmark clearing :attr:`timing` does not take entries from it.
         self.window: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
         self._load = torch.cuda.Stream(self.device) if self.cuda else None
@@ -145,7 +145,7 @@ class DeviceAdamW:
             steps = adam.advance(slots)
             fused, hyper = adam.kernel(group)
             owner = {id(step): s for s, step in zip(slots, steps)}  # one step tensor per slot
-            for batch in _slices(slots, steps, self.slice_elems):
+            for batch in slice_batches(slots, steps, self.slice_elems):
                 self._step_slice(batch, owner, flat, host, fused, hyper)
         self.chunk_steps += 1
         if self.cuda:

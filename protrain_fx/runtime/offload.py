@@ -1,4 +1,17 @@
-"""TODO docstring."""
+"""``protrain_fx.offload(model, optimizer, ...)``: train a model whose parameters do not fit the GPU.
+
+    handle = protrain_fx.offload(model, optimizer, device="cuda")   # before torch.compile
+    compiled = torch.compile(model, backend="protrain", options={"memory_budget": "24GiB"})
+
+The parameters are packed into equal-size chunks. The first ``n_persist`` stay on the device as
+ordinary parameters, stepped by ``optimizer``; the others live in a host chunk store and reach the
+compiled graphs through ``n_buffer`` device buffers. Their gradients go to the host as backward
+produces them, and a CPU AdamW steps each chunk while backward goes on (or, for ``n_gpu_optim``
+chunks, the device). ``clip_grad_norm_`` over ``model.parameters()`` clips exactly over every
+chunk; a non-finite norm skips the step everywhere. ``handle.accumulate()`` around all but the
+last micro-batch's backward accumulates gradients. The model then runs only compiled: its
+offloaded parameters are shells of 0 bytes.
+"""
 
 from __future__ import annotations
 
@@ -26,27 +39,27 @@ from protrain_fx.errors import UnsupportedError
 from protrain_fx.runtime import chunk_ops
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
 from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore
-from protrain_fx.runtime.clipping import HeldNorms, clip_grad_norm, install_clip_dispatch
-from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker, _check_optimizer
+from protrain_fx.runtime.clipping import (
+    HeldNorms,
+    clip_grad_norm,
+    install_clip_dispatch,
+)
+from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
 from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
+from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings
 from protrain_fx.runtime.shells import (
-    _check_not_offloaded,
-    _install_shell_repr,
-    _is_shell,
-    _refuse_eager_call,
-    _set_data,
-    _shell,
+    empty_shell,
+    install_shell_repr,
+    is_shell,
+    refuse_eager_call,
+    set_data,
 )
 
 log = logging.getLogger("protrain_fx")
 
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
-
-
-#: ``offload(..., n_persist=AUTO, n_buffer=AUTO)``: the backend chooses the counts.
-AUTO = "auto"
 
 
 class OffloadHandle:
@@ -70,12 +83,12 @@ class OffloadHandle:
         grad_clipping: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
-        named, init = _checked_settings(model, optimizer, self.device, (n_persist, n_buffer, n_gpu_optim),
-                                        compute_dtype, grad_clipping, init)
+        named, init = checked_settings(model, optimizer, self.device, (n_persist, n_buffer, n_gpu_optim),
+                                       compute_dtype, grad_clipping, init)
         auto = n_persist == AUTO
         self.layout = _layout(named, chunk_bytes)
         if not auto:
-            _check_hand_counts(self.layout, n_persist)
+            check_hand_counts(self.layout, n_persist)
         self.optimizer = optimizer
         self._named = named
         self._settings = {
@@ -85,6 +98,19 @@ class OffloadHandle:
             "n_lean": n_lean,
             "grad_pool": grad_pool,
         }
+        self._init_placement()
+        self._init_step_state(grad_clipping)
+        self._attach(model, optimizer)
+        if auto:
+            self._defer()
+        else:
+            self._build(n_persist, n_buffer, n_gpu_optim or 0)
+        # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
+        # with the way out, before the first op reads one.
+        self._eager_guard = model.register_forward_pre_hook(refuse_eager_call)
+
+    def _init_placement(self) -> None:
+        """The counts and runtime parts, all empty until :meth:`_build` places the chunks."""
         self.n_persist: int | None = None
         self.n_buffer: int | None = None
         self.n_gpu_optim: int = 0
@@ -98,6 +124,9 @@ class OffloadHandle:
         #: The backend chose the counts (``offload`` without them): later graphs get activation plans.
         self.counts_chosen = False
         self._built = False
+
+    def _init_step_state(self, grad_clipping: bool | None) -> None:
+        """What one optimizer step tracks: chunks landed, queued and stepped, and clipping."""
         self._accumulating = False
         self._submitted: set[int] = set()
         self._pending: set[int] = set()  # chunks holding gradients not yet queued for a step
@@ -114,19 +143,16 @@ class OffloadHandle:
         self._landed_lean: list[int] = []  # lean chunks queued for a CPU step, oldest first
         #: Seconds the landing thread waited for a lean chunk's landing buffer.
         self.landing_wait_s = 0.0
+
+    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The model's buffers to the device, the optimizer's step hooks, and the process-wide
+        ``clip_grad_norm_`` dispatch and shell printing (installed once)."""
         for b in model.buffers():
             b.data = b.data.to(self.device)
         self._hooks = (optimizer.register_step_pre_hook(lambda *_: self._before_step()),
                        optimizer.register_step_post_hook(lambda *_: self._after_step()))
         install_clip_dispatch()
-        _install_shell_repr()
-        if auto:
-            self._defer()
-        else:
-            self._build(n_persist, n_buffer, n_gpu_optim or 0)
-        # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
-        # with the way out, before the first op reads one.
-        self._eager_guard = model.register_forward_pre_hook(_refuse_eager_call)
+        install_shell_repr()
 
     # ---- automatic counts: chosen by the backend when it compiles the first training graph ---------
 
@@ -164,7 +190,7 @@ class OffloadHandle:
                 continue
             value = torch.empty_like(p, device="meta") if p.is_meta else p.data.to("cpu")
             sources[id(p)] = value.requires_grad_(p.requires_grad)  # the store tells frozen ones by it
-            _set_data(p, _shell(p, self.device))
+            set_data(p, empty_shell(p, self.device))
         self._sources = {name: sources[id(p)] for name, p in self._named.items()}
         chunk_ops.register_deferred(self, list(dict.fromkeys(self._named.values())))
 
@@ -201,7 +227,7 @@ class OffloadHandle:
         for name in self._persistent_names:
             p = self._named[name]
             if p.untyped_storage().nbytes():
-                _set_data(p, _shell(p, self.device))
+                set_data(p, empty_shell(p, self.device))
         self.store = self.adam = self.worker = self.device_adam = self.pool = None
         self.id = None
         self._built = False
@@ -262,15 +288,15 @@ class OffloadHandle:
             if name in host_names:
                 slot = self.store.slot(name)
                 shells[id(p)] = (p, slot.chunk, slot.offset, slot.name)
-                if not _is_shell(p, self.device):
-                    _set_data(p, _shell(p, self.device))
+                if not is_shell(p, self.device):
+                    set_data(p, empty_shell(p, self.device))
             elif src.is_meta:  # a persistent parameter of a meta model: materialised on the device
                 value = torch.empty(src.shape, dtype=src.dtype, device=self.device)
                 with torch.no_grad():
                     settings["init"](name, value)
-                _set_data(p, value)
+                set_data(p, value)
             elif src is not p or p.device != self.device:
-                _set_data(p, src.detach().to(self.device))
+                set_data(p, src.detach().to(self.device))
         self.id = chunk_ops.register(self, list(shells.values()))
         self._built = True
 
@@ -359,7 +385,7 @@ class OffloadHandle:
     def set_gpu_optim(self, n_gpu_optim: int) -> None:
         """Step the first ``n_gpu_optim`` offloaded chunks on the device from the next gradient that
         lands, the others on the CPU (the backend re-plans this from the rates training reached:
-        ``protrain_fx.calibrate.replan_gpu_optim``). Nothing moves: both paths read and write the
+        ``planner.rates.replan_gpu_optim``). Nothing moves: both paths read and write the
         optimizer state in the host store, with the same step counts. The steps still queued or
         streaming are waited for first, so no chunk is stepped by both. With 0, the device steps'
         staging goes back to the device's allocator."""
@@ -557,7 +583,7 @@ def offload(
     ``n_persist``, ``n_buffer`` and ``n_gpu_optim`` left out (``"auto"``): the backend chooses them,
     with the activation plan, when it compiles the model's first training graph: the fastest counts
     whose predicted peak fits the ``memory_budget`` option (or, on a CUDA device without one, what
-    the process can reach there; ``protrain_fx/autooffload.py``). Until then every parameter is a
+    the process can reach there; ``planner/offload.py``). Until then every parameter is a
     device tensor without bytes and its values wait in host memory (or on ``meta``, for ``init``).
     Given by hand: ``n_persist`` and ``n_buffer`` together (``n_gpu_optim`` then defaults to 0).
 
@@ -599,75 +625,6 @@ def offload(
         grad_pool=grad_pool,
         grad_clipping=grad_clipping,
     )
-
-
-def _checked_settings(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-    counts: tuple[Any, Any, Any], compute_dtype: torch.dtype | None, grad_clipping: Any, init: Any,
-) -> tuple[dict[str, torch.Tensor], Any]:
-    """Refuse what :func:`offload` cannot do, before anything is changed; the model's parameters by
-    name and ``init`` resolved (``"model"``: the model's own initialisation, from ``integrations``)."""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("offload: device='cuda' but this machine has no CUDA device (use device='cpu' to try it)")
-    if init == "model":  # the model's own initialisation; its meta buffers recomputed on the device
-        from protrain_fx.integrations import model_init
-
-        init = model_init(model, device)
-    named = dict(model.named_parameters(remove_duplicate=False))
-    if not named:
-        raise ValueError("offload: the model has no parameters")
-    _check_not_offloaded(named)
-    _check_optimizer(optimizer)  # the backend may offload any chunk: they are stepped by ChunkAdamW
-    if compute_dtype == torch.float16:
-        raise ValueError(
-            "offload: compute_dtype=torch.float16 needs loss scaling (GradScaler), whose unscaling does not reach "
-            "the offloaded chunks' gradients (they are stepped from the chunk store, not from .grad); use "
-            "compute_dtype=torch.bfloat16"
-        )
-    if grad_clipping not in (None, True, False):
-        raise ValueError(f"offload: grad_clipping must be None (learned at the first step), True or False, "
-                         f"got {grad_clipping!r}")
-    on_meta = [n for n, p in named.items() if p.is_meta]
-    if on_meta and init is None:
-        raise ValueError(
-            f"offload: {len(on_meta)} parameters (e.g. {on_meta[0]!r}) are on the meta device; give "
-            "init=fn, fn(name, tensor) filling tensor in place, or init='model' (the model's own "
-            "initialisation), to materialise them straight into chunks"
-        )
-    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
-    if meta_buffers:
-        raise ValueError(
-            f"offload: buffer {meta_buffers[0]!r} is on the meta device; materialise buffers before "
-            "offload (only parameters are materialised into chunks), or give init='model'"
-        )
-    n_persist, n_buffer, n_gpu_optim = counts
-    auto = [c == AUTO for c in (n_persist, n_buffer)]
-    if any(auto) and not all(auto):
-        raise ValueError(
-            f"offload: n_persist and n_buffer are chosen together: give both, or neither (\"auto\": chosen "
-            f"by the backend for its memory_budget); got n_persist={n_persist!r}, n_buffer={n_buffer!r}"
-        )
-    if all(auto) and n_gpu_optim not in (None, AUTO):
-        raise ValueError(
-            f"offload: n_gpu_optim={n_gpu_optim!r} with automatic n_persist and n_buffer; the backend "
-            "chooses it with them (leave it out), or give all three"
-        )
-    if not all(auto) and n_gpu_optim == AUTO:
-        raise ValueError("offload: n_gpu_optim='auto' needs n_persist and n_buffer 'auto' too")
-    return named, init
-
-
-def _check_hand_counts(layout: ChunkLayout, n_persist: int) -> None:
-    """Refuse counts by hand that offload nothing (a model smaller than its chunks)."""
-    n_chunks = len(layout.chunks)
-    if n_persist == n_chunks:
-        raise ValueError(
-            f"offload: n_persist={n_persist} keeps all {n_chunks} chunk(s) of this model on the device "
-            f"({sum(c.used_bytes for c in layout.chunks) / 2**20:.1f} MiB of parameters in chunks of "
-            f"{layout.chunk_bytes / 2**20:.1f} MiB): nothing would be offloaded. Leave n_persist / "
-            "n_buffer out (the backend chooses them for its memory budget), give a smaller chunk_bytes, or "
-            "train without protrain_fx.offload"
-        )
 
 
 def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None) -> ChunkLayout:

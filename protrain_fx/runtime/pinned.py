@@ -2,9 +2,9 @@
 
 ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which rounds
 every request up to a power of two (``CachingHostAllocator.h``, torch 2.11) and keeps freed blocks
-for reuse. For the chunk store that cost 17% (4.2B: 919 MB chunks in 1 GiB blocks) to 30% (6.7B:
-824 MB chunks) more host RAM than the store's buffers hold -- measured on the H200 host as the
-process's peak RSS, 118 GiB for a 89 GiB store -- and the host RAM is what bounds the largest model.
+for reuse. For the chunk store that costs up to a third more host RAM than the store's buffers hold
+(chunks of 824 or 919 MB in 1 GiB blocks), and the host RAM is what bounds the largest model
+(``docs/results.md#largest-model-that-trains``).
 
 :func:`empty_pinned` maps anonymous memory of the exact size and page-locks it with
 ``cudaHostRegister``: copies from and to it run asynchronously like from any pinned memory

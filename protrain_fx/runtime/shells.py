@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""Offloaded parameters as shells: device tensors of their shape and dtype that hold no bytes.
+
+Dynamo traces an offloaded model through its parameters, so each keeps a tensor on the device
+with a storage of 0 bytes while its values live in the chunk store. This module holds what makes
+shells safe: making them and setting parameters (also ``meta`` ones, swapped in place so that the
+optimizer's references stay valid), refusing a model offloaded twice, refusing a call outside
+``torch.compile`` (a forward pre-hook) and printing a shell without reading memory it does not
+have.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ from protrain_fx.errors import UnsupportedError
 from protrain_fx.runtime import chunk_ops
 
 
-def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:
+def set_data(p: torch.Tensor, value: torch.Tensor) -> None:
     """``p.data = value``, also for a ``meta`` parameter, whose data cannot be set to a real tensor:
     its contents are swapped instead (the same object, so the optimizer's references stay valid)."""
     if not p.is_meta:
@@ -24,19 +32,19 @@ def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:
         torch.utils.swap_tensors(p, value.requires_grad_(p.requires_grad))
 
 
-def _is_shell(p: torch.Tensor, device: torch.device) -> bool:
+def is_shell(p: torch.Tensor, device: torch.device) -> bool:
     """``p`` is on ``device`` with a storage of 0 bytes (a shell, or not yet materialised)."""
     return not p.is_meta and p.device == device and p.untyped_storage().nbytes() == 0
 
 
-def _shell(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+def empty_shell(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor shaped, typed and placed like ``p`` whose storage holds no bytes (for tracing)."""
     shell = torch.empty(p.shape, dtype=p.dtype, device=device)
     shell.untyped_storage().resize_(0)
     return shell
 
 
-def _check_not_offloaded(named: Mapping[str, torch.Tensor]) -> None:
+def check_not_offloaded(named: Mapping[str, torch.Tensor]) -> None:
     """Refuse a model offloaded before: its parameters are shells of 0 bytes (their values are in
     the first handle's chunk store), and copying from them would read no memory."""
     for name, p in named.items():
@@ -50,7 +58,7 @@ def _check_not_offloaded(named: Mapping[str, torch.Tensor]) -> None:
             )
 
 
-def _refuse_eager_call(module: nn.Module, args: Any) -> None:
+def refuse_eager_call(module: nn.Module, args: Any) -> None:
     """Forward pre-hook of an offloaded model: a call outside ``torch.compile`` (whose graphs read
     the chunk buffers) would read parameters of 0 bytes."""
     from torch._dynamo.eval_frame import _is_in_optimized_module
@@ -68,7 +76,7 @@ def _refuse_eager_call(module: nn.Module, args: Any) -> None:
 _TORCH_TENSOR_STR: Callable[..., str] | None = None
 
 
-def _install_shell_repr() -> None:
+def install_shell_repr() -> None:
     """Printing an offloaded parameter (a shell of 0 bytes) shows what it is instead of reading
     memory it does not have (which crashes the process): ``torch._tensor_str._str``, which
     ``Tensor.__repr__`` calls, is wrapped once; every other tensor prints as before."""
