@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:  # ``python -m pytest`` adds the cwd, plain ``pyte
 import protrain_fx  # noqa: E402
 from protrain_fx.profile import cache as profile_cache
 
-#: The real one, for the tests of it (``tests/test_calibrate.py``, on their own cache directory).
+#: The real one, for the tests of it (``tests/planner/test_calibrate.py``, on their own cache directory).
 NOTE_TRAINING_RATES = profile_cache.note_training_rates
 
 

@@ -16,7 +16,7 @@ from protrain_fx import machine as machines
 from protrain_fx.backend import register
 from protrain_fx.profile.ops import op_signature
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "bench"))  # step_trace imports peers from there
 _SPEC = importlib.util.spec_from_file_location("bench_step_trace", ROOT / "bench" / "step_trace.py")
 step_trace = importlib.util.module_from_spec(_SPEC)

@@ -4,7 +4,7 @@ plan by hand, for a model whose parameters stay on the device.
 CPU, eager codegen (bit-exact with eager PyTorch), the tiny GPT with 4 blocks. Budgets are derived
 from the step's own analysed peak (never hard-coded), through the same headroom rule the backend uses
 (``planner_budget.budget_for_peak`` / ``allocated_cap_bytes``). The search restriction is checked against
-brute force on synthetic problems (``tests/test_cost_search.py``'s generator).
+brute force on synthetic problems (``tests/search/test_cost_search.py``'s generator).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import block_plan
 from protrain_fx.search.search import NoPlanFits, search
 from protrain_fx.state import STATE
-from tests.test_cost_search import brute_force, budgets, make_problem
+from tests.search.test_cost_search import brute_force, budgets, make_problem
 
 CONFIG = gpt_config("tiny", n_layer=4)
 LABELS = [f"blocks.{i}" for i in range(CONFIG.n_layer)]
