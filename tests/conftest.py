@@ -32,5 +32,5 @@ def _fresh_compile_state():
 @pytest.fixture(autouse=True)
 def _training_rates_not_kept(monkeypatch):
     """Rates one test's training reaches are not kept in this machine's profile file, where later
-    tests' plans would be priced at them (``protrain_fx.calibrate``)."""
+    tests' plans would be priced at them (``planner/rates.py``)."""
     monkeypatch.setattr(profile_cache, "note_training_rates", lambda *args, **kwargs: None)

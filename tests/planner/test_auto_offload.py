@@ -1,4 +1,4 @@
-"""Offload with automatic counts (``protrain_fx/autooffload.py``): ``offload`` without ``n_persist`` /
+"""Offload with automatic counts (``protrain_fx/planner/offload.py``): ``offload`` without ``n_persist`` /
 ``n_buffer`` and a ``memory_budget``; the backend chooses the counts and the activation plan at the
 first compile, places the chunks, and the model trains exactly like eager AdamW.
 

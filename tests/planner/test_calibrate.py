@@ -76,8 +76,8 @@ def test_rates_kept_from_training_replace_the_profiled_ones(tmp_path):
 
 
 def test_device_step_rates_kept_before_the_refetches_were_modelled_are_not_read(tmp_path):
-    # until the twenty-first session the window kept spans with backward's re-fetches in them, under
-    # "device_step_bytes_per_s"; the cost model now adds those re-fetches itself
+    # rates under "device_step_bytes_per_s" were timed over spans with backward's re-fetches in them;
+    # the cost model adds those re-fetches itself, so a profile file that holds them is not read for them
     _profile_file(tmp_path, {GRANULE: 1e9})
     path = profile_cache.cache_path("cpu", tmp_path)
     data = json.loads(path.read_text())

@@ -6,7 +6,7 @@ the first step (``AutoPlan.peak_check``). Skipped without CUDA; run on the GPU m
 The process' memory cap is never changed here (``set_per_process_memory_fraction`` would outlive the
 test): the tight case passes a ``memory_budget`` below the empty plan's predicted peak instead. The
 allocator's peak statistics are reset before each first step, as the README tells users to when
-earlier work peaked higher (``autoplan`` never resets them itself).
+earlier work peaked higher (the planner never resets them itself).
 """
 
 from __future__ import annotations

@@ -105,10 +105,10 @@ def test_lean_chunks_fetch_the_bits_of_the_working_copy_and_the_analysis_counts_
     # compared bit for bit: the GPU's backward is not deterministic from run to run.)
     from protrain_fx.analysis.memory import chunk_pool_bytes
     from protrain_fx.runtime import buffer_pool
+    from protrain_fx.runtime import offload as runtime_offload
 
     monkeypatch.setattr(buffer_pool, "FETCH_SLICE_ELEMS", 10_000)
-    n_chunks = len(protrain_fx.param_offload._layout(dict(GPT(CONFIG).named_parameters(remove_duplicate=False)),
-                                                     CHUNK).chunks)
+    n_chunks = len(runtime_offload._layout(dict(GPT(CONFIG).named_parameters(remove_duplicate=False)), CHUNK).chunks)
     model, _, opt, _, handle, compiled = _setup(0, 3, compute_dtype=torch.bfloat16, n_lean=n_chunks, grad_pool=1)
     store, pool = handle.store, handle.pool
     assert store.lean == frozenset(range(n_chunks)) and pool.staging_bytes == 10_000 * 4
