@@ -5,7 +5,8 @@ AOTAutograd into its joint graph and the partitioned forward and backward graphs
 graph the backend hands the passes. One 512x512 fp32 value is exactly 1 MiB, so the memory asserts
 are in whole MiB. The module metadata Dynamo would record (``nn_module_stack``) is written by hand
 on the forward nodes: ``mm`` and ``relu`` run in ``blocks.0``, ``mm_1`` and ``relu_1`` in
-``blocks.1``, the final ``sum`` outside every block.
+``blocks.1``, the final ``sum`` outside every block. The passes that act on offloaded parameters
+read them from a real offload handle of the tiniest model with blocks (:func:`offloaded_mlp`).
 """
 
 from __future__ import annotations
