@@ -6,7 +6,7 @@ Prints two rows per budget (without and with the choice of n_gpu_optim): millise
 simulated, bound-only and total, and the config chosen. A budget is a share of the range from the
 least static memory any config needs to the all-kept step's peak (plus 2000 MiB). One table per CPU
 Adam rate: the factory's (fast: every chunk stays on the CPU) and one slow enough for device steps to
-pay. Uses the synthetic problem factory of tests/test_cost_search.py (seeded), so rows are comparable
+pay. Uses the synthetic problem factory of tests/search/test_cost_search.py (seeded), so rows are comparable
 across runs and machines.
 """
 
@@ -18,9 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from test_cost_search import MiB, make_problem  # noqa: E402
+from tests.search.test_cost_search import MiB, make_problem  # noqa: E402
 
 from protrain_fx.search.cost import CostModel  # noqa: E402
 from protrain_fx.search.search import search  # noqa: E402

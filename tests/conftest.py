@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:  # ``python -m pytest`` adds the cwd, plain ``pyte
 import protrain_fx  # noqa: E402
 from protrain_fx.profile import cache as profile_cache
 
-#: The real one, for the tests of it (``tests/test_calibrate.py``, on their own cache directory).
+#: The real one, for the tests of it (``tests/planner/test_calibrate.py``, on their own cache directory).
 NOTE_TRAINING_RATES = profile_cache.note_training_rates
 
 
@@ -32,5 +32,5 @@ def _fresh_compile_state():
 @pytest.fixture(autouse=True)
 def _training_rates_not_kept(monkeypatch):
     """Rates one test's training reaches are not kept in this machine's profile file, where later
-    tests' plans would be priced at them (``protrain_fx.calibrate``)."""
+    tests' plans would be priced at them (``planner/rates.py``)."""
     monkeypatch.setattr(profile_cache, "note_training_rates", lambda *args, **kwargs: None)

@@ -16,11 +16,11 @@ from protrain_fx.planner.rates import STEP_TIMED_CALLS, RateWindow, TrainingRate
 from protrain_fx.profile import cache as profile_cache
 from protrain_fx.search.problem import MachineProfile
 from tests.conftest import NOTE_TRAINING_RATES
-from tests.test_auto_offload import (  # (its machine stand-in is that module's own fixture)
+from tests.planner.test_auto_offload import (  # (its machine stand-in is that module's own fixture)
     TIGHT,
     _setup,
 )
-from tests.test_offload import _assert_same_params, _train_side_by_side
+from tests.runtime.test_offload import _assert_same_params, _train_side_by_side
 
 GRANULE = profile_cache.CHUNK_RATE_GRANULE
 PROFILE = MachineProfile(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_bytes_per_s=40e9,
@@ -76,8 +76,8 @@ def test_rates_kept_from_training_replace_the_profiled_ones(tmp_path):
 
 
 def test_device_step_rates_kept_before_the_refetches_were_modelled_are_not_read(tmp_path):
-    # until the twenty-first session the window kept spans with backward's re-fetches in them, under
-    # "device_step_bytes_per_s"; the cost model now adds those re-fetches itself
+    # rates under "device_step_bytes_per_s" were timed over spans with backward's re-fetches in them;
+    # the cost model adds those re-fetches itself, so a profile file that holds them is not read for them
     _profile_file(tmp_path, {GRANULE: 1e9})
     path = profile_cache.cache_path("cpu", tmp_path)
     data = json.loads(path.read_text())
@@ -176,7 +176,7 @@ class _DeviceSteps:
 def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their_own_chunk():
     from protrain_fx.search.cost import CostModel
     from protrain_fx.search.problem import Config
-    from tests.test_cost_search import make_problem
+    from tests.search.test_cost_search import make_problem
 
     problem = make_problem(3, n_blocks=4)
     config = Config(n_persist=2, n_buffer=2, n_swap=0, n_checkpoint=0, n_gpu_optim=2)
@@ -284,7 +284,7 @@ def test_a_cpu_slower_in_training_moves_chunks_to_device_steps_and_only_when_it_
     from protrain_fx.planner.rates import REPLAN_MIN_GAIN, replan_gpu_optim
     from protrain_fx.search.cost import CostModel
     from protrain_fx.search.problem import Config
-    from tests.test_cost_search import make_problem
+    from tests.search.test_cost_search import make_problem
 
     # Profiled: a fast CPU, so the plan steps every offloaded chunk there (n_gpu_optim = 0).
     problem = make_problem(9, n_blocks=4, cpu_adam_params_per_s=50e9, h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "protrain_fx"
+PACKAGE = Path(__file__).resolve().parents[2] / "protrain_fx"
 
 #: Layer -> layers it must not import (a module's layer is its folder, or its own name at the top).
 FORBIDDEN = {

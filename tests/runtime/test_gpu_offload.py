@@ -1,6 +1,6 @@
 """Parameter chunks on a GPU: pinned host store, device chunk buffers, CPU AdamW during backward.
 
-Skipped without CUDA (CI runs the same paths on the CPU in tests/test_offload.py). Speed and the
+Skipped without CUDA (CI runs the same paths on the CPU in tests/runtime/test_offload.py). Speed and the
 overlap breakdown are measured by ``bench/peers.py --systems protrain_offload``, not here.
 """
 
@@ -62,7 +62,7 @@ def test_fp32_training_matches_eager_adamw_on_the_gpu(n_persist, plan_spec, n_gp
     state = handle.state_dict(model)
     for name, p in reference.named_parameters():
         # CPU (fused) and GPU (fused) AdamW and the GPU kernels round differently in fp32; Adam's
-        # normalised update shows it on near-zero gradients (see tests/test_offload.py).
+        # normalised update shows it on near-zero gradients (see tests/runtime/test_offload.py).
         torch.testing.assert_close(state[name], p.detach().cpu(), rtol=1e-4, atol=3e-5, msg=name)
     host = {n for s in handle.store.slots for n in s.names}
     assert all(p.untyped_storage().nbytes() == 0 for n, p in model.named_parameters() if n in host)
@@ -105,10 +105,10 @@ def test_lean_chunks_fetch_the_bits_of_the_working_copy_and_the_analysis_counts_
     # compared bit for bit: the GPU's backward is not deterministic from run to run.)
     from protrain_fx.analysis.memory import chunk_pool_bytes
     from protrain_fx.runtime import buffer_pool
+    from protrain_fx.runtime import offload as runtime_offload
 
     monkeypatch.setattr(buffer_pool, "FETCH_SLICE_ELEMS", 10_000)
-    n_chunks = len(protrain_fx.param_offload._layout(dict(GPT(CONFIG).named_parameters(remove_duplicate=False)),
-                                                     CHUNK).chunks)
+    n_chunks = len(runtime_offload._layout(dict(GPT(CONFIG).named_parameters(remove_duplicate=False)), CHUNK).chunks)
     model, _, opt, _, handle, compiled = _setup(0, 3, compute_dtype=torch.bfloat16, n_lean=n_chunks, grad_pool=1)
     store, pool = handle.store, handle.pool
     assert store.lean == frozenset(range(n_chunks)) and pool.staging_bytes == 10_000 * 4

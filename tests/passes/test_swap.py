@@ -1,7 +1,7 @@
 """Activation swap: where the copies are placed, the host buffer pool, and what the analysis counts.
 
 The copies themselves are synchronous on the CPU (CI has no GPU); placement, buffer reuse and the
-memory model are the same code as on the GPU, where ``tests/test_gpu_swap.py`` checks the streams.
+memory model are the same code as on the GPU, where ``tests/runtime/test_gpu_swap.py`` checks the streams.
 """
 
 from __future__ import annotations

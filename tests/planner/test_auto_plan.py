@@ -1,10 +1,10 @@
-"""The automatic activation plan (``protrain_fx.autoplan``): ``options={"memory_budget": ...}`` with no
+"""The automatic activation plan (``protrain_fx/planner/``): ``options={"memory_budget": ...}`` with no
 plan by hand, for a model whose parameters stay on the device.
 
 CPU, eager codegen (bit-exact with eager PyTorch), the tiny GPT with 4 blocks. Budgets are derived
 from the step's own analysed peak (never hard-coded), through the same headroom rule the backend uses
 (``planner_budget.budget_for_peak`` / ``allocated_cap_bytes``). The search restriction is checked against
-brute force on synthetic problems (``tests/test_cost_search.py``'s generator).
+brute force on synthetic problems (``tests/search/test_cost_search.py``'s generator).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import block_plan
 from protrain_fx.search.search import NoPlanFits, search
 from protrain_fx.state import STATE
-from tests.test_cost_search import brute_force, budgets, make_problem
+from tests.search.test_cost_search import brute_force, budgets, make_problem
 
 CONFIG = gpt_config("tiny", n_layer=4)
 LABELS = [f"blocks.{i}" for i in range(CONFIG.n_layer)]
@@ -742,9 +742,9 @@ def test_raised_search_keeps_a_faster_plan_only_when_the_analysis_fits():
 
 
 def test_a_raised_config_above_the_cap_is_left_out_and_the_search_runs_again_under_it():
-    # B24 4.2B at 24 GiB (twenty-first session): raised from 3/3/0/35/11 the search picked a config
-    # analysed over the cap, while one predicted just under it analysed 0.7 GB under. Here the config
-    # that fitted (1) was predicted 20 above its analysis: raised by 25, the search finds 3 (predicted
+    # B24 4.2B at 24 GiB in miniature (``docs/results.md#the-raised-search``): raised from 3/3/0/35/11
+    # the search can pick a config analysed over the cap while one predicted just under it fits. Here
+    # the config that fitted (1) was predicted 20 above its analysis: raised by 25, the search finds 3 (predicted
     # 119, analysed over the cap); under 119 (a raise of 18) it finds 2, which fits and is kept. The
     # raise from 2 finds 3 again, tried: done, with 2's graphs in the record.
     from protrain_fx.search.problem import Config, Estimate
@@ -779,7 +779,7 @@ def test_a_raised_config_above_the_cap_is_left_out_and_the_search_runs_again_und
 
 
 def test_after_an_overshoot_the_next_raise_is_where_the_line_through_both_trials_meets_the_cap():
-    # B24 4.2B at 40 GiB (twenty-second session), in miniature: every config is predicted 20 above
+    # B24 4.2B at 40 GiB in miniature (``docs/results.md#the-raised-search``): every config is predicted 20 above
     # its analysis. From 1 (100, 80) the ratio's raise of 25 finds 5 (125, 105), over the cap of 100.
     # One step under it would find 4 (124, 104) and 3 (122, 102), both over, and the raises would run
     # out; the line through (100, 80) and (125, 105) meets the cap at a predicted 120, where the

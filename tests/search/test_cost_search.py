@@ -1,4 +1,4 @@
-"""Cost model (``protrain_fx.cost``) and search (``protrain_fx.search``) on synthetic problems.
+"""Cost model (``search/cost.py``) and search (``search/search.py``) on synthetic problems.
 
 Plain data, no graphs, no device. Problems come from :func:`make_problem` (seeded RNG); sizes are in
 whole MiB and times in milliseconds so failures read easily.
@@ -592,8 +592,8 @@ def test_a_device_step_timed_in_training_is_priced_at_its_own_time() -> None:
 def test_a_device_step_does_not_hold_up_backwards_refetches() -> None:
     # The runtime copies a device step's states on its own streams: backward's re-fetches (on the
     # buffer pool's stream) run beside them. One step (never the in-flight limit): however slow its
-    # copies, backward ends when it would with instant copies. In the fetch FIFO, as until the twelfth
-    # session, each re-fetch behind it waited for the whole step's copies in.
+    # copies, backward ends when it would with instant copies. (In one FIFO with the fetches, each
+    # re-fetch behind the step would wait for all of the step's copies in.)
     seen_refetch = 0
     for seed in range(900, 906):
         problem = make_problem(seed, n_blocks=4, h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=100e9)
@@ -614,10 +614,10 @@ def test_a_device_step_does_not_hold_up_backwards_refetches() -> None:
 
 
 def test_a_swap_in_beside_a_device_step_stalls_that_step() -> None:
-    # B24 1.3B@16 GiB on the H200 (2026-12-01, 6/3/3/21/4): the device step in flight while the three
-    # swapped blocks' values came back took 68-71 ms where the others took 33-39; its copies in share
-    # the host-to-device link with the swap-ins. Two blocks, chunk 0 persistent, chunks 1 and 2 stepped
-    # on the GPU; on the reference timeline block 0's swap-in (issued when block 1's backward starts,
+    # B24 1.3B@16 GiB (6/3/3/21/4, ``docs/results.md#device-steps-beside-re-fetches-and-swap-ins``): the
+    # device step in flight while swapped blocks' values come back takes about twice as long as the
+    # others; its copies in share the host-to-device link with the swap-ins. Two blocks, chunk 0
+    # persistent, chunks 1 and 2 stepped on the GPU; on the reference timeline block 0's swap-in (issued when block 1's backward starts,
     # at 3.5 ms) runs while chunk 2's step (issued when block 1's backward ends, at 5.5 ms) copies.
     # Offloads are instant (a fast device-to-host link), so that only the swap-in differs.
     def problem(swap_mib: int) -> Problem:
@@ -648,9 +648,9 @@ def test_a_swap_in_beside_a_device_step_stalls_that_step() -> None:
 
 
 def test_a_refetch_beside_a_device_step_lengthens_that_step() -> None:
-    # B24 4.2B at 24 GiB on the H200 (twenty-first session, 3/3/0/35/11): the two device steps issued
-    # after backward's last re-fetch took 67-70 ms where the profile priced 69, the others 72-85; one
-    # re-fetch alone takes 8.4 ms there. Four blocks (1 ms forward, 2 ms backward), chunk 0 the outside
+    # B24 4.2B at 24 GiB (3/3/0/35/11, ``docs/results.md#device-steps-beside-re-fetches-and-swap-ins``):
+    # the device steps issued after backward's last re-fetch run at the profiled rate, those beside
+    # the re-fetches take longer. Four blocks (1 ms forward, 2 ms backward), chunk 0 the outside
     # work's and persistent, chunks 1-3 stepped on the GPU, chunk 4 on the CPU. A fetch takes 6.7 ms,
     # a step 20.1 ms in and 26.8 out. On the reference timeline backward runs 4.5-13.5 ms; chunk 3's
     # step is issued at 9.5 and runs to 36.3, chunk 2's and chunk 1's queue behind it.

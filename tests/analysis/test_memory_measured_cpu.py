@@ -35,8 +35,8 @@ def _step(compiled, optimizer, batch, mark=lambda _phase: None):
 )
 def test_predicted_step_memory_equals_cpu_allocations(codegen, plan):
     # With checkpointed blocks the backward graph recomputes forward values: copies of the forward
-    # nodes, whose own allocations must not be mistaken for the forward's (found in session 4: the
-    # eager prediction kept every recomputed value live from forward to backward).
+    # nodes, whose own allocations must not be mistaken for the forward's (mistaken, the eager
+    # prediction would keep every recomputed value live from forward to backward).
     torch.manual_seed(0)
     config = gpt_config("tiny")
     model = GPT(config)

@@ -16,7 +16,7 @@ from protrain_fx import machine as machines
 from protrain_fx.backend import register
 from protrain_fx.profile.ops import op_signature
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "bench"))  # step_trace imports peers from there
 _SPEC = importlib.util.spec_from_file_location("bench_step_trace", ROOT / "bench" / "step_trace.py")
 step_trace = importlib.util.module_from_spec(_SPEC)
@@ -25,7 +25,7 @@ _SPEC.loader.exec_module(step_trace)
 
 @pytest.mark.parametrize(
     ("name", "kind"),
-    [  # kernels of B24 760M's compiled step on the H200 (2026-12-02)
+    [  # kernel names from a compiled B24 760M step on the H200
         ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", "products"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0",
          "attention"),

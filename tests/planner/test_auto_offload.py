@@ -1,8 +1,8 @@
-"""Offload with automatic counts (``protrain_fx/autooffload.py``): ``offload`` without ``n_persist`` /
+"""Offload with automatic counts (``protrain_fx/planner/offload.py``): ``offload`` without ``n_persist`` /
 ``n_buffer`` and a ``memory_budget``; the backend chooses the counts and the activation plan at the
 first compile, places the chunks, and the model trains exactly like eager AdamW.
 
-CPU stands in for the GPU (``device="cpu"``), fp32, eager codegen, as in ``tests/test_offload.py``.
+CPU stands in for the GPU (``device="cpu"``), fp32, eager codegen, as in ``tests/runtime/test_offload.py``.
 The machine's rates are fixed to a GPU-like profile (link 25 GB/s each way, CPU Adam 1 G params/s,
 device Adam 100 G params/s) instead of measured, so that the chosen counts do not depend on the
 machine running the tests.
@@ -24,8 +24,8 @@ from protrain_fx.planner import offload as autooffload
 from protrain_fx.planner.budget import allocated_cap_bytes
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import MachineProfile
-from tests.test_auto_plan import _no_plan_fits
-from tests.test_offload import (
+from tests.planner.test_auto_plan import _no_plan_fits
+from tests.runtime.test_offload import (
     CHUNK,
     CONFIG,
     _assert_same_params,
@@ -189,7 +189,7 @@ def test_a_measured_miss_plans_the_placed_chunks_again_or_names_the_budget_they_
     stay: the optimizer state lives in the placed store). On the tiny GPT no activation plan makes
     up the miss, so that call refuses, naming the budget that includes it; that budget then trains,
     exactly like eager."""
-    from tests.test_offload import _batch as batch_of
+    from tests.runtime.test_offload import _batch as batch_of
 
     state = {"reads": 0, "rise": 0}
 
@@ -437,7 +437,7 @@ def test_steadier_gpu_optim_applies_the_count_of_least_expected_step_and_records
     from protrain_fx.search.cost import CostModel
     from protrain_fx.search.spread import expected_estimate
     from protrain_fx.search.problem import Config
-    from tests.test_cost_search import make_problem
+    from tests.search.test_cost_search import make_problem
 
     class Handle:  # what steadier_gpu_optim asks of an OffloadHandle
         def __init__(self):

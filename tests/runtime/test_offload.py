@@ -183,7 +183,7 @@ def test_chunks_stepped_on_the_device_train_exactly_like_eager_adamw(n_persist, 
 
 
 def test_chunks_moved_between_the_cpu_and_the_device_steps_keep_training_exactly_like_eager_adamw():
-    # The backend re-plans n_gpu_optim between steps (calibrate.replan_gpu_optim): 0 -> 3 -> 1 -> 0
+    # The backend re-plans n_gpu_optim between steps (``planner/rates.py``, ``replan_gpu_optim``): 0 -> 3 -> 1 -> 0
     # here, each kept for a step or two. The state never moves, so every step is eager's bits.
     n_chunks = len(_setup(0, 2)[4].layout.chunks)
     model, reference, opt, ref_opt, handle, compiled = _setup(1, 2)

@@ -1,12 +1,12 @@
 """On a GPU: the automatic plan with no options (the budget is what the process can reach on the
 device) and with a budget the step does not fit as is, each measured against its prediction after
 the first step (``AutoPlan.peak_check``). Skipped without CUDA; run on the GPU machine with
-``python -m pytest -q tests/test_gpu_auto_plan.py``.
+``python -m pytest -q tests/planner/test_gpu_auto_plan.py``.
 
 The process' memory cap is never changed here (``set_per_process_memory_fraction`` would outlive the
 test): the tight case passes a ``memory_budget`` below the empty plan's predicted peak instead. The
 allocator's peak statistics are reset before each first step, as the README tells users to when
-earlier work peaked higher (``autoplan`` never resets them itself).
+earlier work peaked higher (the planner never resets them itself).
 """
 
 from __future__ import annotations

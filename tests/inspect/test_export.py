@@ -1,4 +1,4 @@
-"""CPU tests of protrain_fx.export and of the pure-Python half of protrain_fx.measure."""
+"""CPU tests of protrain_fx.inspect.export and of the pure-Python half of protrain_fx.inspect.measure."""
 
 from __future__ import annotations
 

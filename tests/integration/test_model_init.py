@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import protrain_fx
-from tests.test_offload import _assert_same_params
+from tests.runtime.test_offload import _assert_same_params
 
 transformers = pytest.importorskip("transformers")
 
@@ -148,7 +148,7 @@ def test_transformers_is_imported_only_for_a_model_that_needs_it():
         "                    init='model')\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parent.parent))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parent.parent.parent))
 
 
 def test_the_initial_weights_depend_on_the_seed_not_on_where_the_chunks_are_placed():

@@ -1,4 +1,4 @@
-"""GPU test of protrain_fx.measure: record a small training step, compare with the allocator."""
+"""GPU test of protrain_fx.inspect.measure: record a small training step, compare with the allocator."""
 
 from __future__ import annotations
 

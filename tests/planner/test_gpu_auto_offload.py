@@ -1,10 +1,10 @@
 """On a GPU: ``offload`` with automatic counts under a budget the model does not fit as it is. The
 backend chooses the chunk counts and the activation plan, the first step is measured against the
 prediction, and the bf16 losses follow eager's. Skipped without CUDA; run on the GPU machine with
-``python -m pytest -q tests/test_gpu_auto_offload.py``.
+``python -m pytest -q tests/planner/test_gpu_auto_offload.py``.
 
-The machine's rates are measured on the first compile (``profiler.measure_machine``, cached in a
-temporary directory for this module, so the first test also covers the measurement).
+The machine's rates are measured on the first compile (``measure_machine`` in ``profile/machine_profile.py``,
+cached in a temporary directory for this module, so the first test also covers the measurement).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx.planner import first_step, rates
-from tests.test_gpu_auto_plan import _train
+from tests.planner.test_gpu_auto_plan import _train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -133,10 +133,10 @@ def test_what_fits_minimum_trains(machine_cache, monkeypatch):
 
 
 def test_a_re_plan_of_the_device_steps_keeps_training_within_the_budget(machine_cache, monkeypatch):
-    # The re-plan at the end of the rate window (calibrate.replan_gpu_optim) applied on CUDA. Which
+    # The re-plan at the end of the rate window (``planner/rates.py``, ``replan_gpu_optim``) applied on CUDA. Which
     # count the measured rates pick depends on this host's CPU, so the decision is forced here to the
     # nearest other count that fits the plan's room (the decision itself is tested on the CPU,
-    # tests/test_calibrate.py): the switch between calls, the losses against eager's, the budget.
+    # tests/planner/test_calibrate.py): the switch between calls, the losses against eager's, the budget.
     from protrain_fx.planner.rates import Replan
     from protrain_fx.search.cost import CostModel
 

@@ -12,9 +12,9 @@ import pytest
 
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config
-from tests.test_cost_search import make_problem
+from tests.search.test_cost_search import make_problem
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location("bench_auto_replay", ROOT / "bench" / "auto_replay.py")
 auto_replay = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(auto_replay)

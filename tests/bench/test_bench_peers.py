@@ -16,7 +16,7 @@ import torch
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 _SPEC = importlib.util.spec_from_file_location("bench_peers", ROOT / "bench" / "peers.py")
 peers = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(peers)

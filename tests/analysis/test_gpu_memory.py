@@ -1,6 +1,6 @@
 """On a GPU: the predicted peak of a training step against ``torch.cuda.max_memory_allocated``, and
 bf16 training through the backend against eager. Skipped without CUDA (CI has none); run on the GPU
-machine with ``python -m pytest -q tests/test_gpu_memory.py``."""
+machine with ``python -m pytest -q tests/analysis/test_gpu_memory.py``."""
 
 from __future__ import annotations
 
