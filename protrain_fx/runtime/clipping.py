@@ -128,7 +128,7 @@ def install_clip_dispatch() -> None:
 
 
 def clip_grad_norm(
-handle: Any,
+    handle: Any,
     parameters: Iterable[torch.Tensor] | torch.Tensor,
     max_norm: float,
     norm_type: float = 2.0,

@@ -449,18 +449,8 @@ class OffloadHandle:
         error_if_nonfinite: bool = False,
         foreach: bool | None = None,
     ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over ``parameters``, offloaded ones included: the norm
-        of every gradient, the persistent ones' ``.grad`` scaled in place and the offloaded chunks'
-        held steps queued with the same scale. ``torch.nn.utils.clip_grad_norm_`` comes here when
-        given parameters of this model (``offload`` installs the dispatch), so the loop is unchanged.
-
-        The offloaded chunks' steps run as their gradients land in backward, before a norm over all
-        of them exists; so the handle holds them (``grad_clipping``): always with ``True``; with
-        ``None`` (default) at the first step, and from then on when that step clipped. Held steps
-        start here, overlapping the optimizer's step of the persistent chunks and the next forward.
-        A non-finite norm skips the step everywhere (as ``GradScaler`` does): no offloaded chunk is
-        stepped and the persistent gradients are set to ``None``, so ``optimizer.step()`` leaves
-        those parameters too; ``error_if_nonfinite=True`` raises instead, as torch does."""
+        """``torch.nn.utils.clip_grad_norm_`` over every chunk of this model, offloaded ones included
+        (:func:`protrain_fx.runtime.clipping.clip_grad_norm`, where the holding of chunk steps is told)."""
         return clip_grad_norm(self, parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def host_bytes_per_param(self) -> float:
