@@ -52,7 +52,9 @@ class FitReport:
     of least memory) and ``host_chunk_bytes`` the host store they need (fp32 master, two Adam
     moments and the compute-dtype copy of each offloaded chunk, before any chunk is made lean). The
     chunks were placed to check each config with the memory analysis, as training does, and
-    removed again."""
+    removed again. When the host cannot hold the store of any config, nothing is placed: ``fits`` is
+    false, ``host_needed_bytes`` / ``host_available_bytes`` say what the store needs and what the
+    host has, and ``min_budget_bytes`` is the cost model's for the least-memory counts."""
 
     graph: int
     budget_bytes: int | None
@@ -66,6 +68,8 @@ class FitReport:
     host_swap_bytes: int
     counts: dict[str, int] | None = None
     host_chunk_bytes: int = 0
+    host_needed_bytes: int = 0
+    host_available_bytes: int | None = None
 
     def __str__(self) -> str:
         if self.budget_bytes is None:
@@ -89,6 +93,13 @@ class FitReport:
                 f"  chunks: n_persist={c['n_persist']}, n_buffer={c['n_buffer']}, n_gpu_optim={c['n_gpu_optim']} of "
                 f"{c['n_chunks']}; host store {human_bytes(self.host_chunk_bytes)}"
             )
+        if self.host_available_bytes is not None:
+            lines.append(
+                f"  host memory: the chunk store needs {human_bytes(self.host_needed_bytes)} "
+                f"({self.host_needed_bytes} bytes, every chunk lean that can be), "
+                f"{human_bytes(self.host_available_bytes)} available: does NOT fit this host "
+                "(no plan was placed and analysed; the smallest budget is the cost model's)"
+            )
         return "\n".join(lines)
 
 
@@ -105,6 +116,7 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
     """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would,
     find the smallest budget, and stop the compile with the report."""
     from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
+    from protrain_fx.runtime.host_memory import HostMemoryError
     from protrain_fx.search.search import NoPlanFits
 
     given = record.config.memory_budget_bytes
@@ -164,6 +176,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     from protrain_fx.planner import offload as planner_offload
     from protrain_fx.planner.budget import budget_for_peak
     from protrain_fx.planner.reserve import outside_reserve
+    from protrain_fx.runtime.host_memory import HostMemoryError
     from protrain_fx.search.search import NoPlanFits
 
     given = record.config.memory_budget_bytes
@@ -177,6 +190,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     least = candidates[0]
     outside = outside_reserve(record)[0]
     chosen = None
+    host_short: HostMemoryError | None = None
     try:
         try:
             chosen = planner_offload.choose_offload(record, handle, trial, final=False, model=model)
@@ -192,6 +206,11 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
         except NoPlanFits as e:  # training's own refusal, with the minimum it names
             minimum = e.min_budget_bytes
             least = getattr(e, "least_config", least)
+        except HostMemoryError as e:
+            # No config can be placed to be analysed: the answer is the host memory the store needs,
+            # and the device side as the cost model alone puts it.
+            host_short = e
+            minimum = budget_for_peak(model.estimate(least).peak_bytes + outside)
     finally:
         handle.unplace()  # nothing stays placed: the training compile chooses again
     config = chosen.config if chosen is not None else least
@@ -215,6 +234,8 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
             counts={"n_persist": config.n_persist, "n_buffer": config.n_buffer, "n_gpu_optim": config.n_gpu_optim,
                     "n_chunks": model.n_chunks},
             host_chunk_bytes=offloaded * numel * (4 + problem.adam_state_bytes_per_param + compute_size),
+            host_needed_bytes=host_short.needed_bytes if host_short is not None else 0,
+            host_available_bytes=host_short.available_bytes if host_short is not None else None,
         )
     )
 

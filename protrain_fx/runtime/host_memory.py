@@ -20,7 +20,13 @@ AUTO_HOST_RESERVE = 8 * GiB
 
 
 class HostMemoryError(MemoryError):
-    """The host cannot hold the chunk store; raised before anything is allocated."""
+    """The host cannot hold the chunk store; raised before anything is allocated.
+    ``needed_bytes`` / ``available_bytes``: what the store needs and what the host has free."""
+
+    def __init__(self, message: str, needed_bytes: int = 0, available_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
 
 
 def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -70,5 +76,7 @@ def check_host_memory(needed: int, available: int | None, what: str) -> None:
             f"{what} needs {needed} bytes ({needed / GiB:.2f} GiB) of host memory, but only "
             f"{available} bytes ({available / GiB:.2f} GiB) are available (MemAvailable in "
             "/proc/meminfo). Free host memory, use a machine with more, or keep more chunks "
-            "on the GPU."
+            "on the GPU.",
+            needed,
+            available,
         )

@@ -291,6 +291,25 @@ def test_what_fits_answers_as_training_chooses_and_leaves_nothing_placed():
         protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
 
 
+def test_what_fits_on_a_host_too_small_names_the_host_memory_and_places_nothing():
+    """A model whose chunk store the host cannot hold (a 13B model on a 24 GiB workstation): what_fits
+    answers with the bytes the store needs and the host has, instead of raising, and places nothing."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, available_host_bytes=1000)
+    report = protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
+    assert not report.fits and report.plan is None
+    assert report.host_available_bytes == 1000 and report.host_needed_bytes > 1000
+    assert report.min_budget_bytes > 0 and report.counts["n_persist"] == 0
+    assert "does NOT fit this host" in str(report) and f"({report.host_needed_bytes} bytes" in str(report)
+    assert handle.automatic and not handle.configured and handle.store is None
+    # training on that host is refused with the same numbers
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
+    with pytest.raises(MemoryError, match=f"needs {report.host_needed_bytes} bytes"):
+        compiled(*_batch(0))
+
+
 def test_the_minimum_what_fits_names_trains():
     model, reference, opt, ref_opt, handle, _ = _setup(None)
     small = protrain_fx.what_fits(model, *_batch(0), memory_budget=600_000, options={"codegen": "eager"})
