@@ -160,7 +160,7 @@ def n_layers(size: str) -> int:
 def block_labels(size: str) -> list[str]:
     """The block labels protrain_fx finds for this model (``protrain_fx.passes.blocks.find_blocks``:
     ``blocks.i`` for the GPT, ``model.layers.i`` for ``LlamaForCausalLM``; see
-    tests/test_checkpoint_plans.py and tests/test_blocks.py), in forward order."""
+    tests/passes/test_checkpoint_plans.py and tests/analysis/test_blocks.py), in forward order."""
     container = "model.layers" if family(size) == "llama" else "blocks"
     return [f"{container}.{i}" for i in range(n_layers(size))]
 
@@ -191,7 +191,7 @@ def build_model(size: str):
             **LLAMA_SIZES[size], use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa"
         )
         model = transformers.LlamaForCausalLM(config)
-        model.loss_type = "ForCausalLM"  # as tests/test_blocks.py: no graph break in the loss-type lookup
+        model.loss_type = "ForCausalLM"  # as tests/analysis/test_blocks.py: no graph break in the loss-type lookup
         return model
     from examples.gpt import GPT
 

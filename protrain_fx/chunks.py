@@ -13,7 +13,7 @@ others live in host memory and are streamed in. This module decides the layout o
   most common block's bytes of at least 32 MiB (1-4 blocks, plus room for the small parameters
   outside blocks, such as a final norm). A large model's blocks outgrow the fixed sizes: a 4.2B GPT block (453 MB in fp32)
   next to a 618 MB embedding would waste 27% of every chunk at the embedding's size, against 3% with
-  chunks of two blocks (tests/test_chunks.py).
+  chunks of two blocks (tests/runtime/test_chunks.py).
 
 Sizes are in bytes of the parameters' working copy; the fp32 master, optimizer state and gradient
 of a chunk follow the same layout, scaled.

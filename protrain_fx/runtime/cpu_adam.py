@@ -8,7 +8,7 @@ it: as the chunk's gradient lands in backward, or at ``optimizer.step()`` for ac
 gradients), as the device steps do, so learning-rate schedulers attached to it keep working. A step
 that runs later, overlapping the next forward, still uses its own step's values: read when it ran,
 a scheduler stepped after ``optimizer.step()`` reached the chunks still queued (the learning rate of
-the next step, one chunk in three of a tiny GPT on the CPU, found by ``tests/test_offload.py``).
+the next step, one chunk in three of a tiny GPT on the CPU, found by ``tests/runtime/test_offload.py``).
 The moments live in the store (not in ``optimizer.state``) and the step is torch's fused CPU kernel
 (design.md: as fast as DeepSpeed's CPUAdam) on per-parameter views of the flat master, with the
 chunk's gradient converted to fp32.

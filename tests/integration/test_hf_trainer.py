@@ -115,7 +115,7 @@ def _assert_same_run(trainer, reference, rtol: float, atol: float) -> None:
 ], ids=["plain-backend", "accumulate-clip-backend", "plain-offload", "accumulate-offload", "accumulate-clip-offload"])
 def test_trainer_trains_like_the_plain_trainer(tmp_path, caplog, offload, steps):
     # (1) backend: the same losses as the plain Trainer within 1e-5; (2) offload: eager codegen, fp32
-    # and torch's fused AdamW stepping the host chunks give the same bits, as in tests/test_offload.py,
+    # and torch's fused AdamW stepping the host chunks give the same bits, as in tests/runtime/test_offload.py,
     # so the same 1e-5 holds; (3) two micro-batches a step (the first under handle.accumulate()) and
     # max_grad_norm=1.0, which clips at this learning rate's first steps (asserted below). Without
     # clipping an offloaded chunk steps as soon as its gradients land: the first micro-batch must
