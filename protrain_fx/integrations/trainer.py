@@ -201,14 +201,8 @@ class ProTrainTrainer(transformers.Trainer):
         weights = checkpoint_weights(checkpoint, self.model)
         path = os.path.join(checkpoint, _OPTIMIZER)
         optimizer_state = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
-        if self.handle.configured:
-            self.handle.load_state_dict(self.model, weights, optimizer_state)
-        else:
-            # Counts still the backend's to choose: the weights go to the values kept aside, the
-            # optimizer state to the optimizer, whose chunk store adopts it when the chunks are placed.
-            self.handle.load_state_dict(self.model, weights)
-            if optimizer_state is not None:
-                _unwrapped(self.optimizer).load_state_dict(optimizer_state)
+        # Before the counts are chosen the handle keeps both aside and applies them at placement.
+        self.handle.load_state_dict(self.model, weights, optimizer_state)
         path = os.path.join(checkpoint, _SCHEDULER)
         if os.path.isfile(path):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))

@@ -121,6 +121,9 @@ class OffloadHandle:
         self.pool: ChunkBufferPool | None = None
         self.id: int | None = None
         self._sources: dict[str, torch.Tensor] | None = None  # automatic counts: the values to build from
+        #: Automatic counts: an optimizer state loaded before the chunks are placed, applied at each
+        #: placement (the store holds the offloaded chunks' moments) until the counts are final.
+        self._optimizer_state_aside: Mapping[str, Any] | None = None
         #: The backend chose the counts (``offload`` without them): later graphs get activation plans.
         self.counts_chosen = False
         self._built = False
@@ -216,6 +219,7 @@ class OffloadHandle:
         """The counts are final: forget the values kept to place the chunks again."""
         if self._built and self._sources is not None:
             self._sources = None
+            self._optimizer_state_aside = None
             self.counts_chosen = True
 
     def _teardown(self) -> None:
@@ -299,6 +303,8 @@ class OffloadHandle:
                 set_data(p, src.detach().to(self.device))
         self.id = chunk_ops.register(self, list(shells.values()))
         self._built = True
+        if self._optimizer_state_aside is not None:
+            self._load_optimizer_state(self._optimizer_state_aside)
 
     # ---- what the rewritten graphs call ------------------------------------------------------
 
@@ -483,18 +489,18 @@ class OffloadHandle:
         )
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Model parameters and buffers as ordinary full CPU tensors (loads into a plain model)."""
+        """``model.state_dict()``'s keys (parameters, tied ones under each name, and persistent
+        buffers) as ordinary full CPU tensors: it loads into a plain model with ``load_state_dict``."""
         self.synchronize()
         host = self.store.param_state_dict() if self.store else {}
         if not self._built:  # automatic counts not chosen yet: the values kept aside
             self._require_values("state_dict")
             host = {n: t.to("cpu", copy=True) for n, t in self._sources.items()}
-        out: dict[str, torch.Tensor] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            out[name] = host[name] if name in host else p.detach().to("cpu", copy=True)
-        for name, b in model.named_buffers():
-            out[name] = b.detach().to("cpu", copy=True)
-        return out
+        # keep_vars: the entries are the module's own tensors, not read here (a shell has no bytes)
+        return {
+            name: host[name] if name in host else t.detach().to("cpu", copy=True)
+            for name, t in model.state_dict(keep_vars=True).items()
+        }
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer's state dict with the host chunks' state filled in (loads into a plain AdamW)."""
@@ -504,21 +510,22 @@ class OffloadHandle:
     def load_state_dict(
         self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any] | None = None
     ) -> None:
-        """Set parameters (and optionally the optimizer state) from ordinary full tensors."""
+        """Set parameters (and optionally the optimizer state) from ordinary full tensors: what
+        :meth:`state_dict` and :meth:`optimizer_state_dict` (or a plain model and AdamW) saved.
+        Non-persistent buffers are not in a state dict and keep their values. Before the counts are
+        chosen (automatic counts, before the first compile) the optimizer state is kept aside and
+        applied when the chunks are placed."""
         self.synchronize()
         if not self._built:  # automatic counts not chosen yet: into the values kept aside
             self._require_values("load_state_dict")
-            if optimizer_state is not None:
-                raise RuntimeError(
-                    "offload: load_state_dict(..., optimizer_state) before the model's first compile: the "
-                    "optimizer state goes where the chunks are, chosen at that compile; load it after the "
-                    "first compile (or give n_persist / n_buffer by hand)"
-                )
             with torch.no_grad():
                 for name, t in self._sources.items():
                     t.copy_(state_dict[name])
                 for name, b in model.named_buffers():
-                    b.copy_(state_dict[name])
+                    if name in state_dict:
+                        b.copy_(state_dict[name])
+            if optimizer_state is not None:
+                self._optimizer_state_aside = optimizer_state
             return
         if self.store:
             self.store.load_param_state_dict(state_dict)
@@ -528,11 +535,18 @@ class OffloadHandle:
                 if name not in host:
                     p.copy_(state_dict[name])
             for name, b in model.named_buffers():
-                b.copy_(state_dict[name])
+                if name in state_dict:
+                    b.copy_(state_dict[name])
         if optimizer_state is not None:
+            self._load_optimizer_state(optimizer_state)
+
+    def _load_optimizer_state(self, optimizer_state: Mapping[str, Any]) -> None:
+        """The offloaded chunks' moments into the store and the rest into the optimizer (never the
+        whole state into the optimizer: it would put every moment on the device first)."""
+        if self.adam:
+            self.adam.load_state_dict(optimizer_state)
+        else:
             self.optimizer.load_state_dict(optimizer_state)
-            if self.adam:
-                self.adam.load_state_dict(optimizer_state)
 
     def close(self) -> None:
         self.synchronize()

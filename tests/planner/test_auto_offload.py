@@ -310,6 +310,36 @@ def test_what_fits_on_a_host_too_small_names_the_host_memory_and_places_nothing(
         compiled(*_batch(0))
 
 
+def test_a_restart_loads_the_checkpoint_before_the_first_compile_and_continues_exactly():
+    """The restart loop: a new process offloads a fresh model, loads the checkpoint (weights and
+    optimizer state) before its first compile, when the counts are not chosen yet, and trains on as the
+    uninterrupted run does. The checkpoint has ``model.state_dict()``'s keys, so a plain model loads it
+    strictly too."""
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
+    _train_side_by_side(compiled, reference, opt, ref_opt, 2)
+    weights, moments = handle.state_dict(model), handle.optimizer_state_dict()
+    assert weights.keys() == reference.state_dict().keys()
+    GPT(CONFIG).load_state_dict(weights)  # strict: no missing or unexpected key
+    handle.close()
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    torch.manual_seed(1)  # other initial weights: the checkpoint must replace them
+    resumed = GPT(CONFIG)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    resumed_handle = protrain_fx.offload(resumed, resumed_opt, device="cpu", chunk_bytes=CHUNK)
+    resumed_handle.load_state_dict(resumed, weights, moments)
+    assert resumed_handle.automatic and not resumed_handle.configured
+    compiled = torch.compile(resumed, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
+    for step in range(2, 4):
+        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
+        assert torch.equal(loss, ref_loss), step
+        loss.backward(), ref_loss.backward()
+        resumed_opt.step(), ref_opt.step()
+        resumed_opt.zero_grad(), ref_opt.zero_grad()
+    assert resumed_handle.configured and 0 < resumed_handle.n_persist < len(resumed_handle.layout.chunks)
+    _assert_same_params(resumed_handle, resumed, reference)
+
+
 def test_the_minimum_what_fits_names_trains():
     model, reference, opt, ref_opt, handle, _ = _setup(None)
     small = protrain_fx.what_fits(model, *_batch(0), memory_budget=600_000, options={"codegen": "eager"})

@@ -313,6 +313,26 @@ def test_state_dict_loads_into_a_plain_model_and_resumes_exactly():
     _assert_same_params(handle, model, plain)
 
 
+def test_state_dict_has_the_models_keys_without_its_non_persistent_buffers():
+    """A model with a non-persistent buffer (a Hugging Face rotary ``inv_freq``): the handle's state
+    dict has exactly ``model.state_dict()``'s keys, so a plain model loads it strictly, and the handle
+    loads such a dict back (the buffer keeps its value)."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    model.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    handle = protrain_fx.offload(model, opt, n_persist=1, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
+    state = handle.state_dict(model)
+    assert "inv_freq" not in state and state.keys() == model.state_dict(keep_vars=True).keys()
+    plain = GPT(CONFIG)
+    plain.register_buffer("inv_freq", torch.zeros(4), persistent=False)
+    plain.load_state_dict(state)  # strict
+    handle.load_state_dict(model, {k: v + 1 for k, v in state.items()})
+    assert torch.equal(model.inv_freq, torch.arange(4.0))
+    name = next(iter(handle.store.param_state_dict()))
+    assert torch.equal(handle.state_dict(model)[name], state[name] + 1)
+
+
 def test_inductor_codegen_trains_like_eager():
     model, reference, opt, ref_opt, handle, compiled = _setup(1, 2, codegen="inductor")
     for step in range(2):
