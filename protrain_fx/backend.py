@@ -49,13 +49,13 @@ from protrain_fx.planner.budget import (
 )
 from protrain_fx.planner.first_step import peaks_at_compile_start, watch_first_step
 from protrain_fx.planner.fit import answer, answer_offload
-from protrain_fx.planner.plan_cache import reuse_or_choose
 from protrain_fx.planner.offload import (
     choose_for_placed,
     choose_offload,
     deferred_handle,
     placed_handle,
 )
+from protrain_fx.planner.plan_cache import reuse_or_choose
 from protrain_fx.runtime import chunk_ops
 
 log = logging.getLogger("protrain_fx")

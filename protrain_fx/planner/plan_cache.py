@@ -54,7 +54,12 @@ from protrain_fx.capture import CapturedGraph
 from protrain_fx.plan import Plan
 from protrain_fx.planner.reserve import returned_outputs
 from protrain_fx.planner.result import AutoPlan
-from protrain_fx.profile.cache import device_name, plan_cache_path, read_json, write_json
+from protrain_fx.profile.cache import (
+    device_name,
+    plan_cache_path,
+    read_json,
+    write_json,
+)
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config, Problem, block_plan
 from protrain_fx.search.spread import expected_estimate

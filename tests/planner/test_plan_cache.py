@@ -10,7 +10,6 @@ CPU, eager codegen, the tiny GPT of ``tests/planner/test_auto_plan.py`` (activat
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 
@@ -22,7 +21,6 @@ from examples.gpt import GPT
 from protrain_fx import backend
 from protrain_fx.planner import activations, first_step
 from protrain_fx.planner import offload as autooffload
-from protrain_fx.planner import plan_cache
 from protrain_fx.planner.budget import budget_for_peak
 from protrain_fx.profile.cache import plan_cache_path
 from tests.planner.test_auto_offload import GPU_LIKE, TIGHT
