@@ -171,7 +171,7 @@ def reuse(
     if peak > max(entry["graph_peak_bytes"], entry["allocated_cap_bytes"]):
         refusal = (f"the plan analyses at {peak} bytes, above the {entry['graph_peak_bytes']} stored and the cap "
                    f"of {entry['allocated_cap_bytes']}")
-        drop(key)
+        drop(key.path, key.digest)
     elif measured > entry["reserve_bytes"]:
         refusal = (f"this process measured {measured} bytes for the code around the graph, more than the "
                    f"{entry['reserve_bytes']} the plan kept")
@@ -256,12 +256,9 @@ def store(record: CapturedGraph, key: PlanKey, auto: AutoPlan) -> None:
     log.info("protrain_fx: graph %d: plan kept in the plan cache (%s)", record.index, key.path)
 
 
-def drop(key: PlanKey | None = None, *, path: str | Path | None = None, digest: str | None = None) -> bool:
-    """Remove the entry of ``key`` (or of ``path`` and ``digest``) from its file; whether one was there."""
-    path = Path(path) if key is None and path is not None else key.path if key is not None else None
-    digest = key.digest if key is not None else digest
-    if path is None or digest is None:
-        return False
+def drop(path: str | Path, digest: str) -> bool:
+    """Remove the entry ``digest`` from the plan cache ``path``; whether one was there."""
+    path = Path(path)
     plans = _entries(path, warn=False)
     if plans.pop(digest, None) is None:
         return False
@@ -276,7 +273,7 @@ def drop(key: PlanKey | None = None, *, path: str | Path | None = None, digest: 
 def drop_after_miss(auto: AutoPlan, index: int, why: str) -> None:
     """After the first step of ``auto`` made its graph compile again (``planner/first_step.py``): its
     cached entry is dropped, so that the plan chosen again is the one kept."""
-    if auto.cache_key and auto.cache_file and drop(path=auto.cache_file, digest=auto.cache_key):
+    if auto.cache_key and auto.cache_file and drop(auto.cache_file, auto.cache_key):
         log.info("protrain_fx: graph %d: the plan's entry in the plan cache (%s) is dropped: %s",
                  index, auto.cache_file, why)
 
