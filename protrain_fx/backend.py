@@ -55,6 +55,7 @@ from protrain_fx.planner.offload import (
     deferred_handle,
     placed_handle,
 )
+from protrain_fx.planner.plan_cache import reuse_or_choose
 from protrain_fx.runtime import chunk_ops
 
 log = logging.getLogger("protrain_fx")
@@ -193,12 +194,15 @@ class _Partitioner(CustomPartitionerFn):
             answer_offload(record, handle, trial)  # placed, checked and removed: training's answer
         if dry_run:
             answer(record, trial)  # stops the compile with the report: nothing runs
+        # A plan kept from an earlier launch of this graph and budget is applied without planning
+        # (planner/plan_cache.py); otherwise the planner chooses, and the choice is kept.
         if handle is not None:
-            record.auto_plan = choose_offload(record, handle, trial)
+            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_offload(record, handle, trial),
+                                               handle)
         elif placed is not None:
             record.auto_plan = choose_for_placed(record, placed, trial)
         else:
-            record.auto_plan = choose_plan(record, trial)
+            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_plan(record, trial))
         if record.auto_plan is None:
             log.info("protrain_fx: graph %d has no transformer blocks: no activation plan to choose", record.index)
         else:

@@ -34,3 +34,11 @@ def _training_rates_not_kept(monkeypatch):
     """Rates one test's training reaches are not kept in this machine's profile file, where later
     tests' plans would be priced at them (``planner/rates.py``)."""
     monkeypatch.setattr(profile_cache, "note_training_rates", lambda *args, **kwargs: None)
+
+
+@pytest.fixture(autouse=True)
+def _no_plan_cache(monkeypatch):
+    """Plans are chosen at every compile, as the tests of the planner expect, and none is kept in the
+    user's cache directory (``planner/plan_cache.py``; ``tests/planner/test_plan_cache.py`` turns it on,
+    in a folder of its own)."""
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")

@@ -125,7 +125,8 @@ class StepReport:
                 c = auto.config
                 chunks = (f"n_persist={c.n_persist}, n_buffer={c.n_buffer}, n_gpu_optim={c.n_gpu_optim} of "
                           f"{len(auto.problem.chunks)} chunks; ") if auto.offload else ""
-                lines.insert(2, f"  automatic {'offload and ' if auto.offload else ''}activation plan ({auto.how}): "
+                cached = f", from the plan cache ({auto.cache_file})" if auto.from_cache else ""
+                lines.insert(2, f"  automatic {'offload and ' if auto.offload else ''}activation plan ({auto.how}{cached}): "
                                 f"{chunks}swap {', '.join(auto.plan.blocks_with('swap')) or '-'}; "
                                 f"checkpoint {', '.join(auto.plan.blocks_with('checkpoint')) or '-'}; "
                                 f"predicted step {auto.estimate.step_s * 1e3:.3f} ms")

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
+from protrain_fx.planner.plan_cache import drop_after_miss
 from protrain_fx.planner.rates import (
     STEP_TIMED_CALLS,
     RateWindow,
@@ -321,6 +322,7 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
         level = logging.INFO
     else:
         return check
+    drop_after_miss(auto, record.index, "the first step " + ("missed" if check.over else "found a faster plan"))
     code = record.dynamo_code
     if code is not None:  # the next call compiles this graph again, with the measured reserve
         from torch._dynamo.eval_frame import remove_from_cache

@@ -158,6 +158,11 @@ class AutoPlan:
     #: Set after a measured miss when this graph was removed from Dynamo's cache, so that its next
     #: call compiles it again under the lowered cap (``record_first_step``).
     recompile: bool = False
+    #: The plan cache file and entry this plan is kept under (``planner/plan_cache.py``; ``""``: not
+    #: kept), and whether it was read from there instead of chosen (no search, no trial lowerings).
+    cache_file: str = ""
+    cache_key: str = ""
+    from_cache: bool = False
 
     @property
     def step_cap_bytes(self) -> int:
@@ -193,6 +198,9 @@ class AutoPlan:
             f"{human_bytes(self.analysed_peak_bytes)} {judged}, {human_bytes(self.predicted_peak_bytes)} by the "
             f"cost model (no plan: {human_bytes(self.empty_peak_bytes)} {empty_judged})",
         ]
+        if self.from_cache:
+            lines.insert(2, f"  from the plan cache ({self.cache_file}): no search, no trial lowerings; the first "
+                            "step's peak is checked as for a plan chosen here")
         if self.offload:
             c, p = self.config, self.problem
             lines.insert(2, (

@@ -46,11 +46,41 @@ def device_name(device: torch.device | str) -> str:
     return f"cpu-{platform.processor() or platform.machine() or 'unknown'}"
 
 
+def _slug(device: torch.device | str) -> str:
+    """Device name and torch version as a file name part."""
+    key = f"{device_name(device)}-torch{torch.__version__}"
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", key).strip("_")
+
+
 def cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None = None) -> Path:
     """The JSON file of ``device``'s profile: keyed by device name and torch version."""
-    key = f"{device_name(device)}-torch{torch.__version__}"
-    slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", key).strip("_")
-    return cache_dir(cache) / f"machine-{slug}.json"
+    return cache_dir(cache) / f"machine-{_slug(device)}.json"
+
+
+def plan_cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None = None) -> Path:
+    """The JSON file of the plans chosen on ``device`` (``planner/plan_cache.py``), beside its machine
+    profile and named like it: a plan rests on that machine's rates."""
+    return cache_dir(cache) / f"plans-{_slug(device)}.json"
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``; ``None`` when there is no such file. Raises ``OSError`` or
+    ``ValueError`` for a file that cannot be read or is not a JSON object (the caller decides how loud)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` whole and atomically (a concurrent reader sees the old file or the
+    new one), making its folder when missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json(path, data)
 
 
 #: How many in-training measurements of each rate a profile file keeps (the newest); the rate used

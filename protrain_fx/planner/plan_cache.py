@@ -1,0 +1,390 @@
+"""The plan cache: a plan chosen once is applied again at a later launch, without planning again.
+
+Planning a graph costs the ops' profiles, the search and the trial rewrites (and Inductor lowerings)
+that verify the plans: minutes on a large model. :func:`reuse_or_choose` wraps the planner's choice
+(``planner.activations.choose_plan``, ``planner.offload.choose_offload``):
+
+* **Key** (:class:`PlanKey`): a hash of the joint forward+backward graph's structure (every node's
+  op, target, arguments and output shapes, strides, dtypes and devices: the input shapes and dtypes
+  are those of its placeholders; AOTAutograd names nodes the same way at every launch, Dynamo's
+  graph does not always), the memory budget and where it came from, the devices' names, the torch
+  and protrain_fx versions (and a hash of the package's sources), the options that change planning
+  (``codegen``, ``optimizer``, ``keep_node_order``, ``machine``, ``verify``) and, for a model
+  offloaded without counts, its chunk layout and dtypes.
+* **File**: one JSON file per device beside its machine profile
+  (``profile.cache.plan_cache_path``, under ``$PROTRAIN_CACHE_DIR``), ``{"version", "plans": {digest:
+  entry}}``. An entry holds what the planner hands back (:class:`~protrain_fx.planner.result.AutoPlan`:
+  the activation plan, the counts, the cost model's problem, the cap and reserve it was chosen
+  under), the graph-level analysed peak of the plan applied, and the key's parts in clear. At most
+  :data:`MAX_ENTRIES` are kept, the newest.
+* **A hit**: the chunks are placed with the counts (an offload), the step is partitioned once with
+  the plan and analysed: no search, no other trial, no Inductor lowering to verify. The plan is
+  refused (and the entry dropped, the planner runs) when that analysis is above both the peak
+  stored and the cap, and skipped when this process measured more room for the code around the
+  graph than the entry kept. The first step's peak is measured as for any plan
+  (``planner/first_step.py``): a miss there (or a faster plan found from the measured reserve)
+  drops the entry, and the graph compiled again is planned and stored anew.
+* ``PROTRAIN_PLAN_CACHE=0`` turns it off (nothing read or written). A file that cannot be read or
+  parsed, or an entry that does not parse, is ignored with a warning and written over.
+
+What is not in the key: the host memory free now (which chunks an offload makes lean), the machine's measured rates (a plan is still valid when they change, only
+perhaps not the fastest; delete the file to plan again) and the room measured for the code around
+the graph in an earlier launch (the entry keeps the reserve it was chosen with).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from protrain_fx.capture import CapturedGraph
+from protrain_fx.plan import Plan
+from protrain_fx.planner.reserve import returned_outputs
+from protrain_fx.planner.result import AutoPlan
+from protrain_fx.profile.cache import (
+    device_name,
+    plan_cache_path,
+    read_json,
+    write_json,
+)
+from protrain_fx.search.cost import CostModel
+from protrain_fx.search.problem import Config, Problem, block_plan
+from protrain_fx.search.spread import expected_estimate
+from protrain_fx.state import STATE
+
+if TYPE_CHECKING:
+    from protrain_fx.runtime.offload import OffloadHandle
+
+log = logging.getLogger("protrain_fx")
+
+#: Version of the plan cache file; a file of another version is ignored (and written over).
+PLAN_CACHE_VERSION = 1
+
+#: The environment variable that turns the cache off when ``"0"`` (``docs/options.md``).
+ENV = "PROTRAIN_PLAN_CACHE"
+
+#: Entries kept per file (the newest): one per graph, budget and shape planned on this machine.
+MAX_ENTRIES = 64
+
+
+def enabled() -> bool:
+    """Whether the plan cache is on: unless ``PROTRAIN_PLAN_CACHE`` is ``0`` (or ``false``, ``off``, ``no``)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """Where a plan is cached: ``path`` (the file) and ``digest`` (the entry), and the key's parts."""
+
+    path: Path
+    digest: str
+    parts: dict[str, Any]
+
+
+def reuse_or_choose(
+    record: CapturedGraph,
+    joint: fx.GraphModule,
+    trial: Callable[[Plan | None], None],
+    choose: Callable[[], AutoPlan | None],
+    handle: OffloadHandle | None = None,
+) -> AutoPlan | None:
+    """The plan of ``record`` from the cache (module docstring), else ``choose()``'s, stored for
+    the next launch. ``joint``: the joint graph, shapes specialized; ``trial``: the partitioner's
+    (partitions and analyses with a plan); ``handle``: the offload whose counts are chosen."""
+    if not enabled():
+        return choose()
+    key = plan_key(record, joint, handle)
+    auto = reuse(record, key, trial, handle)
+    if auto is not None:
+        return auto
+    auto = choose()
+    if auto is not None:
+        store(record, key, auto)
+    return auto
+
+
+def plan_key(record: CapturedGraph, joint: fx.GraphModule, handle: OffloadHandle | None = None) -> PlanKey:
+    """The key of ``record``'s plan (module docstring)."""
+    import protrain_fx
+
+    devices = sorted({str(t.device) for t in _tensors_of(joint)} | ({str(handle.device)} if handle else set()))
+    device = next((d for d in devices if d.startswith("cuda")), devices[0] if devices else "cpu")
+    config = record.config
+    parts: dict[str, Any] = {
+        "graph": graph_digest(joint),
+        "budget_bytes": config.memory_budget_bytes,
+        "budget_source": record.budget_source or "user",
+        "devices": [device_name(d) for d in devices],
+        "torch": torch.__version__,
+        "protrain_fx": protrain_fx.__version__,
+        "sources": source_digest(),
+        "options": {
+            "codegen": config.codegen,
+            "optimizer": config.optimizer,
+            "keep_node_order": config.keep_node_order,
+            "machine": dict(config.machine) if config.machine else None,
+            "verify": config.verify,
+        },
+        "offload": _offload_key(handle) if handle is not None else None,
+    }
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    return PlanKey(plan_cache_path(device), digest, parts)
+
+
+def reuse(
+    record: CapturedGraph, key: PlanKey, trial: Callable[[Plan | None], None], handle: OffloadHandle | None = None
+) -> AutoPlan | None:
+    """Apply the entry of ``key`` to ``record`` (module docstring, "a hit") and return its
+    :class:`AutoPlan`; ``None`` when there is none or it is refused (the planner chooses then)."""
+    raw = _entries(key.path).get(key.digest)
+    if raw is None:
+        return None
+    started = time.perf_counter()
+    try:
+        entry = _parse(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        log.warning("protrain_fx: graph %d: the plan cache's entry in %s does not parse (%s: %s); it is ignored "
+                    "and the plan is chosen again", record.index, key.path, type(e).__name__, e)
+        return None
+    config, problem, plan = entry["config"], entry["problem"], entry["plan"]
+    if handle is not None:
+        with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode
+            handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim)
+    trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+    assert record.memory is not None
+    peak = record.memory.peak_bytes
+    measured = STATE.measured_outside.get(record.memory.device, 0)
+    refusal = ""
+    if peak > max(entry["graph_peak_bytes"], entry["allocated_cap_bytes"]):
+        refusal = (f"the plan analyses at {peak} bytes, above the {entry['graph_peak_bytes']} stored and the cap "
+                   f"of {entry['allocated_cap_bytes']}")
+        drop(key.path, key.digest)
+    elif measured > entry["reserve_bytes"]:
+        refusal = (f"this process measured {measured} bytes for the code around the graph, more than the "
+                   f"{entry['reserve_bytes']} the plan kept")
+    if refusal:
+        log.warning("protrain_fx: graph %d: the plan cache's plan (%s) is not used: %s; the plan is chosen again",
+                    record.index, key.path, refusal)
+        if handle is not None:
+            with unset_fake_temporarily():
+                handle.unplace()
+        return None
+    if handle is not None:
+        handle.finalize()
+    spread = entry["rate_spread"]
+    auto = AutoPlan(
+        plan=plan,
+        config=config,
+        estimate=expected_estimate(problem, config, spread) if spread else CostModel(problem).estimate(config),
+        problem=problem,
+        budget_bytes=entry["budget_bytes"],
+        allocated_cap_bytes=entry["allocated_cap_bytes"],
+        predicted_peak_bytes=entry["predicted_peak_bytes"],
+        analysed_peak_bytes=entry["analysed_peak_bytes"],
+        empty_peak_bytes=entry["empty_peak_bytes"],
+        empty_step_s=entry["empty_step_s"],
+        how=entry["how"],
+        budget_source=entry["budget_source"],
+        reserve_bytes=entry["reserve_bytes"],
+        reserve_source=entry["reserve_source"],
+        returned=tuple(returned_outputs(record)),
+        rate_spread=spread,
+        offload=entry["offload"],
+        choose_s=time.perf_counter() - started,
+        judged_by=entry["judged_by"],
+        empty_by_inductor=entry["empty_by_inductor"],
+        cache_file=str(key.path),
+        cache_key=key.digest,
+        from_cache=True,
+    )
+    log.info("protrain_fx: graph %d: plan from the plan cache (%s): n_persist=%d, n_buffer=%d, n_gpu_optim=%d, "
+             "n_swap=%d, n_checkpoint=%d; no search, no trial lowerings", record.index, key.path, config.n_persist,
+             config.n_buffer, config.n_gpu_optim, config.n_swap, config.n_checkpoint)
+    return auto
+
+
+def store(record: CapturedGraph, key: PlanKey, auto: AutoPlan) -> None:
+    """Keep ``auto`` (just chosen for ``record``, whose graphs are as of it) under ``key``; a file
+    that cannot be written is left with a warning."""
+    assert record.memory is not None
+    entry = {
+        "key": key.parts,
+        "plan": auto.plan.to_dict(),
+        "config": auto.config.to_dict(),
+        "problem": auto.problem.to_dict(),
+        "graph_peak_bytes": record.memory.peak_bytes,
+        "budget_bytes": auto.budget_bytes,
+        "allocated_cap_bytes": auto.allocated_cap_bytes,
+        "predicted_peak_bytes": auto.predicted_peak_bytes,
+        "analysed_peak_bytes": auto.analysed_peak_bytes,
+        "empty_peak_bytes": auto.empty_peak_bytes,
+        "empty_step_s": auto.empty_step_s,
+        "how": auto.how,
+        "budget_source": auto.budget_source,
+        "reserve_bytes": auto.reserve_bytes,
+        "reserve_source": auto.reserve_source,
+        "rate_spread": auto.rate_spread,
+        "offload": auto.offload,
+        "judged_by": auto.judged_by,
+        "empty_by_inductor": auto.empty_by_inductor,
+    }
+    plans = _entries(key.path, warn=False)
+    plans.pop(key.digest, None)
+    plans[key.digest] = entry  # the newest last
+    while len(plans) > MAX_ENTRIES:
+        plans.pop(next(iter(plans)))
+    try:
+        write_json(key.path, {"version": PLAN_CACHE_VERSION, "plans": plans})
+    except OSError as e:
+        log.warning("protrain_fx: graph %d: the plan could not be kept in the plan cache %s (%s)",
+                    record.index, key.path, e)
+        return
+    auto.cache_file, auto.cache_key = str(key.path), key.digest
+    log.info("protrain_fx: graph %d: plan kept in the plan cache (%s)", record.index, key.path)
+
+
+def drop(path: str | Path, digest: str) -> bool:
+    """Remove the entry ``digest`` from the plan cache ``path``; whether one was there."""
+    path = Path(path)
+    plans = _entries(path, warn=False)
+    if plans.pop(digest, None) is None:
+        return False
+    try:
+        write_json(path, {"version": PLAN_CACHE_VERSION, "plans": plans})
+    except OSError as e:
+        log.warning("protrain_fx: the plan cache %s could not be written (%s)", path, e)
+        return False
+    return True
+
+
+def drop_after_miss(auto: AutoPlan, index: int, why: str) -> None:
+    """After the first step of ``auto`` made its graph compile again (``planner/first_step.py``): its
+    cached entry is dropped, so that the plan chosen again is the one kept."""
+    if auto.cache_key and auto.cache_file and drop(auto.cache_file, auto.cache_key):
+        log.info("protrain_fx: graph %d: the plan's entry in the plan cache (%s) is dropped: %s",
+                 index, auto.cache_file, why)
+
+
+def graph_digest(gm: fx.GraphModule) -> str:
+    """A hash of ``gm``'s structure: per node its op, name, target, arguments (nodes by name) and the
+    shapes, strides, dtypes and devices of what it computes. Addresses printed in a ``repr`` are left out."""
+    h = hashlib.sha256()
+    for node in gm.graph.nodes:
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{n.name}")
+        line = f"{node.op}|{node.name}|{_target_name(node.target)}|{_no_addresses(repr(args))}|{_value(node.meta.get('val'))}"
+        h.update(line.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+@functools.cache
+def source_digest() -> str:
+    """A hash of the package's sources: a plan chosen by other code is not reused."""
+    root = Path(__file__).resolve().parents[1]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))).hexdigest()
+
+
+def _entries(path: Path, *, warn: bool = True) -> dict[str, Any]:
+    """The entries of the plan cache ``path`` (empty: no file, another version, or one that does not
+    read, with a warning when ``warn``)."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as e:
+        if warn:
+            log.warning("protrain_fx: the plan cache %s cannot be read (%s: %s); it is ignored and written over",
+                        path, type(e).__name__, e)
+        return {}
+    if data is None or data.get("version") != PLAN_CACHE_VERSION:
+        return {}
+    plans = data.get("plans")
+    if not isinstance(plans, dict):
+        if warn:
+            log.warning("protrain_fx: the plan cache %s has no plans table; it is ignored and written over", path)
+        return {}
+    return plans
+
+
+def _parse(raw: Any) -> dict[str, Any]:
+    """An entry as read, with its plan, counts and problem made objects and its numbers checked."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"an entry is a {type(raw).__name__}, not an object")
+    entry = dict(raw)
+    entry["plan"] = Plan.from_dict(raw["plan"])
+    entry["config"] = Config.from_dict(raw["config"])
+    entry["problem"] = Problem.from_dict(raw["problem"])
+    for name in ("graph_peak_bytes", "budget_bytes", "allocated_cap_bytes", "predicted_peak_bytes",
+                 "analysed_peak_bytes", "empty_peak_bytes", "reserve_bytes"):
+        if not isinstance(raw[name], int) or isinstance(raw[name], bool):
+            raise TypeError(f"{name} is not an integer: {raw[name]!r}")
+    if not isinstance(raw["empty_step_s"], (int, float)):
+        raise TypeError(f"empty_step_s is not a number: {raw['empty_step_s']!r}")
+    for name in ("how", "budget_source", "reserve_source", "judged_by"):
+        if not isinstance(raw[name], str):
+            raise TypeError(f"{name} is not a string: {raw[name]!r}")
+    spread = raw["rate_spread"]
+    if spread is not None and not (isinstance(spread, dict) and all(isinstance(v, (int, float)) for v in spread.values())):
+        raise TypeError(f"rate_spread is not a table of numbers: {spread!r}")
+    entry["offload"], entry["empty_by_inductor"] = bool(raw["offload"]), bool(raw["empty_by_inductor"])
+    if entry["plan"] != block_plan(entry["problem"], entry["config"]):
+        raise ValueError("the plan is not the counts' plan of its problem")
+    return entry
+
+
+def _offload_key(handle: OffloadHandle) -> dict[str, Any]:
+    layout = handle.layout
+    return {
+        "chunk_bytes": layout.chunk_bytes,
+        "chunks": [[c.used_bytes, len(c.slots)] for c in layout.chunks],
+        "param_dtype": str(handle.param_dtype),
+        "compute_dtype": str(handle.compute_dtype),
+        "device": str(handle.device),
+    }
+
+
+def _tensors_of(gm: fx.GraphModule) -> list[torch.Tensor]:
+    return [v for n in gm.graph.nodes if n.op == "placeholder"
+            for v in pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(target).__name__)}"
+
+
+def _no_addresses(text: str) -> str:
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+
+
+def _size(s: Any) -> Any:
+    try:
+        return int(s)
+    except Exception:  # noqa: BLE001 -- an unbacked size: by its name
+        return str(s)
+
+
+def _value(val: Any) -> str:
+    out = []
+    for v in pytree.tree_leaves(val):
+        if isinstance(v, torch.Tensor):
+            out.append(f"T{[_size(s) for s in v.shape]}{[_size(s) for s in v.stride()]}{v.dtype}{v.device}")
+        elif isinstance(v, torch.SymInt):
+            out.append(f"S{_size(v)}")
+        else:
+            out.append(_no_addresses(repr(v)))
+    return ";".join(out)

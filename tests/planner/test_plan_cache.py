@@ -1,0 +1,235 @@
+"""The plan cache (``protrain_fx/planner/plan_cache.py``): a second compile of the same graph under the
+same budget applies the plan kept by the first without planning (no search, one partition), trains
+exactly as the first, and says so; another budget or shape, ``PROTRAIN_PLAN_CACHE=0``, a corrupt
+file and a measured miss all plan again.
+
+CPU, eager codegen, the tiny GPT of ``tests/planner/test_auto_plan.py`` (activation plans) and of
+``tests/planner/test_auto_offload.py`` (automatic offload counts, at its GPU-like fixed rates). Each
+"launch" is a fresh process state: ``torch._dynamo.reset()`` and ``protrain_fx.reset()``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import protrain_fx
+from examples.gpt import GPT
+from protrain_fx import backend
+from protrain_fx.planner import activations, first_step
+from protrain_fx.planner import offload as autooffload
+from protrain_fx.planner.budget import budget_for_peak
+from protrain_fx.profile.cache import plan_cache_path
+from tests.planner.test_auto_offload import GPU_LIKE, TIGHT
+from tests.planner.test_auto_offload import _setup as _offload_setup
+from tests.planner.test_auto_plan import CONFIG, _batch, _train_graphs, logged, no_plan  # noqa: F401
+from tests.runtime.test_offload import _assert_same_params, _train_side_by_side
+
+
+@pytest.fixture(autouse=True)
+def _plan_cache_in_tmp(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Calls of the activation search and partitions of the joint graph, counted."""
+    calls = {"search": 0, "partitions": 0}
+    search, copy_graph = activations.search_activation_plan, backend._copy_graph_module
+
+    def counting_search(*args, **kwargs):
+        calls["search"] += 1
+        return search(*args, **kwargs)
+
+    def counting_copy(gm):
+        calls["partitions"] += 1
+        return copy_graph(gm)
+
+    monkeypatch.setattr(activations, "search_activation_plan", counting_search)
+    monkeypatch.setattr(backend, "_copy_graph_module", counting_copy)
+    return calls
+
+
+def _launch(budget, *, steps: int = 3, seq_len: int = 32):
+    """A fresh process state, the tiny GPT compiled under ``budget`` and trained ``steps`` steps;
+    the training record and the losses."""
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": budget})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        loss = compiled(*_batch(seq_len, seed=step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return _train_graphs()[-1], losses
+
+
+def _tight(no_plan):  # noqa: F811
+    return budget_for_peak(no_plan["peak"]) - 1  # the step as it is no longer fits: a searched plan
+
+
+def _entries() -> dict:
+    return json.loads(plan_cache_path("cpu").read_text())["plans"]
+
+
+def test_a_second_launch_applies_the_kept_plan_without_planning_and_trains_the_same(no_plan, counted, logged):  # noqa: F811
+    budget = _tight(no_plan)
+    first, first_losses = _launch(budget)
+    auto = first.auto_plan
+    assert auto.how == "searched" and not auto.from_cache and counted["search"] >= 1 and counted["partitions"] > 1
+    path = plan_cache_path("cpu")
+    assert auto.cache_file == str(path) and path.exists() and list(_entries()) == [auto.cache_key]
+    entry = _entries()[auto.cache_key]
+    assert entry["key"]["budget_bytes"] == budget and entry["config"] == auto.config.to_dict()
+
+    counted.update(search=0, partitions=0)
+    second, second_losses = _launch(budget)
+    cached = second.auto_plan
+    assert cached.from_cache and cached.cache_file == str(path)
+    assert counted["search"] == 0 and counted["partitions"] == 1  # no search, one partition: the plan's
+    assert cached.plan == auto.plan and cached.config == auto.config and second.plan == auto.plan
+    assert cached.estimate == auto.estimate and cached.allocated_cap_bytes == auto.allocated_cap_bytes
+    assert second.memory.peak_bytes == first.memory.peak_bytes
+    assert second_losses == first_losses  # trains exactly as the first launch
+    assert f"from the plan cache ({path})" in cached.table()
+    assert f"from the plan cache ({path})" in protrain_fx.step_report().block_table()
+    assert any("plan from the plan cache" in r.getMessage() for r in logged)
+
+
+def test_a_hit_runs_neither_the_search_nor_its_verification(no_plan, monkeypatch):  # noqa: F811
+    budget = _tight(no_plan)
+    _launch(budget, steps=1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the planner ran on a plan cache hit")
+
+    monkeypatch.setattr(activations, "search_activation_plan", refuse)
+    monkeypatch.setattr(activations, "verified_choice", refuse)
+    monkeypatch.setattr(activations, "choose_plan", refuse)
+    record, _ = _launch(budget, steps=1)
+    assert record.auto_plan.from_cache
+
+
+def test_another_budget_or_shape_plans_again(no_plan, counted):  # noqa: F811
+    budget = _tight(no_plan)
+    first, _ = _launch(budget, steps=1)
+    counted.update(search=0)
+    record, _ = _launch(budget - 4096, steps=1)
+    assert not record.auto_plan.from_cache and counted["search"] >= 1
+    record, _ = _launch(budget, steps=1, seq_len=16)  # fits as is: planned (no search needed), not read
+    assert not record.auto_plan.from_cache and record.auto_plan.how == "fits as is"
+    assert record.auto_plan.cache_key != first.auto_plan.cache_key
+    assert len(_entries()) == 3  # each kept under its own key
+    record, _ = _launch(budget, steps=1)
+    assert record.auto_plan.from_cache  # the first is still there
+
+
+def test_plan_cache_off_plans_every_time_and_keeps_nothing(no_plan, counted, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    budget = _tight(no_plan)
+    for _ in range(2):
+        counted.update(search=0)
+        record, _ = _launch(budget, steps=1)
+        assert not record.auto_plan.from_cache and counted["search"] >= 1
+        assert not record.auto_plan.cache_file
+    assert not plan_cache_path("cpu").exists()
+
+
+@pytest.mark.parametrize("damage", ["file", "entry"])
+def test_a_corrupt_cache_is_ignored_with_a_warning_and_written_over(no_plan, counted, logged, damage):  # noqa: F811
+    budget = _tight(no_plan)
+    first, first_losses = _launch(budget, steps=2)
+    path = plan_cache_path("cpu")
+    if damage == "file":
+        path.write_text('{"version": 1, "plans": {"abc": [1, 2', encoding="utf-8")
+    else:
+        data = json.loads(path.read_text())
+        data["plans"][first.auto_plan.cache_key]["config"] = {"n_persist": "two"}
+        path.write_text(json.dumps(data), encoding="utf-8")
+    counted.update(search=0)
+    record, losses = _launch(budget, steps=2)
+    assert not record.auto_plan.from_cache and counted["search"] >= 1 and losses == first_losses
+    warnings = [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
+    assert any("plan cache" in w and "ignored" in w for w in warnings), warnings
+    assert list(_entries()) == [record.auto_plan.cache_key]  # written over with the plan chosen again
+    assert _launch(budget, steps=1)[0].auto_plan.from_cache
+
+
+def test_a_measured_miss_drops_the_entry_and_keeps_the_plan_chosen_again(no_plan, counted, monkeypatch, logged):  # noqa: F811
+    budget = int(budget_for_peak(no_plan["peak"]) * 1.05)  # fits as is; 3% under it a plan does
+    first, _ = _launch(budget, steps=1)
+    key = first.auto_plan.cache_key
+    assert first.auto_plan.how == "fits as is"
+    state = {"reads": 0, "peak": 0}
+
+    def counters(device):  # (memory_allocated, max_memory_allocated), driven on the CPU
+        state["reads"] += 1
+        return (1000, 2000) if state["reads"] % 2 else (1000, 1000 + state["peak"])
+
+    monkeypatch.setattr(first_step, "memory_counters", counters)
+    monkeypatch.setattr(first_step, "reset_peak", lambda device: None)
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": budget})
+    counted.update(search=0)
+    for step in range(2):
+        loss = compiled(*_batch(seed=step))
+        newest = _train_graphs()[-1]
+        start = sum(newest.memory.timeline.baseline_bytes.values())
+        if step == 0:
+            hit = newest
+            assert hit.auto_plan.from_cache and counted["search"] == 0
+            state["peak"] = int(hit.auto_plan.step_cap_bytes * 1.03) - start  # 3% over its cap: a miss
+        else:
+            state["peak"] = newest.memory.peak_bytes - start
+        loss.backward()
+        if step == 0:
+            assert hit.auto_plan.replan and key not in _entries()  # dropped at the miss
+    again = _train_graphs()[-1]
+    assert again is not hit and not again.auto_plan.from_cache and counted["search"] >= 1
+    assert again.auto_plan.reserve_source == "measured" and again.auto_plan.how == "searched"
+    assert list(_entries()) == [again.auto_plan.cache_key]  # the plan chosen after the miss is kept
+    assert _entries()[key]["reserve_source"] == "measured"
+    assert any("dropped" in r.getMessage() for r in logged)
+
+
+@pytest.fixture
+def gpu_like_machine(monkeypatch):
+    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: GPU_LIKE)
+
+
+def test_an_offloaded_model_reuses_its_counts(gpu_like_machine, monkeypatch):
+    model, reference, opt, ref_opt, handle, compiled = _offload_setup(TIGHT)
+    _train_side_by_side(compiled, reference, opt, ref_opt, 2)
+    auto = _train_graphs()[-1].auto_plan
+    assert auto.offload and not auto.from_cache and auto.cache_key in _entries()
+    counts = (handle.n_persist, handle.n_buffer, handle.n_gpu_optim)
+    assert 0 < handle.n_persist < len(handle.layout.chunks)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the offload planner ran on a plan cache hit")
+
+    monkeypatch.setattr(autooffload, "verified_choice", refuse)
+    monkeypatch.setattr(autooffload, "prefer_persistent", refuse)
+    monkeypatch.setattr(autooffload, "offload_cost_model", refuse)
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    model, reference, opt, ref_opt, handle, compiled = _offload_setup(TIGHT)
+    _train_side_by_side(compiled, reference, opt, ref_opt, 3)  # the losses equal eager AdamW's
+    _assert_same_params(handle, model, reference)
+    cached = _train_graphs()[-1].auto_plan
+    assert cached.from_cache and cached.offload and cached.config == auto.config
+    assert (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == counts
+    assert handle.configured and not handle.automatic and handle.counts_chosen
+    assert "from the plan cache" in cached.table() and "n_persist=" in cached.table()
