@@ -9,6 +9,7 @@ the handle for an offloaded model's parameters.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -227,3 +228,49 @@ def test_an_optimizer_the_chunks_cannot_step_is_refused_at_offload():
     with pytest.raises(ValueError, match="bfloat16"):
         protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(model.parameters()), device="cpu",
                             compute_dtype=torch.float16)
+
+
+def test_a_hugging_face_llama_with_the_loss_outside_clipped_and_accumulated_trains_like_eager():
+    """The loop a fine-tuner writes: a Hugging Face Llama (GQA, rotary) offloaded without counts under
+    a budget, logits returned and the loss computed outside the compiled module, two micro-batches per
+    step through ``handle.accumulate()``, ``clip_grad_norm_`` every step: bit for bit the eager loop."""
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK)
+    # a budget under what the step needs with every chunk on the device (2.0 MiB): some chunks stream
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": 2_000_000})
+    generator = torch.Generator().manual_seed(1)
+
+    def loss_of(m, idx):
+        logits = m(input_ids=idx).logits
+        return F.cross_entropy(logits.float().view(-1, config.vocab_size), idx.view(-1)) / 2
+
+    for _ in range(3):
+        for micro in range(2):
+            idx = torch.randint(0, config.vocab_size, (2, 16), generator=generator)
+            context = handle.accumulate() if micro == 0 else contextlib.nullcontext()
+            with context:
+                loss = loss_of(compiled, idx)
+                loss.backward()
+            ref_loss = loss_of(reference, idx)
+            ref_loss.backward()
+            assert torch.equal(loss, ref_loss)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        assert torch.equal(norm, ref_norm) and ref_norm > 0.5  # the clip scales
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert handle.configured and handle.n_persist < len(handle.layout.chunks)  # chunks really offloaded
+    state = handle.state_dict(model)
+    assert state.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
