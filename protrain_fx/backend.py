@@ -28,7 +28,7 @@ from protrain_fx.analysis.inductor_memory import (
     analyze_inductor_memory,
     read_inductor_plan,
 )
-from protrain_fx.analysis.memory import MemoryAnalysis, StepGraphs, _output_args
+from protrain_fx.analysis.memory import MemoryAnalysis, StepGraphs, output_args
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.errors import UnsupportedError, surfaced
@@ -343,7 +343,7 @@ def _probe_inductor(record: CapturedGraph) -> MemoryAnalysis | None:
         # Inductor rewrites the graphs it lowers: copies (node values shared, so storages match)
         forward, backward = _copy_graph_module(step.forward), _copy_graph_module(step.backward)
         probe_step = dataclasses.replace(step, forward=forward, backward=backward)
-        outputs = _output_args(forward)
+        outputs = output_args(forward)
         saved = outputs[step.num_user_outputs:]  # AOTAutograd's order: saved tensors, then saved sizes
 
         def kind(v: Any) -> type | None:
@@ -371,7 +371,7 @@ def _probe_inductor(record: CapturedGraph) -> MemoryAnalysis | None:
             else:
                 static = list(range(count_tangents(gm)))
                 out.meta["user_visible_output_idxs"] = [
-                    i for i, v in enumerate(_output_args(gm)) if isinstance(v, fx.Node)
+                    i for i, v in enumerate(output_args(gm)) if isinstance(v, fx.Node)
                 ] if inductor_config.bw_outputs_user_visible else []
             context = TracingContext(detect_fake_mode(inputs))
             context.fw_metadata = SimpleNamespace(bw_donated_idxs=donated)

@@ -29,7 +29,7 @@ from protrain_fx.analysis.memory import (
     _compute_nodes,
     _mark_forward_output,
     _node_buffer,
-    _output_args,
+    output_args,
     _round,
     analysis_device,
     default_granule,
@@ -194,7 +194,7 @@ def analyze_inductor_memory(
             walker.bind(name, buf)
     walker.walk(fw_plan, 0, fw_nodes_by_name, granule, keep=set(fw_plan.outputs) | set(fw_plan.inputs),
                 device_type=device.type)
-    fw_out_nodes = _output_args(step.forward)
+    fw_out_nodes = output_args(step.forward)
     if len(fw_out_nodes) != len(fw_plan.outputs):
         raise ValueError(
             f"forward graph has {len(fw_out_nodes)} outputs but Inductor's plan {len(fw_plan.outputs)}"

@@ -127,7 +127,8 @@ def _compute_nodes(gm: fx.GraphModule | None) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
 
 
-def _output_args(gm: fx.GraphModule) -> list:
+def output_args(gm: fx.GraphModule) -> list:
+    """The values ``gm``'s output node returns, in order (nodes, or constants such as ``None``)."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     args = out.args[0]
     return list(args) if isinstance(args, (tuple, list)) else [args]
@@ -212,7 +213,7 @@ def analyze_memory(
 
     walk(fw_nodes, 0)
     # Forward outputs: the user's outputs live to the end of the step; saved values are activations.
-    for j, arg in enumerate(_output_args(step.forward)):
+    for j, arg in enumerate(output_args(step.forward)):
         if isinstance(arg, fx.Node):
             for key, _ in keys_of(arg):
                 if key in buffers:
@@ -225,7 +226,7 @@ def analyze_memory(
                     if key not in buffers:
                         new_buffer(key, t, node, n_fw)
         walk(bw_nodes, n_fw)
-        for arg in _output_args(step.backward):
+        for arg in output_args(step.backward):
             if isinstance(arg, fx.Node):
                 for key, _ in keys_of(arg):
                     buf = buffers.get(key)

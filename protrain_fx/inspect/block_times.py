@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from protrain_fx import meta
-from protrain_fx.analysis.memory import _output_args
+from protrain_fx.analysis.memory import output_args
 from protrain_fx.capture import CapturedGraph
 
 
@@ -48,7 +48,7 @@ def profile_block_times(record: CapturedGraph, *, repeat: int = 3) -> dict[str, 
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best: dict[str, float] = {}
-    fw_out_names = [a.name if isinstance(a, fx.Node) else None for a in _output_args(record.forward)]
+    fw_out_names = [a.name if isinstance(a, fx.Node) else None for a in output_args(record.forward)]
     for _ in range(repeat):
         times: dict[str, float] = defaultdict(float)
         with torch.no_grad():

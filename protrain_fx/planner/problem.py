@@ -19,7 +19,7 @@ from torch import fx
 from protrain_fx import chunks as chunks_mod
 from protrain_fx import meta
 from protrain_fx.analysis.estimate import fused_node_times, node_time
-from protrain_fx.analysis.memory import _output_args, default_granule
+from protrain_fx.analysis.memory import output_args, default_granule
 from protrain_fx.analysis.params import parameter_infos
 from protrain_fx.analysis.swappable import swap_candidates
 from protrain_fx.capture import CapturedGraph
@@ -148,7 +148,7 @@ def _step_times(
     fused = record.config.codegen == "inductor"
     fw_times = _node_times(fw_nodes, est, fused=fused, op_times=op_times)
     times = _label_times(fw_times, _node_times(bw_nodes, est, fused=fused, op_times=op_times))
-    rerun = _recompute_times(fw_nodes, fw_times, _output_args(record.forward)[record.step.num_user_outputs :])
+    rerun = _recompute_times(fw_nodes, fw_times, output_args(record.forward)[record.step.num_user_outputs :])
     estimated = dict(times)
     if compute_scale != 1.0:  # the recompute fractions stay those of the unscaled estimate
         times = {label: (f * compute_scale, b * compute_scale) for label, (f, b) in times.items()}

@@ -108,14 +108,14 @@ def test_recompute_is_what_the_partitioner_reruns(record):
     checkpointed too), a GPT block keeps its output and reruns 3 of its 4 products (not the MLP's
     second); alone (the last block, before the final norm), all 4."""
     from protrain_fx import meta
-    from protrain_fx.analysis.memory import _output_args
+    from protrain_fx.analysis.memory import output_args
     from protrain_fx.plan import Plan
 
     def is_mm(n):
         return n.op == "call_function" and meta.op_name(n) == "aten.addmm.default"
 
     fw_nodes = [n for n in record.forward.graph.nodes if n.op not in ("placeholder", "output")]
-    saved = _output_args(record.forward)[record.step.num_user_outputs :]
+    saved = output_args(record.forward)[record.step.num_user_outputs :]
     counted = planner_problem._recompute_times(fw_nodes, {n: float(is_mm(n)) for n in fw_nodes}, saved)
     labels = [f"blocks.{i}" for i in range(N_LAYER)]
     assert all(counted[label] == (4.0, 3.0) for label in labels)
