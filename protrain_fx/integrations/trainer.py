@@ -250,16 +250,13 @@ def checkpoint_weights(checkpoint: str, model: nn.Module) -> dict[str, torch.Ten
 
 
 def _without_tied_copies(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with the keys of ``model.state_dict()`` (no non-persistent buffer such as a rotary
-    ``inv_freq``) and one entry per tied parameter (its first name): ``save_pretrained`` would
-    otherwise see two distinct tensors for one weight."""
+    """``state`` (``handle.state_dict``: the keys of ``model.state_dict()``) with one entry per tied
+    parameter (its first name): ``save_pretrained`` would otherwise see two distinct tensors for one
+    weight."""
     seen: set[int] = set()
     out = {}
     params = dict(model.named_parameters(remove_duplicate=False))
-    persistent = set(model.state_dict(keep_vars=True))  # the keys only: the shells are not read
     for name, value in state.items():
-        if name not in persistent:
-            continue
         p = params.get(name)
         if p is not None:
             if id(p) in seen:

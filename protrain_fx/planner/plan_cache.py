@@ -27,9 +27,10 @@ that verify the plans: minutes on a large model. :func:`reuse_or_choose` wraps t
 * ``PROTRAIN_PLAN_CACHE=0`` turns it off (nothing read or written). A file that cannot be read or
   parsed, or an entry that does not parse, is ignored with a warning and written over.
 
-What is not in the key: the host memory free now (which chunks an offload makes lean), the machine's measured rates (a plan is still valid when they change, only
-perhaps not the fastest; delete the file to plan again) and the room measured for the code around
-the graph in an earlier launch (the entry keeps the reserve it was chosen with).
+What is not in the key: the host memory free now (which chunks an offload makes lean), the
+machine's measured rates (a plan is still valid when they change, only perhaps not the fastest;
+delete the file to plan again) and the room measured for the code around the graph in an earlier
+launch (the entry keeps the reserve it was chosen with).
 """
 
 from __future__ import annotations
