@@ -200,7 +200,7 @@ def run_one(run: dict, args) -> dict:
                                 "n_gpu_optim": handle.n_gpu_optim, "chunks": len(handle.layout.chunks),
                                 "host_bytes": handle.store.host_bytes() if handle.store else 0}
     except torch.OutOfMemoryError as e:
-        result.update(status="OOM", reason=str(e).splitlines()[0][:300])
+        result.update(status="OOM", reason=str(e).splitlines()[0][:600], traceback=traceback.format_exc()[-3000:])
     except Exception as e:  # noqa: BLE001 -- a failed run is a result
         result.update(status="error", reason=f"{type(e).__name__}: {str(e)[:1500]}",
                       traceback=traceback.format_exc()[-3000:])

@@ -57,6 +57,7 @@ from protrain_fx.planner.offload import (
 )
 from protrain_fx.planner.plan_cache import reuse_or_choose
 from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.allocator import expandable_segments
 
 log = logging.getLogger("protrain_fx")
 
@@ -80,6 +81,7 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
     if kwargs.get("mode") is not None:
         raise ValueError(f"backend 'protrain' takes no mode= (got {kwargs['mode']!r}); use options=")
     config = parse_options(options)
+    expandable_segments(next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None))
     peaks_before = peaks_at_compile_start()
     record = new_record(config, gm, example_inputs, inside_block=block_at_end(gm) or _frame_is_a_block())
     for brk in record.breaks:  # Dynamo counts a break before compiling the graph that the break ends

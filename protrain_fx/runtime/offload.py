@@ -37,6 +37,7 @@ from protrain_fx.chunks import (
 )
 from protrain_fx.errors import UnsupportedError
 from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
 from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore
 from protrain_fx.runtime.clipping import (
@@ -98,6 +99,7 @@ class OffloadHandle:
             "n_lean": n_lean,
             "grad_pool": grad_pool,
         }
+        expandable_segments(self.device)  # before the chunks' buffers are allocated
         self._init_placement()
         self._init_step_state(grad_clipping)
         self._attach(model, optimizer)
