@@ -330,7 +330,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
         # the backward is lowered at the first backward(), after the compile's recording closed
         with contextlib.ExitStack() as stack:
             if progress.current() is None:
-                stack.enter_context(progress.recording(record.phases, title=f"protrain_fx: graph {record.index}"))
+                stack.enter_context(progress.recording(record.phases, title=f"protrain_fx: graph {record.index} ({phase})"))
             with progress.phase("codegen", f"Inductor codegen ({phase})"):
                 compiled = compile_fx_inner(graph, inputs, **kwargs)
         lowering = lowered.pop("graph", None)

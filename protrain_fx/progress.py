@@ -115,7 +115,7 @@ class Recording:
                 start = max(start, top.resumed)
                 self._accrue(top, start)
             self.seconds.setdefault(key, 0.0)
-            self._counts.setdefault(key, 0)
+            self._counts.setdefault(key, 0)  # also: the phases this recording ran, for its last line
             if total is not None or key not in self._totals:
                 self._totals[key] = total
             self._stack.append(_Frame(key, label or key, start))
@@ -192,11 +192,12 @@ class Recording:
             self._draw()
 
     def close(self) -> None:
-        """Close every phase still open and end the line with the phases' times (and a newline)."""
+        """Close every phase still open and end the line with the times of the phases it ran (and a
+        newline; ``seconds`` may hold earlier ones too)."""
         with self._lock:
             if self._stack:
                 self.end(self._stack[0].key)
-            done = seconds_line({k: s for k, s in self.seconds.items()})
+            done = seconds_line({k: s for k, s in self.seconds.items() if k in self._counts})
             total_s = time.perf_counter() - self.started
             self._draw(f"{self.title}: {done or 'done'} ({total_s:.1f} s in all)", final=True)
             self.stream = None

@@ -197,10 +197,9 @@ def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) 
             f"protrain_fx: graph {record.index} has no transformer blocks, so {what}; give n_persist / n_buffer "
             "to offload(...) by hand"
         )
-    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
-        with progress.phase("machine", "measuring the machine"):
-            machine = offload_machine(torch.device(record.memory.device), record, handle.chunk_params,
-                                      chunk_parts(handle))
+    # the partitioner runs under the compile's fake mode: real tensors here
+    with unset_fake_temporarily(), progress.phase("machine", "measuring the machine"):
+        machine = offload_machine(torch.device(record.memory.device), record, handle.chunk_params, chunk_parts(handle))
     return CostModel(offload_problem(record, handle, machine))
 
 

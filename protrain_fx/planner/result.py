@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from protrain_fx.analysis.readable import human_bytes
-from protrain_fx.progress import seconds_line
 from protrain_fx.plan import Plan
 from protrain_fx.planner.budget import ALLOCATOR_HEADROOM
 from protrain_fx.planner.rates import Replan, TrainingRates
 from protrain_fx.planner.reserve import ReturnedOutput
 from protrain_fx.planner.verify import Trial
+from protrain_fx.progress import seconds_line
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config, Estimate, Problem
 from protrain_fx.search.search import SearchResult

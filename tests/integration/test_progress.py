@@ -25,10 +25,10 @@ def _env_unset(monkeypatch):
 
 def _count_ops(stream, n: int = 3) -> dict[str, float]:
     seconds: dict[str, float] = {}
-    with progress.recording(seconds, title="protrain_fx: graph 0", stream=stream):
-        with progress.phase("ops", "profiling ops", total=n) as ops:
-            for _ in range(n):
-                ops.advance()
+    with (progress.recording(seconds, title="protrain_fx: graph 0", stream=stream),
+          progress.phase("ops", "profiling ops", total=n) as ops):
+        for _ in range(n):
+            ops.advance()
     return seconds
 
 
@@ -62,13 +62,12 @@ def test_the_environment_variable_forces_the_line_off_or_on(monkeypatch, value, 
 def test_a_phase_inside_another_counts_for_itself_only():
     seconds: dict[str, float] = {}
     started = time.perf_counter()
-    with progress.recording(seconds, stream=io.StringIO()):
-        with progress.phase("outer"):
-            time.sleep(0.02)
-            with progress.phase("inner"):
-                time.sleep(0.05)
-            with progress.phase("inner"):  # entered again: adds up
-                time.sleep(0.01)
+    with progress.recording(seconds, stream=io.StringIO()), progress.phase("outer"):
+        time.sleep(0.02)
+        with progress.phase("inner"):
+            time.sleep(0.05)
+        with progress.phase("inner"):  # entered again: adds up
+            time.sleep(0.01)
     wall = time.perf_counter() - started
     assert list(seconds) == ["outer", "inner"]
     assert seconds["inner"] >= 0.06 and seconds["outer"] >= 0.02
@@ -91,18 +90,16 @@ def test_begin_since_counts_time_before_the_call_and_end_closes_what_is_inside()
 def test_a_phase_with_no_item_is_redrawn_as_its_seconds_pass(monkeypatch):
     monkeypatch.setattr(progress, "TICK_S", 0.005)
     tty = FakeTTY()
-    with progress.recording(stream=tty):
-        with progress.phase("search"):
-            time.sleep(0.2)
+    with progress.recording(stream=tty), progress.phase("search"):
+        time.sleep(0.2)
     draws = tty.getvalue().count("\r")
     assert draws > 2  # beyond the phase's first draw and the final line: the ticks
 
 
 def test_a_note_is_a_line_of_its_own_under_the_progress_line():
     tty = FakeTTY()
-    with progress.recording(stream=tty):
-        with progress.phase("machine", "measuring the machine"):
-            progress.note("protrain_fx: measuring cpu (once)")
+    with progress.recording(stream=tty), progress.phase("machine", "measuring the machine"):
+        progress.note("protrain_fx: measuring cpu (once)")
     lines = [line.rsplit("\r", 1)[-1].rstrip() for line in tty.getvalue().split("\n")]
     assert lines[0] == "protrain_fx: measuring cpu (once)"
     assert lines[1].startswith("protrain_fx: machine ") and lines[2] == ""
