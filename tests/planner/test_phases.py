@@ -4,7 +4,8 @@ asked for on a stream that is not a terminal, and a plan-cache hit saying the se
 lowerings were skipped.
 
 CPU, eager codegen, the tiny GPT of ``tests/planner/test_auto_plan.py`` under a budget its step as
-written does not fit (a searched plan).
+written does not fit (a searched plan), and offloaded without counts as in
+``tests/planner/test_auto_offload.py`` (at its fixed GPU-like rates).
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import torch
 import protrain_fx
 from examples.gpt import GPT
 from protrain_fx import progress
+from protrain_fx.planner import offload as autooffload
 from protrain_fx.planner.budget import budget_for_peak
+from tests.planner.test_auto_offload import GPU_LIKE, TIGHT
+from tests.planner.test_auto_offload import _setup as _offload_setup
 from tests.planner.test_auto_plan import CONFIG, _batch, _train_graphs, no_plan  # noqa: F401
+from tests.runtime.test_offload import _batch as _offload_batch
 
 
 def _first_call(budget: int):
@@ -72,3 +77,16 @@ def test_a_plan_cache_hit_skips_the_search_and_the_trial_lowerings(no_plan, monk
     assert auto.from_cache and set(second.phases) == {"capture", "planning"} and sum(second.phases.values()) <= wall
     assert auto.phases_line().endswith("; search and trial lowerings skipped (plan cache)")
     assert auto.phases_line() in auto.table()
+
+
+def test_an_automatic_offload_times_the_machine_and_the_offload_counts(monkeypatch):
+    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: GPU_LIKE)
+    *_, compiled = _offload_setup(TIGHT)
+    started = time.perf_counter()
+    loss = compiled(*_offload_batch(0))
+    wall = time.perf_counter() - started
+    loss.backward()
+    record = [g for g in protrain_fx.captured_graphs() if g.has_backward][-1]
+    assert record.auto_plan.offload and record.auto_plan.phases is record.phases
+    assert {"capture", "planning", "machine", "offload counts", "trial lowerings"} <= set(record.phases)
+    assert all(s >= 0 for s in record.phases.values()) and sum(record.phases.values()) <= wall
