@@ -10,11 +10,13 @@ pass pipeline runs there. Code generation is Inductor (with our partitioner inst
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -23,6 +25,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from protrain_fx import progress
 from protrain_fx.analysis.blocks import block_at_end
 from protrain_fx.analysis.inductor_memory import (
     analyze_inductor_memory,
@@ -80,6 +83,7 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = N
 def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None, **kwargs: Any) -> Callable:
     if kwargs.get("mode") is not None:
         raise ValueError(f"backend 'protrain' takes no mode= (got {kwargs['mode']!r}); use options=")
+    started = _frame_compile_started()
     config = parse_options(options)
     expandable_segments(next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None))
     peaks_before = peaks_at_compile_start()
@@ -90,11 +94,29 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
                     ".item(), data-dependent control flow)" if brk.inside_block else "")
     if config.verbose:
         _log_to_stderr()
-    if config.codegen == "eager":
-        compiled = _compile_eager(gm, example_inputs, record)
-    else:
-        compiled = _compile_inductor(gm, example_inputs, record)
+    # The phases' seconds go to record.phases, and to a progress line on a terminal (progress.py).
+    with progress.recording(record.phases, title=f"protrain_fx: graph {record.index}", since=started) as shown:
+        shown.begin("capture", "capture (Dynamo, AOTAutograd)", since=started)  # ended by the partitioner
+        if config.codegen == "eager":
+            compiled = _compile_eager(gm, example_inputs, record)
+        else:
+            compiled = _compile_inductor(gm, example_inputs, record)
     return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
+
+
+def _frame_compile_started() -> float:
+    """When Dynamo began compiling the frame whose graph the backend gets now, as a
+    ``time.perf_counter()`` reading (from Dynamo's metrics context, which times each frame's
+    compile); now when the backend is called outside Dynamo."""
+    now = time.perf_counter()
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        context = get_metrics_context()
+        start_ns = getattr(context, "_start_time_ns", 0) if context.in_progress() else 0
+    except Exception:  # noqa: BLE001 -- a private clock of Dynamo's: without it, capture starts here
+        return now
+    return now - max(0.0, (time.time_ns() - start_ns) / 1e9) if start_ns else now
 
 
 def _frame_is_a_block() -> str:
@@ -128,11 +150,21 @@ def _log_to_stderr() -> None:
     """``verbose=True``: one line per pass on stderr (once per process; logging config is the user's
     otherwise)."""
     if not any(getattr(h, "_protrain", False) for h in log.handlers):
-        handler = logging.StreamHandler()
+        handler = _NoteHandler()
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         handler._protrain = True  # type: ignore[attr-defined]
         log.addHandler(handler)
     log.setLevel(logging.INFO)
+
+
+class _NoteHandler(logging.Handler):
+    """Log records as lines on stderr, under the progress line when one is shown (``progress.note``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            progress.note(self.format(record))
+        except Exception:  # noqa: BLE001 -- as logging.StreamHandler: a failed write never fails the caller
+            self.handleError(record)
 
 
 class _Partitioner(CustomPartitionerFn):
@@ -142,6 +174,14 @@ class _Partitioner(CustomPartitionerFn):
         self.record = record
 
     def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        progress.end("capture")  # AOTAutograd has traced the joint graph
+        with progress.phase("planning"):
+            graphs = self._partition(joint, joint_inputs, **kwargs)
+        if self.record.auto_plan is not None:  # after the phase: its table has the planning's seconds
+            log.info("protrain_fx: %s", self.record.auto_plan.table(self.record.index))
+        return graphs
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         kwargs.setdefault("compiler", "inductor")
         static = kwargs.get("static_lifetime_input_indices") or []
         num_fwd_outputs = kwargs["num_fwd_outputs"]
@@ -185,30 +225,33 @@ class _Partitioner(CustomPartitionerFn):
             record.swapped = []
             graphs[:] = [partition(_copy_graph_module(joint), plan, check=False)]
 
+        # The planner's trials, timed and counted as one phase; a plan from the plan cache is
+        # applied with the plain trial (no trial lowering: its time is the planning's).
+        tried = progress.timed("trial lowerings", counted=True)(trial)
         if user_config.verify != "graph":  # "inductor" (options refuse it with another codegen) or "auto"
             # Judged on the device the step's memory is analysed for (an offloaded model's inputs
             # can sit on the host): "auto" lowers with Inductor only for a CUDA step.
-            record.probe_inductor = lambda: (
+            record.probe_inductor = progress.timed("trial lowerings")(lambda: (
                 _probe_inductor(record) if user_config.verify_for(record.memory.device) == "inductor" else None
-            )
+            ))
 
         if dry_run and handle is not None:
-            answer_offload(record, handle, trial)  # placed, checked and removed: training's answer
+            answer_offload(record, handle, tried)  # placed, checked and removed: training's answer
         if dry_run:
-            answer(record, trial)  # stops the compile with the report: nothing runs
+            answer(record, tried)  # stops the compile with the report: nothing runs
         # A plan kept from an earlier launch of this graph and budget is applied without planning
         # (planner/plan_cache.py); otherwise the planner chooses, and the choice is kept.
         if handle is not None:
-            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_offload(record, handle, trial),
+            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_offload(record, handle, tried),
                                                handle)
         elif placed is not None:
-            record.auto_plan = choose_for_placed(record, placed, trial)
+            record.auto_plan = choose_for_placed(record, placed, tried)
         else:
-            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_plan(record, trial))
+            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_plan(record, tried))
         if record.auto_plan is None:
             log.info("protrain_fx: graph %d has no transformer blocks: no activation plan to choose", record.index)
         else:
-            log.info("protrain_fx: %s", record.auto_plan.table(record.index))
+            record.auto_plan.phases = record.phases  # the compile's phases, as they are timed
         record.probe_inductor = None
         if record.config.codegen == "eager":
             check_budget(record)  # with Inductor: once its allocation plan is known
@@ -286,7 +329,12 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
         phase = "inference" if kwargs.get("is_inference") else "backward" if kwargs.get("is_backward") else "forward"
         if phase == "inference":  # no backward: our partitioner never ran
             _record_inference(record, graph, inputs)
-        compiled = compile_fx_inner(graph, inputs, **kwargs)
+        # the backward is lowered at the first backward(), after the compile's recording closed
+        with contextlib.ExitStack() as stack:
+            if progress.current() is None:
+                stack.enter_context(progress.recording(record.phases, title=f"protrain_fx: graph {record.index} ({phase})"))
+            with progress.phase("codegen", f"Inductor codegen ({phase})"):
+                compiled = compile_fx_inner(graph, inputs, **kwargs)
         lowering = lowered.pop("graph", None)
         if lowering is not None and record.step is not None:
             record.inductor_plans[phase] = read_inductor_plan(lowering, phase)
@@ -433,6 +481,7 @@ def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequ
             "chunk counts are not chosen yet; they are chosen with the first training graph: run a training "
             "step first, or give n_persist / n_buffer to offload(...) by hand"
         )
+    progress.end("capture")  # AOTAutograd has traced the graph
     record.inference, record.plan = graph, record.config.plan
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     # AOTAutograd hands fake inputs to the compiler; the Dynamo graph's real inputs, in the same

@@ -98,6 +98,10 @@ class CapturedGraph:
     #: The activation plan the backend chose from the memory budget, with its prediction
     #: (``planner/``); ``None`` without a budget, with a plan by hand or offloaded parameters.
     auto_plan: Any = None  # planner.result.AutoPlan
+    #: Seconds of each phase of this graph's compile, in the order they first ran (``progress.py``:
+    #: ``capture``, ``planning``, ``ops``, ``machine``, ``search``, ``offload counts``, ``trial
+    #: lowerings``, ``codegen``); a phase inside another counts only for itself, so they never overlap.
+    phases: dict[str, float] = field(default_factory=dict)
     #: Where ``config.memory_budget_bytes`` came from: ``"user"`` (``memory_budget``), ``"device"``
     #: (none given: what the process could reach on the step's CUDA device when it was compiled,
     #: ``planner.budget.resolve_budget``) or ``None`` (no budget).

@@ -130,6 +130,8 @@ class StepReport:
                                 f"{chunks}swap {', '.join(auto.plan.blocks_with('swap')) or '-'}; "
                                 f"checkpoint {', '.join(auto.plan.blocks_with('checkpoint')) or '-'}; "
                                 f"predicted step {auto.estimate.step_s * 1e3:.3f} ms")
+                if phases := auto.phases_line():
+                    lines.insert(3, f"  {phases}")
         return "\n".join(lines)
 
     def chunk_layout(self, index: int | None = None):

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
+from protrain_fx import progress
 from protrain_fx.analysis.params import parameter_infos
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
@@ -185,6 +186,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
 
     candidates = least_memory_configs(model, n, 0)
 
+    @progress.timed("search")
     def search_at(lowered: int) -> SearchResult:
         b, r = widened(budget, reserve + lowered)
         return search_activation_plan(problem, b, reserve_bytes=r)

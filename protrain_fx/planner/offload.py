@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from protrain_fx import progress
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import machine_for
 from protrain_fx.plan import Plan
@@ -153,6 +154,7 @@ def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Calla
     if empty_peak <= cap:
         return result(empty, "fits as is", None)
 
+    @progress.timed("search")
     def search_at(lowered: int) -> SearchResult:
         t0 = time.perf_counter()
         estimates = [(model.estimate(c), c) for c in configs]
@@ -195,7 +197,8 @@ def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) 
             f"protrain_fx: graph {record.index} has no transformer blocks, so {what}; give n_persist / n_buffer "
             "to offload(...) by hand"
         )
-    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
+    # the partitioner runs under the compile's fake mode: real tensors here
+    with unset_fake_temporarily(), progress.phase("machine", "measuring the machine"):
         machine = offload_machine(torch.device(record.memory.device), record, handle.chunk_params, chunk_parts(handle))
     return CostModel(offload_problem(record, handle, machine))
 
@@ -422,7 +425,8 @@ def choose_offload(
     try:
         gpu_optim = device.type == "cuda"
         config, how, found, need, least = verified_choice(
-            lambda lowered: prefer_persistent(problem, *widened(budget, reserve + lowered), gpu_optim=gpu_optim),
+            progress.timed("offload counts", "choosing the offload counts")(
+                lambda lowered: prefer_persistent(problem, *widened(budget, reserve + lowered), gpu_optim=gpu_optim)),
             run, least_memory_candidates(model), trials, cap,
         )
         if config is not None:

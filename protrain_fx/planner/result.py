@@ -20,6 +20,7 @@ from protrain_fx.planner.budget import ALLOCATOR_HEADROOM
 from protrain_fx.planner.rates import Replan, TrainingRates
 from protrain_fx.planner.reserve import ReturnedOutput
 from protrain_fx.planner.verify import Trial
+from protrain_fx.progress import seconds_line
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config, Estimate, Problem
 from protrain_fx.search.search import SearchResult
@@ -163,6 +164,15 @@ class AutoPlan:
     cache_file: str = ""
     cache_key: str = ""
     from_cache: bool = False
+    #: Seconds of each phase of the compile that chose this plan, measured (``CapturedGraph.phases``,
+    #: the same dict: the backward's codegen joins it at the first ``backward()``); empty outside a compile.
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def phases_line(self) -> str:
+        """``"phases: capture 12.3 s, planning 0.4 s, search 0.05 s, trial lowerings 31.0 s"``; a plan
+        from the plan cache says that the search and the trial lowerings were skipped."""
+        skipped = "; search and trial lowerings skipped (plan cache)" if self.from_cache else ""
+        return f"phases: {seconds_line(self.phases) or '-'}{skipped}" if self.phases or skipped else ""
 
     @property
     def step_cap_bytes(self) -> int:
@@ -228,6 +238,8 @@ class AutoPlan:
         if self.choose_s:
             lines.append(f"  chosen in {self.choose_s:.2f} s: {self.problem_s:.2f} s profiling and describing the step, "
                          f"{len(self.trials)} rewrite(s) analysed")
+        if phases := self.phases_line():
+            lines.append(f"  {phases}")
         if self.peak_check is not None:
             lines.append(f"  {self.peak_check.line()}")
         if self.step_check is not None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 
 import torch
 
+from protrain_fx import progress
 from protrain_fx.profile.load import _COPY_LOAD_BYTES, _CopyLoad, _launch_until
 
 #: Default parameters of the timed optimizer steps (``measure_machine``'s ``adam_params``).
@@ -127,16 +127,16 @@ def wait_for_quiet_cpus(device: torch.device, what: str, max_wait_s: float | Non
     if busy is None or busy <= BUSY_ELSEWHERE_LIMIT:
         return busy
     names = ", ".join(f"{name} {pid} ({cpus:.1f} CPUs)" for name, pid, cpus in busiest_elsewhere())
-    print(f"protrain_fx: waiting for the host's CPUs before {what}: {busy:.0%} busy with other processes "
-          f"({names or 'not named'}; up to {max_wait_s:.0f} s)", file=sys.stderr, flush=True)
+    progress.note(f"protrain_fx: waiting for the host's CPUs before {what}: {busy:.0%} busy with other processes "
+                  f"({names or 'not named'}; up to {max_wait_s:.0f} s)")
     while busy is not None and busy > BUSY_ELSEWHERE_LIMIT and time.perf_counter() - start < max_wait_s:
         busy = cpus_busy_elsewhere()
     waited = time.perf_counter() - start
     if shared:
         _quiet_wait_left[0] = max(0.0, _quiet_wait_left[0] - waited)
     if busy is not None and busy > BUSY_ELSEWHERE_LIMIT:
-        print(f"protrain_fx: measuring {what} with {busy:.0%} of the host's CPUs busy with other processes "
-              f"(waited {waited:.0f} s); the rate may read low", file=sys.stderr, flush=True)
+        progress.note(f"protrain_fx: measuring {what} with {busy:.0%} of the host's CPUs busy with other processes "
+                      f"(waited {waited:.0f} s); the rate may read low")
     return busy
 
 

@@ -14,13 +14,13 @@ import hashlib
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import fx
 
+from protrain_fx import progress
 from protrain_fx.profile.cache import (
     CACHE_VERSION,
     _granule,
@@ -90,12 +90,8 @@ def chunk_adam_rate(
     if len(taken) >= max(1, readings):
         return max(taken)
     while len(taken) < max(1, readings):
-        print(
-            f"protrain_fx: measuring the CPU step of a {n / 2**20:.0f}M-parameter chunk on {device_name(device)} "
-            f"({'again: the fastest of readings apart in time is kept' if taken else 'once'}, cached in {path})",
-            file=sys.stderr,
-            flush=True,
-        )
+        progress.note(f"protrain_fx: measuring the CPU step of a {n / 2**20:.0f}M-parameter chunk on {device_name(device)} "
+                      f"({'again: the fastest of readings apart in time is kept' if taken else 'once'}, cached in {path})")
         busy = wait_for_quiet_cpus(device, "the CPU step")
         taken.append(_chunk_adam_params_per_s(device.type == "cuda", n, repeat))
         if busy is not None:
@@ -155,11 +151,7 @@ def measure_machine(
                 return problem.MachineProfile.from_dict(data["profile"])
         except (ValueError, KeyError, TypeError):
             pass  # unreadable or stale: measure again
-    print(
-        f"protrain_fx: measuring {device_name(device)} (copy bandwidth, fused AdamW; once, cached in {path})",
-        file=sys.stderr,
-        flush=True,
-    )
+    progress.note(f"protrain_fx: measuring {device_name(device)} (copy bandwidth, fused AdamW; once, cached in {path})")
     # the two rates training pays on every step: medians of more rounds (a median of 3 rounds reads
     # well above training now and then)
     busy = wait_for_quiet_cpus(device, "the CPU step")
@@ -257,13 +249,13 @@ def device_step_rate(
     need = (LAYOUT_STEP_CHUNKS + 1) * n * 18  # fp32 master and moments, working copy, gradient
     available = available_host_bytes()
     if available is not None and 4 * need > available:
-        print(f"protrain_fx: not measuring device steps of this chunk layout: it pins {need / 2**30:.1f} GiB and "
-              f"{available / 2**30:.1f} GiB of host memory are available", file=sys.stderr, flush=True)
+        progress.note(f"protrain_fx: not measuring device steps of this chunk layout: it pins {need / 2**30:.1f} GiB and "
+                      f"{available / 2**30:.1f} GiB of host memory are available")
         return 0.0
     load = compute_load(load_nodes, device) if signatures else None
     beside, what = (load[0], f"{len(load[1])} of the model's ops") if load else ("matmul", "matrix products")
-    print(f"protrain_fx: measuring device steps of chunks of {n / 2**20:.0f}M parameters in {len(parts)} tensors "
-          f"on {device_name(device)} beside {what} (once per layout, cached in {path})", file=sys.stderr, flush=True)
+    progress.note(f"protrain_fx: measuring device steps of chunks of {n / 2**20:.0f}M parameters in {len(parts)} tensors "
+                  f"on {device_name(device)} beside {what} (once per layout, cached in {path})")
     busy = wait_for_quiet_cpus(device, "the device steps beside the CPU step")
     cpu: list[float] = []
     steps: list[float] = []

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -38,7 +37,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import flop_registry
 
-from protrain_fx import meta
+from protrain_fx import meta, progress
 
 log = logging.getLogger(__name__)
 
@@ -146,14 +145,11 @@ def measure_op_times(
         return known
     from protrain_fx.profile.cache import device_name
 
-    print(
-        f"protrain_fx: timing {len(missing)} matrix/attention ops on {device_name(device)} "
-        f"(once, cached in {path})",
-        file=sys.stderr,
-        flush=True,
-    )
+    progress.note(f"protrain_fx: timing {len(missing)} matrix/attention ops on {device_name(device)} "
+                  f"(once, cached in {path})")
     measured: dict[str, float] = {}
-    with unset_fake_temporarily(), torch.no_grad(), torch.autocast(device.type, enabled=False):
+    with progress.phase("ops", "profiling ops", total=len(missing)) as shown, unset_fake_temporarily(), \
+            torch.no_grad(), torch.autocast(device.type, enabled=False):
         if device.type == "cuda":
             _warm_clocks(device)
         for sig in missing:
@@ -161,6 +157,7 @@ def measure_op_times(
                 measured[sig] = _time_node(first[sig], device, repeat, prefill=prefill)
             except Exception as exc:  # noqa: BLE001 - any failure: the roofline stays for this op
                 log.debug("protrain_fx: could not time %s: %s: %s", sig, type(exc).__name__, exc)
+            shown.advance()
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the inputs' blocks go back (a compile may measure under a budget)
     if measured:

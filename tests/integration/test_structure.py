@@ -20,6 +20,8 @@ FORBIDDEN = {
     "planner": {"passes", "inspect", "backend"},
     "passes": {"planner", "inspect", "backend", "profile"},
     "capture": {"analysis", "planner", "passes", "profile", "search", "inspect", "backend", "runtime"},
+    "progress": {"analysis", "planner", "passes", "profile", "search", "inspect", "backend", "runtime", "capture",
+                 "state", "config", "errors", "plan", "meta", "machine", "chunks", "integrations"},
     "state": {"analysis", "planner", "passes", "profile", "search", "inspect", "backend", "runtime", "capture"},
 }
 
