@@ -56,7 +56,7 @@ from protrain_fx.planner.offload import (
     placed_handle,
 )
 from protrain_fx.planner.plan_cache import reuse_or_choose
-from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime import chunk_ops, distributed
 
 log = logging.getLogger("protrain_fx")
 
@@ -88,11 +88,22 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
                     ".item(), data-dependent control flow)" if brk.inside_block else "")
     if config.verbose:
         _log_to_stderr()
+    distributed.agree({  # data-parallel: every rank compiles this graph with the same options and shapes
+        "options (memory_budget_bytes, codegen, optimizer, plan, machine, auto_plan, verify)": (
+            config.memory_budget_bytes, config.codegen, config.optimizer, repr(config.plan),
+            None if config.machine is None else sorted(config.machine.items()), config.auto_plan, config.verify),
+        "input shapes and dtypes": _input_signature(example_inputs),
+    }, f"the compile of graph {record.index}")
     if config.codegen == "eager":
         compiled = _compile_eager(gm, example_inputs, record)
     else:
         compiled = _compile_inductor(gm, example_inputs, record)
     return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
+
+
+def _input_signature(example_inputs: Sequence[Any]) -> list[str]:
+    """Shape and dtype of each tensor input (the value's type otherwise), as plain strings."""
+    return [f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs]
 
 
 def _frame_is_a_block() -> str:
@@ -207,6 +218,9 @@ class _Partitioner(CustomPartitionerFn):
             log.info("protrain_fx: graph %d has no transformer blocks: no activation plan to choose", record.index)
         else:
             log.info("protrain_fx: %s", record.auto_plan.table(record.index))
+        if record.auto_plan is not None:  # each rank chose from rank 0's measurements: the same choice
+            distributed.agree({"the chosen plan and counts": (repr(record.auto_plan.config), repr(record.auto_plan.plan))},
+                              f"the plan of graph {record.index}")
         record.probe_inductor = None
         if record.config.codegen == "eager":
             check_budget(record)  # with Inductor: once its allocation plan is known

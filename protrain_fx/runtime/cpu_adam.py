@@ -30,6 +30,7 @@ from typing import Any, Self
 
 import torch
 
+from protrain_fx.runtime import distributed
 from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot
 
 #: The clock of ``ChunkAdamW.computed`` (bound once: a test driving ``time.perf_counter`` to time
@@ -271,14 +272,16 @@ DRIVER_CORES = 2
 
 
 def worker_threads(process_threads: int | None = None) -> int:
-    """OpenMP threads of the CPU optimizer's worker: the process' (``torch.get_num_threads()``) less
-    :data:`DRIVER_CORES` (less one on a machine of at most ``2 * DRIVER_CORES``), at least one.
+    """OpenMP threads of the CPU optimizer's worker: the process' (``torch.get_num_threads()``; in a
+    data-parallel run, the node's cores divided by its ranks, ``distributed.node_threads``: torchrun
+    sets ``OMP_NUM_THREADS=1``) less :data:`DRIVER_CORES` (less one on a machine of at most
+    ``2 * DRIVER_CORES``), at least one.
 
     Why: a parallel region waits for its slowest thread, and a team spanning every core shares one
     with the thread launching the GPU's work: beside pinned copies and a thread launching CUDA
     kernels, a team one or two threads short of the cores steps about 30% faster than one on every
     core, and a team of half the cores is slower again (``docs/results.md#the-cpu-optimizer``)."""
-    n = torch.get_num_threads() if process_threads is None else process_threads
+    n = distributed.node_threads() if process_threads is None else process_threads
     return max(1, n - (DRIVER_CORES if n > 2 * DRIVER_CORES else 1))
 
 

@@ -16,6 +16,7 @@ offloaded parameters are shells of 0 bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import re
@@ -36,7 +37,7 @@ from protrain_fx.chunks import (
     pack,
 )
 from protrain_fx.errors import UnsupportedError
-from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime import chunk_ops, distributed
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
 from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore
 from protrain_fx.runtime.clipping import (
@@ -46,6 +47,7 @@ from protrain_fx.runtime.clipping import (
 )
 from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
+from protrain_fx.runtime.grad_sync import GradAverager
 from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
 from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings
 from protrain_fx.runtime.shells import (
@@ -83,12 +85,23 @@ class OffloadHandle:
         grad_clipping: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
+        #: The process group when data-parallel (more than one rank), else ``None``.
+        self.group = distributed.check_device(self.device)
         named, init = checked_settings(model, optimizer, self.device, (n_persist, n_buffer, n_gpu_optim),
                                        compute_dtype, grad_clipping, init)
         auto = n_persist == AUTO
-        self.layout = _layout(named, chunk_bytes)
-        if not auto:
+        self.layout = _layout(named, chunk_bytes, self.group)
+        distributed.agree({
+            "counts (n_persist, n_buffer, n_gpu_optim, n_lean)": (n_persist, n_buffer, n_gpu_optim, n_lean),
+            "chunk_bytes": (chunk_bytes, self.layout.chunk_bytes),
+            "compute_dtype": str(compute_dtype),
+            "model (parameter names, shapes, dtypes)": distributed.fingerprint(named),
+            "grad_clipping, grad_pool": (grad_clipping, grad_pool),
+        }, "protrain_fx.offload(...)")
+        if not auto and self.group is None:  # data-parallel: every chunk on the device is a use of its own
             check_hand_counts(self.layout, n_persist)
+        if self.group is not None and available_host_bytes is None:
+            available_host_bytes = _node_share(self.group)
         self.optimizer = optimizer
         self._named = named
         self._settings = {
@@ -119,6 +132,7 @@ class OffloadHandle:
         self.worker: OptimizerWorker | None = None
         self.device_adam: DeviceAdamW | None = None
         self.pool: ChunkBufferPool | None = None
+        self.grad_sync: GradAverager | None = None
         self.id: int | None = None
         self._sources: dict[str, torch.Tensor] | None = None  # automatic counts: the values to build from
         #: Automatic counts: an optimizer state loaded before the chunks are placed, applied at each
@@ -232,7 +246,9 @@ class OffloadHandle:
             p = self._named[name]
             if p.untyped_storage().nbytes():
                 set_data(p, empty_shell(p, self.device))
-        self.store = self.adam = self.worker = self.device_adam = self.pool = None
+        if self.grad_sync is not None:
+            self.grad_sync.close()
+        self.store = self.adam = self.worker = self.device_adam = self.pool = self.grad_sync = None
         self.id = None
         self._built = False
         gc.collect()  # the store's pinned buffers go back before the next one is allocated
@@ -302,6 +318,9 @@ class OffloadHandle:
             elif src is not p or p.device != self.device:
                 set_data(p, src.detach().to(self.device))
         self.id = chunk_ops.register(self, list(shells.values()))
+        if self.group is not None:  # replicated parameters: their gradients averaged in backward
+            self.grad_sync = GradAverager([named[n] for n in self._persistent_names], self.group.world_size,
+                                          lambda: self._accumulating)
         self._built = True
         if self._optimizer_state_aside is not None:
             self._load_optimizer_state(self._optimizer_state_aside)
@@ -556,6 +575,8 @@ class OffloadHandle:
             hook.remove()
         if self.id is not None:
             chunk_ops.unregister(self.id)
+        if self.grad_sync is not None:
+            self.grad_sync.close()
         chunk_ops.unregister_deferred(self)
 
     def _require_values(self, what: str) -> None:
@@ -631,14 +652,33 @@ def offload(
     )
 
 
-def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None) -> ChunkLayout:
-    """Chunks in registration order (the order a transformer uses its parameters), blocks together."""
+def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None,
+            group: distributed.Group | None = None) -> ChunkLayout:
+    """Chunks in registration order (the order a transformer uses its parameters), blocks together;
+    data-parallel, each chunk's size padded to a whole number of equal shards, one per rank
+    (:data:`SHARD_ALIGN` elements each at least)."""
     rows = []
     for i, (name, p) in enumerate(named.items()):
         m = _BLOCK.match(name)
         rows.append((name, id(p), p.numel() * p.element_size(), m.group(1) if m else OUTSIDE, i))
     infos: list[ParamInfo] = dedupe_tied(rows)
-    return pack(infos, chunk_bytes) if chunk_bytes else choose_layout(infos)
+    layout = pack(infos, chunk_bytes) if chunk_bytes else choose_layout(infos)
+    if group is None:
+        return layout
+    unit = group.world_size * SHARD_ALIGN * next(iter(named.values())).element_size()
+    return dataclasses.replace(layout, chunk_bytes=-(-layout.chunk_bytes // unit) * unit)
+
+
+#: A shard of a chunk (data-parallel) is a multiple of this many elements: the CPU optimizer's
+#: slices of a parameter (``cpu_adam.SLICE_ALIGN``) then start on its grid wherever a shard
+#: boundary cuts a parameter placed on that grid.
+SHARD_ALIGN = 64
+
+
+def _node_share(group: distributed.Group) -> int | None:
+    """The host memory one rank's chunk store may take: what the node has free, shared by its ranks."""
+    free = available_host_bytes()
+    return None if free is None else free // group.local_world_size
 
 
 def _staged(grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
