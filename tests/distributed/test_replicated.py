@@ -96,3 +96,31 @@ def test_every_chunk_on_the_device_trains_as_eager_on_the_averaged_gradients():
             assert all(result["losses"]), result["losses"]
             assert all(result["params"].values()), [n for n, ok in result["params"].items() if not ok]
             assert result["reduced"] == 3 * len(result["params"])  # each parameter once per step (tied: once)
+
+
+def _train_ddp(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from protrain_fx.plan import from_counts
+
+    model, reference, opt, ref_opt = common.models()
+    plan = from_counts("checkpoint=all", [f"blocks.{i}" for i in range(common.CONFIG.n_layer)])
+    compiled = torch.compile(DDP(model), backend="protrain", options={"codegen": "eager", "plan": plan})
+    same_losses = []
+    for step in range(3):
+        loss = compiled(*common.batch(step, rank))
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        same_losses.append(torch.equal(loss.detach(), common.reference_step(reference, ref_opt, step, world)[rank]))
+    checkpointed = [g for g in protrain_fx.captured_graphs() if g.plan is not None]
+    same = {n: torch.equal(p, r) for (n, p), r in zip(model.named_parameters(), reference.parameters())}
+    return {"losses": same_losses, "params": same, "planned": len(checkpointed)}
+
+
+def test_ddp_compiled_with_an_activation_plan_trains_as_eager_ddp():
+    # DDP divides each gradient by the world size and sums: g0 / 2 + g1 / 2 is exactly (g0 + g1) / 2
+    # (halving is exact), so the parameters equal the reference bit for bit.
+    for result in run_ranks(_train_ddp):
+        assert result["planned"] >= 1  # the plan reached the graphs DDP's optimizer split out
+        assert all(result["losses"]), result["losses"]
+        assert all(result["params"].values()), [n for n, ok in result["params"].items() if not ok]
