@@ -34,23 +34,40 @@ def models(frozen: str | None = None):
     return model, reference, adamw(model), adamw(reference)
 
 
-def reference_step(reference, ref_opt, step: int, world: int, *, micro: int = 1, clip: float | None = None):
+def reference_step(reference, ref_opt, step: int, world: int, *, micro: int = 1, clip: float | None = None,
+                   reduce_each_micro: bool = False):
     """One eager step on the global batch: each rank's gradient (its micro-batches summed), then
     their average ``(g0 + g1) / 2`` (the sum over ranks, then the division), as the ranks reduce.
+    ``reduce_each_micro``: each micro-batch's gradients averaged over ranks, then the averages
+    summed, as sharded chunks reduce (each backward's reduce-scatter, added on the host).
     Returns each rank's last micro-batch loss."""
     params = [p for p in reference.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
+    micro_grads = {}  # (rank, micro) -> gradients
     losses = []
     for rank in range(world):
         for m in range(micro):
             loss = reference(*batch(step, rank, m))
             loss.backward()
+            micro_grads[rank, m] = [p.grad.clone() for p in params]
+            if reduce_each_micro:
+                for p in params:
+                    p.grad = None
         losses.append(loss.detach())
-        for t, p in zip(total, params):
-            t.add_(p.grad)
-            p.grad = None
+        if not reduce_each_micro:  # autograd's sum over the micro-batches
+            micro_grads = {**{k: v for k, v in micro_grads.items() if k[0] != rank}, (rank, 0): [p.grad for p in params]}
+            for p in params:
+                p.grad = None
+    rounds = range(micro) if reduce_each_micro else range(1)
+    total = [torch.zeros_like(p) for p in params]
+    for m in rounds:
+        mean = [torch.zeros_like(p) for p in params]
+        for rank in range(world):
+            for t, g in zip(mean, micro_grads[rank, m]):
+                t.add_(g)
+        for t, g in zip(total, mean):
+            t.add_(g.div_(world))
     for t, p in zip(total, params):
-        p.grad = t.div_(world)
+        p.grad = t
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(params, clip)
     ref_opt.step()

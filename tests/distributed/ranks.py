@@ -9,6 +9,7 @@ be a top-level function of an importable module.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing
 import os
 import queue
@@ -33,7 +34,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store: str, results: A
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
-        results.put((rank, "ok", fn(rank, world, *args)))
+        buffer = io.BytesIO()  # tensors as bytes: no shared memory that dies with this process
+        torch.save(fn(rank, world, *args), buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException as error:  # noqa: BLE001 -- reported to the parent, which decides
         results.put((rank, "error", (type(error).__name__, str(error), traceback.format_exc())))
     finally:
@@ -65,8 +68,9 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout_s: flo
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-    for rank in range(world):
-        status, value = out[rank]
-        if status == "error":
-            raise AssertionError(f"rank {rank} raised {value[0]}: {value[1]}\n{value[2]}")
-    return [out[r][1] for r in range(world)]
+    errors = [f"rank {r} raised {out[r][1][0]}: {out[r][1][1]}\n{out[r][1][2]}" for r in range(world) if out[r][0] == "error"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    import torch
+
+    return [torch.load(io.BytesIO(out[r][1]), weights_only=False) for r in range(world)]
