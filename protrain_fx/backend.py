@@ -59,7 +59,7 @@ from protrain_fx.planner.offload import (
     placed_handle,
 )
 from protrain_fx.planner.plan_cache import reuse_or_choose
-from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime import chunk_ops, distributed
 from protrain_fx.runtime.allocator import expandable_segments
 
 log = logging.getLogger("protrain_fx")
@@ -94,6 +94,12 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
                     ".item(), data-dependent control flow)" if brk.inside_block else "")
     if config.verbose:
         _log_to_stderr()
+    distributed.agree({  # data-parallel: every rank compiles this graph with the same options and shapes
+        "options (memory_budget_bytes, codegen, optimizer, plan, machine, auto_plan, verify)": (
+            config.memory_budget_bytes, config.codegen, config.optimizer, repr(config.plan),
+            None if config.machine is None else sorted(config.machine.items()), config.auto_plan, config.verify),
+        "input shapes and dtypes": _input_signature(example_inputs),
+    }, f"the compile of graph {record.index}")
     # The phases' seconds go to record.phases, and to a progress line on a terminal (progress.py).
     with progress.recording(record.phases, title=f"protrain_fx: graph {record.index}", since=started) as shown:
         shown.begin("capture", "capture (Dynamo, AOTAutograd)", since=started)  # ended by the partitioner
@@ -117,6 +123,11 @@ def _frame_compile_started() -> float:
     except Exception:  # noqa: BLE001 -- a private clock of Dynamo's: without it, capture starts here
         return now
     return now - max(0.0, (time.time_ns() - start_ns) / 1e9) if start_ns else now
+
+
+def _input_signature(example_inputs: Sequence[Any]) -> list[str]:
+    """Shape and dtype of each tensor input (the value's type otherwise), as plain strings."""
+    return [f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs]
 
 
 def _frame_is_a_block() -> str:
@@ -252,6 +263,9 @@ class _Partitioner(CustomPartitionerFn):
             log.info("protrain_fx: graph %d has no transformer blocks: no activation plan to choose", record.index)
         else:
             record.auto_plan.phases = record.phases  # the compile's phases, as they are timed
+        if record.auto_plan is not None:  # each rank chose from rank 0's measurements: the same choice
+            distributed.agree({"the chosen plan and counts": (repr(record.auto_plan.config), repr(record.auto_plan.plan))},
+                              f"the plan of graph {record.index}")
         record.probe_inductor = None
         if record.config.codegen == "eager":
             check_budget(record)  # with Inductor: once its allocation plan is known

@@ -160,7 +160,7 @@ def _offload_facts(step: memory.StepGraphs) -> dict[int, memory.OffloadFacts]:
     for hid in sorted({n.args[0] for g in graphs for n in g.graph.nodes if n.target is gather_op}):
         handle = chunk_ops.handle(hid)
         out[hid] = memory.OffloadFacts(
-            compute_itemsize=handle.store.compute_dtype.itemsize, chunk_numel=handle.store.chunk_numel,
+            compute_itemsize=handle.store.compute_dtype.itemsize, chunk_numel=handle.store.full_numel,
             n_buffer=handle.pool.n_buffer, fetch_staging_bytes=handle.pool.staging_bytes,
             device_step_staging_bytes=handle.device_adam.staging_bytes if handle.device_adam is not None else 0,
             n_gpu_optim=handle.n_gpu_optim, device_steps_in_flight=device_adam.MAX_IN_FLIGHT)

@@ -33,6 +33,7 @@ from protrain_fx.planner.rates import (
 )
 from protrain_fx.planner.result import AutoPlan, PeakCheck
 from protrain_fx.planner.verify import RAISE_MIN_GAIN
+from protrain_fx.runtime import distributed
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config
 from protrain_fx.state import STATE
@@ -207,7 +208,7 @@ def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | No
 
     auto = record.auto_plan
     assert auto is not None and record.memory is not None
-    rates = window.close(auto.problem, auto.config)
+    rates = distributed.from_rank0(window.close(auto.problem, auto.config))  # every rank re-plans alike
     auto.training_rates = rates
     kept = note_training_rates(
         record.memory.device,
@@ -224,6 +225,8 @@ def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | No
     judged = max(auto.analysed_peak_bytes, auto.measured_peak_bytes or 0)
     replan = replan_gpu_optim(auto.problem, auto.config, rates, predicted_s=auto.estimate.step_s,
                               room_bytes=max(0, auto.allocated_cap_bytes - judged))
+    distributed.agree({"the re-planned n_gpu_optim": None if replan is None else replan.after.n_gpu_optim},
+                      f"the re-plan of graph {record.index}")
     if replan is None:
         return None
     handle.set_gpu_optim(replan.after.n_gpu_optim)
@@ -285,6 +288,8 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
     step did not raise the process' peak, whose value is then unknown."""
     auto, memory = record.auto_plan, record.memory
     assert auto is not None and memory is not None
+    # Data-parallel: every rank judges the largest of the ranks' numbers (the plan must fit each).
+    start, end = (tuple(map(max, zip(*ranks))) for ranks in zip(*distributed.gather((start, end))))
     (start_allocated, start_max), (_end_allocated, end_max) = start, end
     if end_max <= start_max:
         log.info(

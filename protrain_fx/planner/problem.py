@@ -25,6 +25,7 @@ from protrain_fx.analysis.swappable import swap_candidates
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
 from protrain_fx.profile.ops import measure_op_times, op_signature
+from protrain_fx.runtime import distributed
 from protrain_fx.search import problem
 
 #: Adam-family optimizers keep two fp32 moments per parameter (the cost model's Adam state); the
@@ -61,6 +62,8 @@ def problem_from_record(
     working copy is the master), else 4; ``adam_state_bytes_per_param`` is 4 bytes per state the
     optimizer keeps; ``device_step_bytes`` is the device staging of chunks stepped on the GPU.
     """
+    # Data-parallel: the measured inputs are rank 0's on every rank, so every rank decides alike.
+    machine, block_times, op_times = distributed.from_rank0((machine, block_times, op_times))
     fw_nodes, bw_nodes, labels = _step_nodes(record)
     analysis = record.memory
     device = torch.device(analysis.device)

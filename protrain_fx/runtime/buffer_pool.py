@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from protrain_fx.runtime import shard
 from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.runtime.pinned import host_empty
 
@@ -56,7 +57,7 @@ class ChunkBufferPool:
         self._wait_host = wait_host or (lambda chunk_id: None)
         self._buffers = [
             torch.empty(
-                store.chunk_numel, dtype=store.compute_dtype, device=self.device
+                store.full_numel, dtype=store.compute_dtype, device=self.device
             )
             for _ in range(n_buffer)
         ]
@@ -95,7 +96,12 @@ class ChunkBufferPool:
 
     def try_prefetch(self, chunk_id: int) -> bool:
         """:meth:`prefetch` if a buffer is idle or the chunk is resident; else nothing (a hint
-        never fails). Returns whether the chunk is now resident or on its way."""
+        never fails). Returns whether the chunk is now resident or on its way.
+
+        Sharded, the chunk's pending step is waited for first: whether a fetch (an all-gather, which
+        every rank must issue alike) starts may not depend on how far this rank's worker got."""
+        if self.store.shard[1] > 1:
+            self._wait_host(chunk_id)
         if self._current(chunk_id) is None and all(self._users):
             return False
         self.prefetch(chunk_id)
@@ -172,7 +178,9 @@ class ChunkBufferPool:
 
     def _fetch(self, chunk_id: int, i: int) -> None:
         source = self.store.params_for_fetch(chunk_id, lambda: self._staging_buffer(i))
-        dst = self._buffers[i]
+        whole = self._buffers[i]
+        sharded = self.store.shard[1] > 1  # the local part copied in, then all-gathered (runtime/shard.py)
+        dst = shard.local_part(self.store, whole) if sharded else whole
         if self._cuda:
             if self._freed[i] is not None:
                 self._stream.wait_event(
@@ -185,12 +193,16 @@ class ChunkBufferPool:
                     dst.copy_(source, non_blocking=True)
                 else:  # a lean chunk's fp32 master
                     self._fetch_cast(dst, source)
+                if sharded:
+                    shard.all_gather(self.store, whole)
             event = torch.cuda.Event()
             event.record(self._stream)
             self._fetched[i] = event
             self.store.note_host_read(chunk_id, event)  # harmless when it read staging
         else:
             dst.copy_(source)
+            if sharded:
+                shard.all_gather(self.store, whole)
         self._chunk_in[i] = chunk_id
         self._version_in[i] = self.store.version(chunk_id)
         self.fetches += 1

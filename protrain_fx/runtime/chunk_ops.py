@@ -135,7 +135,7 @@ def _chunk_gather_fake(
     hid: int, chunk: int, span: int, shell: torch.Tensor | None, after: list[torch.Tensor]
 ) -> torch.Tensor:
     h = handle(hid)
-    return torch.empty(h.store.chunk_numel, dtype=h.store.compute_dtype, device=h.device)
+    return torch.empty(h.store.full_numel, dtype=h.store.compute_dtype, device=h.device)
 
 
 @torch.library.custom_op("protrain::chunk_prefetch", mutates_args=("after",))

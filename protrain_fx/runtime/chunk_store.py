@@ -20,10 +20,8 @@ event (:meth:`ChunkStore.wait_grad`), and device reads of a buffer are noted
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -37,6 +35,9 @@ from protrain_fx.runtime.host_memory import (
     planned_store_bytes,
 )
 from protrain_fx.runtime.pinned import host_empty
+from protrain_fx.runtime.slots import ParamSlot, _layout_itemsize, _pieces, _slot_view, _slots, piece_of
+
+__all__ = ["GRAD_POOL", "BufferKind", "ChunkStore", "ParamSlot", "piece_of"]
 
 #: Gradient landing buffers of the lean chunks (see the module docstring), unless told otherwise.
 GRAD_POOL = 4
@@ -44,30 +45,6 @@ GRAD_POOL = 4
 
 #: What the store can show per parameter (see the module table).
 BufferKind = Literal["working", "master", "exp_avg", "exp_avg_sq"]
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """One stored parameter: its names (several when tied), where it lives and what it looks like.
-
-    ``offset`` is in elements from the start of the chunk's flat buffers; ``dtype`` is the
-    parameter's own dtype (the store's buffers have their own).
-    """
-
-    names: tuple[str, ...]
-    chunk: int
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    trainable: bool
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 class ChunkStore:
@@ -79,6 +56,8 @@ class ChunkStore:
     parameters'). ``available_bytes`` overrides ``/proc/meminfo`` for the up-front memory check.
     ``n_lean``: how many chunks, counted from the last, are lean (no working copy; see the module
     docstring), or ``"auto"``: the fewest that fit. ``grad_pool``: landing buffers of the lean chunks.
+    ``shard=(rank, world_size)``: the store holds only that rank's equal part of every chunk (its
+    buffers, slots and optimizer state; ``runtime/shard.py`` gathers and scatters the rest).
     """
 
     def __init__(
@@ -92,13 +71,23 @@ class ChunkStore:
         init: Callable[[str, torch.Tensor], None] | None = None,
         n_lean: int | Literal["auto"] = 0,
         grad_pool: int = GRAD_POOL,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if [c.index for c in layout.chunks] != list(range(len(layout.chunks))):
             raise ValueError("chunk indices must be 0, 1, ... in layout order")
         itemsize = _layout_itemsize(layout, params)
         self.layout = layout
-        self.chunk_numel = layout.chunk_bytes // itemsize
-        self.slots = _slots(layout, params, itemsize)
+        #: Elements of one whole chunk (the device buffers'), and of what this store holds of each.
+        self.full_numel = layout.chunk_bytes // itemsize
+        rank, world = shard or (0, 1)
+        if self.full_numel % world:
+            raise ValueError(f"a chunk of {self.full_numel} elements does not split into {world} equal shards")
+        self.shard = (rank, world)
+        self.chunk_numel = self.full_numel // world
+        #: Every parameter's whole slot in the chunk layout (offsets into the whole chunk).
+        self.full_slots = _slots(layout, params, itemsize)
+        self._full_slot_of = {name: s for s in self.full_slots for name in s.names}
+        self.slots = _pieces(self.full_slots, rank * self.chunk_numel, self.chunk_numel) if world > 1 else self.full_slots
         self.compute_dtype = compute_dtype or next(iter(params.values())).dtype
         self.pinned = pin_memory and torch.cuda.is_available()
         self._slot_of = {name: s for s in self.slots for name in s.names}
@@ -164,9 +153,20 @@ class ChunkStore:
         return self._chunk_slots[chunk_id]
 
     def slot(self, name: str) -> ParamSlot:
-        """The slot of parameter ``name`` (any of a tied parameter's names)."""
+        """The slot of parameter ``name`` (any of a tied parameter's names); sharded, its piece here."""
         try:
             return self._slot_of[name]
+        except KeyError:
+            raise KeyError(f"no parameter named {name!r} in the chunk store") from None
+
+    def holds(self, name: str) -> bool:
+        """Whether this store holds (a piece of) parameter ``name``."""
+        return name in self._slot_of
+
+    def full_slot(self, name: str) -> ParamSlot:
+        """Parameter ``name``'s whole slot in its chunk (offsets into the whole chunk)."""
+        try:
+            return self._full_slot_of[name]
         except KeyError:
             raise KeyError(f"no parameter named {name!r} in the chunk store") from None
 
@@ -222,7 +222,7 @@ class ChunkStore:
             if source.is_meta:  # materialised here, straight into the chunk
                 self._materialize(s, target)
             else:
-                target.copy_(source.detach().reshape(-1))
+                target.copy_(source.detach().reshape(-1)[s.start : s.start + s.numel])
         working = None
         if not lean:
             working = self._empty(self.compute_dtype)
@@ -242,11 +242,15 @@ class ChunkStore:
                 f"parameter {slot.name!r} is on the meta device and has no values: give an init "
                 "function (offload(..., init=fn), fn(name, tensor) fills tensor in place)"
             )
-        value = target.view(slot.shape) if slot.dtype == torch.float32 else torch.empty(slot.shape, dtype=slot.dtype)
+        whole = self._full_slot_of[slot.name]  # a piece: the whole parameter is initialised, then sliced
+        if slot.dtype == torch.float32 and whole.numel == slot.numel:
+            value = target.view(slot.shape)
+        else:
+            value = torch.empty(whole.shape, dtype=slot.dtype)
         with torch.no_grad():
             self._init(slot.name, value)
         if value.data_ptr() != target.data_ptr():
-            target.copy_(value.reshape(-1))
+            target.copy_(value.reshape(-1)[slot.start : slot.start + slot.numel])
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -263,6 +267,10 @@ class ChunkStore:
                 f"chunk {chunk_id} has no trainable parameter, so no {kind}"
             )
         return buffer
+
+    def has_buffer(self, kind: BufferKind, chunk_id: int) -> bool:
+        """Whether the chunk has a ``kind`` buffer here (no moments where nothing here trains)."""
+        return self._buffers[kind][chunk_id] is not None
 
     def view(self, kind: BufferKind, slot: ParamSlot) -> torch.Tensor:
         """``slot``'s parameter-shaped view of its chunk's ``kind`` buffer."""
@@ -445,8 +453,11 @@ class ChunkStore:
         """After the chunk's optimizer step: rebuild its working copy from the master (frozen and
         un-stepped parameters included) and forget its gradient. ``refreshed``: slots whose
         working copy the optimizer already rewrote from the new master. A lean chunk gives its
-        landing buffer back instead."""
+        landing buffer back instead. Sharded, the version is bumped even when this rank's part
+        holds no gradient (the chunk's other parts changed: every rank fetches it again alike)."""
         if not self._grad_slots[chunk_id]:
+            if self.shard[1] > 1:
+                self._versions[chunk_id] += 1
             return
         self._before_host_write(chunk_id)
         done = set(refreshed)
@@ -576,13 +587,13 @@ class ChunkStore:
             name = next((n for n in s.names if n in state_dict), None)
             if name is None:
                 raise KeyError(f"state_dict has no entry for parameter {s.name!r}")
-            value = state_dict[name]
-            if tuple(value.shape) != s.shape:
+            value, whole = state_dict[name], self._full_slot_of[s.name]
+            if tuple(value.shape) != whole.shape:
                 raise ValueError(
-                    f"{name!r} has shape {tuple(value.shape)} in the state_dict, expected {s.shape}"
+                    f"{name!r} has shape {tuple(value.shape)} in the state_dict, expected {whole.shape}"
                 )
             self._before_host_write(s.chunk)
-            self.view("master", s).copy_(value)
+            self.view("master", s).copy_(piece_of(value, s))
         for c in range(self.num_chunks):
             if c in self.lean:
                 self._give_back_landing(c)
@@ -592,86 +603,6 @@ class ChunkStore:
             self._versions[c] += 1
 
 
-def _slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-    return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-
-
 def _synchronize(event: torch.cuda.Event | None) -> None:
     if event is not None:
         event.synchronize()
-
-
-def _layout_itemsize(layout: ChunkLayout, params: Mapping[str, torch.Tensor]) -> int:
-    """Bytes per element the layout was sized with (one for all parameters: offsets become elements)."""
-    sizes = set()
-    for chunk in layout.chunks:
-        for slot in chunk.slots:
-            numel = (
-                params[slot.param.names[0]].numel()
-                if slot.param.names[0] in params
-                else 0
-            )
-            if numel == 0 or slot.param.nbytes % numel:
-                raise ValueError(
-                    f"layout parameter {slot.param.names[0]!r} ({slot.param.nbytes} bytes) does not "
-                    "match a parameter of the model"
-                )
-            sizes.add(slot.param.nbytes // numel)
-    if len(sizes) != 1:
-        raise ValueError(
-            f"the layout mixes element sizes {sorted(sizes)}; size every parameter in one dtype"
-        )
-    (itemsize,) = sizes
-    if layout.chunk_bytes % itemsize:
-        raise ValueError(
-            f"chunk size {layout.chunk_bytes} is not a multiple of the element size {itemsize}"
-        )
-    return itemsize
-
-
-def _slots(
-    layout: ChunkLayout, params: Mapping[str, torch.Tensor], itemsize: int
-) -> tuple[ParamSlot, ...]:
-    """One slot per layout parameter; every model parameter must be in the layout exactly once."""
-    slots = []
-    for chunk in layout.chunks:
-        for cs in chunk.slots:
-            names = cs.param.names
-            missing = [n for n in names if n not in params]
-            if missing:
-                raise ValueError(
-                    f"layout parameter {missing[0]!r} is not a parameter of the model"
-                )
-            tensor = params[names[0]]
-            if any(params[n] is not tensor for n in names):
-                raise ValueError(
-                    f"layout ties {names} but the model holds different tensors under these names"
-                )
-            if cs.offset % itemsize:
-                raise ValueError(
-                    f"offset of {names[0]!r} is not a whole number of elements"
-                )
-            slots.append(
-                ParamSlot(
-                    names=names,
-                    chunk=chunk.index,
-                    offset=cs.offset // itemsize,
-                    shape=tuple(tensor.shape),
-                    dtype=tensor.dtype,
-                    trainable=tensor.requires_grad,
-                )
-            )
-    named = [n for s in slots for n in s.names]
-    if len(named) != len(set(named)):
-        raise ValueError("the layout names a parameter twice")
-    by_tensor: dict[int, str] = {}
-    for s in slots:
-        other = by_tensor.setdefault(id(params[s.name]), s.name)
-        if other != s.name:
-            raise ValueError(
-                f"{other!r} and {s.name!r} are one tensor (tied) but have two slots; merge them with dedupe_tied"
-            )
-    unplaced = sorted(set(params) - set(named))
-    if unplaced:
-        raise ValueError(f"parameter {unplaced[0]!r} is not in the chunk layout")
-    return tuple(slots)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from protrain_fx.errors import UnsupportedError
 from protrain_fx.runtime import chunk_ops
@@ -41,6 +43,8 @@ class HeldNorms:
             self._stale.add(chunk)
             return
         by_slot = store.grads_by_slot(dict(zip(names, grads)))
+        if not by_slot:  # (sharded: no piece of these parameters on this rank)
+            return
         values = [g.detach() for g in by_slot.values()]
         wide = any(v.dtype != torch.float32 for v in values)  # bf16 gradients: summed in fp32
         norms = torch._foreach_norm(values, 2.0, dtype=torch.float32) if wide else torch._foreach_norm(values, 2.0)
@@ -151,21 +155,29 @@ def clip_grad_norm(
     _check_clip(handle, params)
     norm_type = float(norm_type)
     norms: list[torch.Tensor] = []
+    offloaded: list[torch.Tensor] = []  # (sharded: this rank's pieces only)
     persistent: list[torch.Tensor] = []
     grads = [p.grad for p in params if chunk_ops.offloaded(p) is None and p.grad is not None]
     by_id = dict(zip(map(id, grads), _group_norms(grads, norm_type, foreach)))
     for p in params:
         if chunk_ops.offloaded(p) is not None:
-            norm = handle._norms.of(handle.store, handle.store.slot(chunk_ops.offloaded(p)[3]), norm_type)
+            name = chunk_ops.offloaded(p)[3]
+            if not handle.store.holds(name):  # sharded: its pieces are on other ranks
+                continue
+            norm = handle._norms.of(handle.store, handle.store.slot(name), norm_type)
             if norm is not None:
                 norms.append(norm)
+                offloaded.append(norm)
         elif p.grad is not None:
             norms.append(by_id[id(p.grad)])
             persistent.append(p)
-    if not norms:
+    if handle.group is not None:
+        total = _total_over_ranks(offloaded, [by_id[id(p.grad)] for p in persistent], norm_type, handle.device)
+    elif not norms:
         return torch.tensor(0.0)
-    first = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+    else:
+        first = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
     finite = bool(torch.isfinite(total))  # (a device sync: the skip below is decided on the host)
     if not finite and error_if_nonfinite:
         raise RuntimeError(
@@ -184,6 +196,24 @@ def clip_grad_norm(
     for chunk in sorted(handle._pending):
         handle._submit(chunk, grad_scale=scale)
     return total
+
+def _total_over_ranks(offloaded: list[torch.Tensor], persistent: list[torch.Tensor], norm_type: float,
+                      device: torch.device) -> torch.Tensor:
+    """The norm over every rank's offloaded pieces (summed powers, or the maximum for ``inf``, all-
+    reduced) and the replicated persistent gradients (equal on every rank, counted once). Every
+    rank gets the same value, so a non-finite norm skips the step on every rank."""
+    def stacked(norms: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([n.to(device, torch.float32) for n in norms]) if norms else torch.zeros(0, device=device)
+
+    mine, shared = stacked(offloaded), stacked(persistent)
+    if math.isinf(norm_type):
+        local = mine.max() if mine.numel() else torch.zeros((), device=device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return torch.maximum(local, shared.max()) if shared.numel() else local
+    local = (mine**norm_type).sum()
+    dist.all_reduce(local, op=dist.ReduceOp.SUM)
+    return (local + (shared**norm_type).sum()) ** (1.0 / norm_type)
+
 
 def _check_clip(handle: Any, params: list[torch.Tensor]) -> None:
     """Refuse a clip this handle cannot make exact (see :meth:`clip_grad_norm_`)."""
@@ -207,7 +237,7 @@ def _check_clip(handle: Any, params: list[torch.Tensor]) -> None:
         )
     given = {chunk_ops.offloaded(p)[3] for p in params if chunk_ops.offloaded(p) is not None}
     held = {n for names in handle._landed.values() for n in names}
-    missing = sorted(held - {n for name in given for n in handle.store.slot(name).names})
+    missing = sorted(held - {n for name in given for n in handle.store.full_slot(name).names})
     if missing:
         raise UnsupportedError(
             f"protrain_fx: clip_grad_norm_ over part of an offloaded model's parameters ({missing[0]!r} has a "

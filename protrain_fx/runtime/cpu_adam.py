@@ -30,7 +30,9 @@ from typing import Any, Self
 
 import torch
 
-from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot
+from protrain_fx.runtime import distributed
+from protrain_fx.runtime import shard
+from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot, piece_of
 
 #: The clock of ``ChunkAdamW.computed`` (bound once: a test driving ``time.perf_counter`` to time
 #: the worker's steps does not drive this one).
@@ -63,6 +65,9 @@ class ChunkAdamW:
         }
         self._group_of: dict[ParamSlot, int] = {}
         self._index_of: dict[ParamSlot, int] = {}  # position in optimizer.state_dict()
+        whole = {id(t) for n, t in named_params.items() if n in {m for s in store.full_slots for m in s.names}}
+        #: Optimizer positions of every parameter of the store (sharded: pieces on other ranks too).
+        self._stored_indices: set[int] = set()
         index = 0
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -70,6 +75,8 @@ class ChunkAdamW:
                 if slot is not None:
                     self._group_of[slot] = g
                     self._index_of[slot] = index
+                if id(p) in whole:
+                    self._stored_indices.add(index)
                 index += 1
         # a slot's step count appears at its first step, as in torch
         self._steps: dict[ParamSlot, torch.Tensor] = {}
@@ -199,6 +206,9 @@ class ChunkAdamW:
         plain ``torch.optim.AdamW`` over the user's parameter list (loads into one)."""
         state_dict = self.optimizer.state_dict()
         state = dict(state_dict["state"])
+        if self.store.shard[1] > 1:  # whole tensors, gathered from every rank's pieces
+            state.update(shard.gather_optimizer_state(self.store, self._steps, self._index_of))
+            return {"state": dict(sorted(state.items())), "param_groups": state_dict["param_groups"]}
         for slot, step in self._steps.items():  # only optimized slots take steps
             state[self._index_of[slot]] = {
                 "step": step.clone(),
@@ -217,7 +227,7 @@ class ChunkAdamW:
         ours = {index: slot for slot, index in self._index_of.items()}
         self.optimizer.load_state_dict(
             {
-                "state": {k: v for k, v in state.items() if int(k) not in ours},
+                "state": {k: v for k, v in state.items() if int(k) not in self._stored_indices},
                 "param_groups": state_dict["param_groups"],
             }
         )
@@ -229,7 +239,7 @@ class ChunkAdamW:
                 if entry is None:
                     view.zero_()
                 else:
-                    view.copy_(entry[kind])
+                    view.copy_(piece_of(entry[kind], slot))  # (sharded: this rank's piece)
             if entry is not None:
                 self._steps[slot] = torch.tensor(
                     float(entry["step"]), dtype=torch.float32
@@ -271,14 +281,16 @@ DRIVER_CORES = 2
 
 
 def worker_threads(process_threads: int | None = None) -> int:
-    """OpenMP threads of the CPU optimizer's worker: the process' (``torch.get_num_threads()``) less
-    :data:`DRIVER_CORES` (less one on a machine of at most ``2 * DRIVER_CORES``), at least one.
+    """OpenMP threads of the CPU optimizer's worker: the process' (``torch.get_num_threads()``; in a
+    data-parallel run, the node's cores divided by its ranks, ``distributed.node_threads``: torchrun
+    sets ``OMP_NUM_THREADS=1``) less :data:`DRIVER_CORES` (less one on a machine of at most
+    ``2 * DRIVER_CORES``), at least one.
 
     Why: a parallel region waits for its slowest thread, and a team spanning every core shares one
     with the thread launching the GPU's work: beside pinned copies and a thread launching CUDA
     kernels, a team one or two threads short of the cores steps about 30% faster than one on every
     core, and a team of half the cores is slower again (``docs/results.md#the-cpu-optimizer``)."""
-    n = torch.get_num_threads() if process_threads is None else process_threads
+    n = distributed.node_threads() if process_threads is None else process_threads
     return max(1, n - (DRIVER_CORES if n > 2 * DRIVER_CORES else 1))
 
 

@@ -16,6 +16,7 @@ offloaded parameters are shells of 0 bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import re
@@ -36,9 +37,10 @@ from protrain_fx.chunks import (
     pack,
 )
 from protrain_fx.errors import UnsupportedError
-from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime import chunk_ops, distributed, shard
 from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
+from protrain_fx.runtime.checkpoint import Checkpoints
 from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore
 from protrain_fx.runtime.clipping import (
     HeldNorms,
@@ -47,7 +49,8 @@ from protrain_fx.runtime.clipping import (
 )
 from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
-from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
+from protrain_fx.runtime.grad_sync import GradAverager
+from protrain_fx.runtime.host_memory import HostMemoryError, auto_lean, available_host_bytes
 from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings
 from protrain_fx.runtime.shells import (
     empty_shell,
@@ -63,7 +66,7 @@ log = logging.getLogger("protrain_fx")
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 
-class OffloadHandle:
+class OffloadHandle(Checkpoints):
     """The state behind one offloaded model (see the module docstring)."""
 
     def __init__(
@@ -84,12 +87,23 @@ class OffloadHandle:
         grad_clipping: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
+        #: The process group when data-parallel (more than one rank), else ``None``.
+        self.group = distributed.check_device(self.device)
         named, init = checked_settings(model, optimizer, self.device, (n_persist, n_buffer, n_gpu_optim),
                                        compute_dtype, grad_clipping, init)
         auto = n_persist == AUTO
-        self.layout = _layout(named, chunk_bytes)
-        if not auto:
+        self.layout = _layout(named, chunk_bytes, self.group)
+        distributed.agree({
+            "counts (n_persist, n_buffer, n_gpu_optim, n_lean)": (n_persist, n_buffer, n_gpu_optim, n_lean),
+            "chunk_bytes": (chunk_bytes, self.layout.chunk_bytes),
+            "compute_dtype": str(compute_dtype),
+            "model (parameter names, shapes, dtypes)": distributed.fingerprint(named),
+            "grad_clipping, grad_pool": (grad_clipping, grad_pool),
+        }, "protrain_fx.offload(...)")
+        if not auto and self.group is None:  # data-parallel: every chunk on the device is a use of its own
             check_hand_counts(self.layout, n_persist)
+        if self.group is not None and available_host_bytes is None:
+            available_host_bytes = _node_share(self.group)
         self.optimizer = optimizer
         self._named = named
         self._settings = {
@@ -121,6 +135,7 @@ class OffloadHandle:
         self.worker: OptimizerWorker | None = None
         self.device_adam: DeviceAdamW | None = None
         self.pool: ChunkBufferPool | None = None
+        self.grad_sync: GradAverager | None = None
         self.id: int | None = None
         self._sources: dict[str, torch.Tensor] | None = None  # automatic counts: the values to build from
         #: Automatic counts: an optimizer state loaded before the chunks are placed, applied at each
@@ -234,7 +249,9 @@ class OffloadHandle:
             p = self._named[name]
             if p.untyped_storage().nbytes():
                 set_data(p, empty_shell(p, self.device))
-        self.store = self.adam = self.worker = self.device_adam = self.pool = None
+        if self.grad_sync is not None:
+            self.grad_sync.close()
+        self.store = self.adam = self.worker = self.device_adam = self.pool = self.grad_sync = None
         self.id = None
         self._built = False
         gc.collect()  # the store's pinned buffers go back before the next one is allocated
@@ -265,7 +282,7 @@ class OffloadHandle:
         n_lean = settings["n_lean"]
         if self._sources is not None and n_lean != "auto":  # counts chosen by the backend: at most all lean
             n_lean = min(n_lean, len(offloaded))  # as lean_counts() told the cost model
-        self.store = ChunkStore(
+        self.store = _store_on_every_rank(self.group, lambda: ChunkStore(
             host_layout,
             {n: source(n) for n in named if n in host_names},
             compute_dtype=settings["compute_dtype"],
@@ -274,7 +291,8 @@ class OffloadHandle:
             init=settings["init"],
             n_lean=n_lean,
             grad_pool=settings["grad_pool"],
-        ) if offloaded else None
+            shard=(self.group.rank, self.group.world_size) if self.group is not None else None,
+        )) if offloaded else None
         self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
         self.worker = OptimizerWorker(self.adam.step_chunk, self.adam.hyper) if self.adam else None
@@ -292,7 +310,7 @@ class OffloadHandle:
             placed.add(id(p))
             src = source(name)
             if name in host_names:
-                slot = self.store.slot(name)
+                slot = self.store.full_slot(name)
                 shells[id(p)] = (p, slot.chunk, slot.offset, slot.name)
                 if not is_shell(p, self.device):
                     set_data(p, empty_shell(p, self.device))
@@ -304,6 +322,9 @@ class OffloadHandle:
             elif src is not p or p.device != self.device:
                 set_data(p, src.detach().to(self.device))
         self.id = chunk_ops.register(self, list(shells.values()))
+        if self.group is not None:  # replicated parameters: their gradients averaged in backward
+            self.grad_sync = GradAverager([named[n] for n in self._persistent_names], self.group.world_size,
+                                          lambda: self._accumulating)
         self._built = True
         if self._optimizer_state_aside is not None:
             self._load_optimizer_state(self._optimizer_state_aside)
@@ -320,6 +341,8 @@ class OffloadHandle:
         self.pool.release(chunk)
 
     def land_grads(self, chunk: int, names: list[str], grads: list[torch.Tensor]) -> None:
+        if self.group is not None:  # the ranks' mean, this rank's piece of each parameter only
+            names, grads = self._reduce_scatter(chunk, names, grads)
         landed = self._landed.setdefault(chunk, set())
         if chunk in self._submitted:
             raise UnsupportedError(self._second_landing(chunk, landed, names))
@@ -331,7 +354,7 @@ class OffloadHandle:
         on_device = chunk < self.n_gpu_optim and not hold and fresh
         if on_device:
             self.device_adam.make_room()  # bounds the device steps in flight, so their gradients' memory
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.group is None:  # (sharded: the reduced part is a fresh buffer)
             grads = _staged(grads, self.store.compute_dtype)
         landed.update(names)
         if on_device:
@@ -347,6 +370,15 @@ class OffloadHandle:
             self._pending.add(chunk)
         else:
             self._submit(chunk)
+
+    def _reduce_scatter(self, chunk: int, names: list[str], grads: list[torch.Tensor]
+                        ) -> tuple[list[str], list[torch.Tensor]]:
+        """The chunk's gradients as one whole flat chunk, reduced over the ranks (their mean), and
+        this rank's part of it as views per parameter piece held here (``runtime/shard.py``)."""
+        whole = shard.whole_gradient(self.store, chunk, names, grads, self.store.compute_dtype)
+        part = shard.reduce_scatter_mean(self.store, whole)
+        local = shard.local_grads(self.store, part, names)
+        return list(local), list(local.values())
 
     def _release_early(self) -> None:
         """The first step, learning whether the loop clips, cannot hold every chunk's gradient: a lean
@@ -490,66 +522,6 @@ class OffloadHandle:
             auto_lean(numel, trainable[p:], compute, available, settings["grad_pool"]) for p in range(len(chunks) + 1)
         )
 
-    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """``model.state_dict()``'s keys (parameters, tied ones under each name, and persistent
-        buffers) as ordinary full CPU tensors: it loads into a plain model with ``load_state_dict``."""
-        self.synchronize()
-        host = self.store.param_state_dict() if self.store else {}
-        if not self._built:  # automatic counts not chosen yet: the values kept aside
-            self._require_values("state_dict")
-            host = {n: t.to("cpu", copy=True) for n, t in self._sources.items()}
-        # keep_vars: the entries are the module's own tensors, not read here (a shell has no bytes)
-        return {
-            name: host[name] if name in host else t.detach().to("cpu", copy=True)
-            for name, t in model.state_dict(keep_vars=True).items()
-        }
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's state dict with the host chunks' state filled in (loads into a plain AdamW)."""
-        self.synchronize()
-        return self.adam.state_dict() if self.adam else self.optimizer.state_dict()
-
-    def load_state_dict(
-        self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any] | None = None
-    ) -> None:
-        """Set parameters (and optionally the optimizer state) from ordinary full tensors: what
-        :meth:`state_dict` and :meth:`optimizer_state_dict` (or a plain model and AdamW) saved.
-        Non-persistent buffers are not in a state dict and keep their values. Before the counts are
-        chosen (automatic counts, before the first compile) the optimizer state is kept aside and
-        applied when the chunks are placed."""
-        self.synchronize()
-        if not self._built:  # automatic counts not chosen yet: into the values kept aside
-            self._require_values("load_state_dict")
-            with torch.no_grad():
-                for name, t in self._sources.items():
-                    t.copy_(state_dict[name])
-                for name, b in model.named_buffers():
-                    if name in state_dict:
-                        b.copy_(state_dict[name])
-            if optimizer_state is not None:
-                self._optimizer_state_aside = optimizer_state
-            return
-        if self.store:
-            self.store.load_param_state_dict(state_dict)
-        host = {n for s in (self.store.slots if self.store else ()) for n in s.names}
-        with torch.no_grad():
-            for name, p in model.named_parameters(remove_duplicate=False):
-                if name not in host:
-                    p.copy_(state_dict[name])
-            for name, b in model.named_buffers():
-                if name in state_dict:
-                    b.copy_(state_dict[name])
-        if optimizer_state is not None:
-            self._load_optimizer_state(optimizer_state)
-
-    def _load_optimizer_state(self, optimizer_state: Mapping[str, Any]) -> None:
-        """The offloaded chunks' moments into the store and the rest into the optimizer (never the
-        whole state into the optimizer: it would put every moment on the device first)."""
-        if self.adam:
-            self.adam.load_state_dict(optimizer_state)
-        else:
-            self.optimizer.load_state_dict(optimizer_state)
-
     def close(self) -> None:
         self.synchronize()
         if self.worker is not None:
@@ -558,15 +530,9 @@ class OffloadHandle:
             hook.remove()
         if self.id is not None:
             chunk_ops.unregister(self.id)
+        if self.grad_sync is not None:
+            self.grad_sync.close()
         chunk_ops.unregister_deferred(self)
-
-    def _require_values(self, what: str) -> None:
-        if any(t.is_meta for t in self._sources.values()):
-            raise RuntimeError(
-                f"offload: {what} before the model's first compile: its parameters are still on the meta "
-                "device (they are initialised when the backend places the chunks, at the first compile)"
-            )
-
 
 def offload(
     model: nn.Module,
@@ -633,14 +599,47 @@ def offload(
     )
 
 
-def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None) -> ChunkLayout:
-    """Chunks in registration order (the order a transformer uses its parameters), blocks together."""
+def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None,
+            group: distributed.Group | None = None) -> ChunkLayout:
+    """Chunks in registration order (the order a transformer uses its parameters), blocks together;
+    data-parallel, each chunk's size padded to a whole number of equal shards, one per rank
+    (:data:`SHARD_ALIGN` elements each at least)."""
     rows = []
     for i, (name, p) in enumerate(named.items()):
         m = _BLOCK.match(name)
         rows.append((name, id(p), p.numel() * p.element_size(), m.group(1) if m else OUTSIDE, i))
     infos: list[ParamInfo] = dedupe_tied(rows)
-    return pack(infos, chunk_bytes) if chunk_bytes else choose_layout(infos)
+    layout = pack(infos, chunk_bytes) if chunk_bytes else choose_layout(infos)
+    if group is None:
+        return layout
+    unit = group.world_size * SHARD_ALIGN * next(iter(named.values())).element_size()
+    return dataclasses.replace(layout, chunk_bytes=-(-layout.chunk_bytes // unit) * unit)
+
+
+#: A shard of a chunk (data-parallel) is a multiple of this many elements: the CPU optimizer's
+#: slices of a parameter (``cpu_adam.SLICE_ALIGN``) then start on its grid wherever a shard
+#: boundary cuts a parameter placed on that grid.
+SHARD_ALIGN = 64
+
+
+def _store_on_every_rank(group: distributed.Group | None, make: Callable[[], ChunkStore]) -> ChunkStore:
+    """``make()``; data-parallel, a host too small on any rank refuses on every rank (each store
+    is checked against its rank's share of the node's memory)."""
+    if group is None:
+        return make()
+    store, problem = None, None
+    try:
+        store = make()
+    except HostMemoryError as error:
+        problem = f"{error} (the node's {group.local_world_size} ranks share its host memory)"
+    distributed.raise_together(problem, HostMemoryError)
+    return store
+
+
+def _node_share(group: distributed.Group) -> int | None:
+    """The host memory one rank's chunk store may take: what the node has free, shared by its ranks."""
+    free = available_host_bytes()
+    return None if free is None else free // group.local_world_size
 
 
 def _staged(grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
