@@ -1,8 +1,9 @@
 """The peers' configurations for ``bench/peers.py``: DeepSpeed's config dict for each of its modes,
-which peers update exactly (the same loss as AdamW), and the host bytes each needs.
+which peers update exactly (the same loss as AdamW), the host bytes each needs, and the arithmetic
+of a data-parallel run's results (its ranks merged, the collective time no kernel overlaps).
 
-Plain data: nothing here imports torch or deepspeed, so ``tests/bench`` builds and checks every
-config without either. The keys are DeepSpeed 0.19.8's (``deepspeed/runtime/zero/offload_config.py``,
+Plain data and arithmetic: nothing here imports torch or deepspeed, so ``tests/bench`` builds and
+checks every config without either. The keys are DeepSpeed 0.19.8's (``deepspeed/runtime/zero/offload_config.py``,
 ``deepspeed/compile/config.py``, ``deepspeed/runtime/zenflow/zenflow_config.py`` in its wheel):
 
 - ``deepspeed``: ZeRO-3, parameters and optimizer offloaded to pinned CPU memory, DeepSpeed's CPU Adam
@@ -23,6 +24,7 @@ config without either. The keys are DeepSpeed 0.19.8's (``deepspeed/runtime/zero
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 #: The DeepSpeed modes ``bench/peers.py`` runs, each in its own process.
@@ -114,3 +116,67 @@ def deepspeed_config(
     elif system == "zenflow":
         config["zero_optimization"] = {"stage": 2, "offload_optimizer": dict(pinned_cpu), "zenflow": dict(ZENFLOW)}
     return config
+
+
+# ------------------------------------------------------------------------------------- data-parallel runs
+
+
+#: Fields each rank's result keeps in a data-parallel run's ``ranks`` list.
+RANK_FIELDS = ("rank", "status", "reason", "step_s", "loss", "peak_allocated_bytes", "peak_reserved_bytes",
+               "host_peak_bytes", "collective_s", "exposed_collective_s")
+
+
+def merge_ranks(ranks: list[dict]) -> dict:
+    """One result from every rank's (rank order): rank 0's, with ``ranks`` (each rank's
+    :data:`RANK_FIELDS`), the first failure of any rank, the step of the slowest rank, the mean of
+    the ranks' losses, the highest peaks and, per rank, the exposed collective seconds."""
+    ranks = sorted(ranks, key=lambda r: r.get("rank") or 0)
+    merged = dict(ranks[0])
+    merged["world_size"] = len(ranks)
+    merged["ranks"] = [{k: r[k] for k in RANK_FIELDS if k in r} for r in ranks]
+    failed = next((r for r in ranks if r.get("status") != "ok"), None)
+    if failed is not None:
+        merged.update(status=failed["status"], reason=f"rank {failed.get('rank')}: {failed.get('reason', '')}")
+        return merged
+    merged["step_s"] = max(r["step_s"] for r in ranks)
+    merged["loss"] = statistics.fmean(r["loss"] for r in ranks)
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "host_peak_bytes", "exposed_collective_s",
+                "collective_s"):
+        if all(key in r for r in ranks):
+            merged[key] = max(r[key] for r in ranks)
+    return merged
+
+
+def collective_times(kernels: list[tuple[str, float, float]]) -> dict:
+    """From ``(name, start_s, end_s)`` device kernels: ``collective_s``, the time some collective
+    (NCCL) kernel runs, and ``exposed_collective_s``, the part of it when no other kernel runs (the
+    collectives compute waits for, or that nothing overlaps)."""
+    coll = _union([(a, b) for name, a, b in kernels if "nccl" in name.lower()])
+    other = _union([(a, b) for name, a, b in kernels if "nccl" not in name.lower()])
+    exposed, j = 0.0, 0
+    for a, b in coll:
+        t = a
+        while j < len(other) and other[j][1] <= t:
+            j += 1
+        k = j
+        while t < b:  # walk the other kernels' intervals over [t, b)
+            if k < len(other) and other[k][0] < b:
+                start, end = other[k]
+                if start > t:
+                    exposed += start - t
+                t = max(t, end)
+                k += 1
+            else:
+                exposed += b - t
+                t = b
+    return {"collective_s": sum(b - a for a, b in coll), "exposed_collective_s": exposed}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out

@@ -18,6 +18,8 @@ this call), ``setup_s`` (imports, CUDA start), ``build_s`` (model and optimizer)
     python bench/peers.py --ladder ... --deadline-s 560 --resume EARLIER/peers.json  # a second call
     python bench/peers.py --report OUT/peers.json --out OUT      # peers.md and plots again
     python bench/peers.py --device cpu --sizes tiny --seq 32 --out OUT  # dry run (also --model llama_tiny)
+    python bench/peers.py --protocol B24-L --sizes 4.2B --systems protrain_offload deepspeed --offload auto --out OUT
+    python bench/peers.py --dp 2 --sizes 4.2B --systems protrain_offload fsdp2 deepspeed --offload auto --out OUT
 
 Time budget. Runs go size by size (every system at 350M, then the survivors at 760M, ...), and
 ``OUT/peers.json`` and ``OUT/peers.md`` are rewritten after every run, so a call cut off at its time
@@ -33,16 +35,42 @@ Host RAM. Before an offloading peer (fsdp2, deepspeed) starts, the host bytes it
 is recorded as ``skipped_host_ram`` (an estimate, not a measured failure; it ends that system's
 ladder). ``--no-host-ram-check`` runs it anyway.
 
-DeepSpeed is benchmark-only and not on the GPU machine: build its wheel and its pure-Python needs
-into the git-ignored ``.whl/`` as ``../shared/anchors.md`` says, carry ``.whl`` with the device call,
-and start the command with ``python3 -m pip install -q --no-index --no-deps --target /tmp/site
-.whl/*.whl && export PYTHONPATH=/tmp/site``; without it the ``deepspeed`` run records the import error.
+DeepSpeed is benchmark-only and not on the GPU machine: build its wheel and its needs into the
+git-ignored ``.whl/`` as ``../shared/anchors.md`` says (0.19.8 also imports einops, msgpack,
+py-cpuinfo and ninja: download them the same way), carry ``.whl`` with the device call, and start
+the command with ``python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+export PYTHONPATH=/tmp/site`` (``bench/device.sh`` does); without it a DeepSpeed run records the
+import error. Every run records the torch and DeepSpeed versions (``versions``).
+
+Peers (``bench/peer_configs.py`` holds their configurations): fsdp2; deepspeed (ZeRO-3, parameters
+and optimizer offloaded); superoffload (the same with ``offload_optimizer.super_offload``);
+deepcompile (ZeRO-3 offload as FX passes, ``engine.compile()``); zenflow (ZeRO-2 with the optimizer
+offloaded, selective updates: not exact, timed as the mean over whole ``update_interval``\ s).
+Column ``exact`` says whether a system's update is AdamW's (its loss comparable with ours).
+
+Protocols. ``--protocol B24`` (default) is one micro-batch per optimizer step; ``--protocol B24-L``
+(or ``--accumulate K``) accumulates 8 (K) micro-batches of ``--batch`` x ``--seq``, each its own
+tokens, per optimizer step: ``handle.accumulate()`` around all but the last backward for protrain
+(and the backend option ``accumulation_steps``, so the plan is chosen for the accumulated step),
+``gradient_accumulation_steps`` for DeepSpeed, ``set_requires_gradient_sync`` (FSDP2's ``no_sync``)
+for FSDP2, plain summed gradients for the rest. Tokens/s count every micro-batch of the step.
+
+Data-parallel mode. ``--dp N`` runs each (size, system) as ``python -m torch.distributed.run
+--standalone --nproc_per_node N bench/peers.py -- --run SIZE SYSTEM ... --dp N`` (the ``--`` keeps
+torchrun's parser off our options; that command also runs one pair by hand): one process per GPU of
+this host, the default process group (NCCL, or gloo with ``--device cpu``) initialised before the
+model is built, so ``protrain_fx.offload`` shards over it, FSDP2 shards over the world and DeepSpeed
+uses it; each rank trains its own micro-batches and ``OMP_NUM_THREADS`` is the cores over N unless
+set. Rank 0 reports: tokens/s of all ranks over the slowest rank's step, the mean loss, each rank's
+peaks and step in ``ranks``, and on CUDA ``exposed_collective_s``: one more step traced with
+``torch.profiler``, the time NCCL kernels run with no other kernel beside them
+(``peer_configs.collective_times``). Only ``peer_configs.DATA_PARALLEL_SYSTEMS`` run under ``--dp``.
 
 Systems: protrain (``torch.compile(backend="protrain")``, no plan: ``auto_plan=False``), protrain_plan (the same with a
 hand-written activation plan, ``--plan``; the system is named ``protrain_plan[SPEC]``), eager,
 eager_ac (every block checkpointed), compile, compile_amb0 / compile_amb05
 (``activation_memory_budget`` 0 and 0.5), fsdp2 (FSDP2 ``CPUOffloadPolicy`` + AC, world size 1),
-deepspeed (ZeRO-3, parameters and optimizer offloaded to CPU + AC; when importable), and, only
+deepspeed, superoffload, deepcompile, zenflow (DeepSpeed's modes, + AC; when importable), and, only
 when named in ``--systems``, protrain_offload (parameters in chunks, ``protrain_fx.offload``, most
 of them in host memory with a CPU AdamW during backward, plus an activation plan; ``--offload``
 gives its settings, the system is named ``protrain_offload[SPEC]``; its runs also record the
@@ -80,7 +108,7 @@ for _path in (ROOT, ROOT / "bench"):  # ``examples.gpt`` and ``protrain_fx`` fro
         sys.path.insert(0, str(_path))
 
 import peer_configs  # noqa: E402  (after the path)
-from peer_configs import DATA_PARALLEL_SYSTEMS, DEEPSPEED_SYSTEMS  # noqa: E402
+from peer_configs import DATA_PARALLEL_SYSTEMS, DEEPSPEED_SYSTEMS, collective_times, merge_ranks  # noqa: E402
 
 SYSTEMS = (
     "protrain", "protrain_plan", "protrain_offload", "eager", "eager_ac", "compile", "compile_amb0",
@@ -605,7 +633,7 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
     One step is ``accumulate`` micro-batches of ``batch`` x ``seq`` (each its own random tokens) and
     one optimizer step. Started by torchrun (``LOCAL_RANK`` and ``WORLD_SIZE`` set: ``--dp``), the
     process is one rank: it joins the default process group (NCCL on CUDA, gloo on the CPU) on its
-    local GPU, feeds its own micro-batches, and the ranks' results are merged (:func:`merge_ranks`);
+    local GPU, feeds its own micro-batches, and the ranks' results are merged (``peer_configs.merge_ranks``);
     each rank returns the merged result."""
     import torch
 
@@ -722,34 +750,8 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "deepspeed": deepspeed}
 
 
-#: Fields each rank's result keeps in a data-parallel run's ``ranks`` list.
-RANK_FIELDS = ("rank", "status", "reason", "step_s", "loss", "peak_allocated_bytes", "peak_reserved_bytes",
-               "host_peak_bytes", "collective_s", "exposed_collective_s")
-
-
-def merge_ranks(ranks: list[dict]) -> dict:
-    """One result from every rank's (rank order): rank 0's, with ``ranks`` (each rank's
-    :data:`RANK_FIELDS`), the first failure of any rank, the step of the slowest rank, the mean of
-    the ranks' losses, the highest peaks and, per rank, the exposed collective seconds."""
-    ranks = sorted(ranks, key=lambda r: r.get("rank") or 0)
-    merged = dict(ranks[0])
-    merged["world_size"] = len(ranks)
-    merged["ranks"] = [{k: r[k] for k in RANK_FIELDS if k in r} for r in ranks]
-    failed = next((r for r in ranks if r.get("status") != "ok"), None)
-    if failed is not None:
-        merged.update(status=failed["status"], reason=f"rank {failed.get('rank')}: {failed.get('reason', '')}")
-        return merged
-    merged["step_s"] = max(r["step_s"] for r in ranks)
-    merged["loss"] = statistics.fmean(r["loss"] for r in ranks)
-    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "host_peak_bytes", "exposed_collective_s",
-                "collective_s"):
-        if all(key in r for r in ranks):
-            merged[key] = max(r[key] for r in ranks)
-    return merged
-
-
 def _collective_profile(run_step, sync) -> dict:
-    """One step under ``torch.profiler`` (CUDA kernels): :func:`collective_times` of its kernels."""
+    """One step under ``torch.profiler`` (CUDA kernels): ``peer_configs.collective_times`` of its kernels."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -764,41 +766,6 @@ def _collective_profile(run_step, sync) -> dict:
     kernels = [(e["name"], e["ts"] * 1e-6, (e["ts"] + e.get("dur", 0)) * 1e-6)
                for e in events if e.get("cat") == "kernel"]
     return collective_times(kernels)
-
-
-def collective_times(kernels: list[tuple[str, float, float]]) -> dict:
-    """From ``(name, start_s, end_s)`` device kernels: ``collective_s``, the time some collective
-    (NCCL) kernel runs, and ``exposed_collective_s``, the part of it when no other kernel runs (the
-    collectives compute waits for, or that nothing overlaps)."""
-    coll = _union([(a, b) for name, a, b in kernels if "nccl" in name.lower()])
-    other = _union([(a, b) for name, a, b in kernels if "nccl" not in name.lower()])
-    exposed, j = 0.0, 0
-    for a, b in coll:
-        t = a
-        while j < len(other) and other[j][1] <= t:
-            j += 1
-        k = j
-        while t < b:  # walk the other kernels' intervals over [t, b)
-            if k < len(other) and other[k][0] < b:
-                start, end = other[k]
-                if start > t:
-                    exposed += start - t
-                t = max(t, end)
-                k += 1
-            else:
-                exposed += b - t
-                t = b
-    return {"collective_s": sum(b - a for a, b in coll), "exposed_collective_s": exposed}
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def _replan(replan) -> dict | None:
