@@ -450,6 +450,10 @@ def _build_offload(spec: str, size: str, device: str, accumulate: int = 1) -> tu
     handle = protrain_fx.offload(model, optimizer, device=torch.device("cuda", local) if cuda else device, **counts,
                                  compute_dtype=torch.bfloat16 if cuda else None, available_host_bytes=available,
                                  init=model.init_parameter if where == "meta" else None, n_lean=n_lean)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world > 1 and getattr(handle, "group", None) is None:  # --dp: ranks that do not shard train apart
+        raise RuntimeError(f"protrain_fx.offload did not shard over the {world} ranks of the process group "
+                           "(OffloadHandle.group is None): this protrain_fx trains one model per rank, not data-parallel")
     if cuda:
         torch.cuda.empty_cache()  # the initial fp32 weights of the offloaded chunks are gone
         torch.cuda.reset_peak_memory_stats()
@@ -461,7 +465,7 @@ def _build_offload(spec: str, size: str, device: str, accumulate: int = 1) -> tu
                               "n_lean": handle.n_lean, "n_lean_asked": n_lean, "built_on": where,
                               "chunks": len(handle.layout.chunks), "chunk_bytes": handle.layout.chunk_bytes,
                               "host_store_bytes": handle.store.host_bytes() if handle.store else 0,
-                              "host_bytes_per_param": handle.host_bytes_per_param()},
+                              "host_bytes_per_param": handle.host_bytes_per_param(), "sharded_over": world},
                   "breakdown": []}
     if plan_spec:
         labels = block_labels(size)
