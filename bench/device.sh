@@ -21,12 +21,19 @@
 #   MAIN=1       the README's main job (examples/train_gpt.py) in lane a.
 #   JOBS_A, JOBS_B  bench/peers.py runs of lane a and lane b, ";"-separated, each
 #                "CAP_GIB|SYSTEMS|SIZES[|LABEL[|PEERS ARGS]]": SYSTEMS is any of peers.py's systems
-#                (space-separated), or "auto" (protrain_offload --offload auto: the backend chooses
-#                every count for the capped device, Inductor's allocation plan judging on CUDA),
-#                "autoi" / "autog" (the same judged by Inductor / by the graph analysis); LABEL names
-#                the output folder capCAP_LABEL (a second job at one cap); PEERS ARGS are more
-#                arguments of peers.py (--ladder, --offload SPEC ..., --plan SPEC ...).
+#                (space-separated), and the words "auto" (protrain_offload --offload auto: the backend
+#                chooses every count for the capped device, Inductor's allocation plan judging on
+#                CUDA), "autoi" / "autog" (the same judged by Inductor / by the graph analysis),
+#                "peers" (fsdp2 and DeepSpeed's modes: deepspeed superoffload deepcompile zenflow),
+#                "ds" (the DeepSpeed modes alone); LABEL names the output folder capCAP_LABEL (a
+#                second job at one cap); PEERS ARGS are more arguments of peers.py (--ladder,
+#                --offload SPEC ..., --plan SPEC ..., --steps N: the last given wins). CAP 0 is
+#                uncapped (the ceiling: "0|compile|4.2B").
 #                Default JOBS_A: "24|compile|350M;24|auto|350M 760M 1.3B 4.2B".
+#   PROTOCOL     B24 (default) or B24-L (8 micro-batches of 8 x 1024 per optimizer step), for every
+#                job (peers.py --protocol; a job's PEERS ARGS may give its own).
+#   DP           N > 0: every job data-parallel over N GPUs of this host (peers.py --dp N: each run
+#                under torchrun, N processes); needs LANES=ab. Each GPU is capped at CAP_GIB.
 #   LANES        "ab" (default): lane a then lane b on one GPU; "a b": side by side on a 2-GPU machine,
 #                each lane its own GPU and 16 cores (they share the host's memory bandwidth, so
 #                offloaded steps run slower than alone).
@@ -39,6 +46,9 @@
 #                profile's inputs again after each run.
 #   CACHE_FROM   a machine-cache folder (an earlier call's a/cache) copied in first: later plans are
 #                priced at the rates that call's training kept.
+#   RESUME_FROM  an earlier call's tarball, unpacked into the working tree: its results are copied
+#                into the work folder first, so each job resumes where that call stopped (peers.py
+#                --resume; the same JOBS, PROTOCOL, DP and STEPS).
 #   WORK, NAME   the work folder (/tmp/device) and the tarball's name ($OUT/device.tgz).
 #   SETUP=0      skip the installs (a dry run off the GPU machine, e.g. with jobs on --device cpu).
 set -u
@@ -54,11 +64,24 @@ for arg in "$@"; do
 done
 
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the device library's KINDS.md: it can take the host's GPUs out of service)
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 export O=${WORK:-/tmp/device}
 mkdir -p "$O/a" "$O/b"
+if [ -n "${RESUME_FROM:-}" ]; then
+  [ -d "$RESUME_FROM" ] || { echo "bench/device.sh: RESUME_FROM=$RESUME_FROM is not a folder" >&2; exit 2; }
+  cp -r "$RESUME_FROM"/. "$O"/
+fi
+PROTOCOL=${PROTOCOL:-B24} DP=${DP:-0}
+case $PROTOCOL in B24|B24-L) ;; *) echo "bench/device.sh: PROTOCOL is B24 or B24-L, not '$PROTOCOL'" >&2; exit 2 ;; esac
+case $DP in ''|*[!0-9]*) echo "bench/device.sh: DP is a number of GPUs, not '$DP'" >&2; exit 2 ;; esac
 export DEADLINE_AT=$(( $(date +%s) + ${DEADLINE_S:-560} ))
 NAME=${NAME:-device}
 LANES=${LANES-ab}
+if [ "$DP" -gt 0 ] && [ "$LANES" != ab ]; then
+  echo "bench/device.sh: DP=$DP uses the GPUs of one job; LANES must be ab, not '$LANES'" >&2; exit 2
+fi
 export TESTS=${TESTS-} TESTS_TIMEOUT=${TESTS_TIMEOUT:-300} EXTRA=${EXTRA-} MAIN=${MAIN-}
 export HOST_GIB=${HOST_GIB:-120} STEPS=${STEPS:-6} STREAM=${STREAM:-0} CACHE_FROM=${CACHE_FROM-}
 JOBS_A=${JOBS_A-"24|compile|350M;24|auto|350M 760M 1.3B 4.2B"}
@@ -74,7 +97,9 @@ if [ "${SETUP:-1}" != 0 ]; then
 fi
 {
   echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
-  nvidia-smi -L; nproc; free -g | head -2
+  nvidia-smi -L; nvidia-smi topo -m; nproc; free -g | head -2
+  echo "PROTOCOL=$PROTOCOL DP=$DP NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
+  python3 -c 'import importlib.metadata as m; print("deepspeed", m.version("deepspeed"))' 2>/dev/null || echo "deepspeed not installed"
   python3 -c 'import torch; print("torch", torch.__version__, "GPUs", torch.cuda.device_count())'
   lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA|L3|Hypervisor)'
   for d in /sys/bus/pci/devices/*; do  # the GPU's PCIe function and its NUMA node
@@ -121,12 +146,21 @@ lane() {  # lane NAME JOBS
     # a run's expected wall (peers.py skips it with less left): the automatic runs' walls on the
     # H200, by the job's largest size (350M 105 s, 760M 124-131, 1.3B 202-271, 4.2B 217-352)
     est=120; [[ "$sizes" == *760M* ]] && est=140; [[ "$sizes" == *1.3B* ]] && est=210; [[ "$sizes" == *4.2B* ]] && est=300
-    local extra=()
-    case $systems in
-      auto) systems=protrain_offload; extra=(--offload auto --default-estimate-s "$est") ;;
-      autoi) systems=protrain_offload; extra=(--offload auto:inductor --default-estimate-s "$est") ;;
-      autog) systems=protrain_offload; extra=(--offload auto:graph --default-estimate-s "$est") ;;
-    esac
+    [ "$PROTOCOL" = B24-L ] && est=$((est * 2))  # eight micro-batches a step
+    local extra=(--default-estimate-s "$est") words=() word
+    [ "$PROTOCOL" != B24 ] && extra+=(--protocol "$PROTOCOL")
+    [ "$DP" -gt 0 ] && extra+=(--dp "$DP")
+    for word in $systems; do
+      case $word in
+        auto) words+=(protrain_offload); extra+=(--offload auto) ;;
+        autoi) words+=(protrain_offload); extra+=(--offload auto:inductor) ;;
+        autog) words+=(protrain_offload); extra+=(--offload auto:graph) ;;
+        peers) words+=(fsdp2 deepspeed superoffload deepcompile zenflow) ;;
+        ds) words+=(deepspeed superoffload deepcompile zenflow) ;;
+        *) words+=("$word") ;;
+      esac
+    done
+    systems="${words[*]}"
     out="$O/$name/cap$cap${label:+_$label}"
     local resume=(); [ -f "$out/peers.json" ] && resume=(--resume "$out/peers.json")
     # shellcheck disable=SC2086

@@ -18,6 +18,8 @@ this call), ``setup_s`` (imports, CUDA start), ``build_s`` (model and optimizer)
     python bench/peers.py --ladder ... --deadline-s 560 --resume EARLIER/peers.json  # a second call
     python bench/peers.py --report OUT/peers.json --out OUT      # peers.md and plots again
     python bench/peers.py --device cpu --sizes tiny --seq 32 --out OUT  # dry run (also --model llama_tiny)
+    python bench/peers.py --protocol B24-L --sizes 4.2B --systems protrain_offload deepspeed --offload auto --out OUT
+    python bench/peers.py --dp 2 --sizes 4.2B --systems protrain_offload fsdp2 deepspeed --offload auto --out OUT
 
 Time budget. Runs go size by size (every system at 350M, then the survivors at 760M, ...), and
 ``OUT/peers.json`` and ``OUT/peers.md`` are rewritten after every run, so a call cut off at its time
@@ -33,16 +35,42 @@ Host RAM. Before an offloading peer (fsdp2, deepspeed) starts, the host bytes it
 is recorded as ``skipped_host_ram`` (an estimate, not a measured failure; it ends that system's
 ladder). ``--no-host-ram-check`` runs it anyway.
 
-DeepSpeed is benchmark-only and not on the GPU machine: build its wheel and its pure-Python needs
-into the git-ignored ``.whl/`` as ``../shared/anchors.md`` says, carry ``.whl`` with the device call,
-and start the command with ``python3 -m pip install -q --no-index --no-deps --target /tmp/site
-.whl/*.whl && export PYTHONPATH=/tmp/site``; without it the ``deepspeed`` run records the import error.
+DeepSpeed is benchmark-only and not on the GPU machine: build its wheel and its needs into the
+git-ignored ``.whl/`` as ``../shared/anchors.md`` says (0.19.8 also imports einops, msgpack,
+py-cpuinfo and ninja: download them the same way), carry ``.whl`` with the device call, and start
+the command with ``python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+export PYTHONPATH=/tmp/site`` (``bench/device.sh`` does); without it a DeepSpeed run records the
+import error. Every run records the torch and DeepSpeed versions (``versions``).
+
+Peers (``bench/peer_configs.py`` holds their configurations): fsdp2; deepspeed (ZeRO-3, parameters
+and optimizer offloaded); superoffload (the same with ``offload_optimizer.super_offload``);
+deepcompile (ZeRO-3 offload as FX passes, ``engine.compile()``); zenflow (ZeRO-2 with the optimizer
+offloaded, selective updates: not exact, timed as the mean over whole ``update_interval``\ s).
+Column ``exact`` says whether a system's update is AdamW's (its loss comparable with ours).
+
+Protocols. ``--protocol B24`` (default) is one micro-batch per optimizer step; ``--protocol B24-L``
+(or ``--accumulate K``) accumulates 8 (K) micro-batches of ``--batch`` x ``--seq``, each its own
+tokens, per optimizer step: ``handle.accumulate()`` around all but the last backward for protrain
+(and the backend option ``accumulation_steps``, so the plan is chosen for the accumulated step),
+``gradient_accumulation_steps`` for DeepSpeed, ``set_requires_gradient_sync`` (FSDP2's ``no_sync``)
+for FSDP2, plain summed gradients for the rest. Tokens/s count every micro-batch of the step.
+
+Data-parallel mode. ``--dp N`` runs each (size, system) as ``python -m torch.distributed.run
+--standalone --nproc_per_node N bench/peers.py -- --run SIZE SYSTEM ... --dp N`` (the ``--`` keeps
+torchrun's parser off our options; that command also runs one pair by hand): one process per GPU of
+this host, the default process group (NCCL, or gloo with ``--device cpu``) initialised before the
+model is built, so ``protrain_fx.offload`` shards over it, FSDP2 shards over the world and DeepSpeed
+uses it; each rank trains its own micro-batches and ``OMP_NUM_THREADS`` is the cores over N unless
+set. Rank 0 reports: tokens/s of all ranks over the slowest rank's step, the mean loss, each rank's
+peaks and step in ``ranks``, and on CUDA ``exposed_collective_s``: one more step traced with
+``torch.profiler``, the time NCCL kernels run with no other kernel beside them
+(``peer_configs.collective_times``). Only ``peer_configs.DATA_PARALLEL_SYSTEMS`` run under ``--dp``.
 
 Systems: protrain (``torch.compile(backend="protrain")``, no plan: ``auto_plan=False``), protrain_plan (the same with a
 hand-written activation plan, ``--plan``; the system is named ``protrain_plan[SPEC]``), eager,
 eager_ac (every block checkpointed), compile, compile_amb0 / compile_amb05
 (``activation_memory_budget`` 0 and 0.5), fsdp2 (FSDP2 ``CPUOffloadPolicy`` + AC, world size 1),
-deepspeed (ZeRO-3, parameters and optimizer offloaded to CPU + AC; when importable), and, only
+deepspeed, superoffload, deepcompile, zenflow (DeepSpeed's modes, + AC; when importable), and, only
 when named in ``--systems``, protrain_offload (parameters in chunks, ``protrain_fx.offload``, most
 of them in host memory with a CPU AdamW during backward, plus an activation plan; ``--offload``
 gives its settings, the system is named ``protrain_offload[SPEC]``; its runs also record the
@@ -55,6 +83,7 @@ emulates a host with that much free RAM on a larger one (the 2-GPU machine has 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -74,13 +103,19 @@ from pathlib import Path
 
 _PROCESS_START = time.monotonic()  # a run's setup_s counts its imports from here
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # for ``examples.gpt`` and ``protrain_fx`` from a source tree
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "bench"):  # ``examples.gpt`` and ``protrain_fx`` from a source tree; peer_configs
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import peer_configs  # noqa: E402  (after the path)
+from peer_configs import DATA_PARALLEL_SYSTEMS, DEEPSPEED_SYSTEMS, collective_times, merge_ranks  # noqa: E402
 
 SYSTEMS = (
     "protrain", "protrain_plan", "protrain_offload", "eager", "eager_ac", "compile", "compile_amb0",
-    "compile_amb05", "fsdp2", "deepspeed",
+    "compile_amb05", "fsdp2", *DEEPSPEED_SYSTEMS,
 )
+#: ``--protocol`` → micro-batches accumulated per optimizer step (``../shared/anchors.md``; B24-L: issue 39).
+PROTOCOLS = {"B24": 1, "B24-L": 8}
 #: bf16 dense matmul rate of the H200, the denominator of MFU (``docs/results.md#the-gpu-machine``).
 PEAK_FLOPS = 786e12
 #: Statuses that end a system's ladder: it is not run at the larger sizes of the same model.
@@ -88,18 +123,10 @@ LADDER_STOPS = ("OOM", "crash", "timeout", "skipped_host_ram", "refused_host_ram
 #: Seconds of ``--deadline-s`` kept back for writing the results at the end.
 RESERVE_S = 5.0
 #: What a result records of the protocol; a resumed file must have been run with the same values.
-PROTOCOL_KEYS = ("batch", "seq", "cap_gib", "steps", "warmup", "device")
+PROTOCOL_KEYS = ("batch", "seq", "cap_gib", "steps", "warmup", "device", "accumulate", "world_size")
 
-#: Host bytes per parameter the offloading peers need: estimates, not measurements.
-#: fsdp2: ``CPUOffloadPolicy(pin_memory=True)`` keeps the fp32 parameters (4 B, pinned) and the fp32
-#:   gradients (4 B, pinned: the target of the non-blocking D2H copy) on the CPU, AdamW's exp_avg and
-#:   exp_avg_sq are fp32 (8 B), and ``foreach=True`` AdamW materialises one more state-sized
-#:   temporary (sqrt(exp_avg_sq), 4 B) during its step: 20 B.
-#: deepspeed: DeepSpeed's own estimate for ZeRO-3 with parameters and optimizer on the CPU under
-#:   ``zero.Init`` (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, 0.19.8):
-#:   18 B (bf16 parameter 2 + fp32 master 4 + fp32 gradient 4 + Adam states 8) times its
-#:   ``additional_buffer_factor`` 1.5: 27 B.
-HOST_BYTES_PER_PARAM = {"fsdp2": 20, "deepspeed": 27}
+#: Host bytes per parameter the offloading peers need (``peer_configs.HOST_BYTES_PER_PARAM`` says why).
+HOST_BYTES_PER_PARAM = peer_configs.HOST_BYTES_PER_PARAM
 #: Host bytes of a training process before any model state (CUDA context, torch and its libraries).
 HOST_BASE_BYTES = 3 * 2**30
 
@@ -202,12 +229,12 @@ def _layers(model, size: str):
     return model.model.layers if family(size) == "llama" else model.blocks
 
 
-def make_batch(size: str, batch: int, seq: int, device: str):
-    """(inputs, targets) of random tokens. The Llama's targets are its inputs: Hugging Face models
-    shift the labels themselves."""
+def make_batch(size: str, batch: int, seq: int, device: str, seed: int = 0):
+    """(inputs, targets) of random tokens drawn with ``seed``. The Llama's targets are its inputs:
+    Hugging Face models shift the labels themselves."""
     import torch
 
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     if family(size) == "llama":
         idx = torch.randint(0, LLAMA_SIZES[size]["vocab_size"], (batch, seq), generator=generator).to(device)
         return idx, idx
@@ -312,17 +339,18 @@ def _checkpoint_blocks(model, size: str) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_class))
 
 
-def build(system: str, size: str, device: str) -> tuple:
-    """(step function, model, extra result fields) for one system; the step runs forward, backward
-    and the optimizer and returns the loss."""
+def build(system: str, size: str, device: str, accumulate: int = 1, batch: int = 8) -> tuple:
+    """(step function, model, extra result fields) for one system. The step takes the micro-batches
+    of one optimizer step (``accumulate`` of them, each ``(inputs, targets)``), runs their forward
+    and backward, accumulating gradients, then the optimizer, and returns the mean of their losses."""
     import torch
 
     if system == "fsdp2":
-        return _build_fsdp2(size), None, {}
-    if system == "deepspeed":
-        return _build_deepspeed(size), None, {}
+        return _build_fsdp2(size, device), None, {}
+    if system in DEEPSPEED_SYSTEMS:
+        return _build_deepspeed(size, system, accumulate, batch)
     if _OFFLOAD_SYSTEM.match(system):
-        return _build_offload(_OFFLOAD_SYSTEM.match(system).group(1), size, device)
+        return _build_offload(_OFFLOAD_SYSTEM.match(system).group(1), size, device, accumulate)
     # Built on the device (its RNG, so every system here starts from the same weights): a CPU init
     # of billions of parameters would take a large share of the time budget.
     with torch.device(device):
@@ -356,28 +384,36 @@ def build(system: str, size: str, device: str) -> tuple:
     return _train_step(_loss_fn(run, size), optimizer, autocast=autocast), model, info
 
 
-def _train_step(loss_fn, optimizer, autocast: str | None):
-    """Forward (under bf16 autocast on ``autocast``'s device, if given), backward, optimizer step."""
+def _train_step(loss_fn, optimizer, autocast: str | None, no_sync=None):
+    """Per micro-batch forward (under bf16 autocast on ``autocast``'s device, if given) and backward
+    of its loss over their count, then the optimizer step. ``no_sync(last)`` is called before each
+    backward (FSDP2: reduce the gradients with the last only)."""
     import contextlib
 
     import torch
 
-    def step(idx, targets):
-        ctx = torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with ctx:
-            loss = loss_fn(idx, targets)
-        loss.backward()
+    def step(batches):
+        losses = []
+        for i, (idx, targets) in enumerate(batches):
+            ctx = torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(idx, targets)
+            if no_sync is not None:
+                no_sync(i == len(batches) - 1)
+            (loss / len(batches)).backward()
+            losses.append(loss.detach())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss
+        return torch.stack(losses).float().mean()
 
     return step
 
 
-def _build_offload(spec: str, size: str, device: str) -> tuple:
+def _build_offload(spec: str, size: str, device: str, accumulate: int = 1) -> tuple:
     """protrain_fx with parameter chunks (``protrain_fx.offload``) and an activation plan. The step
-    records, per call, GPU forward / backward / optimizer time (CUDA events) and the CPU optimizer
-    worker's busy time since the previous call, into ``info["breakdown"]``."""
+    records, per call, GPU forward / backward / optimizer time (CUDA events; with accumulation, the
+    last micro-batch's, and ``accumulated_s`` the micro-batches before it in ``handle.accumulate()``)
+    and the CPU optimizer worker's busy time since the previous call, into ``info["breakdown"]``."""
     import contextlib
 
     import torch
@@ -390,8 +426,9 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
         spec, verify = "auto", spec.strip().split(":")[1]
     n_persist, n_buffer, plan_spec, n_gpu_optim, n_lean = parse_offload_spec(spec)
     cuda = device == "cuda"
-    cap = torch.cuda.get_device_properties(0).total_memory if cuda else 0
-    fraction = torch.cuda.get_per_process_memory_fraction(0) if cuda else 0.0
+    local = torch.cuda.current_device() if cuda else 0  # the rank's GPU under --dp
+    cap = torch.cuda.get_device_properties(local).total_memory if cuda else 0
+    fraction = torch.cuda.get_per_process_memory_fraction(local) if cuda else 0.0
     if cuda and num_params(size) * 4 < 0.8 * cap * fraction and family(size) == "gpt":
         with torch.device(device):  # the GPU's RNG, as the other systems: the same weights
             model = build_model(size)
@@ -409,19 +446,26 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         available = int(limit) - rss
     counts = {} if n_persist == "auto" else {"n_persist": n_persist, "n_buffer": n_buffer, "n_gpu_optim": n_gpu_optim}
-    handle = protrain_fx.offload(model, optimizer, device=device, **counts,
+    # with a process group (--dp), offload shards the chunks over the ranks
+    handle = protrain_fx.offload(model, optimizer, device=torch.device("cuda", local) if cuda else device, **counts,
                                  compute_dtype=torch.bfloat16 if cuda else None, available_host_bytes=available,
                                  init=model.init_parameter if where == "meta" else None, n_lean=n_lean)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world > 1 and getattr(handle, "group", None) is None:  # --dp: ranks that do not shard train apart
+        raise RuntimeError(f"protrain_fx.offload did not shard over the {world} ranks of the process group "
+                           "(OffloadHandle.group is None): this protrain_fx trains one model per rank, not data-parallel")
     if cuda:
         torch.cuda.empty_cache()  # the initial fp32 weights of the offloaded chunks are gone
         torch.cuda.reset_peak_memory_stats()
     register()
     options = {"verify": verify} if verify else {}
+    if accumulate > 1:
+        options["accumulation_steps"] = accumulate  # the plan is chosen for the accumulated step
     info: dict = {"offload": {"n_persist": n_persist, "n_buffer": n_buffer, "n_gpu_optim": n_gpu_optim,
                               "n_lean": handle.n_lean, "n_lean_asked": n_lean, "built_on": where,
                               "chunks": len(handle.layout.chunks), "chunk_bytes": handle.layout.chunk_bytes,
                               "host_store_bytes": handle.store.host_bytes() if handle.store else 0,
-                              "host_bytes_per_param": handle.host_bytes_per_param()},
+                              "host_bytes_per_param": handle.host_bytes_per_param(), "sharded_over": world},
                   "breakdown": []}
     if plan_spec:
         labels = block_labels(size)
@@ -435,13 +479,22 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
 
     untimed = [False]  # run_one's stream phase: no events, no sync, no breakdown
 
-    def step(idx, targets):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda and not untimed[0] else []
+    def step(batches):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if cuda and not untimed[0] else []
+        if events:
+            events[4].record()  # the step's start; events[0]: the last micro-batch's
+        losses = []
+        for idx, targets in batches[:-1]:  # accumulated: their chunks' steps wait for the last
+            with torch.autocast(device, dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+                loss = loss_fn(idx, targets)
+            with handle.accumulate():
+                (loss / len(batches)).backward()
+            losses.append(loss.detach())
         if events:
             events[0].record()
         ctx = torch.autocast(device, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
         with ctx:
-            loss = loss_fn(idx, targets)
+            loss = loss_fn(*batches[-1])
         if info["offload"]["n_persist"] == "auto":  # automatic counts: chosen by the compile just done
             info["offload"].update(n_persist=handle.n_persist, n_buffer=handle.n_buffer,
                                    n_gpu_optim=handle.n_gpu_optim, n_lean=handle.n_lean,
@@ -454,7 +507,8 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
             device_adam.timing = None
         if events:
             events[1].record()
-        loss.backward()
+        (loss / len(batches)).backward()
+        losses.append(loss.detach())
         if events:
             events[2].record()
         optimizer.step()
@@ -468,6 +522,7 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
             n_done = next((i for i, t in enumerate(timing) if not t[2].query()), len(timing))  # in stream order
             timed = timing[:n_done]
             info["breakdown"].append({
+                "accumulated_s": events[4].elapsed_time(events[0]) / 1e3,
                 "forward_s": events[0].elapsed_time(events[1]) / 1e3,
                 "backward_s": events[1].elapsed_time(events[2]) / 1e3,
                 "gpu_optimizer_s": events[2].elapsed_time(events[3]) / 1e3,
@@ -484,13 +539,17 @@ def _build_offload(spec: str, size: str, device: str) -> tuple:
             last_landing[0] = handle.landing_wait_s
             last_busy[0] = busy
             last_wait[0] = device_adam.wait_s if device_adam else 0.0
-        return loss
+        return torch.stack(losses).float().mean()
 
     step.untimed = untimed
     return step, model, info
 
 
-def _build_fsdp2(size: str):
+def _build_fsdp2(size: str, device: str = "cuda"):
+    """FSDP2 over the process group (world size 1 unless under ``--dp``): ``CPUOffloadPolicy`` and bf16
+    mixed precision on CUDA (``../shared/anchors.md``); on the CPU (dry runs, gloo) neither. With
+    accumulation, gradients are reduced with the last micro-batch only (``set_requires_gradient_sync``,
+    FSDP2's ``no_sync``)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import (
@@ -499,9 +558,10 @@ def _build_fsdp2(size: str):
         fully_shard,
     )
 
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
-        os.environ.setdefault(key, value)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    if not dist.is_initialized():
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
+            os.environ.setdefault(key, value)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
     if family(size) == "gpt":
         with torch.device("meta"):
             model = build_model(size)
@@ -517,36 +577,33 @@ def _build_fsdp2(size: str):
     policy = {
         "offload_policy": CPUOffloadPolicy(pin_memory=True),
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    }
+    } if device == "cuda" else {}
     for block in _layers(model, size):
         fully_shard(block, **policy)
     fully_shard(model, **policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    return _train_step(_loss_fn(model, size), optimizer, autocast=None)  # FSDP2's policy casts to bf16
+    return _train_step(_loss_fn(model, size), optimizer, autocast=None,  # FSDP2's policy casts to bf16
+                       no_sync=model.set_requires_gradient_sync)
 
 
-def _build_deepspeed(size: str):
+def _build_deepspeed(size: str, system: str = "deepspeed", accumulate: int = 1, batch: int = 8) -> tuple:
+    """One of DeepSpeed's modes (:data:`peer_configs.DEEPSPEED_SYSTEMS`, configured by
+    ``peer_configs.deepspeed_config``) with activation checkpointing; ``deepcompile`` also calls
+    ``engine.compile()``. Each micro-batch runs ``engine.backward`` and ``engine.step``, which steps
+    at DeepSpeed's accumulation boundary (``gradient_accumulation_steps``; the loss is scaled there)."""
     import deepspeed  # benchmark-only peer; see anchors.md for carrying it to the GPU machine
     import torch
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29518")):
         os.environ.setdefault(key, value)
-    config = {
-        "train_micro_batch_size_per_gpu": 8,
-        "bf16": {"enabled": True},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        },
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "activation_checkpointing": {"partition_activations": False},
-    }
+    config = peer_configs.deepspeed_config(system, micro_batch=batch, accumulation=accumulate,
+                                           world_size=int(os.environ["WORLD_SIZE"]))
     torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=config):
+    with deepspeed.zero.Init(config_dict_or_path=config) if config["zero_optimization"]["stage"] == 3 \
+            else contextlib.nullcontext():
         model = build_model(size)
-    if family(size) == "gpt":
+    if family(size) == "gpt" and config["zero_optimization"]["stage"] == 3:
         # zero.Init partitions each submodule's parameters as soon as it is built, so the GPT's own
         # init (reset_parameters at the end of GPT.__init__) ran on empty partitions and the model
         # kept nn.Linear / nn.Embedding defaults (N(0, 1) tied embedding) and a loss far above every
@@ -556,51 +613,75 @@ def _build_deepspeed(size: str):
                 model.init_parameter(name, p.data)
     _checkpoint_blocks(model, size)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if system == "deepcompile":
+        engine.compile()
     loss_fn = _loss_fn(engine, size)
 
-    def step(idx, targets):
-        loss = loss_fn(idx, targets)
-        engine.backward(loss)
-        engine.step()
-        return loss
+    def step(batches):
+        losses = []
+        for idx, targets in batches:
+            loss = loss_fn(idx, targets)
+            engine.backward(loss)
+            engine.step()  # an optimizer step at the accumulation boundary only
+            losses.append(loss.detach())
+        return torch.stack(losses).float().mean()
 
-    return step
+    info = {"peer_config": config, "exact": peer_configs.exact(system)}
+    return step, None, info
 
 
 def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq: int, cap_gib: float,
-            device: str, stream_steps: int = 0) -> dict:
-    """Train ``size`` with ``system`` in this process; the result dict (never raises for a failed run)."""
+            device: str, stream_steps: int = 0, accumulate: int = 1) -> dict:
+    """Train ``size`` with ``system`` in this process; the result dict (never raises for a failed run).
+
+    One step is ``accumulate`` micro-batches of ``batch`` x ``seq`` (each its own random tokens) and
+    one optimizer step. Started by torchrun (``LOCAL_RANK`` and ``WORLD_SIZE`` set: ``--dp``), the
+    process is one rank: it joins the default process group (NCCL on CUDA, gloo on the CPU) on its
+    local GPU, feeds its own micro-batches, and the ranks' results are merged (``peer_configs.merge_ranks``);
+    each rank returns the merged result."""
     import torch
 
+    world, rank, local = _torchrun_ranks()
     cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(local)
     if cuda and cap_gib:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
-    result: dict = {"size": size, "system": system}
+        total = torch.cuda.get_device_properties(local).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), local)
+    if world:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if cuda else "gloo")
+    result: dict = {"size": size, "system": system, "versions": _versions(), "rank": rank,
+                    "exact": peer_configs.exact(base_system(system)), "omp_threads": os.environ.get("OMP_NUM_THREADS")}
     result["setup_s"] = time.monotonic() - _PROCESS_START
+    where = f"cuda:{local}" if cuda else device
+    if system == "zenflow":  # time whole update intervals, after one (ZenFlow's tutorial settings)
+        interval = peer_configs.ZENFLOW["update_interval"]
+        steps, warmup = -(-steps // interval) * interval, max(warmup, interval)
+        result["timed_as"] = f"mean over {steps} steps (a multiple of ZenFlow's update_interval {interval})"
     phase = time.perf_counter()
     try:
-        step, _model, info = build(system, size, device)
+        step, _model, info = build(system, size, device, accumulate, batch)
         result.update(info)
-        idx, targets = make_batch(size, batch, seq, device)
+        batches = [make_batch(size, batch, seq, where, seed=(rank or 0) * accumulate + i) for i in range(accumulate)]
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         result["build_s"], phase = time.perf_counter() - phase, time.perf_counter()
-        step(idx, targets)
+        step(batches)
         sync()
         result["first_step_s"] = time.perf_counter() - phase
         for _ in range(warmup - 1):
-            step(idx, targets)
+            step(batches)
         sync()
         result["warmup_s"] = time.perf_counter() - phase
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            loss = step(idx, targets)
+            loss = step(batches)
             sync()
             times.append(time.perf_counter() - start)
-        step_s = statistics.median(times)
-        tokens_per_s = batch * seq / step_s
+        step_s = statistics.fmean(times) if system == "zenflow" else statistics.median(times)
         if stream_steps:
             # How a training loop runs: no device sync between steps, so device work still queued at
             # one step's end (device optimizer steps on their own streams) overlaps the next step.
@@ -614,19 +695,14 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
             start = time.perf_counter()
             for _ in range(stream_steps):
                 starts.append(time.perf_counter())
-                loss = step(idx, targets)
+                loss = step(batches)
             sync()
             end = time.perf_counter()
             result.update(stream_step_s=(end - start) / stream_steps,
                           stream_starts_s=[t - start for t in starts], stream_end_s=end - start)
-        result.update(
-            status="ok",
-            step_s=step_s,
-            step_times_s=times,
-            tokens_per_s=tokens_per_s,
-            mfu=tokens_per_s * flops_per_token(size, seq) / PEAK_FLOPS,
-            loss=float(loss.item()),
-        )
+        result.update(status="ok", step_s=step_s, step_times_s=times, loss=float(loss.item()))
+        if world and cuda:  # one more step, traced: the collectives' kernel time and what of it is exposed
+            result.update(_collective_profile(lambda: step(batches), sync))
     except torch.OutOfMemoryError as e:
         result.update(status="OOM", reason=str(e).splitlines()[0][:300])
     except MemoryError as e:  # protrain_fx's chunk store refuses, before allocating, what the host cannot hold
@@ -636,14 +712,64 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
         result.update(status="crash", reason=f"{type(e).__name__}: {first_line}",
                       traceback=traceback.format_exc()[-2000:])
     if cuda:
-        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(local)
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(local)
     if system.startswith("protrain"):
         result.update(_protrain_prediction())
         if cuda and result["status"] == "ok" and os.environ.get(REREAD_ENV):
             result["reread"] = _reread(int(os.environ[REREAD_ENV]))
     result["host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if world:
+        import torch.distributed as dist
+
+        ranks: list = [None] * world
+        dist.all_gather_object(ranks, result)
+        dist.destroy_process_group()
+        result = merge_ranks(ranks)
+    if result["status"] == "ok":
+        tokens = (world or 1) * accumulate * batch * seq  # every rank's micro-batches of one optimizer step
+        result.update(tokens_per_step=tokens, tokens_per_s=tokens / result["step_s"],
+                      mfu=tokens / result["step_s"] * flops_per_token(size, seq) / PEAK_FLOPS / (world or 1))
     return result
+
+
+def _torchrun_ranks() -> tuple[int, int | None, int]:
+    """``(world size, rank, local rank)`` of a process torchrun started (``LOCAL_RANK`` and
+    ``WORLD_SIZE`` in the environment), else ``(0, None, 0)``: no process group."""
+    if "LOCAL_RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, None, 0
+    return int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+
+
+def _versions() -> dict:
+    """torch's and (without importing it) DeepSpeed's versions: a failed peer is recorded with them."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        deepspeed = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        deepspeed = None
+    return {"torch": torch.__version__, "deepspeed": deepspeed}
+
+
+def _collective_profile(run_step, sync) -> dict:
+    """One step under ``torch.profiler`` (CUDA kernels): ``peer_configs.collective_times`` of its kernels."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_step()
+        sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    kernels = [(e["name"], e["ts"] * 1e-6, (e["ts"] + e.get("dur", 0)) * 1e-6)
+               for e in events if e.get("cat") == "kernel"]
+    return collective_times(kernels)
 
 
 def _replan(replan) -> dict | None:
@@ -767,10 +893,12 @@ def _protrain_prediction() -> dict:
 # ------------------------------------------------------------------------------------------- host RAM
 
 
-def host_bytes_needed(system: str, size: str) -> int | None:
-    """Estimated host bytes for an offloading peer (:data:`HOST_BYTES_PER_PARAM`); None for the others."""
-    per_param = HOST_BYTES_PER_PARAM.get(system)
-    return None if per_param is None else per_param * num_params(size) + HOST_BASE_BYTES
+def host_bytes_needed(system: str, size: str, world_size: int = 1) -> int | None:
+    """Estimated host bytes for an offloading peer on a node of ``world_size`` ranks
+    (``peer_configs.host_bytes_per_param``: every rank's shards together, and each rank's base);
+    None for the others."""
+    per_param = peer_configs.host_bytes_per_param(system, world_size)
+    return None if per_param is None else per_param * num_params(size) + world_size * HOST_BASE_BYTES
 
 
 def host_bytes_available() -> tuple[int, str]:
@@ -919,14 +1047,31 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")
 
 
+def run_command(size: str, system: str, args) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one run: this script with ``--run``, or under ``--dp N``
+    the same started by torchrun (``python -m torch.distributed.run --standalone --nproc_per_node N``),
+    one process per GPU, each with ``OMP_NUM_THREADS`` its share of the cores unless set (torchrun
+    would give each one thread, which starves a CPU optimizer)."""
+    script = str(Path(__file__).resolve())
+    cmd = ["--run", size, system, "--steps", str(args.steps),
+           "--stream-steps", str(args.stream_steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+           "--seq", str(args.seq), "--cap-gib", str(args.cap_gib), "--device", args.device,
+           "--accumulate", str(args.accumulate), "--out", str(args.out)]
+    env = dict(os.environ)
+    if not args.dp:
+        return [sys.executable, script, *cmd], env
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.dp)))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.dp}"]
+    # "--": torchrun's own parser would refuse --run as an ambiguous prefix of its --run-path
+    return [*launcher, script, "--", *cmd, "--dp", str(args.dp)], env
+
+
 def _spawn(size: str, system: str, args, timeout: float) -> tuple[dict, bool, float]:
     """Run one (size, system) in a child process: (result, timed out, wall seconds). Interruptions
     (:class:`Interrupted`, ``KeyboardInterrupt``) kill the child and propagate."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--run", size, system, "--steps", str(args.steps),
-           "--stream-steps", str(args.stream_steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-           "--seq", str(args.seq), "--cap-gib", str(args.cap_gib), "--device", args.device, "--out", str(args.out)]
+    cmd, env = run_command(size, system, args)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
                             start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 no threads here
     timed_out = False
     try:
@@ -958,7 +1103,11 @@ def _preflight(record: dict, args, ledger: Ledger, deadline: float | None) -> fl
     ``skipped_host_ram`` (an offloading peer whose host RAM estimate exceeds what is available) or
     ``not_run`` (less time left before ``deadline`` than the run is estimated to take)."""
     size, system = record["size"], record["system"]
-    need = None if args.no_host_ram_check else host_bytes_needed(system, size)
+    if system == "zenflow" and args.accumulate > 1:
+        record.update(status="not_applicable", reason="zenflow sets gradient_accumulation_steps to its update_interval "
+                                                      "(deepspeed/runtime/zenflow/engine.py)")
+        return None
+    need = None if args.no_host_ram_check else host_bytes_needed(system, size, args.dp or 1)
     if need is not None:
         available, source = host_bytes_available()
         record.update(host_needed_bytes=need, host_available_bytes=available)
@@ -998,7 +1147,7 @@ def run_all(args) -> int:
                 if ledger.done(size, system) or (args.ladder and (system in pending or ledger.stopped(size, system))):
                     continue
                 record = {"size": size, "system": system, "model": family(size), "params": num_params(size),
-                          **protocol}
+                          "exact": peer_configs.exact(base_system(system)), **protocol}
                 if base_system(system) == "protrain_plan":
                     record["plan"] = _PLAN_SYSTEM.match(system).group(1)
                 if args.host_ram_gib:
@@ -1094,7 +1243,7 @@ def _row(r: dict) -> str:
             f"{1000 * r['step_s']:.1f} ms, MFU {100 * r['mfu']:.1f}%{peak_text}, loss {r['loss']:.3f}{wall}")
 
 
-_CELL = {"skipped_host_ram": "host RAM (est.)", "not_run": "not run"}
+_CELL = {"skipped_host_ram": "host RAM (est.)", "not_run": "not run", "not_applicable": "n/a"}
 
 
 def markdown(results: list[dict]) -> str:
@@ -1109,17 +1258,26 @@ def markdown(results: list[dict]) -> str:
             return "–"
         return _tokens(r) if r["status"] == "ok" else _CELL.get(r["status"], r["status"])
 
-    title = (f"tokens/s, B24 (batch {p.get('batch')} x {p.get('seq')}, cap {p.get('cap_gib', 0):g} GiB, "
-             f"{p.get('steps')} timed steps after {p.get('warmup')} warm-up, {p.get('device')})")
+    k, world = p.get("accumulate", 1), p.get("world_size", 1)
+    name = "B24-L" if k == PROTOCOLS["B24-L"] else "B24" if k == 1 else f"B24, {k} micro-batches a step"
+    title = (f"tokens/s, {name} (batch {p.get('batch')} x {p.get('seq')}"
+             + (f" x {k} micro-batches accumulated per optimizer step" if k > 1 else "")
+             + (f", data-parallel over {world} GPUs (tokens of every rank)" if world > 1 else "")
+             + f", cap {p.get('cap_gib', 0):g} GiB, {p.get('steps')} timed steps after {p.get('warmup')} warm-up, "
+               f"{p.get('device')})")
     lines = [title, "", "| model | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
     lines += [f"| {s} | " + " | ".join(fmt(cell.get((s, y))) for y in systems) + " |" for s in sizes]
     legend = ("OOM / crash / timeout: the run failed (reasons below). host RAM (est.): not run because the "
               "estimated host RAM of the offloading peer exceeded the memory available (bench/peers.py, "
               "HOST_BYTES_PER_PARAM): an estimate, not a measured failure. not run: left to a later call "
-              "(--resume). –: not attempted (the ladder stopped at a smaller size).")
+              "(--resume). –: not attempted (the ladder stopped at a smaller size). n/a: the system does not run "
+              "this protocol (reason below). exact: the system's update is AdamW's, so its loss is comparable "
+              "(no: " + "; ".join(f"{k} {v}" for k, v in peer_configs.INEXACT.items()) + "). With --dp, peaks "
+              "and exposed collective seconds are the highest rank's (each rank's in peers.json).")
     header = ("| model | system | status | tok/s | step ms | MFU | peak alloc GiB | predicted GiB (err) "
-              "| peak reserved GiB | swapped GiB | host RAM GiB | loss | wall s | first step s |")
-    lines += ["", legend, "", header, "|---|" + "---|" * 13]
+              "| peak reserved GiB | swapped GiB | host RAM GiB | loss | exact | exposed coll. ms | wall s "
+              "| first step s |")
+    lines += ["", legend, "", header, "|---|" + "---|" * 15]
     lines += ["| " + " | ".join(_detail(r)) + " |" for r in results]
     lines += _overlap_table(results)
     return "\n".join(lines) + "\n"
@@ -1173,6 +1331,8 @@ def _detail(r: dict) -> list[str]:
         gib("swapped_bytes"),
         gib("host_peak_bytes"),
         f"{r['loss']:.3f}" if ok else "–",
+        {True: "yes", False: "no"}.get(r.get("exact", peer_configs.exact(base_system(r["system"])))),
+        f"{1000 * r['exposed_collective_s']:.0f}" if r.get("exposed_collective_s") is not None else "–",
         sec("wall_s"),
         sec("first_step_s"),
     ]
@@ -1253,6 +1413,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="after the timed steps, this many more with no device sync between them "
                              "(stream_step_s: their wall time over their count, one sync at each end)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (at least 1; the first compiles)")
+    parser.add_argument("--protocol", choices=tuple(PROTOCOLS),
+                        help="B24: one micro-batch a step; B24-L: 8 micro-batches of --batch x --seq accumulated "
+                             "per optimizer step (sets --accumulate)")
+    parser.add_argument("--accumulate", type=int, default=None,
+                        help="micro-batches per optimizer step (default 1, or --protocol's)")
+    parser.add_argument("--dp", type=int, default=0, metavar="N",
+                        help="data-parallel over N GPUs of this host: each run starts under torchrun with N "
+                             f"processes; systems {', '.join(DATA_PARALLEL_SYSTEMS)}")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--cap-gib", type=float, default=24.0)
@@ -1271,6 +1439,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
+    protocol_k = PROTOCOLS[args.protocol] if args.protocol else None
+    if protocol_k and args.accumulate not in (None, protocol_k):
+        parser.error(f"--protocol {args.protocol} accumulates {protocol_k} micro-batches, not --accumulate {args.accumulate}")
+    args.accumulate = args.accumulate or protocol_k or 1
+    if args.accumulate < 1 or args.dp < 0:
+        parser.error("--accumulate must be at least 1 and --dp at least 0")
+    args.world_size = args.dp or 1
+    _check_data_parallel(parser, args)
     if args.model != "gpt":
         if args.sizes:
             parser.error(f"--sizes is for --model gpt; --model {args.model} trains {MODELS[args.model]}")
@@ -1298,13 +1474,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _check_data_parallel(parser: argparse.ArgumentParser, args) -> None:
+    """``--dp``: only systems that train data-parallel; the parent runs without torchrun (it starts
+    torchrun for each run), a run under it (``--run``) in a torchrun of ``--dp`` processes."""
+    world = os.environ.get("WORLD_SIZE") if "LOCAL_RANK" in os.environ else None
+    if args.run:
+        if args.dp and world != str(args.dp):
+            parser.error(f"--run with --dp {args.dp}: start it with torchrun --nproc_per_node={args.dp} (WORLD_SIZE "
+                         f"is {world})")
+        return
+    if world is not None:
+        parser.error("run bench/peers.py itself without torchrun: --dp N starts torchrun with N processes for each "
+                     "run (torchrun --nproc_per_node=N bench/peers.py -- --run SIZE SYSTEM --dp N runs one)")
+    if args.dp:
+        names = system_names(args.systems, args.plan, args.offload)
+        other = [s for s in names if base_system(s) not in DATA_PARALLEL_SYSTEMS]
+        if other:
+            parser.error(f"--dp: {other} would train one model per rank; data-parallel systems: "
+                         f"{', '.join(DATA_PARALLEL_SYSTEMS)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.run:
         result = run_one(*args.run, steps=args.steps, stream_steps=args.stream_steps, warmup=args.warmup,
-                         batch=args.batch, seq=args.seq, cap_gib=args.cap_gib, device=args.device)
-        print("RESULT " + json.dumps(result), flush=True)
+                         batch=args.batch, seq=args.seq, cap_gib=args.cap_gib, device=args.device,
+                         accumulate=args.accumulate)
+        if _torchrun_ranks()[1] in (None, 0):  # under torchrun, rank 0 speaks for every rank
+            print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.report:
         results = Ledger(args.out, load_results(args.report)).ordered()

@@ -111,6 +111,9 @@ class ProtrainConfig:
             lowering of both graphs (tens of seconds on the first step of a large model). ``"auto"`` (default):
             ``"inductor"`` for a step on a CUDA device compiled with Inductor, ``"graph"`` otherwise
             (:meth:`verify_for`).
+        accumulation_steps: micro-batches per optimizer step (gradient accumulation): each training
+            call of the graph is one micro-batch, and the plan chosen is the fastest for the whole
+            accumulated step (``search.problem.Problem.accumulation``). Default 1.
     """
 
     memory_budget_bytes: int | None = None
@@ -123,6 +126,7 @@ class ProtrainConfig:
     auto_plan: bool = True
     dry_run: bool = False
     verify: Verify = "auto"
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes is not None:  # "24GiB" given to the class directly
@@ -138,6 +142,10 @@ class ProtrainConfig:
         for name in ("keep_node_order", "verbose", "auto_plan", "dry_run"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name!r}: got {getattr(self, name)!r}; accepted: True or False")
+        k = self.accumulation_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"option 'accumulation_steps': got {k!r}; accepted: an int >= 1 (micro-batches per "
+                             "optimizer step)")
         if self.machine is not None:
             if not isinstance(self.machine, Mapping):
                 raise ValueError(f"option 'machine': got {self.machine!r}; accepted: a dict of machine constants")
@@ -177,6 +185,7 @@ _OPTION_FIELDS = {
     "auto_plan": "auto_plan",
     "dry_run": "dry_run",
     "verify": "verify",
+    "accumulation_steps": "accumulation_steps",
 }
 
 

@@ -5,8 +5,8 @@ CUDA memory counters at the forward's start and at the end of the backward its o
 callback queued on the autograd engine) and hands them to :func:`record_first_step`: a
 :class:`~protrain_fx.planner.result.PeakCheck`, the measured reserve for the code around the graph,
 and, after a miss or when that reserve allows a faster plan, the graph removed from Dynamo's cache
-so that its next call compiles it again. Calls 3 to 8 (``STEP_TIMED_CALLS``) are timed against the
-predicted step, and an offloaded step's optimizer rates over them may re-plan ``n_gpu_optim``.
+so that its next call compiles it again. Calls 3 to 8 (``STEP_TIMED_CALLS``; with gradient
+accumulation, as many from the third as one optimizer step has) are timed against the predicted step, and an offloaded step's optimizer rates over them may re-plan ``n_gpu_optim``.
 Peak statistics are reset only when the compile itself raised them, or after a miss; off CUDA
 nothing is measured (tests replace :func:`memory_counters`).
 """
@@ -30,6 +30,7 @@ from protrain_fx.planner.rates import (
     Replan,
     StepCheck,
     replan_gpu_optim,
+    timed_calls,
 )
 from protrain_fx.planner.result import AutoPlan, PeakCheck
 from protrain_fx.planner.verify import RAISE_MIN_GAIN
@@ -151,7 +152,7 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
     the rates measured over those calls re-plan the running step (:func:`_close_rate_window`), as
     many calls after the next one are timed too, against the new prediction (``Replan.step_check``)."""
     starts: list[float] = []
-    first, last = STEP_TIMED_CALLS
+    first, last = timed_calls(record.config.accumulation_steps)
     after: tuple[int, int] | None = None  # the calls timed after a re-plan
 
     window: list[RateWindow] = []  # the offload runtime's rates over the same calls (planner/rates.py)
@@ -168,7 +169,7 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
                 window.extend(_open_rate_window(record))  # none without offloaded optimizer steps
             if len(starts) == last:
                 replanned.extend(w.handle for w in window if _close_rate_window(record, w) is not None)
-                record_step_period(record, intervals(first, last))
+                record_step_period(record, intervals(first, last), (first, last))
                 if replanned:  # the call starting now waits for the switch; time the ones after it
                     after = (last + 1, 2 * last + 1 - first)
             elif after is not None and len(starts) == after[1]:
@@ -252,7 +253,8 @@ def record_replan_period(
     if auto is None or auto.replanned is None or not intervals_s:
         return None
     replan = auto.replanned
-    check = StepCheck(predicted_step_s=replan.after_s, intervals_s=tuple(intervals_s), calls=calls)
+    check = StepCheck(predicted_step_s=replan.after_s, intervals_s=tuple(intervals_s), calls=calls,
+                      calls_per_step=record.config.accumulation_steps)
     replan.step_check = check
     if auto.step_check is not None:
         replan.measured_before_s = auto.step_check.measured_step_s
@@ -263,13 +265,16 @@ def record_replan_period(
     return check
 
 
-def record_step_period(record: CapturedGraph, intervals_s: Sequence[float]) -> StepCheck | None:
+def record_step_period(
+    record: CapturedGraph, intervals_s: Sequence[float], calls: tuple[int, int] = STEP_TIMED_CALLS
+) -> StepCheck | None:
     """Stores and logs a :class:`StepCheck` of ``record``'s automatic plan from the measured
-    intervals (seconds between the starts of consecutive training calls). ``None`` without intervals."""
+    intervals (seconds between the starts of consecutive training calls ``calls``). ``None`` without intervals."""
     auto = record.auto_plan
     if auto is None or not intervals_s:
         return None
-    check = StepCheck(predicted_step_s=auto.estimate.step_s, intervals_s=tuple(intervals_s))
+    check = StepCheck(predicted_step_s=auto.estimate.step_s, intervals_s=tuple(intervals_s), calls=calls,
+                      calls_per_step=record.config.accumulation_steps)
     auto.step_check = check
     log.info("protrain_fx: graph %d: %s", record.index, check.line())
     return check

@@ -138,6 +138,7 @@ def plan_key(record: CapturedGraph, joint: fx.GraphModule, handle: OffloadHandle
             "keep_node_order": config.keep_node_order,
             "machine": dict(config.machine) if config.machine else None,
             "verify": config.verify,
+            "accumulation_steps": config.accumulation_steps,
         },
         "offload": _offload_key(handle) if handle is not None else None,
     }

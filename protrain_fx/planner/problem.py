@@ -60,7 +60,8 @@ def problem_from_record(
     bytes (embedding and head activations count as working memory at the end of forward);
     ``fixed_bytes`` = the step's inputs. ``master_bytes_per_param`` is 0 for fp32 parameters (the
     working copy is the master), else 4; ``adam_state_bytes_per_param`` is 4 bytes per state the
-    optimizer keeps; ``device_step_bytes`` is the device staging of chunks stepped on the GPU.
+    optimizer keeps; ``device_step_bytes`` is the device staging of chunks stepped on the GPU;
+    ``accumulation`` is the option ``accumulation_steps`` (micro-batches per optimizer step).
     """
     # Data-parallel: the measured inputs are rank 0's on every rank, so every rank decides alike.
     machine, block_times, op_times = distributed.from_rank0((machine, block_times, op_times))
@@ -101,6 +102,7 @@ def problem_from_record(
         place_d2h_bytes_per_s=est.d2h_bytes,
         place_h2d_bytes_per_s=est.h2d_bytes,
         copy_margin=est.copy_margin,
+        accumulation=record.config.accumulation_steps,
     )
 
 

@@ -55,6 +55,14 @@ if TYPE_CHECKING:
 STEP_TIMED_CALLS = (3, 8)
 
 
+def timed_calls(calls_per_step: int) -> tuple[int, int]:
+    """The training calls whose starts time the step period: :data:`STEP_TIMED_CALLS`, or with
+    several calls per optimizer step, from its first as many calls as one step has (their intervals
+    add up to one step's period, whichever micro-batch the window starts at)."""
+    first, last = STEP_TIMED_CALLS
+    return (first, first + calls_per_step) if calls_per_step > 1 else (first, last)
+
+
 @dataclass(frozen=True)
 class StepCheck:
     """The step period of a planned graph measured in training against the cost model's step time.
@@ -63,18 +71,22 @@ class StepCheck:
     (:data:`STEP_TIMED_CALLS`); their median is the measured period: the whole training step as the
     user's loop runs it (the optimizer, data loading, and with several graphs per step, the others).
     No synchronisation is added: in a steady state the host runs no further ahead of the device
-    between two calls than before them. With several training calls per optimizer step (gradient
-    accumulation) the interval is one micro-batch's, which the prediction (one call and one
-    optimizer step) does not describe."""
+    between two calls than before them. With ``calls_per_step`` training calls per optimizer step
+    (the option ``accumulation_steps``) an interval is one micro-batch's and the prediction the
+    whole accumulated step's: the period is then the mean interval times ``calls_per_step`` (the
+    window times whole steps: :func:`timed_calls`)."""
 
     predicted_step_s: float
     intervals_s: tuple[float, ...]
     #: The training calls whose starts were timed (1-based, first and last).
     calls: tuple[int, int] = STEP_TIMED_CALLS
+    calls_per_step: int = 1
 
     @property
     def measured_step_s(self) -> float:
-        return statistics.median(self.intervals_s)
+        if self.calls_per_step == 1:
+            return statistics.median(self.intervals_s)
+        return statistics.fmean(self.intervals_s) * self.calls_per_step
 
     @property
     def error_pct(self) -> float:

@@ -11,15 +11,13 @@ The hot loops write ``x if x > y else y`` rather than ``max``: about twice as fa
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from protrain_fx.plan import _segment_starts
 from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT, Config, Estimate, Problem
 from protrain_fx.search.tables import _PerBuffer, _PerPersist, link_sharing_keys
 
-
 _NONE, _CKPT, _SWAP = 0, 1, 2
-
-
 _Forward = tuple[list[float], list[float], list[float], float, float, float]
 
 
@@ -178,6 +176,7 @@ class CostModel:
         self._per_pbg: dict[tuple[int, int, int], list[float]] = {}
         self._policies: dict[tuple[int, int], tuple[int, ...]] = {}
         self._fwd_cache: dict[tuple[int, int, int], _Forward] = {}
+        self._micro: dict[tuple[int, int, int, int], float] = {}  # micro_batch_time
         static_persist = [0]
         for c in range(self.n_chunks):
             static_persist.append(static_persist[-1] + p.persistent_bytes(c))
@@ -395,8 +394,9 @@ class CostModel:
         """A lower bound of the step time of every config with these two counts: the device steps'
         copies queue one after another in each direction, so the last one issued ends no earlier
         than all of one direction's; the next forward needs that chunk at its reference start
-        (at most the latest reference start of these chunks' first use)."""
-        if not n_gpu_optim:
+        (at most the latest reference start of these chunks' first use). 0 with accumulation:
+        no device step runs then (:meth:`_simulate`)."""
+        if not n_gpu_optim or self.problem.accumulation > 1:
             return 0.0
         chunks = range(n_persist, n_persist + n_gpu_optim)
         out_s = self._pp(n_persist).dev_out_s
@@ -476,26 +476,46 @@ class CostModel:
         self, p: int, b: int, s: int, c: int, g: int = 0, *, optimizer: bool, detail: bool
     ) -> tuple[float, float] | Estimate:
         """``(step_s, fwd_s)`` of ``(p, b, s, c, g)``, or with ``detail`` its whole :class:`Estimate`;
-        ``optimizer=False`` leaves every optimizer step out (the activation plan's bound)."""
-        P = self._pp(p, g if optimizer else 0)
-        fdone, ff_dur, so_done, h2d, d2h, gpu = self._forward(p, b, s)  # shared by every n_checkpoint
-        fwd_end = gpu
-        bwd_end, adam_done, recompute = self._backward(P, p, b, s, c, g, optimizer, fdone, so_done, h2d, d2h, gpu)
-        gpu_adam = P.gpu_adam_s if optimizer else 0.0
-        cpu_adam = P.cpu_adam_s if optimizer else 0.0
+        ``optimizer=False`` leaves every optimizer step out (the activation plan's bound). With
+        :attr:`Problem.accumulation` ``k > 1``: ``k - 1`` micro-batches (:meth:`micro_batch_time`), then
+        the last as a step with every offloaded chunk stepped on the CPU (``OffloadHandle.land_grads``
+        steps on the device only a gradient fresh in its step): ``n_gpu_optim`` keeps its memory only."""
+        k = self.problem.accumulation
+        g_run = g if k == 1 else 0
+        P = self._pp(p, g_run if optimizer else 0)
+        fdone, ff_dur, so_done, h2d, d2h, fwd_end = self._forward(p, b, s)  # shared by every n_checkpoint
+        bwd_end, adam_done, recompute, _ = self._backward(P, p, b, s, c, g_run, optimizer, fdone, so_done, h2d, d2h, fwd_end)
+        gpu_adam, cpu_adam = (P.gpu_adam_s, P.cpu_adam_s) if optimizer else (0.0, 0.0)
         step = self._step_end(bwd_end + gpu_adam, cpu_adam, adam_done, ff_dur)
+        before = (k - 1) * self.micro_batch_time(p, b, s, c) if k > 1 else 0.0
         if not detail:
-            return step, fwd_end
-        return self._estimate(P, p, b, s, c, g, optimizer, step=step, fwd_end=fwd_end, bwd_end=bwd_end,
-                              recompute=recompute, gpu_adam=gpu_adam, cpu_adam=cpu_adam)
+            return before + step, fwd_end
+        e = self._estimate(P, p, b, s, c, g_run, optimizer, step=step, fwd_end=fwd_end, bwd_end=bwd_end,
+                           recompute=recompute, gpu_adam=gpu_adam, cpu_adam=cpu_adam)
+        static = self.static_bytes(p, b, g)  # with accumulation: the device steps' memory, held though unused
+        return e if k == 1 else dataclasses.replace(
+            e, step_s=before + step, accumulated_s=before, static_bytes=static, peak_bytes=static + e.activation_peak_bytes,
+            compute_s=k * e.compute_s, recompute_s=k * e.recompute_s, h2d_bytes=k * e.h2d_bytes, d2h_bytes=k * e.d2h_bytes)
+
+    def micro_batch_time(self, p: int, b: int, s: int, c: int) -> float:
+        """Seconds of an accumulating micro-batch: no optimizer step, until its GPU work ends and its last gradient
+        landed (the next one's first fetch). Not modelled: chunks resident from the backward before are not re-fetched."""
+        got = self._micro.get((p, b, s, c))
+        if got is None:
+            if len(self._micro) > 65536:
+                self._micro.clear()
+            fdone, _, so_done, h2d, d2h, gpu = self._forward(p, b, s)
+            end, _, _, landed = self._backward(self._pp(p), p, b, s, c, 0, False, fdone, so_done, h2d, d2h, gpu)
+            got = self._micro[(p, b, s, c)] = end if end > landed else landed
+        return got
 
     def _backward(
         self, P: _PerPersist, p: int, b: int, s: int, c: int, g: int, optimizer: bool,
         fdone: list[float], so_done: list[float], h2d: float, d2h: float, gpu: float,
-    ) -> tuple[float, list[tuple[int, float]], float]:
+    ) -> tuple[float, list[tuple[int, float]], float, float]:
         """Backward from the forward's end state (its fetches done, swap offloads done, and when the
         two copy queues and the GPU are free). Returns when backward's GPU work ends, ``(run, when
-        its chunk is updated)`` per optimizer step, and the recompute seconds."""
+        its chunk is updated)`` per optimizer step, the recompute seconds and when the last gradient landed."""
         N = self.n_blocks
         PB = self._pb(p, b)
         dev_refetch = self._dev_refetch(p, b, g) if optimizer and g else None
@@ -543,7 +563,7 @@ class CostModel:
                 if adam_s[r]:
                     cpu = (cpu if cpu > d2h else d2h) + adam_s[r]
                     adam_done.append((r, cpu))
-        return gpu, adam_done, recompute
+        return gpu, adam_done, recompute, d2h
 
     def _device_step(
         self, P: _PerPersist, r: int, s: int, gpu: float, dev_in: float, dev_out: float,

@@ -206,6 +206,11 @@ class Problem:
     it places with (``Machine.d2h_bytes`` / ``h2d_bytes``; 0: the machine profile's one-way rates),
     and ``copy_margin`` its ``Machine.copy_margin`` (copies placed as if they took that many times
     their bytes over the rate).
+
+    ``accumulation``: micro-batches per optimizer step (gradient accumulation: the backward of all
+    but the last runs inside ``OffloadHandle.accumulate()``). Each micro-batch fetches, computes and
+    lands its gradients; the optimizer steps once, after the last. The cost model prices the whole
+    accumulated step (``docs/DESIGN.md#the-cost-model``, "Accumulation"); 1 is one micro-batch a step.
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -227,8 +232,11 @@ class Problem:
     place_d2h_bytes_per_s: float = 0.0
     place_h2d_bytes_per_s: float = 0.0
     copy_margin: float = 1.0
+    accumulation: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.accumulation, bool) or not isinstance(self.accumulation, int) or self.accumulation < 1:
+            raise ValueError(f"Problem: accumulation={self.accumulation!r} must be an int >= 1 (micro-batches a step)")
         if self.outside_place_bwd_s is None:
             object.__setattr__(self, "outside_place_bwd_s", self.outside_bwd_s)
         _check_seconds("Problem", "outside_place_bwd_s", self.outside_place_bwd_s)
@@ -327,6 +335,7 @@ class Problem:
             "place_d2h_bytes_per_s": self.place_d2h_bytes_per_s,
             "place_h2d_bytes_per_s": self.place_h2d_bytes_per_s,
             "copy_margin": self.copy_margin,
+            "accumulation": self.accumulation,
         }
 
     @classmethod
@@ -374,9 +383,11 @@ class Config:
 
 @dataclass(frozen=True)
 class Estimate:
-    """What :func:`estimate` predicts for one config. ``step_s = fwd_s + bwd_s + opt_s``; ``opt_s`` is
-    what follows backward on the critical path (GPU Adam, or waiting for the CPU Adam the next forward
-    needs). ``peak_bytes = static_bytes + activation_peak_bytes``."""
+    """What :func:`estimate` predicts for one config. ``step_s = accumulated_s + fwd_s + bwd_s + opt_s``;
+    ``accumulated_s`` is the micro-batches before the last (0 without accumulation), ``fwd_s`` and
+    ``bwd_s`` the last micro-batch's, ``opt_s`` what follows its backward on the critical path (GPU
+    Adam, or waiting for the CPU Adam the next forward needs). ``compute_s``, ``recompute_s`` and the
+    link bytes count every micro-batch of the step. ``peak_bytes = static_bytes + activation_peak_bytes``."""
 
     step_s: float
     peak_bytes: int
@@ -392,6 +403,7 @@ class Estimate:
     h2d_bytes: int
     d2h_bytes: int
     device_steps: int = 0
+    accumulated_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

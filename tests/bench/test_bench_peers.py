@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -233,3 +234,129 @@ def test_reread_after_a_run_sums_each_phases_timed_ops_under_each_protocol():
     for sums in got["op_sums_s"].values():
         assert len(sums) == 2 and min(sums) > 0
     assert "device_step_bytes_per_s" not in got  # no offloaded chunks: nothing of theirs to read
+
+
+# ------------------------------------------------------------------ newer peers, B24-L, data-parallel mode
+
+configs = peers.peer_configs  # bench/peer_configs.py, as peers.py imports it
+
+
+@pytest.mark.parametrize("system", ["deepspeed", "superoffload", "deepcompile", "zenflow"])
+def test_each_deepspeed_mode_has_its_documented_keys(system):
+    """The config dicts as DeepSpeed 0.19.8 reads them (checked there against its own config classes,
+    DeepSpeedConfig; here without importing deepspeed)."""
+    c = configs.deepspeed_config(system, micro_batch=8, world_size=2)
+    assert c["train_micro_batch_size_per_gpu"] == 8 and c["gradient_accumulation_steps"] == 1
+    assert c["train_batch_size"] == 16  # DeepSpeed checks micro x accumulation x world
+    assert c["bf16"] == {"enabled": True} and c["optimizer"]["type"] == "AdamW"
+    zero = c["zero_optimization"]
+    cpu = {"device": "cpu", "pin_memory": True}
+    if system == "zenflow":
+        assert zero["stage"] == 2 and zero["offload_optimizer"] == cpu and "offload_param" not in zero
+        assert zero["zenflow"]["topk_ratio"] == 0.05 and zero["zenflow"]["update_interval"] == 4
+        assert zero["zenflow"]["overlap_step"] is True
+    else:
+        assert zero["stage"] == 3 and zero["offload_param"] == cpu
+    if system == "superoffload":
+        assert zero["offload_optimizer"] == {**cpu, "super_offload": True, "ratio": 1.0, "cpuadam_cores_perc": 0.8}
+    elif system in ("deepspeed", "deepcompile"):
+        assert zero["offload_optimizer"] == cpu
+    assert ("compile" in c) == (system == "deepcompile")
+    if system == "deepcompile":
+        assert c["compile"] == {"deepcompile": True}
+    assert configs.exact(system) == (system != "zenflow")
+
+
+def test_deepspeed_accumulation_and_what_is_refused():
+    c = configs.deepspeed_config("deepspeed", micro_batch=8, accumulation=8)
+    assert (c["gradient_accumulation_steps"], c["train_batch_size"]) == (8, 64)
+    with pytest.raises(ValueError, match="update_interval"):
+        configs.deepspeed_config("zenflow", micro_batch=8, accumulation=8)
+    with pytest.raises(ValueError, match="not one of"):
+        configs.deepspeed_config("fsdp2", micro_batch=8)
+
+
+def test_host_estimates_of_the_newer_peers_count_every_rank():
+    n = peers.num_params("4.2B")
+    assert peers.host_bytes_needed("superoffload", "4.2B") == peers.host_bytes_needed("deepspeed", "4.2B")
+    assert peers.host_bytes_needed("zenflow", "4.2B") == 24 * n + peers.HOST_BASE_BYTES
+    assert peers.host_bytes_needed("zenflow", "4.2B", 8) == 48 * n + 8 * peers.HOST_BASE_BYTES
+    assert peers.host_bytes_needed("fsdp2", "4.2B", 2) == 20 * n + 2 * peers.HOST_BASE_BYTES
+    assert peers.host_bytes_needed("protrain_offload[auto]", "4.2B", 2) is None  # it checks its own
+
+
+def test_protocols_and_data_parallel_arguments(tmp_path, monkeypatch):
+    for key in ("LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    out = ["--out", str(tmp_path)]
+    assert peers.parse_args(out).accumulate == 1
+    assert peers.parse_args(["--protocol", "B24-L", *out]).accumulate == 8
+    assert peers.parse_args(["--accumulate", "4", *out]).accumulate == 4
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--protocol", "B24-L", "--accumulate", "4", *out])
+    with pytest.raises(SystemExit):  # compile would train one model per rank
+        peers.parse_args(["--dp", "2", "--systems", "compile", "fsdp2", *out])
+    args = peers.parse_args(["--dp", "2", "--protocol", "B24-L", "--systems", "protrain_offload", "fsdp2",
+                             "superoffload", "--offload", "auto", *out])
+    assert args.world_size == 2
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cmd, env = peers.run_command("4.2B", "protrain_offload[auto]", args)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    rest = cmd[cmd.index("--") + 1:]  # after "--": torchrun passes them on untouched
+    assert rest[:3] == ["--run", "4.2B", "protrain_offload[auto]"] and rest[-2:] == ["--dp", "2"]
+    assert rest[rest.index("--accumulate") + 1] == "8"
+    assert int(env["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 2)
+    one, _ = peers.run_command("4.2B", "fsdp2", peers.parse_args(out))
+    assert one[1].endswith("peers.py") and "--" not in one
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):  # the parent is not started by torchrun
+        peers.parse_args(["--dp", "2", "--systems", "fsdp2", *out])
+    assert peers.parse_args(["--run", "tiny", "fsdp2", "--dp", "2", *out]).dp == 2
+    with pytest.raises(SystemExit):  # a run for 4 ranks in a torchrun of 2
+        peers.parse_args(["--run", "tiny", "fsdp2", "--dp", "4", *out])
+
+
+def test_exposed_collective_time_is_what_no_other_kernel_overlaps():
+    kernels = [("gemm", 0.0, 1.0), ("ncclAllGather", 0.5, 2.0), ("gemm", 1.5, 1.8), ("ncclReduceScatter", 3.0, 4.0),
+               ("elementwise", 3.2, 3.4), ("elementwise", 3.3, 3.6), ("gemm", 5.0, 6.0)]
+    got = peers.collective_times(kernels)
+    # collectives run 0.5-2.0 and 3.0-4.0 (2.5 s); other kernels cover 0.5-1.0, 1.5-1.8 and 3.2-3.6
+    assert got["collective_s"] == pytest.approx(2.5)
+    assert got["exposed_collective_s"] == pytest.approx(2.5 - 0.5 - 0.3 - 0.4)
+    assert peers.collective_times([("gemm", 0.0, 1.0)]) == {"collective_s": 0.0, "exposed_collective_s": 0.0}
+
+
+def test_ranks_merge_into_one_result_the_slowest_step_and_the_first_failure():
+    def rank(i, **kw):
+        return {"size": "4.2B", "system": "fsdp2", "rank": i, "status": "ok", "step_s": 1.0 + i, "loss": 2.0 * i,
+                "peak_allocated_bytes": 10 - i, "exposed_collective_s": 0.1 * i, **kw}
+
+    merged = peers.merge_ranks([rank(1), rank(0)])
+    assert merged["world_size"] == 2 and [r["rank"] for r in merged["ranks"]] == [0, 1]
+    assert merged["step_s"] == 2.0 and merged["loss"] == 1.0 and merged["peak_allocated_bytes"] == 10
+    assert merged["exposed_collective_s"] == pytest.approx(0.1)
+    failed = peers.merge_ranks([rank(0), rank(1, status="OOM", reason="CUDA out of memory")])
+    assert failed["status"] == "OOM" and failed["reason"].startswith("rank 1:")
+
+
+def test_accumulated_steps_average_the_micro_batches_losses_and_count_their_tokens():
+    result = peers.run_one("tiny", "eager", steps=1, warmup=1, batch=2, seq=16, cap_gib=0.0, device="cpu",
+                           accumulate=3)
+    assert result["status"] == "ok", result.get("reason")
+    assert result["tokens_per_step"] == 3 * 2 * 16
+    assert result["tokens_per_s"] == pytest.approx(result["tokens_per_step"] / result["step_s"])
+    assert result["exact"] and result["versions"]["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_data_parallel_dry_run_under_torchrun_with_gloo(tmp_path):
+    """World size 1 under torchrun on the CPU (gloo): FSDP2 through the whole parent path."""
+    cmd = [sys.executable, str(ROOT / "bench" / "peers.py"), "--dp", "1", "--device", "cpu", "--sizes", "tiny",
+           "--systems", "fsdp2", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--accumulate", "2",
+           "--out", str(tmp_path)]
+    subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300)
+    (result,) = json.loads((tmp_path / "peers.json").read_text())
+    assert result["status"] == "ok", result.get("reason")
+    assert (result["world_size"], result["accumulate"], result["tokens_per_step"]) == (1, 2, 64)
+    assert [r["rank"] for r in result["ranks"]] == [0]

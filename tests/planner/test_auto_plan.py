@@ -547,6 +547,37 @@ def test_the_step_period_is_measured_over_training_calls_3_to_8(no_plan, monkeyp
     compiled(*_batch()).backward()  # the ticks are used up: a ninth read would raise StopIteration
 
 
+def test_with_accumulation_the_plan_is_for_the_accumulated_step_and_one_step_of_calls_is_timed(
+        no_plan, monkeypatch, logged):
+    """``accumulation_steps=4``: the problem the plan was chosen on prices four micro-batches and one
+    optimizer step, and the step period is four training calls from the third (each call a
+    micro-batch): their intervals added, whichever micro-batch the window starts at."""
+    _device_budget(monkeypatch, budget_for_peak(no_plan["peak"]))
+    ticks = iter([0.0, 50.0, 100.0, 100.1, 100.2, 100.3, 101.0])  # intervals 3..7: .1 .1 .1 .7
+    monkeypatch.setattr(first_step, "_clock", lambda: next(ticks))
+    torch.manual_seed(0)
+    compiled = torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager", "accumulation_steps": 4})
+    for call in range(7):
+        compiled(*_batch()).backward()
+        (record,) = _train_graphs()
+        if call < 6:
+            assert record.auto_plan.step_check is None, call
+    auto = record.auto_plan
+    assert auto.problem.accumulation == 4
+    one = dataclasses.replace(auto.problem, accumulation=1)
+    assert auto.estimate.step_s > CostModel(one).estimate(auto.config).step_s  # four micro-batches
+    check = auto.step_check
+    assert check.calls == (3, 7) and check.calls_per_step == 4
+    assert check.intervals_s == pytest.approx((0.1, 0.1, 0.1, 0.7))
+    assert check.measured_step_s == pytest.approx(1.0)
+    compiled(*_batch()).backward()  # the ticks are used up: another read would raise StopIteration
+    from protrain_fx.config import parse_options
+
+    for bad in (0, 2.0, "4", True):
+        with pytest.raises(ValueError, match="option 'accumulation_steps'"):
+            parse_options({"accumulation_steps": bad})
+
+
 def test_a_measured_miss_compiles_the_graph_again_under_the_lowered_cap(no_plan, monkeypatch, logged):
     """The first step measured 3% over its cap (counters driven on the CPU): the graph is removed
     from Dynamo's cache, its next call compiles it again under the cap lowered by the miss (here a
