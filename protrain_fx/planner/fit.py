@@ -116,7 +116,6 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
     """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would,
     find the smallest budget, and stop the compile with the report."""
     from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
-    from protrain_fx.runtime.host_memory import HostMemoryError
     from protrain_fx.search.search import NoPlanFits
 
     given = record.config.memory_budget_bytes
