@@ -15,7 +15,7 @@ import dataclasses
 from protrain_fx.search.memory import _CKPT, MemoryModel
 from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT, Config, Estimate, Problem
 from protrain_fx.search.tables import _PerBuffer, _PerPersist, link_sharing_keys
-_Forward = tuple[list[float], list[float], list[float], float, float, float]
+_Forward = tuple[list[float], list[float], list[float], float, float, float, float]
 
 
 def estimate(problem: Problem, config: Config) -> Estimate:
@@ -70,7 +70,7 @@ class CostModel(MemoryModel):
         self.run_first = [r[0] for r in runs]
         self.run_chunk = [r[1] for r in runs]
         self.run_last = [r[2] for r in runs]
-        self.run_bytes = [self.problem.chunks[c].bytes for c in self.run_chunk]
+        self.run_bytes = [self.problem.shard_bytes(self.problem.chunks[c].bytes) for c in self.run_chunk]  # a rank's part
         R = len(runs)
         self.step_runs = [[r for r in range(R) if self.run_first[r] <= j <= self.run_last[r]] for j in range(N + 1)]
         self.adam_run = {}
@@ -82,11 +82,13 @@ class CostModel(MemoryModel):
         out; a chunk timed in training (:attr:`Problem.device_step_s`) takes its own seconds, its
         copies in scaled alike."""
         m = p.machine
-        self.adam_s = [c.n_params / m.cpu_adam_params_per_s for c in p.chunks]
+        n = p.world_size  # data-parallel: a rank steps its 1/N of each offloaded chunk
+        self.adam_s = [c.n_params / n / m.cpu_adam_params_per_s for c in p.chunks]
         self.gpu_adam_s = [c.n_params / m.gpu_adam_params_per_s for c in p.chunks]
         # device steps: fp32 master and moments in; the same and the working copy out (shared rates)
-        self.dev_in_bytes = [c.n_params * (4 + p.adam_state_bytes_per_param) for c in p.chunks]
-        self.dev_out_bytes = [x + c.bytes for x, c in zip(self.dev_in_bytes, p.chunks)]
+        self.dev_in_bytes = [p.shard_bytes(c.n_params * (4 + p.adam_state_bytes_per_param)) for c in p.chunks]
+        self.dev_out_bytes = [x + p.shard_bytes(c.bytes) for x, c in zip(self.dev_in_bytes, p.chunks)]
+        self.ag_s, self.rs_s = p.chunk_all_gather_s, p.chunk_reduce_scatter_s  # the collective lane
         self._lean = p.lean_chunks or (0,) * (len(p.chunks) + 1)
         self._cpu_after = [sum(self.adam_s[k:]) for k in range(len(p.chunks) + 1)]  # CPU Adam of chunks >= k
         self._gpu_before = [sum(self.gpu_adam_s[:k]) for k in range(len(p.chunks) + 1)]  # GPU Adam of chunks < k
@@ -279,7 +281,8 @@ class CostModel(MemoryModel):
         ff_dur = [0.0] * len(h_d1)
         fe = [0.0] * (N + 1)
         so_done = [0.0] * N
-        gpu = h2d = d2h = 0.0
+        gpu = h2d = d2h = coll = 0.0
+        ag = self.ag_s
         wait_step = PB.wait_step
         for j in range(N + 1):
             for k, r in P.fetch_at[j]:
@@ -287,6 +290,10 @@ class CostModel(MemoryModel):
                 dur = ff_dur[r] = h_d2[r] if s > ff_thr[r] else h_d1[r]
                 h2d = (h2d if h2d > ready else ready) + dur
                 done[r] = h2d
+                if ag:  # data-parallel: the local part copied, then the whole chunk all-gathered
+                    coll = (coll if coll > h2d else h2d) + ag
+                    done[r] = coll
+                    ff_dur[r] = dur + ag
             start = gpu
             for r in P.step_runs[j]:
                 if done[r] > start:
@@ -297,7 +304,7 @@ class CostModel(MemoryModel):
                 so_done[j] = d2h
         if s and so_done[s - 1] > gpu:
             gpu = so_done[s - 1]  # the forward's graph waits for its offloads by its output at the latest
-        got = self._fwd_cache[key] = (done, ff_dur, so_done, h2d, d2h, gpu)
+        got = self._fwd_cache[key] = (done, ff_dur, so_done, h2d, d2h, gpu, coll)
         return got
 
     def _simulate(
@@ -311,8 +318,9 @@ class CostModel(MemoryModel):
         k = self.problem.accumulation
         g_run = g if k == 1 else 0
         P = self._pp(p, g_run if optimizer else 0)
-        fdone, ff_dur, so_done, h2d, d2h, fwd_end = self._forward(p, b, s)  # shared by every n_checkpoint
-        bwd_end, adam_done, recompute, _ = self._backward(P, p, b, s, c, g_run, optimizer, fdone, so_done, h2d, d2h, fwd_end)
+        fdone, ff_dur, so_done, h2d, d2h, fwd_end, coll = self._forward(p, b, s)  # shared by every n_checkpoint
+        bwd_end, adam_done, recompute, _ = self._backward(P, p, b, s, c, g_run, optimizer, fdone, so_done, h2d, d2h,
+                                                          fwd_end, coll)
         gpu_adam, cpu_adam = (P.gpu_adam_s, P.cpu_adam_s) if optimizer else (0.0, 0.0)
         step = self._step_end(bwd_end + gpu_adam, cpu_adam, adam_done, ff_dur)
         before = (k - 1) * self.micro_batch_time(p, b, s, c) if k > 1 else 0.0
@@ -332,17 +340,17 @@ class CostModel(MemoryModel):
         if got is None:
             if len(self._micro) > 65536:
                 self._micro.clear()
-            fdone, _, so_done, h2d, d2h, gpu = self._forward(p, b, s)
-            end, _, _, landed = self._backward(self._pp(p), p, b, s, c, 0, False, fdone, so_done, h2d, d2h, gpu)
+            fdone, _, so_done, h2d, d2h, gpu, coll = self._forward(p, b, s)
+            end, _, _, landed = self._backward(self._pp(p), p, b, s, c, 0, False, fdone, so_done, h2d, d2h, gpu, coll)
             got = self._micro[(p, b, s, c)] = end if end > landed else landed
         return got
 
     def _backward(
         self, P: _PerPersist, p: int, b: int, s: int, c: int, g: int, optimizer: bool,
-        fdone: list[float], so_done: list[float], h2d: float, d2h: float, gpu: float,
+        fdone: list[float], so_done: list[float], h2d: float, d2h: float, gpu: float, coll: float,
     ) -> tuple[float, list[tuple[int, float]], float, float]:
         """Backward from the forward's end state (its fetches done, swap offloads done, and when the
-        two copy queues and the GPU are free). Returns when backward's GPU work ends, ``(run, when
+        two copy queues, the GPU and the collective lane are free). Returns when backward's GPU work ends, ``(run, when
         its chunk is updated)`` per optimizer step, the recompute seconds and when the last gradient landed."""
         N = self.n_blocks
         PB = self._pb(p, b)
@@ -351,6 +359,7 @@ class CostModel(MemoryModel):
         cb, rc = self.cb, self.recomputes(s, c)
         h_d1, h_d2, g_d1, g_d2 = P.h_d1, P.h_d2, self.g_d1, self.g_d2
         bf_thr, go_thr = P.bf_thr, PB.go_thr
+        ag, rs = self.ag_s, self.rs_s
         done = fdone[:]  # fetch finished; in backward: re-fetch, then gradient offload finished
         adam_done: list[tuple[int, float]] = []
         cpu = recompute = 0.0
@@ -365,6 +374,9 @@ class CostModel(MemoryModel):
                 ready = done[freed_by]  # its gradient offload (stored in done[] when it finished)
                 h2d = (h2d if h2d > ready else ready) + (h_d2[r] if s > bf_thr[r] else h_d1[r])
                 done[r] = h2d
+                if ag:
+                    coll = (coll if coll > h2d else h2d) + ag
+                    done[r] = coll
             start = gpu
             if j < s:
                 ready = so_done[j] if so_done[j] > prev_start else prev_start
@@ -380,13 +392,17 @@ class CostModel(MemoryModel):
                 gpu += rc[j]
                 recompute += rc[j]
             for r in P.offload_at[j]:
+                reduced = gpu
+                if rs:  # data-parallel: the whole gradient reduce-scattered first, on the collective lane
+                    coll = reduced = (coll if coll > gpu else gpu) + rs
                 if device[r]:  # stepped on the GPU: its gradient stays, its buffer is free now
                     done[r] = gpu
                     if dev_trigger[r]:
-                        gpu, dev_in, dev_out = self._device_step(P, r, s, gpu, dev_in, dev_out, dev_done, dev_refetch)
+                        gpu, dev_in, dev_out = self._device_step(P, r, s, gpu, reduced, dev_in, dev_out, dev_done,
+                                                                 dev_refetch)
                         adam_done.append((r, dev_out))
                     continue
-                d2h = (d2h if d2h > gpu else gpu) + (g_d2[r] if s > go_thr[r] else g_d1[r])
+                d2h = (d2h if d2h > reduced else reduced) + (g_d2[r] if s > go_thr[r] else g_d1[r])
                 done[r] = d2h  # the run's buffer is free again
                 if adam_s[r]:
                     cpu = (cpu if cpu > d2h else d2h) + adam_s[r]
@@ -394,19 +410,21 @@ class CostModel(MemoryModel):
         return gpu, adam_done, recompute, d2h
 
     def _device_step(
-        self, P: _PerPersist, r: int, s: int, gpu: float, dev_in: float, dev_out: float,
+        self, P: _PerPersist, r: int, s: int, gpu: float, reduced: float, dev_in: float, dev_out: float,
         dev_done: list[float], dev_refetch: list[float] | None,
     ) -> tuple[float, float, float]:
         """Issue the device step of run ``r``'s chunk when its last gradient is made (at ``gpu``):
         the issuing thread, and the GPU stream with it, first waits for the step issued
-        :data:`DEVICE_STEPS_IN_FLIGHT` before; the copies in and out run on the steps' own lanes,
+        :data:`DEVICE_STEPS_IN_FLIGHT` before; the copies in and out run on the steps' own lanes, from
+        when the gradient is reduced over the ranks (``reduced``; ``gpu`` at world size 1),
         lengthened by the swap-ins and re-fetches beside them. Appends when it ends to ``dev_done``;
         returns the new ``gpu``, ``dev_in`` and ``dev_out``."""
         k = len(dev_done)
         if k >= DEVICE_STEPS_IN_FLIGHT and dev_done[k - DEVICE_STEPS_IN_FLIGHT] > gpu:
             gpu = dev_done[k - DEVICE_STEPS_IN_FLIGHT]  # the issuing thread waits
         ch = self.run_chunk[r]
-        h_start = dev_in if dev_in > gpu else gpu  # the step's own copy lanes
+        ready = reduced if reduced > gpu else gpu
+        h_start = dev_in if dev_in > ready else ready  # the step's own copy lanes
         dev_in = h_start + self.dev_in_s[ch]
         for i, d in P.dev_swap_in[ch]:  # swap-ins beside it on the reference timeline
             if i < s:
