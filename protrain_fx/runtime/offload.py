@@ -50,7 +50,7 @@ from protrain_fx.runtime.clipping import (
 from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
 from protrain_fx.runtime.grad_sync import GradAverager
-from protrain_fx.runtime.host_memory import HostMemoryError, auto_lean, available_host_bytes
+from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
 from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings
 from protrain_fx.runtime.shells import (
     empty_shell,
@@ -103,7 +103,7 @@ class OffloadHandle(Checkpoints):
         if not auto and self.group is None:  # data-parallel: every chunk on the device is a use of its own
             check_hand_counts(self.layout, n_persist)
         if self.group is not None and available_host_bytes is None:
-            available_host_bytes = _node_share(self.group)
+            available_host_bytes = shard.node_share(self.group)
         self.optimizer = optimizer
         self._named = named
         self._settings = {
@@ -285,7 +285,7 @@ class OffloadHandle(Checkpoints):
         n_lean = settings["n_lean"]
         if self._sources is not None and n_lean != "auto":  # counts chosen by the backend: at most all lean
             n_lean = min(n_lean, len(offloaded))  # as lean_counts() told the cost model
-        self.store = _store_on_every_rank(self.group, lambda: ChunkStore(
+        self.store = shard.store_on_every_rank(self.group, lambda: ChunkStore(
             host_layout,
             {n: source(n) for n in named if n in host_names},
             compute_dtype=settings["compute_dtype"],
@@ -652,26 +652,6 @@ def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None,
 #: slices of a parameter (``cpu_adam.SLICE_ALIGN``) then start on its grid wherever a shard
 #: boundary cuts a parameter placed on that grid.
 SHARD_ALIGN = 64
-
-
-def _store_on_every_rank(group: distributed.Group | None, make: Callable[[], ChunkStore]) -> ChunkStore:
-    """``make()``; data-parallel, a host too small on any rank refuses on every rank (each store
-    is checked against its rank's share of the node's memory)."""
-    if group is None:
-        return make()
-    store, problem = None, None
-    try:
-        store = make()
-    except HostMemoryError as error:
-        problem = f"{error} (the node's {group.local_world_size} ranks share its host memory)"
-    distributed.raise_together(problem, HostMemoryError)
-    return store
-
-
-def _node_share(group: distributed.Group) -> int | None:
-    """The host memory one rank's chunk store may take: what the node has free, shared by its ranks."""
-    free = available_host_bytes()
-    return None if free is None else free // group.local_world_size
 
 
 def _staged(grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
