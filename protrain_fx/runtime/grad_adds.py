@@ -36,9 +36,9 @@ from protrain_fx.runtime.pinned import host_empty
 __all__ = ["STAGING_BUFFERS", "PendingAdds"]
 
 #: Staging buffers of accumulated landings: one takes the next chunk's copy from the device while
-#: the worker adds the other's; a third would only let the copies run further ahead of the adds,
-#: which keep pace (a chunk's add moves its bytes three times through the CPU's memory, its copy
-#: once over the slower link). Bounds the host memory to two chunks of the compute dtype.
+#: the worker adds the other's (double buffering). More help only while the worker's adds fall
+#: behind the landings, which ``PendingAdds.staging_wait_s`` shows. Bounds the host memory they
+#: take to two chunks of the compute dtype.
 STAGING_BUFFERS = 2
 
 Runner = Callable[[Callable[[], None]], "Future[None]"]
