@@ -147,7 +147,7 @@ class PendingAdds:
         future: Future[None] = Future()
         try:
             job()
-        except BaseException as error:  # raised where the chunk's adds are waited for, as from the worker
+        except Exception as error:  # noqa: BLE001 -- raised where the chunk's adds are waited for, as from the worker
             future.set_exception(error)
         else:
             future.set_result(None)

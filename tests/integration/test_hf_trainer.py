@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from protrain_fx.integrations.trainer import ProTrainTrainer  # noqa: E402
-from protrain_fx.planner.problem import problem_from_record  # noqa: E402
-from protrain_fx.search.problem import MachineProfile  # noqa: E402
+from protrain_fx.planner.problem import problem_from_record
+from protrain_fx.search.problem import MachineProfile
 
 pytestmark = pytest.mark.slow  # a few seconds a Trainer run on CPU
 

@@ -281,10 +281,10 @@ def test_a_plan_needing_more_buffers_than_the_offload_has_is_refused_before_runn
 
 
 @pytest.mark.parametrize("settings", [
-    dict(n_persist=1, n_buffer=2, n_lean=0),
-    dict(n_persist=0, n_buffer=3, n_lean=4, grad_pool=1),  # lean chunks hold landing buffers across micro-batches
-    dict(n_persist=3, n_buffer=2, n_lean="all", grad_clipping=True, clip=0.05),  # clipped: the norm reads the sums
-    dict(n_persist=2, n_buffer=4, n_lean=2, clip=100.0),  # clipping learned at the first step; never clips
+    {"n_persist": 1, "n_buffer": 2, "n_lean": 0},
+    {"n_persist": 0, "n_buffer": 3, "n_lean": 4, "grad_pool": 1},  # lean: landing buffers held across micro-batches
+    {"n_persist": 3, "n_buffer": 2, "n_lean": "all", "grad_clipping": True, "clip": 0.05},  # the norm reads the sums
+    {"n_persist": 2, "n_buffer": 4, "n_lean": 2, "clip": 100.0},  # clipping learned at the first step; never clips
 ], ids=["working", "lean", "all-lean-clipped", "clip-learned"])
 def test_gradient_accumulation_equals_the_summed_gradients(settings, monkeypatch):
     # k = 2 then 3 micro-batches: every landing after a chunk's first in a step is an add, staged and
