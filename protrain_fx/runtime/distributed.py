@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 T = TypeVar("T")
 
@@ -75,7 +76,8 @@ def gather(value: T) -> list[T]:
     if group is None:
         return [value]
     values: list[Any] = [None] * group.world_size
-    dist.all_gather_object(values, value)
+    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
+        dist.all_gather_object(values, value)
     return values
 
 
@@ -113,7 +115,8 @@ def from_rank0(value: T) -> T:
     if active() is None:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    with unset_fake_temporarily():  # as in gather: the pickled bytes must be real tensors
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
