@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import hint_int
+from torch.fx.experimental.symbolic_shapes import size_hint
 
 #: Block label of nodes not inside any repeated layer (embeddings, head, loss, optimizer glue);
 #: the chunk layout uses the same label for parameters outside blocks.
@@ -56,7 +56,7 @@ def tag_inserted(node: fx.Node, source: fx.Node, phase: str, made_by: str) -> No
 
 def concrete(n: Any) -> int:
     """An int from an int or a SymInt (its hint: the size seen when the graph was traced)."""
-    return n if isinstance(n, int) else hint_int(n)
+    return n if isinstance(n, int) else size_hint(n)
 
 
 def storage_nbytes(t: torch.Tensor) -> int:

@@ -20,7 +20,9 @@ What it changes in the Trainer, and why:
   (``optim="adamw_torch"`` or ``"adamw_torch_fused"``) can be stepped by the CPU chunk optimizer.
 - Gradient accumulation: the backward of each micro-batch that is not followed by an optimizer
   step runs inside ``handle.accumulate()``, so the offloaded chunks add their gradients up instead
-  of stepping.
+  of stepping; and ``gradient_accumulation_steps`` above 1 becomes the backend option
+  ``accumulation_steps``, so the plan is chosen for the accumulated step (k micro-batches, one
+  optimizer step), not for a step per micro-batch.
 - Gradient clipping (``max_grad_norm > 0``): ``torch.nn.utils.clip_grad_norm_`` over the model's
   parameters, which the offload handle intercepts and computes over every chunk (accelerate's own
   clipping reads ``p.grad`` directly, which an offloaded parameter never has). Without clipping
@@ -91,7 +93,7 @@ class ProTrainTrainer(transformers.Trainer):
                 "ProTrainTrainer: leave TrainingArguments(torch_compile=...) off: the trainer compiles the training "
                 "forward itself with backend='protrain' (give the backend's options as protrain_options)"
             )
-        self.protrain_options = dict(protrain_options or {})
+        self.protrain_options = _with_accumulation(dict(protrain_options or {}), self.args.gradient_accumulation_steps)
         self._offload_kwargs: dict[str, Any] | None = (
             dict(offload) if isinstance(offload, Mapping) else {} if offload else None
         )
@@ -264,6 +266,22 @@ def _without_tied_copies(model: nn.Module, state: dict[str, torch.Tensor]) -> di
             seen.add(id(p))
         out[name] = value
     return out
+
+
+def _with_accumulation(options: dict[str, Any], steps: int) -> dict[str, Any]:
+    """The backend's ``options`` with ``accumulation_steps`` = the Trainer's ``gradient_accumulation_steps``
+    (when above 1); a different count given in the options is refused (the plan would be priced
+    for a step the Trainer does not take)."""
+    given = options.get("accumulation_steps")
+    if steps > 1 and given is None:
+        options["accumulation_steps"] = steps
+    elif given is not None and given != steps:
+        raise ValueError(
+            f"ProTrainTrainer: protrain_options={{'accumulation_steps': {given!r}}} but TrainingArguments("
+            f"gradient_accumulation_steps={steps}); leave accumulation_steps out of protrain_options (the trainer "
+            "passes gradient_accumulation_steps)"
+        )
+    return options
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -15,7 +15,9 @@ in a pool of ``grad_pool`` compute-dtype buffers given back by the chunk's optim
 (:meth:`ChunkStore.finish_step`). Tied parameters are stored once; frozen ones refuse gradients.
 The store lives as long as its offload handle. On CUDA, gradients arrive on a side stream with an
 event (:meth:`ChunkStore.wait_grad`), and device reads of a buffer are noted
-(:meth:`ChunkStore.note_host_read`) so that no host write overtakes a copy in flight.
+(:meth:`ChunkStore.note_host_read`) so that no host write overtakes a copy in flight. A gradient
+added to one the chunk holds (micro-batches) is staged and added on the CPU optimizer's worker
+thread (``runtime/grad_adds.py``); :meth:`ChunkStore.wait_grad` waits for those adds too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from protrain_fx.runtime.host_memory import (
     check_host_memory,
     planned_store_bytes,
 )
+from protrain_fx.runtime.grad_adds import PendingAdds
 from protrain_fx.runtime.pinned import host_empty
 from protrain_fx.runtime.slots import ParamSlot, _layout_itemsize, _pieces, _slot_view, _slots, piece_of
 
@@ -137,6 +140,8 @@ class ChunkStore:
         self._free_landing: list[torch.Tensor] = []
         self._landing_made = 0
         self._landing_lock = threading.Lock()
+        #: Accumulated landings, added off the landing thread (its ``run``: the optimizer's worker).
+        self.adds = PendingAdds(len(layout.chunks), self.chunk_numel, self.compute_dtype, self.pinned)
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -171,7 +176,8 @@ class ChunkStore:
             raise KeyError(f"no parameter named {name!r} in the chunk store") from None
 
     def host_bytes(self) -> int:
-        """Bytes of host memory the store holds (chunk padding and the scratch included)."""
+        """Bytes of host memory the store holds (chunk padding, the scratch and the landing and
+        staging buffers made so far included)."""
         return self._chunk_bytes() + self._fixed_bytes()
 
     def bytes_per_param(self) -> float:
@@ -184,10 +190,10 @@ class ChunkStore:
         return sum(b.numel() * b.element_size() for b in buffers)
 
     def _fixed_bytes(self) -> int:
-        """The scratch and the landing buffers made so far."""
+        """The scratch, and the landing and staging buffers made so far."""
         itemsize = self.compute_dtype.itemsize
         scratch = 0 if self._scratch is None else self._scratch.numel() * 4
-        return scratch + self._landing_made * self.chunk_numel * itemsize
+        return scratch + self._landing_made * self.chunk_numel * itemsize + self.adds.staging_bytes
 
     def _planned_bytes(self, lean: frozenset[int] | None = None, grad_pool: int | None = None) -> int:
         """What ``host_bytes`` will be, computed before allocating anything, with the pool's
@@ -372,8 +378,8 @@ class ChunkStore:
         """Land a chunk's whole flat gradient (what a chunk's backward produces, any device).
 
         ``accumulate=True`` adds it to the gradient the chunk already holds (micro-batches of one
-        step); with no gradient yet, or ``accumulate=False``, it is written as is. Every trainable
-        parameter of the chunk then counts as having a gradient.
+        step; queued, see :attr:`adds`); with no gradient yet, or ``accumulate=False``, it is
+        written as is. Every trainable parameter of the chunk then counts as having a gradient.
         """
         slots = self._chunk_slots[chunk_id]
         trainable = {s for s in slots if s.trainable}
@@ -393,20 +399,31 @@ class ChunkStore:
             self._before_host_write(chunk_id)
             for s in trainable - held:
                 _slot_view(target, s).zero_()
-        self._land(chunk_id, target, flat, add=add)
+            self._land_adds(chunk_id, [target], [flat.reshape(target.shape)])
+        else:
+            self._land(chunk_id, target, flat)
         held.update(trainable)
 
     def write_grads(
         self, grads: Mapping[str, torch.Tensor], *, accumulate: bool = False
     ) -> list[int]:
         """Land gradients by parameter name (e.g. eager autograd's ``p.grad``); returns the chunks
-        touched, in layout order. ``accumulate`` as in :meth:`write_grad`, per parameter."""
+        touched, in layout order. ``accumulate`` as in :meth:`write_grad`, per parameter: a chunk's
+        adds are one job (:attr:`adds`)."""
         by_slot = self.grads_by_slot(grads)
+        adds: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for s, grad in by_slot.items():
             held = self._grad_slots[s.chunk]
             target = _slot_view(self._grad_target(s.chunk), s)
-            self._land(s.chunk, target, grad, add=accumulate and s in held)
+            if accumulate and s in held:
+                dsts, srcs = adds.setdefault(s.chunk, ([], []))
+                dsts.append(target)
+                srcs.append(grad.reshape(target.shape))
+            else:
+                self._land(s.chunk, target, grad)
             held.add(s)
+        for chunk_id, (dsts, srcs) in adds.items():
+            self._land_adds(chunk_id, dsts, srcs)
         return sorted({s.chunk for s in by_slot})
 
     def grads_by_slot(self, grads: Mapping[str, torch.Tensor]) -> dict[ParamSlot, torch.Tensor]:
@@ -431,7 +448,8 @@ class ChunkStore:
         return by_slot
 
     def wait_grad(self, chunk_id: int) -> None:
-        """Block until the chunk's gradient copies (from a GPU) have arrived."""
+        """Block until the chunk's gradient copies (from a GPU) have arrived and its queued adds are done."""
+        self.adds.wait(chunk_id)
         _synchronize(self._grad_events[chunk_id])
         self._grad_events[chunk_id] = None
 
@@ -472,22 +490,12 @@ class ChunkStore:
         self._grad_slots[chunk_id].clear()
         self._versions[chunk_id] += 1
 
-    def _land(
-        self, chunk_id: int, dst: torch.Tensor, src: torch.Tensor, *, add: bool
-    ) -> None:
-        """Copy (or add) ``src`` into host ``dst``; from a GPU asynchronously, on a side stream."""
+    def _land(self, chunk_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into host ``dst``; from a GPU asynchronously, on a side stream."""
         src = src.detach().reshape(dst.shape)
         if src.device.type != "cuda":
             self._before_host_write(chunk_id)
-            if add:
-                dst.add_(src)
-            else:
-                dst.copy_(src)
-            return
-        if add:  # rare (micro-batches) and needs the old value on the host: synchronous
-            self.wait_grad(chunk_id)
-            self._before_host_write(chunk_id)
-            dst.add_(src.to("cpu"))
+            dst.copy_(src)
             return
         stream = self._d2h_stream(src.device)
         stream.wait_stream(
@@ -505,6 +513,14 @@ class ChunkStore:
         event = torch.cuda.Event()
         event.record(stream)
         self._grad_events[chunk_id] = event
+
+    def _land_adds(self, chunk_id: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """Queue ``dst += src`` into the chunk's host gradient (:attr:`adds`), after every write
+        into it still in flight: a landing's copy, a fetch reading it, a device step writing it."""
+        after = (self._grad_events[chunk_id], self._read_events[chunk_id], self._write_events[chunk_id])
+        device = srcs[0].device
+        stream = self._d2h_stream(device) if device.type == "cuda" else None
+        self.adds.add(chunk_id, dsts, srcs, after, stream)
 
     def _d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._d2h_streams:

@@ -333,6 +333,12 @@ class OptimizerWorker:
         args = () if self._prepare is None else (self._prepare(chunk_id),)
         self._pending[chunk_id] = self._executor.submit(self._step, chunk_id, *args, **kwargs)
 
+    def run(self, job: Callable[[], None]) -> Future[None]:
+        """Queue ``job()`` on the worker's thread, after the steps queued so far and before those
+        queued later (the store's accumulated adds: ``runtime/grad_adds.py``). Its failure is its
+        future's, for whoever waits on it."""
+        return self._executor.submit(job)
+
     def pending(self, chunk_id: int) -> bool:
         """Whether the chunk's step is queued or running."""
         future = self._pending.get(chunk_id)

@@ -76,7 +76,7 @@ def gather(value: T) -> list[T]:
     if group is None:
         return [value]
     values: list[Any] = [None] * group.world_size
-    with unset_fake_temporarily():  # the planner calls from inside a compile's fake mode: the exchange is real
+    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
         dist.all_gather_object(values, value)
     return values
 
@@ -115,7 +115,7 @@ def from_rank0(value: T) -> T:
     if active() is None:
         return value
     box = [value]
-    with unset_fake_temporarily():  # as in gather: a receiving rank reads the sizes it got
+    with unset_fake_temporarily():  # as in gather: the pickled bytes must be real tensors
         dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -299,6 +299,8 @@ class OffloadHandle(Checkpoints):
         self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
         self.worker = OptimizerWorker(self.adam.step_chunk, self.adam.hyper) if self.adam else None
+        if self.worker is not None:  # accumulated gradients are added there, in order with the steps
+            self.store.adds.run = self.worker.run
         self.device_adam = DeviceAdamW(self.adam, self.device) if self.adam and n_gpu_optim else None
         self.pool = (
             ChunkBufferPool(self.store, n_buffer, self.device, wait_host=self.worker.wait) if self.store else None
@@ -489,10 +491,12 @@ class OffloadHandle(Checkpoints):
             self._accumulating = previous
 
     def synchronize(self) -> None:
-        """Wait for every queued optimizer step of an offloaded chunk (raises a failure of the worker)."""
+        """Wait for every queued optimizer step and gradient add of an offloaded chunk (raises a
+        failure of the worker)."""
         if self.worker is not None:
             self.worker.wait_all()
         if self.store is not None:
+            self.store.adds.wait_all()
             self.store.wait_writes()
 
     def _before_step(self) -> None:

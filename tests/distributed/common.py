@@ -34,6 +34,17 @@ def models(frozen: str | None = None):
     return model, reference, adamw(model), adamw(reference)
 
 
+def forward_backward(compiled, handle, step: int, rank: int, micro: int) -> torch.Tensor:
+    """This rank's ``micro`` micro-batches of ``step`` through ``compiled``, all but the last inside
+    ``handle.accumulate()``; the last micro-batch's loss."""
+    for m in range(micro - 1):
+        with handle.accumulate():
+            compiled(*batch(step, rank, m)).backward()
+    loss = compiled(*batch(step, rank, micro - 1))
+    loss.backward()
+    return loss
+
+
 def reference_step(reference, ref_opt, step: int, world: int, *, micro: int = 1, clip: float | None = None,
                    reduce_each_micro: bool = False):
     """One eager step on the global batch: each rank's gradient (its micro-batches summed), then

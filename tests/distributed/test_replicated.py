@@ -85,13 +85,7 @@ def _train_replicated(rank: int, world: int, micro: int) -> dict:
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref_opt)]
     same_losses = []
     for step in range(3):
-        for m in range(micro):
-            if m < micro - 1:
-                with handle.accumulate():
-                    compiled(*common.batch(step, rank, m)).backward()
-            else:
-                loss = compiled(*common.batch(step, rank, m))
-                loss.backward()
+        loss = common.forward_backward(compiled, handle, step, rank, micro)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step(), opt.zero_grad()
         ref_losses = common.reference_step(reference, ref_opt, step, world, micro=micro, clip=0.05)

@@ -30,13 +30,7 @@ def _train(rank: int, world: int, n_persist: int, n_buffer: int, n_gpu_optim: in
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref_opt)]
     losses = []
     for step in range(3):
-        for m in range(micro):
-            if m < micro - 1:
-                with handle.accumulate():
-                    compiled(*common.batch(step, rank, m)).backward()
-            else:
-                loss = compiled(*common.batch(step, rank, m))
-                loss.backward()
+        loss = common.forward_backward(compiled, handle, step, rank, micro)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step(), opt.zero_grad()

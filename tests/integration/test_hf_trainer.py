@@ -16,6 +16,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from protrain_fx.integrations.trainer import ProTrainTrainer  # noqa: E402
+from protrain_fx.planner.problem import problem_from_record
+from protrain_fx.search.problem import MachineProfile
 
 pytestmark = pytest.mark.slow  # a few seconds a Trainer run on CPU
 
@@ -27,6 +29,9 @@ SEQ = 16
 #: first stays on the "device", the others live in the host store and stream through 2 buffers.
 OFFLOAD = dict(n_persist=1, n_buffer=2, chunk_bytes=8 * 1024)
 OPTIONS = {"codegen": "eager"}
+#: Any machine: the test reads what the search problem of a captured graph says of accumulation.
+MACHINE = MachineProfile(h2d_bytes_per_s=20e9, d2h_bytes_per_s=20e9, duplex_bytes_per_s=30e9,
+                         cpu_adam_params_per_s=1e9, gpu_adam_params_per_s=50e9, gpu_bytes=80 * 2**30)
 
 
 class _Data(torch.utils.data.Dataset):
@@ -129,7 +134,13 @@ def test_trainer_trains_like_the_plain_trainer(tmp_path, caplog, offload, steps)
     # The model the Trainer holds is the plain module (its signature drove the column removal); the
     # compiled one ran the training forward: its graphs were captured.
     assert trainer.model is trainer.compiled_model()._orig_mod
-    assert any(g.backward is not None for g in protrain_fx.captured_graphs())
+    training = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
+    assert training
+    # The plan is chosen for the Trainer's accumulated step: gradient_accumulation_steps reached the
+    # backend as accumulation_steps, and the search problem of the training graph prices it.
+    k = extra.get("gradient_accumulation_steps", 1)
+    assert all(g.config.accumulation_steps == k for g in training)
+    assert problem_from_record(training[0], MACHINE).accumulation == k
     # The plan was logged once, after the first step.
     plans = [r for r in caplog.records if "plan after the first training step" in r.getMessage()]
     assert len(plans) == 1 and trainer.plan_report is not None
@@ -194,3 +205,14 @@ def test_offload_refuses_an_optimizer_the_cpu_worker_cannot_step(tmp_path):
         trainer.create_optimizer()
     with pytest.raises(ValueError, match="offload must be"):
         ProTrainTrainer(model=_model(), args=_args(tmp_path), offload="yes")
+
+
+def test_an_accumulation_count_other_than_the_trainers_is_refused(tmp_path):
+    # The trainer passes gradient_accumulation_steps; a different count in the options would price
+    # the plan for a step the Trainer does not take. The same count is accepted.
+    same = ProTrainTrainer(model=_model(), args=_args(tmp_path, gradient_accumulation_steps=2),
+                           protrain_options={"accumulation_steps": 2})
+    assert same.protrain_options["accumulation_steps"] == 2
+    with pytest.raises(ValueError, match="leave accumulation_steps out of protrain_options"):
+        ProTrainTrainer(model=_model(), args=_args(tmp_path, gradient_accumulation_steps=2),
+                        protrain_options={"accumulation_steps": 4})

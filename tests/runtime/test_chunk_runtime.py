@@ -432,6 +432,63 @@ def test_accumulate_adds_and_without_a_gradient_writes():
     assert torch.equal(store.grad_fp32(0), b)
 
 
+def test_accumulated_adds_run_on_the_worker_from_two_staging_buffers_and_are_waited_for(monkeypatch):
+    # Three one-parameter chunks; the worker's adds are held back until released. Two adds fill the
+    # two staging buffers; the third landing waits for one, and nothing is added in this thread.
+    # The sources are copied at landing (the graph may reuse their memory): overwriting them after
+    # does not change the sums, which wait_grad (here through grad_fp32) waits for.
+    from protrain_fx.runtime import grad_adds
+
+    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
+    store = ChunkStore(_layout(model, 64), _named(model), pin_memory=False)
+    assert store.num_chunks == 3
+    release, threads, add = threading.Event(), [], grad_adds._add
+
+    def held_back(dsts, srcs):
+        release.wait(timeout=10)
+        threads.append(threading.get_ident())
+        add(dsts, srcs)
+
+    monkeypatch.setattr(grad_adds, "_add", held_back)
+    first, second = torch.randn(3, 16), torch.randn(3, 16)
+    expected = first + second
+    with OptimizerWorker(lambda chunk_id: None) as worker:
+        store.adds.run = worker.run
+        for c in range(3):
+            store.write_grad(c, first[c].clone(), accumulate=True)  # nothing held: written here
+        for c in range(2):
+            store.write_grad(c, second[c], accumulate=True)
+        assert store.adds.pending(0) and store.adds.pending(1) and store.adds.staging_wait_s == 0
+        threading.Timer(0.05, release.set).start()
+        store.write_grad(2, second[2], accumulate=True)  # both staging buffers busy: waits for an add
+        assert store.adds.staging_wait_s > 0
+        second.fill_(float("nan"))
+        for c in range(3):
+            assert torch.equal(store.grad_fp32(c), expected[c]), c
+    assert store.adds.queued == len(threads) == 3 and threading.get_ident() not in threads
+    assert store.adds.staging_bytes == grad_adds.STAGING_BUFFERS * 16 * 4
+    assert store.host_bytes() == 3 * 16 * 16 + store.adds.staging_bytes
+
+
+def test_a_failed_accumulated_add_is_raised_where_the_gradient_is_waited_for(monkeypatch):
+    from protrain_fx.runtime import grad_adds
+
+    def broken(dsts, srcs):
+        raise RuntimeError("no add")
+
+    monkeypatch.setattr(grad_adds, "_add", broken)
+    model = nn.Linear(4, 4, bias=False)
+    store = ChunkStore(_layout(model, 64), _named(model), pin_memory=False)
+    with OptimizerWorker(lambda chunk_id: None) as worker:
+        store.adds.run = worker.run
+        store.write_grad(0, torch.randn(16), accumulate=True)
+        store.write_grad(0, torch.randn(16), accumulate=True)  # queued: this thread goes on
+        with pytest.raises(RuntimeError, match="no add") as failure:
+            store.wait_grad(0)
+        assert "adding an accumulated gradient into chunk 0" in str(failure.value.__notes__)
+        store.wait_grad(0)  # raised once
+
+
 def test_worker_steps_in_the_background_and_surfaces_errors():
     stepped, release = [], threading.Event()
 

@@ -26,7 +26,7 @@ def _batch(step: int):
 
 
 def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str | None = None, plan=None,
-           n_gpu_optim: int = 0, n_lean: int | str = "auto", grad_pool: int = 4):
+           n_gpu_optim: int = 0, n_lean: int | str = "auto", grad_pool: int = 4, grad_clipping: bool | None = None):
     torch.manual_seed(0)
     model = GPT(CONFIG)
     if frozen:
@@ -35,7 +35,8 @@ def _setup(n_persist: int, n_buffer: int, *, codegen: str = "eager", frozen: str
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, fused=True)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, fused=True)
     handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cpu", chunk_bytes=CHUNK,
-                                 n_gpu_optim=n_gpu_optim, n_lean=n_lean, grad_pool=grad_pool)
+                                 n_gpu_optim=n_gpu_optim, n_lean=n_lean, grad_pool=grad_pool,
+                                 grad_clipping=grad_clipping)
     options = {"codegen": codegen} if plan is None else {"codegen": codegen, "plan": plan}
     compiled = torch.compile(model, backend="protrain", options=options)
     return model, reference, opt, ref_opt, handle, compiled
@@ -54,17 +55,24 @@ def _train_side_by_side(compiled, reference, opt, ref_opt, steps: int, schedules
             schedule.step()
 
 
-def _train_accumulating(compiled, reference, handle, opt, ref_opt, steps: int = 2):
-    """``steps`` optimizer steps of two micro-batches each (the first under ``handle.accumulate()``)
-    against the reference's summed gradients."""
+def _train_accumulating(compiled, reference, handle, opt, ref_opt, steps: int = 2, micro: tuple[int, ...] = (),
+                        clip: float | None = None):
+    """``steps`` optimizer steps of ``micro[step]`` micro-batches each (default two; all but the last
+    under ``handle.accumulate()``) against the reference's summed gradients; with ``clip``, both
+    clip their gradients to that norm before the step, and the norms must be equal."""
     for step in range(steps):
+        k = micro[step] if micro else 2
         with handle.accumulate():
-            compiled(*_batch(10 * step)).backward()
-        compiled(*_batch(10 * step + 1)).backward()
+            for m in range(k - 1):
+                compiled(*_batch(10 * step + m)).backward()
+        compiled(*_batch(10 * step + k - 1)).backward()
+        norm = None if clip is None else torch.nn.utils.clip_grad_norm_(compiled.parameters(), clip)
         opt.step(), opt.zero_grad()
-        reference(*_batch(10 * step)).backward()
-        reference(*_batch(10 * step + 1)).backward()
+        for m in range(k):
+            reference(*_batch(10 * step + m)).backward()
+        ref_norm = None if clip is None else torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         ref_opt.step(), ref_opt.zero_grad()
+        assert clip is None or torch.equal(norm, ref_norm), step
 
 
 def _assert_resumes_in_a_plain_model(handle, model, compiled, opt, frozen: str | None = None):
@@ -272,10 +280,45 @@ def test_a_plan_needing_more_buffers_than_the_offload_has_is_refused_before_runn
     handle.close()
 
 
-def test_gradient_accumulation_equals_the_summed_gradients():
-    model, reference, opt, ref_opt, handle, compiled = _setup(1, 2)
-    _train_accumulating(compiled, reference, handle, opt, ref_opt)
+@pytest.mark.parametrize("settings", [
+    {"n_persist": 1, "n_buffer": 2, "n_lean": 0},
+    {"n_persist": 0, "n_buffer": 3, "n_lean": 4, "grad_pool": 1},  # lean: landing buffers held across micro-batches
+    {"n_persist": 3, "n_buffer": 2, "n_lean": "all", "grad_clipping": True, "clip": 0.05},  # the norm reads the sums
+    {"n_persist": 2, "n_buffer": 4, "n_lean": 2, "clip": 100.0},  # clipping learned at the first step; never clips
+], ids=["working", "lean", "all-lean-clipped", "clip-learned"])
+def test_gradient_accumulation_equals_the_summed_gradients(settings, monkeypatch):
+    # k = 2 then 3 micro-batches: every landing after a chunk's first in a step is an add, staged and
+    # added on the CPU optimizer's worker thread, never in the thread running backward. The adds are
+    # slowed down so that the step, the clip's norm and the checkpoint each find some still queued:
+    # they must wait for them (exact, bit for bit).
+    import threading
+    import time
+
+    from protrain_fx.runtime import grad_adds
+
+    settings = dict(settings)
+    clip, n_lean = settings.pop("clip", None), settings.pop("n_lean")
+    if n_lean == "all":
+        torch._dynamo.reset()
+        n_lean = len(_setup(0, 2)[4].layout.chunks) - settings["n_persist"]
+        torch._dynamo.reset()
+    model, reference, opt, ref_opt, handle, compiled = _setup(**settings, n_lean=n_lean)
+    threads, add = [], grad_adds._add
+
+    def slow_add(dsts, srcs):
+        threads.append(threading.get_ident())
+        time.sleep(0.002)
+        add(dsts, srcs)
+
+    monkeypatch.setattr(grad_adds, "_add", slow_add)
+    _train_accumulating(compiled, reference, handle, opt, ref_opt, micro=(2, 3), clip=clip)
     _assert_same_params(handle, model, reference)
+    store = handle.store
+    trainable = store.num_chunks  # (every offloaded chunk holds a trainable parameter)
+    assert store.adds.queued == len(threads) == (1 + 2) * trainable  # k - 1 adds per chunk and step
+    assert threading.get_ident() not in threads and len(set(threads)) == 1  # the worker's thread
+    assert store.adds.staging_bytes == grad_adds.STAGING_BUFFERS * store.chunk_numel * 4  # the pool, reused
+    handle.close()
 
 
 def test_frozen_parameters_stay_and_train_nothing():
