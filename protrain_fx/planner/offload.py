@@ -82,12 +82,13 @@ from protrain_fx.planner.verify import (
     widened,
 )
 from protrain_fx.profile.cache import training_rates
+from protrain_fx.profile.collectives import collective_times
 from protrain_fx.profile.machine_profile import (
     chunk_adam_rate,
     device_step_rate,
     measure_machine,
 )
-from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime import chunk_ops, distributed
 from protrain_fx.runtime.buffer_pool import FETCH_SLICE_ELEMS
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.spread import RATE_SPREAD, expected_estimate, steadiest_gpu_optim
@@ -198,9 +199,12 @@ def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) 
             "to offload(...) by hand"
         )
     # the partitioner runs under the compile's fake mode: real tensors here
+    device = torch.device(record.memory.device)
     with unset_fake_temporarily(), progress.phase("machine", "measuring the machine"):
-        machine = offload_machine(torch.device(record.memory.device), record, handle.chunk_params, chunk_parts(handle))
-    return CostModel(offload_problem(record, handle, machine))
+        machine = offload_machine(device, record, handle.chunk_params, chunk_parts(handle))
+        # data-parallel: a sharded chunk's all-gather and reduce-scatter (0 with one rank)
+        collectives = collective_times(device, handle.chunk_params, handle.compute_dtype)
+    return CostModel(offload_problem(record, handle, machine, collectives))
 
 
 def chunk_parts(handle: OffloadHandle) -> list[int]:
@@ -261,9 +265,11 @@ def offload_machine(
     )
 
 
-def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: MachineProfile) -> Problem:
+def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: MachineProfile,
+                    collective_s: tuple[float, float] = (0.0, 0.0)) -> Problem:
     """The cost model's Problem of a step analysed with every parameter on the device, with
-    ``handle``'s chunks (module docstring, step 2)."""
+    ``handle``'s chunks (module docstring, step 2); ``collective_s``: a chunk's all-gather and
+    reduce-scatter seconds where the chunks are sharded over ranks."""
     device = torch.device(record.memory.device)
     estimate_machine = machine_for(device, record.config.machine)
     param_size = torch.empty(0, dtype=handle.param_dtype).element_size()
@@ -278,20 +284,21 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
         min_swap_bytes=estimate_machine.min_swap_bytes,
         op_times=(op_times := device_op_times(record)),
         compute_scale=IN_STEP_SCALE if op_times else 1.0,
+        collective_s=collective_s,
     )
     lean = handle.lean_counts()
-    if not lean[0]:
-        return problem
-    # a lean chunk is fetched from its fp32 master (through an fp32 staging slice on CUDA when the
-    # compute dtype is narrower: runtime/buffer_pool.py)
-    numel = handle.layout.chunk_bytes // param_size
-    staged = device.type == "cuda" and handle.compute_dtype != torch.float32
-    return dataclasses.replace(
-        problem,
-        chunks=tuple(dataclasses.replace(c, lean_fetch_bytes=4 * numel) for c in problem.chunks),
-        lean_chunks=lean,
-        lean_staging_bytes=4 * min(numel, FETCH_SLICE_ELEMS) if staged else 0,
-    )
+    if lean[0]:
+        # a lean chunk is fetched from its fp32 master (through an fp32 staging slice on CUDA when the
+        # compute dtype is narrower: runtime/buffer_pool.py)
+        numel = handle.layout.chunk_bytes // param_size
+        staged = device.type == "cuda" and handle.compute_dtype != torch.float32
+        problem = dataclasses.replace(
+            problem,
+            chunks=tuple(dataclasses.replace(c, lean_fetch_bytes=4 * numel) for c in problem.chunks),
+            lean_chunks=lean,
+            lean_staging_bytes=4 * min(numel, FETCH_SLICE_ELEMS) if staged else 0,
+        )
+    return distributed.from_rank0(problem)  # data-parallel: rank 0's host memory decides for every rank
 
 
 #: A config that keeps more chunks on the device is chosen when its predicted step is at most this

@@ -24,6 +24,8 @@ that verify the plans: minutes on a large model. :func:`reuse_or_choose` wraps t
   graph than the entry kept. The first step's peak is measured as for any plan
   (``planner/first_step.py``): a miss there (or a faster plan found from the measured reserve)
   drops the entry, and the graph compiled again is planned and stored anew.
+* **Data-parallel**: the key holds the ranks (world size, ranks per node, backend); rank 0's entry
+  is every rank's, and one rank's refusal every rank's, so the ranks apply a plan, or search, alike.
 * ``PROTRAIN_PLAN_CACHE=0`` turns it off (nothing read or written). A file that cannot be read or
   parsed, or an entry that does not parse, is ignored with a warning and written over.
 
@@ -61,6 +63,7 @@ from protrain_fx.profile.cache import (
     read_json,
     write_json,
 )
+from protrain_fx.runtime import distributed
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config, Problem, block_plan
 from protrain_fx.search.spread import expected_estimate
@@ -151,7 +154,8 @@ def reuse(
 ) -> AutoPlan | None:
     """Apply the entry of ``key`` to ``record`` (module docstring, "a hit") and return its
     :class:`AutoPlan`; ``None`` when there is none or it is refused (the planner chooses then)."""
-    raw = _entries(key.path).get(key.digest)
+    # data-parallel: rank 0's file decides for every rank (each rank must search, or apply, alike)
+    raw = distributed.from_rank0(_entries(key.path).get(key.digest))
     if raw is None:
         return None
     started = time.perf_counter()
@@ -177,6 +181,7 @@ def reuse(
     elif measured > entry["reserve_bytes"]:
         refusal = (f"this process measured {measured} bytes for the code around the graph, more than the "
                    f"{entry['reserve_bytes']} the plan kept")
+    refusal = next((r for r in distributed.gather(refusal) if r), "")  # one rank's refusal is every rank's
     if refusal:
         log.warning("protrain_fx: graph %d: the plan cache's plan (%s) is not used: %s; the plan is chosen again",
                     record.index, key.path, refusal)
@@ -347,13 +352,16 @@ def _parse(raw: Any) -> dict[str, Any]:
 
 def _offload_key(handle: OffloadHandle) -> dict[str, Any]:
     layout = handle.layout
-    return {
+    key = {
         "chunk_bytes": layout.chunk_bytes,
         "chunks": [[c.used_bytes, len(c.slots)] for c in layout.chunks],
         "param_dtype": str(handle.param_dtype),
         "compute_dtype": str(handle.compute_dtype),
         "device": str(handle.device),
     }
+    if handle.group is not None:  # data-parallel: the plan rests on the ranks' shards and collectives
+        key["ranks"] = [handle.group.world_size, handle.group.local_world_size, handle.group.backend]
+    return key
 
 
 def _tensors_of(gm: fx.GraphModule) -> list[torch.Tensor]:

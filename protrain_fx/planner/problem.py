@@ -46,6 +46,7 @@ def problem_from_record(
     persistent_param_bytes: int = 0,
     op_times: Mapping[str, float] | None = None,
     compute_scale: float = 1.0,
+    collective_s: tuple[float, float] = (0.0, 0.0),
 ) -> problem.Problem:
     """The search's :class:`~protrain_fx.search.problem.Problem` for a captured training step.
 
@@ -62,9 +63,14 @@ def problem_from_record(
     working copy is the master), else 4; ``adam_state_bytes_per_param`` is 4 bytes per state the
     optimizer keeps; ``device_step_bytes`` is the device staging of chunks stepped on the GPU;
     ``accumulation`` is the option ``accumulation_steps`` (micro-batches per optimizer step).
+
+    Data-parallel: ``world_size`` is the default process group's (``runtime/distributed.current``)
+    and ``collective_s`` the all-gather and reduce-scatter seconds of one chunk measured on it
+    (``profile/collectives.collective_times``; ignored with one rank).
     """
-    # Data-parallel: the measured inputs are rank 0's on every rank, so every rank decides alike.
-    machine, block_times, op_times = distributed.from_rank0((machine, block_times, op_times))
+    group = distributed.current()
+    world_size = group.world_size if group is not None else 1
+    all_gather_s, reduce_scatter_s = collective_s if world_size > 1 else (0.0, 0.0)
     fw_nodes, bw_nodes, labels = _step_nodes(record)
     analysis = record.memory
     device = torch.device(analysis.device)
@@ -85,7 +91,7 @@ def problem_from_record(
     )
     outside = rows.get(meta.OUTSIDE)
     out_fwd, out_bwd = times.get(meta.OUTSIDE, (0.0, 0.0))
-    return problem.Problem(
+    step = problem.Problem(
         blocks=tuple(blocks),
         chunks=tuple(chunk_profiles),
         machine=machine,
@@ -103,7 +109,14 @@ def problem_from_record(
         place_h2d_bytes_per_s=est.h2d_bytes,
         copy_margin=est.copy_margin,
         accumulation=record.config.accumulation_steps,
+        world_size=world_size,
+        chunk_all_gather_s=all_gather_s,
+        chunk_reduce_scatter_s=reduce_scatter_s,
     )
+    # Data-parallel: every rank prices rank 0's problem, so every rank decides alike: its measured
+    # inputs are rank 0's, and sums over the graph's nodes may differ in their last bits between
+    # processes (hash-ordered sets).
+    return distributed.from_rank0(step)
 
 
 def _step_nodes(record: CapturedGraph) -> tuple[list[fx.Node], list[fx.Node], list[str]]:

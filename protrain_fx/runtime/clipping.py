@@ -153,6 +153,7 @@ def clip_grad_norm(
     those parameters too; ``error_if_nonfinite=True`` raises instead, as torch does."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     _check_clip(handle, params)
+    handle.wait_reductions()  # sharded on CUDA: the held norms were taken on the reduction stream
     norm_type = float(norm_type)
     norms: list[torch.Tensor] = []
     offloaded: list[torch.Tensor] = []  # (sharded: this rank's pieces only)

@@ -119,6 +119,8 @@ class DeviceAdamW:
             if adam.optimized(s):  # rounded to the compute dtype, as the host path stores it
                 flat[s] = grad.detach().reshape(-1).to(store.compute_dtype)
         if not flat:
+            if store.shard[1] > 1:  # the chunk's other parts changed: every rank fetches it again alike
+                store.note_host_write(chunk_id, store.pending_write(chunk_id))
             return
         if self._sets is None:
             self._sets = [self._new_set() for _ in range(N_SETS)]

@@ -50,7 +50,7 @@ from protrain_fx.runtime.clipping import (
 from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
 from protrain_fx.runtime.grad_sync import GradAverager
-from protrain_fx.runtime.host_memory import HostMemoryError, auto_lean, available_host_bytes
+from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
 from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings
 from protrain_fx.runtime.shells import (
     empty_shell,
@@ -103,7 +103,7 @@ class OffloadHandle(Checkpoints):
         if not auto and self.group is None:  # data-parallel: every chunk on the device is a use of its own
             check_hand_counts(self.layout, n_persist)
         if self.group is not None and available_host_bytes is None:
-            available_host_bytes = _node_share(self.group)
+            available_host_bytes = shard.node_share(self.group)
         self.optimizer = optimizer
         self._named = named
         self._settings = {
@@ -136,6 +136,9 @@ class OffloadHandle(Checkpoints):
         self.device_adam: DeviceAdamW | None = None
         self.pool: ChunkBufferPool | None = None
         self.grad_sync: GradAverager | None = None
+        #: Data-parallel on CUDA: the stream gradients are reduce-scattered on, and its last reduction.
+        self._reduce_stream: torch.cuda.Stream | None = None
+        self._reduced: torch.cuda.Event | None = None
         self.id: int | None = None
         self._sources: dict[str, torch.Tensor] | None = None  # automatic counts: the values to build from
         #: Automatic counts: an optimizer state loaded before the chunks are placed, applied at each
@@ -282,7 +285,7 @@ class OffloadHandle(Checkpoints):
         n_lean = settings["n_lean"]
         if self._sources is not None and n_lean != "auto":  # counts chosen by the backend: at most all lean
             n_lean = min(n_lean, len(offloaded))  # as lean_counts() told the cost model
-        self.store = _store_on_every_rank(self.group, lambda: ChunkStore(
+        self.store = shard.store_on_every_rank(self.group, lambda: ChunkStore(
             host_layout,
             {n: source(n) for n in named if n in host_names},
             compute_dtype=settings["compute_dtype"],
@@ -343,8 +346,46 @@ class OffloadHandle(Checkpoints):
         self.pool.release(chunk)
 
     def land_grads(self, chunk: int, names: list[str], grads: list[torch.Tensor]) -> None:
-        if self.group is not None:  # the ranks' mean, this rank's piece of each parameter only
-            names, grads = self._reduce_scatter(chunk, names, grads)
+        if self.group is None:
+            return self._land_local(chunk, names, grads)
+        # the ranks' mean, this rank's piece of each parameter only; the whole gradient is laid out
+        # on the current stream (the graph may reuse its gradients' buffers as soon as this returns)
+        whole = shard.whole_gradient(self.store, chunk, names, grads, self.store.compute_dtype)
+        with self._reducing(whole):
+            part = shard.reduce_scatter_mean(self.store, whole)
+            local = shard.local_grads(self.store, part, names)
+            self._land_local(chunk, list(local), list(local.values()))
+
+    @contextlib.contextmanager
+    def _reducing(self, whole: torch.Tensor) -> Iterator[None]:
+        """On CUDA, the reduce-scatter of ``whole`` and what uses its result (the copy to the host, a
+        device step, the clip's norms) are issued on the handle's reduction stream, after the
+        gradient's making on the current stream, so compute goes on beside the collective (as a
+        fetch's all-gather runs on the pool's copy stream); ``whole`` stays allocated until the
+        stream is past the collective (``record_stream``), and :meth:`wait_reductions` orders a
+        later reader. Elsewhere (gloo on CPU) everything runs where it is called."""
+        if self.device.type != "cuda":
+            yield
+            return
+        if self._reduce_stream is None:
+            self._reduce_stream = torch.cuda.Stream(self.device)
+        stream = self._reduce_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradient is made there
+        whole.record_stream(stream)
+        with torch.cuda.stream(stream):
+            yield
+        self._reduced = torch.cuda.Event()
+        self._reduced.record(stream)
+
+    def wait_reductions(self) -> None:
+        """The current stream waits for the gradient reductions issued so far (a reader of their
+        results on another stream: the clip's norms)."""
+        if self._reduced is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._reduced)
+
+    def _land_local(self, chunk: int, names: list[str], grads: list[torch.Tensor]) -> None:
+        """Land this rank's gradients of ``chunk`` (the whole chunk's with one rank): held, stepped on
+        the CPU worker or streamed through the device."""
         landed = self._landed.setdefault(chunk, set())
         if chunk in self._submitted:
             raise UnsupportedError(self._second_landing(chunk, landed, names))
@@ -372,15 +413,6 @@ class OffloadHandle(Checkpoints):
             self._pending.add(chunk)
         else:
             self._submit(chunk)
-
-    def _reduce_scatter(self, chunk: int, names: list[str], grads: list[torch.Tensor]
-                        ) -> tuple[list[str], list[torch.Tensor]]:
-        """The chunk's gradients as one whole flat chunk, reduced over the ranks (their mean), and
-        this rank's part of it as views per parameter piece held here (``runtime/shard.py``)."""
-        whole = shard.whole_gradient(self.store, chunk, names, grads, self.store.compute_dtype)
-        part = shard.reduce_scatter_mean(self.store, whole)
-        local = shard.local_grads(self.store, part, names)
-        return list(local), list(local.values())
 
     def _release_early(self) -> None:
         """The first step, learning whether the loop clips, cannot hold every chunk's gradient: a lean
@@ -624,26 +656,6 @@ def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None,
 #: slices of a parameter (``cpu_adam.SLICE_ALIGN``) then start on its grid wherever a shard
 #: boundary cuts a parameter placed on that grid.
 SHARD_ALIGN = 64
-
-
-def _store_on_every_rank(group: distributed.Group | None, make: Callable[[], ChunkStore]) -> ChunkStore:
-    """``make()``; data-parallel, a host too small on any rank refuses on every rank (each store
-    is checked against its rank's share of the node's memory)."""
-    if group is None:
-        return make()
-    store, problem = None, None
-    try:
-        store = make()
-    except HostMemoryError as error:
-        problem = f"{error} (the node's {group.local_world_size} ranks share its host memory)"
-    distributed.raise_together(problem, HostMemoryError)
-    return store
-
-
-def _node_share(group: distributed.Group) -> int | None:
-    """The host memory one rank's chunk store may take: what the node has free, shared by its ranks."""
-    free = available_host_bytes()
-    return None if free is None else free // group.local_world_size
 
 
 def _staged(grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:

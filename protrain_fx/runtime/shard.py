@@ -10,6 +10,9 @@ group, issued by the graph ops in graph order, so every rank issues the same one
 * a gradient landing (``OffloadHandle.land_grads``): the chunk's gradients laid out as the whole
   flat chunk, :func:`reduce_scatter_mean` (the sum over ranks, then the division by their number,
   so two ranks give exactly ``(g0 + g1) / 2``), and the rank's part to its store;
+* the host memory: each rank's store is checked against its share of the node's
+  (:func:`node_share`), and a refusal on one rank is every rank's, naming the node's totals
+  (:func:`store_on_every_rank`);
 * checkpoints: :func:`gather_params` and :func:`gather_optimizer_state` give whole tensors on every
   rank (every rank must call them); loading slices a whole state dict (``slots.piece_of``).
 
@@ -19,13 +22,15 @@ package requires, for gloo (the CPU tests use them as they are).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from protrain_fx.runtime import distributed
 from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot
+from protrain_fx.runtime.host_memory import HostMemoryError, available_host_bytes
 
 
 def local_part(store: ChunkStore, whole: torch.Tensor) -> torch.Tensor:
@@ -127,3 +132,33 @@ def _all_objects(value: Any) -> list[Any]:
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
+
+
+def store_on_every_rank(group: distributed.Group | None, make: Callable[[], ChunkStore]) -> ChunkStore:
+    """``make()``; data-parallel, a host too small on any rank refuses on every rank, naming what
+    the stores of the node's ranks need together and what is available to them (each store is
+    checked against its rank's share of the node's memory; the ranks' stores are alike)."""
+    if group is None:
+        return make()
+    store, problem = None, None
+    try:
+        store = make()
+    except HostMemoryError as error:
+        problem = (error.needed_bytes, error.available_bytes, str(error))
+    problems = [(i, p) for i, p in enumerate(distributed.gather(problem)) if p is not None]
+    if problems:
+        rank, (needed, available, why) = problems[0]
+        n = group.local_world_size
+        raise HostMemoryError(
+            f"protrain_fx: the host memory of a node cannot hold the chunk stores of its {n} ranks: together they "
+            f"need {n * needed} bytes ({n * needed / 2**30:.2f} GiB) and {n * available} bytes "
+            f"({n * available / 2**30:.2f} GiB) are available to them; run fewer ranks a node (torchrun "
+            f"--nproc_per_node) or see below (ranks {[i for i, _ in problems]} refused; rank {rank}: {why})",
+            n * needed, n * available)
+    return store
+
+
+def node_share(group: distributed.Group) -> int | None:
+    """The host memory one rank's chunk store may take: what the node has free, shared by its ranks."""
+    free = available_host_bytes()
+    return None if free is None else free // group.local_world_size

@@ -10,15 +10,12 @@ The hot loops write ``x if x > y else y`` rather than ``max``: about twice as fa
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import math
-from protrain_fx.plan import _segment_starts
+
+from protrain_fx.search.memory import _CKPT, MemoryModel
 from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT, Config, Estimate, Problem
 from protrain_fx.search.tables import _PerBuffer, _PerPersist, link_sharing_keys
-
-_NONE, _CKPT, _SWAP = 0, 1, 2
-_Forward = tuple[list[float], list[float], list[float], float, float, float]
+_Forward = tuple[list[float], list[float], list[float], float, float, float, float]
 
 
 def estimate(problem: Problem, config: Config) -> Estimate:
@@ -26,7 +23,7 @@ def estimate(problem: Problem, config: Config) -> Estimate:
     return CostModel(problem).estimate(config)
 
 
-class CostModel:
+class CostModel(MemoryModel):
     """:func:`estimate` with the per-problem precomputation kept (the search calls it many times)."""
 
     def __init__(self, problem: Problem) -> None:
@@ -73,7 +70,7 @@ class CostModel:
         self.run_first = [r[0] for r in runs]
         self.run_chunk = [r[1] for r in runs]
         self.run_last = [r[2] for r in runs]
-        self.run_bytes = [self.problem.chunks[c].bytes for c in self.run_chunk]
+        self.run_bytes = [self.problem.shard_bytes(self.problem.chunks[c].bytes) for c in self.run_chunk]  # a rank's part
         R = len(runs)
         self.step_runs = [[r for r in range(R) if self.run_first[r] <= j <= self.run_last[r]] for j in range(N + 1)]
         self.adam_run = {}
@@ -85,11 +82,13 @@ class CostModel:
         out; a chunk timed in training (:attr:`Problem.device_step_s`) takes its own seconds, its
         copies in scaled alike."""
         m = p.machine
-        self.adam_s = [c.n_params / m.cpu_adam_params_per_s for c in p.chunks]
+        n = p.world_size  # data-parallel: a rank steps its 1/N of each offloaded chunk
+        self.adam_s = [c.n_params / n / m.cpu_adam_params_per_s for c in p.chunks]
         self.gpu_adam_s = [c.n_params / m.gpu_adam_params_per_s for c in p.chunks]
         # device steps: fp32 master and moments in; the same and the working copy out (shared rates)
-        self.dev_in_bytes = [c.n_params * (4 + p.adam_state_bytes_per_param) for c in p.chunks]
-        self.dev_out_bytes = [x + c.bytes for x, c in zip(self.dev_in_bytes, p.chunks)]
+        self.dev_in_bytes = [p.shard_bytes(c.n_params * (4 + p.adam_state_bytes_per_param)) for c in p.chunks]
+        self.dev_out_bytes = [x + p.shard_bytes(c.bytes) for x, c in zip(self.dev_in_bytes, p.chunks)]
+        self.ag_s, self.rs_s = p.chunk_all_gather_s, p.chunk_reduce_scatter_s  # the collective lane
         self._lean = p.lean_chunks or (0,) * (len(p.chunks) + 1)
         self._cpu_after = [sum(self.adam_s[k:]) for k in range(len(p.chunks) + 1)]  # CPU Adam of chunks >= k
         self._gpu_before = [sum(self.gpu_adam_s[:k]) for k in range(len(p.chunks) + 1)]  # GPU Adam of chunks < k
@@ -148,26 +147,6 @@ class CostModel:
         self._swap = swap
         self._transient = [b.transient_bytes for b in p.blocks]
 
-    def _swap_placement(self, p: Problem) -> None:
-        """Where ``passes/swap.py`` frees and reloads swapped bytes: its own timeline, each copy
-        lasting ``copy_margin`` times its bytes over the placement rate."""
-        N, blocks = self.n_blocks, p.blocks
-        place_fwd_start = [0.0] * (N + 1)  # block j's forward starts; [N]: the outside work after the blocks
-        for j in range(N):
-            place_fwd_start[j + 1] = place_fwd_start[j] + blocks[j].place_fwd_s
-        self._place_fwd_start = place_fwd_start
-        self._place_bwd = [b.place_bwd_s for b in blocks]
-        self._place_rc_scale = [b.place_fwd_s / b.fwd_s if b.fwd_s > 0 else 0.0 for b in blocks]
-        margin = p.copy_margin
-        out_rate = p.place_d2h_bytes_per_s or p.machine.d2h_bytes_per_s
-        in_rate = p.place_h2d_bytes_per_s or p.machine.h2d_bytes_per_s
-        # the parts of swapped blocks in the rewrite's queue order: (issued at, block, copy s, bytes)
-        self._swap_out = sorted((place_fwd_start[i] + t, i, x * margin / out_rate, x)
-                                for i, b in enumerate(blocks) for t, _, x in b.swap_parts if x)
-        self._swap_in = [[(u, x * margin / in_rate, x) for _, u, x in b.swap_parts if x] for b in blocks]
-        self._freed_at: dict[int, tuple[tuple[int, int, int], ...]] = {}
-        self._reloaded_at: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}
-
     def _caches(self, p: Problem, step_chunks: list[list[int]]) -> None:
         """The per-config tables' caches, the persistent chunks' bytes by count, and the fewest
         buffers per ``n_persist``."""
@@ -184,123 +163,7 @@ class CostModel:
         self._buffer_bytes = p.buffer_bytes
         self._min_buffers = [max(sum(1 for x in cs if x >= q) for cs in step_chunks) for q in range(self.n_chunks + 1)]
 
-    # ------------------------------------------------------------------ memory
-
-    def static_bytes(self, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> int:
-        """Model-state bytes resident all step: fixed + persistent chunks + chunk buffers (+ the
-        device steps' staging and gradients in flight)."""
-        device = self.device_step_bytes if n_gpu_optim else 0
-        lean = self.problem.lean_staging_bytes if self._lean[n_persist] else 0
-        return (self.problem.fixed_bytes + self._static_persist[n_persist] + n_buffer * self._buffer_bytes
-                + device + lean)
-
-    def lean_from(self, n_persist: int) -> int:
-        """The first lean chunk with ``n_persist`` persistent chunks (``n_chunks``: none is lean)."""
-        return self.n_chunks - self._lean[n_persist]
-
-    @property
-    def device_step_bytes(self) -> int:
-        """What ``n_gpu_optim > 0`` adds: staging and :data:`DEVICE_STEPS_IN_FLIGHT` gradient buffers."""
-        return self.problem.device_step_bytes + DEVICE_STEPS_IN_FLIGHT * self._buffer_bytes
-
-    def activation_peak(self, n_swap: int, n_checkpoint: int) -> int:
-        """Peak activation bytes of the per-block walk of ``docs/DESIGN.md#the-cost-model`` ("Swap
-        memory": a swapped block's bytes stay on the device until the rewrite's wait for their copy
-        out, and are back from where it issues their reload)."""
-        pol = self.policies(n_swap, n_checkpoint)
-        saved, ck, sw, tr = self._saved, self._ck, self._swap, self._transient
-        N = self.n_blocks
-        keep = [ck[i] if pol[i] == _CKPT else saved[i] - sw[i] if i < n_swap else saved[i] for i in range(N)]
-        back = self.swap_reloaded_at(n_swap, n_checkpoint)
-        out = [0] * (N + 3)  # difference array over forward steps 0..N (N: the outside work after the blocks)
-        inn = [0] * (N + 2)  # ... over backward steps 0..N (N: the outside work before the blocks)
-        for i, k, x in self.swap_freed_at(n_swap):
-            out[i + 1] += x  # on the device after block i's forward (which counts it as saved)
-            out[k] -= x  # up to the step before which its wait frees it
-        for i, m, x in back:
-            inn[i + 1] += x  # back from the step whose backward issues its reload down to block i
-            inn[m + 1] -= x
-        peak = base = flight = 0
-        for i in range(N):
-            flight += out[i]
-            x = base + flight + tr[i] + (ck[i] if pol[i] == _CKPT else saved[i])
-            if x > peak:
-                peak = x
-            base += keep[i]
-        flight += out[N]
-        x = base + flight + self.problem.outside_peak_bytes
-        if x > peak:
-            peak = x
-        back_bytes = [0] * (N + 1)
-        acc = 0
-        for k in range(N + 1):
-            acc += inn[k]
-            back_bytes[k] = acc
-        x = base + back_bytes[N] + self.problem.outside_peak_bytes  # the outside backward, reloads issued there
-        if x > peak:
-            peak = x
-        below = base
-        for i in range(N - 1, -1, -1):
-            below -= keep[i]
-            x = below + saved[i] + tr[i] + (ck[i] if pol[i] == _CKPT else 0) + back_bytes[i]
-            if x > peak:
-                peak = x
-        return peak
-
-    def swap_freed_at(self, n_swap: int) -> tuple[tuple[int, int, int], ...]:
-        """``(block, step, bytes)`` per :attr:`BlockProfile.swap_parts` part of the swapped blocks
-        (``block < n_swap``): ``passes/swap.py`` frees those bytes before forward step ``step``
-        (``N``: the outside work after the blocks; ``N + 1``: at the forward's end). The rewrite
-        queues the copies out on one stream in the order they are issued, each starting when issued
-        or when the one before it is placed done and lasting ``copy_margin`` times its bytes over
-        the placement rate, and waits for each (freeing the device copy) before the first node
-        estimated to start after it ends; the estimate is its roofline (``place_fwd_s``). So a
-        copy longer than the blocks after it keeps its bytes, and those of every swap queued behind
-        it, on the device. Here a wait inside a block frees its bytes only after that block."""
-        got = self._freed_at.get(n_swap)
-        if got is None:
-            starts = self._place_fwd_start
-            N = self.n_blocks
-            free = []
-            queue = 0.0
-            for issued, i, seconds, x in self._swap_out:
-                if i >= n_swap:
-                    continue
-                queue = (queue if queue > issued else issued) + seconds
-                k = bisect.bisect_left(starts, queue, i + 1)  # the first step starting at or after it
-                free.append((i, k if k <= N else N + 1, x))
-            got = self._freed_at[n_swap] = tuple(free)
-        return got
-
-    def swap_reloaded_at(self, n_swap: int, n_checkpoint: int) -> tuple[tuple[int, int, int], ...]:
-        """``(block, step, bytes)`` per part of the swapped blocks: the step (forward index; ``N``:
-        the outside work, which backward runs first) whose backward issues its reload in
-        ``passes/swap.py``. The rewrite lays the reloads out latest first, each ending by its first
-        use and before the later one starts, each ``copy_margin`` times its bytes over the placement
-        rate long, on its backward timeline (``place_bwd_s``, a checkpointed block's recompute
-        scaled as its forward). From there to its block's backward the bytes are on the device."""
-        key = (n_swap, n_checkpoint)
-        got = self._reloaded_at.get(key)
-        if got is None:
-            N = self.n_blocks
-            rc = self.recomputes(n_swap, n_checkpoint)
-            starts = [0.0] * N  # block j's backward starts (placement timeline)
-            t = self.problem.outside_place_bwd_s
-            for j in range(N - 1, -1, -1):
-                starts[j] = t
-                t += self._place_bwd[j] + rc[j] * self._place_rc_scale[j]
-            parts = sorted(
-                ((starts[i] + u, i, seconds, x) for i in range(n_swap) for u, seconds, x in self._swap_in[i]),
-                reverse=True,
-            )
-            issued = []
-            latest = math.inf
-            for use, i, seconds, x in parts:  # the last used first
-                latest = (use if use < latest else latest) - seconds
-                m = next((j for j in range(i, N) if starts[j] <= latest), N)
-                issued.append((i, m, x))
-            got = self._reloaded_at[key] = tuple(issued)
-        return got
+    # ------------------------------------------------------------------ time
 
     def min_buffers(self, n_persist: int) -> int:
         """Fewest buffers with ``n_persist`` persistent chunks: the most non-persistent chunks one step uses."""
@@ -311,39 +174,6 @@ class CostModel:
         if n_persist == self.n_chunks:
             return range(1)
         return range(self.min_buffers(n_persist), self.n_chunks - n_persist + 1)
-
-    def policies(self, n_swap: int, n_checkpoint: int) -> tuple[int, ...]:
-        """Per-block policy codes (0 none, 1 checkpoint, 2 swap) of :func:`block_plan`.
-
-        Built from :func:`protrain_fx.plan._segment_starts`, the rule :func:`~protrain_fx.plan.interleaved`
-        applies (a test checks both agree), because building a validated ``Plan`` per pair would cost
-        the search more than all its simulations.
-        """
-        key = (n_swap, n_checkpoint)
-        pol = self._policies.get(key)
-        if pol is None:
-            N = self.n_blocks
-            codes = [_SWAP] * n_swap + [_NONE] * (N - n_swap)
-            for i in _segment_starts(N - n_swap, n_checkpoint):
-                codes[n_swap + i] = _CKPT
-            pol = self._policies[key] = tuple(codes)
-        return pol
-
-    def recomputes(self, n_swap: int, n_checkpoint: int) -> tuple[float, ...]:
-        """Per block, the recompute it adds to backward under :meth:`policies`: 0 unless checkpointed;
-        ``recompute_chained_s`` when the next block is checkpointed too, else ``recompute_s``."""
-        key = (n_swap, n_checkpoint)
-        got = self._recomputes.get(key)
-        if got is None:
-            pol = self.policies(n_swap, n_checkpoint)
-            N = self.n_blocks
-            got = self._recomputes[key] = tuple(
-                0.0 if pol[i] != _CKPT else self.rc_chained[i] if i + 1 < N and pol[i + 1] == _CKPT else self.rc[i]
-                for i in range(N)
-            )
-        return got
-
-    # ------------------------------------------------------------------ time
 
     def validate(self, config: Config) -> Config:
         p, b, s, c, g = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint, config.n_gpu_optim
@@ -451,7 +281,8 @@ class CostModel:
         ff_dur = [0.0] * len(h_d1)
         fe = [0.0] * (N + 1)
         so_done = [0.0] * N
-        gpu = h2d = d2h = 0.0
+        gpu = h2d = d2h = coll = 0.0
+        ag = self.ag_s
         wait_step = PB.wait_step
         for j in range(N + 1):
             for k, r in P.fetch_at[j]:
@@ -459,6 +290,10 @@ class CostModel:
                 dur = ff_dur[r] = h_d2[r] if s > ff_thr[r] else h_d1[r]
                 h2d = (h2d if h2d > ready else ready) + dur
                 done[r] = h2d
+                if ag:  # data-parallel: the local part copied, then the whole chunk all-gathered
+                    coll = (coll if coll > h2d else h2d) + ag
+                    done[r] = coll
+                    ff_dur[r] = dur + ag
             start = gpu
             for r in P.step_runs[j]:
                 if done[r] > start:
@@ -469,7 +304,7 @@ class CostModel:
                 so_done[j] = d2h
         if s and so_done[s - 1] > gpu:
             gpu = so_done[s - 1]  # the forward's graph waits for its offloads by its output at the latest
-        got = self._fwd_cache[key] = (done, ff_dur, so_done, h2d, d2h, gpu)
+        got = self._fwd_cache[key] = (done, ff_dur, so_done, h2d, d2h, gpu, coll)
         return got
 
     def _simulate(
@@ -483,8 +318,9 @@ class CostModel:
         k = self.problem.accumulation
         g_run = g if k == 1 else 0
         P = self._pp(p, g_run if optimizer else 0)
-        fdone, ff_dur, so_done, h2d, d2h, fwd_end = self._forward(p, b, s)  # shared by every n_checkpoint
-        bwd_end, adam_done, recompute, _ = self._backward(P, p, b, s, c, g_run, optimizer, fdone, so_done, h2d, d2h, fwd_end)
+        fdone, ff_dur, so_done, h2d, d2h, fwd_end, coll = self._forward(p, b, s)  # shared by every n_checkpoint
+        bwd_end, adam_done, recompute, _ = self._backward(P, p, b, s, c, g_run, optimizer, fdone, so_done, h2d, d2h,
+                                                          fwd_end, coll)
         gpu_adam, cpu_adam = (P.gpu_adam_s, P.cpu_adam_s) if optimizer else (0.0, 0.0)
         step = self._step_end(bwd_end + gpu_adam, cpu_adam, adam_done, ff_dur)
         before = (k - 1) * self.micro_batch_time(p, b, s, c) if k > 1 else 0.0
@@ -504,17 +340,17 @@ class CostModel:
         if got is None:
             if len(self._micro) > 65536:
                 self._micro.clear()
-            fdone, _, so_done, h2d, d2h, gpu = self._forward(p, b, s)
-            end, _, _, landed = self._backward(self._pp(p), p, b, s, c, 0, False, fdone, so_done, h2d, d2h, gpu)
+            fdone, _, so_done, h2d, d2h, gpu, coll = self._forward(p, b, s)
+            end, _, _, landed = self._backward(self._pp(p), p, b, s, c, 0, False, fdone, so_done, h2d, d2h, gpu, coll)
             got = self._micro[(p, b, s, c)] = end if end > landed else landed
         return got
 
     def _backward(
         self, P: _PerPersist, p: int, b: int, s: int, c: int, g: int, optimizer: bool,
-        fdone: list[float], so_done: list[float], h2d: float, d2h: float, gpu: float,
+        fdone: list[float], so_done: list[float], h2d: float, d2h: float, gpu: float, coll: float,
     ) -> tuple[float, list[tuple[int, float]], float, float]:
         """Backward from the forward's end state (its fetches done, swap offloads done, and when the
-        two copy queues and the GPU are free). Returns when backward's GPU work ends, ``(run, when
+        two copy queues, the GPU and the collective lane are free). Returns when backward's GPU work ends, ``(run, when
         its chunk is updated)`` per optimizer step, the recompute seconds and when the last gradient landed."""
         N = self.n_blocks
         PB = self._pb(p, b)
@@ -523,6 +359,7 @@ class CostModel:
         cb, rc = self.cb, self.recomputes(s, c)
         h_d1, h_d2, g_d1, g_d2 = P.h_d1, P.h_d2, self.g_d1, self.g_d2
         bf_thr, go_thr = P.bf_thr, PB.go_thr
+        ag, rs = self.ag_s, self.rs_s
         done = fdone[:]  # fetch finished; in backward: re-fetch, then gradient offload finished
         adam_done: list[tuple[int, float]] = []
         cpu = recompute = 0.0
@@ -537,6 +374,9 @@ class CostModel:
                 ready = done[freed_by]  # its gradient offload (stored in done[] when it finished)
                 h2d = (h2d if h2d > ready else ready) + (h_d2[r] if s > bf_thr[r] else h_d1[r])
                 done[r] = h2d
+                if ag:
+                    coll = (coll if coll > h2d else h2d) + ag
+                    done[r] = coll
             start = gpu
             if j < s:
                 ready = so_done[j] if so_done[j] > prev_start else prev_start
@@ -552,13 +392,17 @@ class CostModel:
                 gpu += rc[j]
                 recompute += rc[j]
             for r in P.offload_at[j]:
+                reduced = gpu
+                if rs:  # data-parallel: the whole gradient reduce-scattered first, on the collective lane
+                    coll = reduced = (coll if coll > gpu else gpu) + rs
                 if device[r]:  # stepped on the GPU: its gradient stays, its buffer is free now
                     done[r] = gpu
                     if dev_trigger[r]:
-                        gpu, dev_in, dev_out = self._device_step(P, r, s, gpu, dev_in, dev_out, dev_done, dev_refetch)
+                        gpu, dev_in, dev_out = self._device_step(P, r, s, gpu, reduced, dev_in, dev_out, dev_done,
+                                                                 dev_refetch)
                         adam_done.append((r, dev_out))
                     continue
-                d2h = (d2h if d2h > gpu else gpu) + (g_d2[r] if s > go_thr[r] else g_d1[r])
+                d2h = (d2h if d2h > reduced else reduced) + (g_d2[r] if s > go_thr[r] else g_d1[r])
                 done[r] = d2h  # the run's buffer is free again
                 if adam_s[r]:
                     cpu = (cpu if cpu > d2h else d2h) + adam_s[r]
@@ -566,19 +410,21 @@ class CostModel:
         return gpu, adam_done, recompute, d2h
 
     def _device_step(
-        self, P: _PerPersist, r: int, s: int, gpu: float, dev_in: float, dev_out: float,
+        self, P: _PerPersist, r: int, s: int, gpu: float, reduced: float, dev_in: float, dev_out: float,
         dev_done: list[float], dev_refetch: list[float] | None,
     ) -> tuple[float, float, float]:
         """Issue the device step of run ``r``'s chunk when its last gradient is made (at ``gpu``):
         the issuing thread, and the GPU stream with it, first waits for the step issued
-        :data:`DEVICE_STEPS_IN_FLIGHT` before; the copies in and out run on the steps' own lanes,
+        :data:`DEVICE_STEPS_IN_FLIGHT` before; the copies in and out run on the steps' own lanes, from
+        when the gradient is reduced over the ranks (``reduced``; ``gpu`` at world size 1),
         lengthened by the swap-ins and re-fetches beside them. Appends when it ends to ``dev_done``;
         returns the new ``gpu``, ``dev_in`` and ``dev_out``."""
         k = len(dev_done)
         if k >= DEVICE_STEPS_IN_FLIGHT and dev_done[k - DEVICE_STEPS_IN_FLIGHT] > gpu:
             gpu = dev_done[k - DEVICE_STEPS_IN_FLIGHT]  # the issuing thread waits
         ch = self.run_chunk[r]
-        h_start = dev_in if dev_in > gpu else gpu  # the step's own copy lanes
+        ready = reduced if reduced > gpu else gpu
+        h_start = dev_in if dev_in > ready else ready  # the step's own copy lanes
         dev_in = h_start + self.dev_in_s[ch]
         for i, d in P.dev_swap_in[ch]:  # swap-ins beside it on the reference timeline
             if i < s:

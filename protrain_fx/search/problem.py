@@ -211,6 +211,13 @@ class Problem:
     but the last runs inside ``OffloadHandle.accumulate()``). Each micro-batch fetches, computes and
     lands its gradients; the optimizer steps once, after the last. The cost model prices the whole
     accumulated step (``docs/DESIGN.md#the-cost-model``, "Accumulation"); 1 is one micro-batch a step.
+
+    ``world_size``: ranks of a data-parallel training (``runtime/shard.py``), each holding 1/N of every
+    offloaded chunk: a rank copies 1/N of a chunk each way and steps 1/N of its optimizer work, and
+    each fetch ends with an all-gather of the whole chunk (``chunk_all_gather_s`` seconds) and each
+    gradient starts with a reduce-scatter of the whole chunk's gradient (``chunk_reduce_scatter_s``),
+    on a lane of their own (``docs/DESIGN.md#the-cost-model``, "Data parallelism"). Both are 0 at
+    world size 1, which is a one-GPU step exactly.
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -233,8 +240,18 @@ class Problem:
     place_h2d_bytes_per_s: float = 0.0
     copy_margin: float = 1.0
     accumulation: int = 1
+    world_size: int = 1
+    chunk_all_gather_s: float = 0.0
+    chunk_reduce_scatter_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"Problem: world_size={self.world_size!r} must be an int >= 1 (ranks)")
+        for n in ("chunk_all_gather_s", "chunk_reduce_scatter_s"):
+            _check_seconds("Problem", n, getattr(self, n))
+            if self.world_size == 1 and getattr(self, n):
+                raise ValueError(f"Problem: {n}={getattr(self, n)!r} with world_size=1; one rank runs no "
+                                 "collective (0, or world_size > 1)")
         if isinstance(self.accumulation, bool) or not isinstance(self.accumulation, int) or self.accumulation < 1:
             raise ValueError(f"Problem: accumulation={self.accumulation!r} must be an int >= 1 (micro-batches a step)")
         if self.outside_place_bwd_s is None:
@@ -308,6 +325,11 @@ class Problem:
         working = 2 * c.n_params * self.persistent_param_bytes if self.persistent_param_bytes else 2 * c.bytes
         return working + c.n_params * (self.master_bytes_per_param + self.adam_state_bytes_per_param)
 
+    def shard_bytes(self, nbytes: int) -> int:
+        """A rank's part of ``nbytes`` of a chunk (its 1/N, rounded up: the runtime pads chunks to N
+        equal parts)."""
+        return -(-nbytes // self.world_size)
+
     @property
     def buffer_bytes(self) -> int:
         """Size of one chunk staging buffer: the largest chunk."""
@@ -336,6 +358,9 @@ class Problem:
             "place_h2d_bytes_per_s": self.place_h2d_bytes_per_s,
             "copy_margin": self.copy_margin,
             "accumulation": self.accumulation,
+            "world_size": self.world_size,
+            "chunk_all_gather_s": self.chunk_all_gather_s,
+            "chunk_reduce_scatter_s": self.chunk_reduce_scatter_s,
         }
 
     @classmethod

@@ -124,7 +124,8 @@ class _PerPersist:
         chunks = m.problem.chunks
         if lean_from < m.n_chunks:
             fetch_bytes = [
-                chunks[c].lean_fetch_bytes if c >= lean_from else x for c, x in zip(m.run_chunk, m.run_bytes)
+                m.problem.shard_bytes(chunks[c].lean_fetch_bytes) if c >= lean_from else x
+                for c, x in zip(m.run_chunk, m.run_bytes)
             ]
             h_d1, h_d2 = [x / m._h2d for x in fetch_bytes], [x / m._h2d_sh for x in fetch_bytes]
             dev_out_bytes = [

@@ -19,7 +19,8 @@ from tests.distributed.ranks import run_ranks
 
 
 def _errors(rank: int, world: int) -> dict[str, tuple[str, str, float]]:
-    """Each refusal this rank saw: (error type, message, seconds it took)."""
+    """Each refusal this rank saw: (error type, message, seconds it took); under ``"chunks"`` the
+    layout's chunk count."""
     seen = {}
 
     def expect(what, fn):
@@ -36,6 +37,11 @@ def _errors(rank: int, world: int) -> dict[str, tuple[str, str, float]]:
     expect("counts", lambda: protrain_fx.offload(model, opt, n_persist=1, n_buffer=1 + rank, device="cpu",
                                                  chunk_bytes=common.CHUNK))
     expect("gloo with cuda chunks", lambda: protrain_fx.offload(model, opt, device="cuda"))
+    model, _, opt, _ = common.models()
+    expect("host memory", lambda: protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu",
+                                                      chunk_bytes=common.CHUNK, n_lean=0, available_host_bytes=1000))
+    seen["chunks"] = len(_layout(dict(model.named_parameters(remove_duplicate=False)), common.CHUNK,
+                                 distributed.active()).chunks)
     model, _, opt, _ = common.models()
     handle = protrain_fx.offload(model, opt, n_persist=1, n_buffer=2, device="cpu", chunk_bytes=common.CHUNK)
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
@@ -56,6 +62,15 @@ def test_a_disagreement_raises_on_every_rank_within_seconds_naming_each_ranks_va
         assert kind == "RankDisagreement" and "(1, 2, None, 'auto')" in message and "(1, 1, None, 'auto')" in message
         kind, message, _ = seen["gloo with cuda chunks"]
         assert kind == "ValueError" and "init_process_group('nccl')" in message and "rank 1:" in message
+        # Every chunk offloaded, none lean, fp32: a rank holds half of each 64 KiB chunk (8192 of its
+        # 16384 elements) with its master, two moments and working copy, 16 bytes an element; the
+        # node's two ranks need 16 x 16384 bytes a chunk together, of 2 x 1000 available.
+        kind, message, _ = seen["host memory"]
+        need = 16 * 16384 * seen.pop("chunks")
+        assert kind == "HostMemoryError", (kind, message)
+        assert f"its 2 ranks: together they need {need} bytes" in message, message
+        assert "and 2000 bytes (0.00 GiB) are available to them; run fewer ranks a node" in message, message
+        assert "(ranks [0, 1] refused; rank 0: the chunk store" in message, message
         kind, message, _ = seen["input shapes"]
         assert kind == "RankDisagreement" and "(2, 32):torch.int64" in message and "(2, 24):torch.int64" in message
         assert all(s < 20 for _, _, s in seen.values()), (rank, seen)

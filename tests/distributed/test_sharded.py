@@ -16,15 +16,16 @@ import protrain_fx
 from tests.distributed import common
 from tests.distributed.ranks import run_ranks
 
-#: (n_persist, n_buffer, n_lean): streamed chunks with and without persistent ones, lean chunks.
-COUNTS = [(0, 2, 0), (2, 3, 0), (1, 2, 3)]
+#: (n_persist, n_buffer, n_gpu_optim, n_lean): streamed chunks with and without persistent ones,
+#: shards stepped by the device optimizer (``device="cpu"`` runs its code on the CPU), lean chunks.
+COUNTS = [(0, 2, 0, 0), (2, 3, 1, 0), (1, 2, 2, 3)]
 
 
-def _train(rank: int, world: int, n_persist: int, n_buffer: int, n_lean: int, *, micro: int = 1,
+def _train(rank: int, world: int, n_persist: int, n_buffer: int, n_gpu_optim: int, n_lean: int, *, micro: int = 1,
            clip: float | None = None, frozen: str | None = None, reduce_each_micro: bool = False) -> dict:
     model, reference, opt, ref_opt = common.models(frozen)
     handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cpu",
-                                 chunk_bytes=common.CHUNK, n_lean=n_lean)
+                                 chunk_bytes=common.CHUNK, n_lean=n_lean, n_gpu_optim=n_gpu_optim)
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref_opt)]
     losses = []
@@ -44,6 +45,10 @@ def _train(rank: int, world: int, n_persist: int, n_buffer: int, n_lean: int, *,
         "losses": losses,
         "params": {n: (state[n], p.detach().clone()) for n, p in reference.named_parameters()},
         "host_elems": handle.store.chunk_numel, "whole_elems": whole,
+        "device_steps": handle.device_adam.chunk_steps if handle.device_adam is not None else 0,
+        # of the chunks stepped on the device, those this rank holds a trainable piece of (a part
+        # of padding alone has nothing to step)
+        "device_chunks": sum(any(s.chunk == c and s.trainable for s in handle.store.slots) for c in range(n_gpu_optim)),
         "optimizer": copy.deepcopy(handle.optimizer_state_dict()), "ref_optimizer": copy.deepcopy(ref_opt.state_dict()),
     }
     handle.close()
@@ -66,9 +71,15 @@ def _several_counts(rank: int, world: int) -> list[dict]:
 
 
 def test_sharded_chunks_train_as_eager_on_the_averaged_gradients_for_several_counts():
-    for rank, results in enumerate(run_ranks(_several_counts)):
+    ranks = run_ranks(_several_counts)
+    for i, counts in enumerate(COUNTS):  # every chunk stepped on the device has a piece on some rank
+        assert sum(results[i]["device_chunks"] for results in ranks) >= counts[2], counts
+    for rank, results in enumerate(ranks):
         for counts, result in zip(COUNTS, results):
             assert result["host_elems"] * 2 == result["whole_elems"]  # each rank's store holds half of each chunk
+            # the first n_gpu_optim offloaded chunks' parts went through the device optimizer, once a
+            # step after the first (held to learn whether the loop clips: stepped on the CPU)
+            assert result["device_steps"] == 2 * result["device_chunks"], counts
             _check(result, exact=True)
             # every rank's optimizer state dict is whole: the reference's, bit for bit
             got, want = result["optimizer"]["state"], result["ref_optimizer"]["state"]
@@ -80,8 +91,8 @@ def test_sharded_chunks_train_as_eager_on_the_averaged_gradients_for_several_cou
 
 def _accumulate_clip_frozen(rank: int, world: int) -> list[dict]:
     return [
-        _train(rank, world, 0, 2, 0, micro=2, reduce_each_micro=True),
-        _train(rank, world, 0, 2, 2, clip=0.05, frozen="blocks.2.mlp.fc.weight"),
+        _train(rank, world, 0, 2, 0, 0, micro=2, reduce_each_micro=True),
+        _train(rank, world, 0, 2, 0, 2, clip=0.05, frozen="blocks.2.mlp.fc.weight"),
     ]
 
 
