@@ -45,7 +45,7 @@ import error. Every run records the torch and DeepSpeed versions (``versions``).
 Peers (``bench/peer_configs.py`` holds their configurations): fsdp2; deepspeed (ZeRO-3, parameters
 and optimizer offloaded); superoffload (the same with ``offload_optimizer.super_offload``);
 deepcompile (ZeRO-3 offload as FX passes, ``engine.compile()``); zenflow (ZeRO-2 with the optimizer
-offloaded, selective updates: not exact, timed as the mean over whole ``update_interval``\ s).
+offloaded, selective updates: not exact, timed as the mean over whole update intervals).
 Column ``exact`` says whether a system's update is AdamW's (its loss comparable with ours).
 
 Protocols. ``--protocol B24`` (default) is one micro-batch per optimizer step; ``--protocol B24-L``

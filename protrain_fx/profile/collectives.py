@@ -93,9 +93,10 @@ def _time_collectives(device: torch.device, chunk_numel: int, dtype: torch.dtype
         dist.reduce_scatter_tensor(part, whole, op=dist.ReduceOp.SUM)
 
     out = []
-    for op in (gather, scatter):
-        timed(op)  # warm-up: the communicator's buffers and connections
-        out.append(statistics.median(timed(op) for _ in range(max(1, repeat))))
+    with distributed.outside_compile():  # the planner times them while the compile runs
+        for op in (gather, scatter):
+            timed(op)  # warm-up: the communicator's buffers and connections
+            out.append(statistics.median(timed(op) for _ in range(max(1, repeat))))
     return out[0], out[1]
 
 

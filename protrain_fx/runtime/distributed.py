@@ -20,15 +20,17 @@ Runtime and planner both import this module (the planner may import the runtime,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 T = TypeVar("T")
@@ -64,6 +66,18 @@ def current() -> Group | None:
     return Group(world, rank, local_rank, local_world, str(dist.get_backend()))
 
 
+@contextlib.contextmanager
+def outside_compile() -> Iterator[None]:
+    """Around a collective that may be issued while a compile runs (the planner's exchanges, the
+    chunk store it builds and places): real tensors (the compile's fake mode off) and no Python
+    dispatcher. AOTAutograd turns the Python dispatcher on; with it, the calling thread keeps the
+    GIL while it queues the collective on the process group, and gloo's worker thread, freeing the
+    tensors of the collective before, waits for the GIL while it holds the queue's lock: each waits
+    on the other for good (seen on two CPU ranks in about a third of planning runs)."""
+    with unset_fake_temporarily(), no_python_dispatcher():
+        yield
+
+
 def active() -> Group | None:
     """:func:`current` when it has more than one rank (only then is anything exchanged)."""
     group = current()
@@ -76,7 +90,7 @@ def gather(value: T) -> list[T]:
     if group is None:
         return [value]
     values: list[Any] = [None] * group.world_size
-    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
+    with outside_compile():
         dist.all_gather_object(values, value)
     return values
 
@@ -115,7 +129,7 @@ def from_rank0(value: T) -> T:
     if active() is None:
         return value
     box = [value]
-    with unset_fake_temporarily():  # as in gather: the pickled bytes must be real tensors
+    with outside_compile():
         dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -42,13 +42,15 @@ def local_part(store: ChunkStore, whole: torch.Tensor) -> torch.Tensor:
 def all_gather(store: ChunkStore, whole: torch.Tensor) -> None:
     """Fill ``whole`` (a whole flat chunk whose local part is written) from every rank's part."""
     part = local_part(store, whole)
-    dist.all_gather_into_tensor(whole, part.clone() if whole.device.type == "cpu" else part)
+    with distributed.outside_compile():
+        dist.all_gather_into_tensor(whole, part.clone() if whole.device.type == "cpu" else part)
 
 
 def reduce_scatter_mean(store: ChunkStore, whole: torch.Tensor) -> torch.Tensor:
     """The ranks' mean of ``whole`` (a whole flat chunk gradient), this rank's part only."""
     part = torch.empty(store.chunk_numel, dtype=whole.dtype, device=whole.device)
-    dist.reduce_scatter_tensor(part, whole, op=dist.ReduceOp.SUM)
+    with distributed.outside_compile():
+        dist.reduce_scatter_tensor(part, whole, op=dist.ReduceOp.SUM)
     return part.div_(store.shard[1])
 
 
@@ -76,7 +78,8 @@ def local_grads(store: ChunkStore, part: torch.Tensor, names: Sequence[str]) -> 
 
 def _gather_flat(store: ChunkStore, flat: torch.Tensor) -> torch.Tensor:
     whole = torch.empty(store.full_numel, dtype=flat.dtype)
-    dist.all_gather_into_tensor(whole, flat.contiguous())
+    with distributed.outside_compile():
+        dist.all_gather_into_tensor(whole, flat.contiguous())
     return whole
 
 
@@ -130,7 +133,8 @@ def _merge_indices(store: ChunkStore, index_of: Mapping[ParamSlot, int]) -> dict
 
 def _all_objects(value: Any) -> list[Any]:
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    with distributed.outside_compile():
+        dist.all_gather_object(values, value)
     return values
 
 

@@ -27,9 +27,12 @@ PG_TIMEOUT_S = 60
 
 def _child(fn: Callable[..., Any], rank: int, world: int, store: str, results: Any, args: tuple) -> None:
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), RANK=str(rank), WORLD_SIZE=str(world))
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    faulthandler.dump_traceback_later(RUN_TIMEOUT_S - 30)  # a hung rank prints where its threads are
     torch.set_num_threads(1)  # two ranks on a 2-core CI machine
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
@@ -41,6 +44,12 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store: str, results: A
         results.put((rank, "error", (type(error).__name__, str(error), traceback.format_exc())))
     finally:
         dist.destroy_process_group()
+
+
+def _errors(out: dict[int, tuple[str, Any]]) -> str:
+    """What the ranks that raised reported (with their tracebacks), one after another."""
+    return "\n".join(f"rank {r} raised {value[0]}: {value[1]}\n{value[2]}"
+                     for r, (status, value) in sorted(out.items()) if status == "error")
 
 
 def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout_s: float = RUN_TIMEOUT_S) -> list[Any]:
@@ -61,16 +70,16 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout_s: flo
                     rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
                 except queue.Empty:
                     raise AssertionError(f"the ranks did not finish within {timeout_s} s (a hang); "
-                                         f"finished: {sorted(out)}") from None
+                                         f"finished: {sorted(out)}\n{_errors(out)}") from None
                 out[rank] = (status, value)
         finally:
             for p in procs:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-    errors = [f"rank {r} raised {out[r][1][0]}: {out[r][1][1]}\n{out[r][1][2]}" for r in range(world) if out[r][0] == "error"]
+    errors = _errors(out)
     if errors:
-        raise AssertionError("\n".join(errors))
+        raise AssertionError(errors)
     import torch
 
     return [torch.load(io.BytesIO(out[r][1]), weights_only=False) for r in range(world)]
