@@ -76,6 +76,11 @@ class CostModel(MemoryModel):
         self.adam_run = {}
         for r in range(R):
             self.adam_run.setdefault(self.run_chunk[r], r)
+        # backward step at which each chunk's gradient is whole (its earliest run's): where a persistent
+        # chunk's all-reduce starts, data-parallel
+        self.reduce_at: list[list[int]] = [[] for _ in range(N + 1)]
+        for ch, r in self.adam_run.items():
+            self.reduce_at[self.run_first[r]].append(ch)
 
     def _optimizer_steps(self, p: Problem) -> None:
         """Per chunk the seconds of its CPU and GPU Adam step and of its device step's copies in and
@@ -89,6 +94,10 @@ class CostModel(MemoryModel):
         self.dev_in_bytes = [p.shard_bytes(c.n_params * (4 + p.adam_state_bytes_per_param)) for c in p.chunks]
         self.dev_out_bytes = [x + p.shard_bytes(c.bytes) for x, c in zip(self.dev_in_bytes, p.chunks)]
         self.ag_s, self.rs_s = p.chunk_all_gather_s, p.chunk_reduce_scatter_s  # the collective lane
+        # a persistent chunk's gradient all-reduce (runtime/grad_sync.py): a reduce-scatter and an
+        # all-gather of its bytes, as the ring algorithm runs it, the measured whole chunk's scaled
+        whole = p.buffer_bytes or 1
+        self.ar_s = [(self.ag_s + self.rs_s) * c.bytes / whole if c.n_params else 0.0 for c in p.chunks]
         self._lean = p.lean_chunks or (0,) * (len(p.chunks) + 1)
         self._cpu_after = [sum(self.adam_s[k:]) for k in range(len(p.chunks) + 1)]  # CPU Adam of chunks >= k
         self._gpu_before = [sum(self.gpu_adam_s[:k]) for k in range(len(p.chunks) + 1)]  # GPU Adam of chunks < k
@@ -369,6 +378,8 @@ class CostModel(MemoryModel):
         device, dev_trigger = P.device, P.dev_trigger
         dev_done: list[float] = []
         dev_in = dev_out = 0.0  # when the device steps' copies in and out are done
+        all_reduce = optimizer and p and (self.ag_s or self.rs_s)  # not while accumulating (handle.accumulate())
+        reduced_all = 0.0  # when the persistent chunks' all-reduces end: backward's end waits for them
         for j in range(N, -1, -1):
             for r, freed_by in PB.refetch_at[j]:
                 ready = done[freed_by]  # its gradient offload (stored in done[] when it finished)
@@ -407,6 +418,12 @@ class CostModel(MemoryModel):
                 if adam_s[r]:
                     cpu = (cpu if cpu > d2h else d2h) + adam_s[r]
                     adam_done.append((r, cpu))
+            if all_reduce:
+                for ch in self.reduce_at[j]:
+                    if ch < p:
+                        coll = reduced_all = (coll if coll > gpu else gpu) + self.ar_s[ch]
+        if reduced_all > gpu:
+            gpu = reduced_all
         return gpu, adam_done, recompute, d2h
 
     def _device_step(
