@@ -43,7 +43,7 @@ from protrain_fx.passes.pipeline import (
     run_passes,
 )
 from protrain_fx.plan import Plan
-from protrain_fx.planner.activations import choose_plan, specialize_shapes
+from protrain_fx.planner.activations import choose_plan, specialize_shapes, warn_at_recompile_limit
 from protrain_fx.planner.budget import (
     check_budget,
     reads_hand_offloaded,
@@ -229,6 +229,7 @@ class _Partitioner(CustomPartitionerFn):
         # The backend chooses the plan: each trial partitions its own copy of the joint graph (the
         # partitioner rewrites the graph it is given, and the tags of one plan must not reach the next).
         specialize_shapes(joint)  # the plan is sized for these shapes: a new shape compiles (and plans) again
+        warn_at_recompile_limit(record)
         user_config = record.config
         graphs: list[tuple[fx.GraphModule, fx.GraphModule]] = []
 

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch._guards import CompileContext
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from protrain_fx import progress
@@ -139,6 +140,25 @@ def specialize_shapes(gm: fx.GraphModule) -> int:
                 guard_int(size)
                 count += 1
     return count
+
+
+def warn_at_recompile_limit(record: CapturedGraph) -> None:
+    """Warn when the graph being planned is its frame's last compile under Dynamo's recompile limit.
+
+    A plan is sized for exact shapes (:func:`specialize_shapes`), so every new input shape (a batch
+    padded to its longest sequence, say) is a recompile; past ``torch._dynamo.config.recompile_limit``
+    Dynamo runs the frame eagerly and compiles only the functions it calls, each planned apart (the
+    budget no longer holds for the step). The warning comes at the last compile Dynamo allows."""
+    compile_id = CompileContext.current_compile_id()
+    limit = torch._dynamo.config.recompile_limit
+    if compile_id is None or compile_id.frame_compile_id is None or compile_id.frame_compile_id + 1 != limit:
+        return
+    log.warning(
+        "protrain_fx: graph %d is its frame's compile %d of the %d Dynamo allows (torch._dynamo.config."
+        "recompile_limit); a plan holds for one input shape, and a further shape runs the frame eagerly, "
+        "planned at best as the smaller graphs it calls, not as one step: the memory budget may not hold. Pad "
+        "the inputs to a few fixed lengths, or raise recompile_limit (each new shape is planned again)", record.index, limit, limit,
+    )
 
 
 def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> AutoPlan | None:
