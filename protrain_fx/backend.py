@@ -89,9 +89,10 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
     peaks_before = peaks_at_compile_start()
     record = new_record(config, gm, example_inputs, inside_block=block_at_end(gm) or _frame_is_a_block())
     for brk in record.breaks:  # Dynamo counts a break before compiling the graph that the break ends
-        log.warning("protrain_fx: graph %d ends at a graph break: %s%s", record.index, brk.line(),
+        log.warning("protrain_fx: graph %d ends at a graph break: %s%s%s", record.index, brk.line(),
                     "; the blocks after it are not planned with the ones before (remove the break: a print, "
-                    ".item(), data-dependent control flow)" if brk.inside_block else "")
+                    ".item(), data-dependent control flow)" if brk.inside_block else "",
+                    _LOGGER_BREAK_HINT if "logging.Logger" in brk.reason else "")
     if config.verbose:
         _log_to_stderr()
     distributed.agree({  # data-parallel: every rank compiles this graph with the same options and shapes
@@ -108,6 +109,14 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
         else:
             compiled = _compile_inductor(gm, example_inputs, record)
     return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
+
+
+#: A logging call inside the model breaks the graph; what it logs is usually the fix.
+_LOGGER_BREAK_HINT = (
+    "; the model logs a warning there, which usually names the setting to change (Hugging Face gradient "
+    "checkpointing: pass use_cache=False or set model.config.use_cache = False); or add the logger's method "
+    "to torch._dynamo.config.ignore_logger_methods"
+)
 
 
 def _frame_compile_started() -> float:

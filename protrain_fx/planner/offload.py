@@ -125,15 +125,21 @@ def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
     return None
 
 
-def choose_for_placed(record: CapturedGraph, handle: OffloadHandle, trial: Callable[[Plan | None], None]) -> AutoPlan:
+def choose_for_placed(
+    record: CapturedGraph, handle: OffloadHandle, trial: Callable[[Plan | None], None]
+) -> AutoPlan | None:
     """The activation plan of a later graph (another input shape) of a model whose chunk counts the
     backend chose at its first compile: the counts stay, the fastest ``(n_swap, n_checkpoint)`` whose
     predicted peak fits with them is searched (every pair simulated), applied and verified as in
-    :func:`choose_offload`. ``"fits as is"`` when the step analyses under the cap without a plan."""
+    :func:`choose_offload`. ``"fits as is"`` when the step analyses under the cap without a plan.
+    ``None`` for a graph without transformer blocks (the part of a step after a graph break, say):
+    nothing to plan, and the backend checks its peak against the budget as it is."""
     started = time.perf_counter()
     budget = record.config.memory_budget_bytes
     assert budget is not None
     trial(None)
+    if record.blocks is None or not record.blocks.labels:
+        return None
     t0 = time.perf_counter()
     model = offload_cost_model(record, handle, "its activations cannot be planned for the placed chunks")
     problem_s = time.perf_counter() - t0

@@ -274,3 +274,44 @@ def test_a_hugging_face_llama_with_the_loss_outside_clipped_and_accumulated_trai
     assert state.keys() == reference.state_dict().keys()
     for name, value in reference.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+def test_hugging_face_gradient_checkpointing_with_automatic_counts_trains_like_eager():
+    """``model.gradient_checkpointing_enable()``, as fine-tuners do: transformers logs that it turns the
+    cache off, a logging call that breaks the graph after the layers. The graph after the break has
+    no block (nothing to plan: its peak is only checked) and the warning names the fix
+    (``use_cache=False``); with the chunk the two graphs share held until backward ends
+    (``grad_clipping=True``) the loop is bit for bit eager's."""
+    import logging
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, grad_clipping=True)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": 2_000_000})
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("protrain_fx").addHandler(handler)
+    try:
+        for step in range(2):
+            idx = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss, ref_loss = compiled(input_ids=idx, labels=idx).loss, reference(input_ids=idx, labels=idx).loss
+            assert torch.equal(loss, ref_loss)
+            loss.backward(), ref_loss.backward()
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+    finally:
+        logging.getLogger("protrain_fx").removeHandler(handler)
+    graphs = [g for g in protrain_fx.captured_graphs() if g.has_backward]
+    assert len(graphs) == 2 and graphs[0].blocks.labels and graphs[1].auto_plan is None
+    assert any("use_cache=False" in r.getMessage() for r in records)
+    assert handle.n_persist < len(handle.layout.chunks)  # chunks really offloaded
+    _assert_same_params(handle, model, reference)
