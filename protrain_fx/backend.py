@@ -88,6 +88,13 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
     expandable_segments(next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None))
     peaks_before = peaks_at_compile_start()
     record = new_record(config, gm, example_inputs, inside_block=block_at_end(gm) or _frame_is_a_block())
+    if any(chunk_ops.orphaned(t) for t in record.real_inputs()):
+        raise UnsupportedError(
+            "protrain_fx: the model's offloaded parameters are empty shells whose offload handle is closed or was "
+            "garbage-collected (with the optimizer given to protrain_fx.offload(...), which holds it): their values "
+            "and optimizer state went with it. Keep that optimizer (it steps the offloaded chunks) for the whole "
+            "training, or save handle.state_dict(model) before handle.close() and load it into a new model"
+        )
     for brk in record.breaks:  # Dynamo counts a break before compiling the graph that the break ends
         log.warning("protrain_fx: graph %d ends at a graph break: %s%s%s", record.index, brk.line(),
                     "; the blocks after it are not planned with the ones before (remove the break: a print, "

@@ -200,9 +200,11 @@ def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) 
     step without transformer blocks ("... cannot be chosen")."""
     assert record.memory is not None
     if record.blocks is None or not record.blocks.labels:
+        split = (f": it ends at a graph break before them ({record.breaks[0].line()}); remove the break so "
+                 "that the blocks are in this graph, or") if record.breaks else ";"
         raise ValueError(
-            f"protrain_fx: graph {record.index} has no transformer blocks, so {what}; give n_persist / n_buffer "
-            "to offload(...) by hand"
+            f"protrain_fx: graph {record.index} has no transformer blocks, so {what}{split} give n_persist / "
+            "n_buffer to offload(...) by hand"
         )
     # the partitioner runs under the compile's fake mode: real tensors here
     device = torch.device(record.memory.device)

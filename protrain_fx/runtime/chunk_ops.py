@@ -55,7 +55,26 @@ def unregister(hid: int) -> None:
     _handles.pop(hid, None)
     _shells.pop(hid, None)
     for key in [k for k, v in _params.items() if v[1] == hid]:
-        del _params[key]
+        _orphan(_params.pop(key)[0])
+
+
+#: id(parameter) -> the parameter, weakly: empty shells whose offload handle is closed or was
+#: garbage-collected (with the optimizer given to ``offload``): their values went with its store.
+_orphans: dict[int, weakref.ref] = {}
+
+
+def _orphan(ref: weakref.ref) -> None:
+    p = ref()
+    if p is not None and p.numel() and p.untyped_storage().nbytes() == 0:
+        _orphans[id(p)] = ref
+
+
+def orphaned(t: Any) -> bool:
+    """Whether ``t`` is an offloaded parameter's empty shell whose handle is gone."""
+    ref = _orphans.get(id(t)) if isinstance(t, torch.Tensor) else None
+    if ref is None or ref() is not t or t.untyped_storage().nbytes():
+        return False
+    return offloaded(t) is None and deferred(t) is None  # not placed or waiting again (unplace, configure)
 
 
 #: id(parameter) -> (the parameter, weakly; its handle, weakly), for handles whose counts the
@@ -66,13 +85,20 @@ _deferred: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 def register_deferred(handle: OffloadHandle, params: list[torch.Tensor]) -> None:
     """``params`` wait for ``handle.configure`` (the backend places their chunks at the first compile)."""
     ref = weakref.ref(handle)
-    for p in params:
-        _deferred[id(p)] = (weakref.ref(p), ref)
+    refs = [weakref.ref(p) for p in params]
+    for p, r in zip(params, refs):
+        _deferred[id(p)] = (r, ref)
+    weakref.finalize(handle, _orphan_all, refs)
+
+
+def _orphan_all(refs: list[weakref.ref]) -> None:
+    for r in refs:
+        _orphan(r)
 
 
 def unregister_deferred(handle: OffloadHandle) -> None:
     for key in [k for k, (_, ref) in _deferred.items() if ref() is handle or ref() is None]:
-        del _deferred[key]
+        _orphan(_deferred.pop(key)[0])
 
 
 def deferred(t: Any) -> OffloadHandle | None:

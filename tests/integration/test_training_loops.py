@@ -212,6 +212,21 @@ def test_calling_an_offloaded_model_without_compile_names_the_fix():
     handle.close()
 
 
+@pytest.mark.parametrize("counts", [{}, {"n_persist": 1, "n_buffer": 2}], ids=["automatic", "by-hand"])
+def test_a_model_whose_offload_optimizer_was_dropped_names_the_fix(counts):
+    """``offload(model, AdamW(...))`` with an optimizer kept nowhere: the handle, and the chunks' values
+    with it, are garbage-collected and the parameters stay empty shells; the compile says so."""
+    import gc
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    protrain_fx.offload(model, torch.optim.AdamW(model.parameters()), device="cpu", chunk_bytes=CHUNK, **counts)
+    gc.collect()
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": 3_000_000})
+    with pytest.raises(Exception, match="Keep that optimizer"):
+        compiled(*_batch(0))
+
+
 def test_hand_counts_that_offload_nothing_are_refused():
     model = GPT(CONFIG)
     opt = torch.optim.AdamW(model.parameters())

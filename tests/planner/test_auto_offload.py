@@ -395,6 +395,29 @@ def test_what_the_automatic_counts_refuse():
         compiled(*_batch(0))
 
 
+class _BreakBeforeTheBlocks(GPT):
+    """The GPT with a graph break between its embeddings and its blocks."""
+
+    def forward(self, idx, targets=None):
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1])))
+        torch._dynamo.graph_break()
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def test_a_first_graph_cut_off_before_the_blocks_names_the_break():
+    torch.manual_seed(0)
+    model = _BreakBeforeTheBlocks(CONFIG)
+    opt = torch.optim.AdamW(model.parameters())
+    protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
+    with pytest.raises(Exception, match="graph break before them") as info:
+        compiled(*_batch(0))
+    assert "test_auto_offload.py" in str(info.value) and "by hand" in str(info.value)
+
+
 def test_another_input_shape_gets_its_own_plan_for_the_chunks_as_placed(monkeypatch):
     # Without the raised search the first compile leaves room for the longer shape: with it, the
     # first shape takes that room (more persistent chunks), and the longer one no longer fits.
