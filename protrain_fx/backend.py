@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.nn.parallel import DistributedDataParallel
 
 from protrain_fx import progress
 from protrain_fx.analysis.blocks import block_at_end
@@ -61,6 +62,7 @@ from protrain_fx.planner.offload import (
 from protrain_fx.planner.plan_cache import reuse_or_choose
 from protrain_fx.runtime import chunk_ops, distributed
 from protrain_fx.runtime.allocator import expandable_segments
+from protrain_fx.state import STATE
 
 log = logging.getLogger("protrain_fx")
 
@@ -102,6 +104,7 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
                     _LOGGER_BREAK_HINT if "logging.Logger" in brk.reason else "")
     if config.verbose:
         _log_to_stderr()
+    _warn_if_not_averaged(record)
     distributed.agree({  # data-parallel: every rank compiles this graph with the same options and shapes
         "options (memory_budget_bytes, codegen, optimizer, plan, machine, auto_plan, verify)": (
             config.memory_budget_bytes, config.codegen, config.optimizer, repr(config.plan),
@@ -124,6 +127,25 @@ _LOGGER_BREAK_HINT = (
     "checkpointing: pass use_cache=False or set model.config.use_cache = False); or add the logger's method "
     "to torch._dynamo.config.ignore_logger_methods"
 )
+
+
+def _warn_if_not_averaged(record: CapturedGraph) -> None:
+    """Once per process: a graph training parameters on one of several ranks that nothing averages
+    (no offload, no DDP) trains a separate model on each rank; say so and name the two ways."""
+    group = distributed.active()
+    if group is None or STATE.warned_not_averaged:
+        return
+    params = [t for t in record.real_inputs() if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+    if not params or DistributedDataParallel._get_active_ddp_module() is not None or chunk_ops.any_live_handle():
+        return
+    STATE.warned_not_averaged = True
+    log.warning(
+        "protrain_fx: a process group of %d ranks is initialised, but graph %d trains parameters that are neither "
+        "offloaded (protrain_fx.offload) nor in a DistributedDataParallel: each rank trains its own copy and no "
+        "gradient is averaged. Offload the model (its gradients are then averaged over the ranks: "
+        "docs/distributed.md), or wrap it in DistributedDataParallel before torch.compile", group.world_size,
+        record.index,
+    )
 
 
 def _frame_compile_started() -> float:

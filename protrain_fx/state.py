@@ -10,6 +10,8 @@ first steps and read by later ones:
   (``planner/reserve.py``);
 * ``reset_after_miss``: devices whose next planned graph resets the peak statistics before its
   first step (``planner/first_step.py``);
+* ``warned_not_averaged``: whether the warning that nothing averages a data-parallel graph's
+  gradients was given (``backend.py``; once a process);
 * what runtime components register with :meth:`ProcessState.on_reset` (the swap ops' pinned host pool).
 
 ``protrain_fx.reset()`` (that is, :meth:`ProcessState.reset`) forgets all of it; ``torch._dynamo.reset()``
@@ -42,6 +44,8 @@ class ProcessState:
     measured_outside: dict[str, int] = field(default_factory=dict)
     #: Devices whose next planned graph resets the peak statistics before its first step.
     reset_after_miss: dict[str, bool] = field(default_factory=dict)
+    #: Whether the once-a-process warning that nothing averages a data-parallel graph was given.
+    warned_not_averaged: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     _on_reset: list[Callable[[], None]] = field(default_factory=list)
 
@@ -57,6 +61,7 @@ class ProcessState:
             self.break_stacks_seen = 0
             self.measured_outside.clear()
             self.reset_after_miss.clear()
+            self.warned_not_averaged = False
         for forget in self._on_reset:
             forget()
 

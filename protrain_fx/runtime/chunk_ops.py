@@ -101,6 +101,11 @@ def unregister_deferred(handle: OffloadHandle) -> None:
         _orphan(_deferred.pop(key)[0])
 
 
+def any_live_handle() -> bool:
+    """Whether some offload handle (placed or waiting for its counts) is alive in this process."""
+    return any(r() is not None for r in _handles.values()) or any(r() is not None for _, r in _deferred.values())
+
+
 def deferred(t: Any) -> OffloadHandle | None:
     """The handle of ``t`` when it is a parameter of an offload whose counts are not chosen yet."""
     entry = _deferred.get(id(t)) if isinstance(t, torch.Tensor) else None
