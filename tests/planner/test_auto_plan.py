@@ -172,15 +172,15 @@ def test_budget_the_step_fits_keeps_no_plan(no_plan, logged, monkeypatch):
     assert any("automatic activation plan for graph 0" in r.getMessage() for r in logged)
 
 
-def test_the_last_compile_dynamo_allows_a_frame_warns_that_further_shapes_run_unplanned(no_plan, logged, monkeypatch):
+def test_the_last_compile_dynamo_allows_a_frame_warns_that_further_shapes_run_unplanned(no_plan, logged):
     """A plan is sized for one input shape, so each new length compiles again; at the frame's last
     compile under Dynamo's recompile limit the user learns that further shapes leave the plan."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     compiled = torch.compile(GPT(CONFIG), backend="protrain",
                              options={"codegen": "eager", "memory_budget": budget_for_peak(2 * no_plan["peak"])})
-    compiled(*_batch(32)).backward()
-    assert not [r for r in logged if "recompile_limit" in r.getMessage()]
-    compiled(*_batch(24)).backward()
+    with torch._dynamo.config.patch(recompile_limit=2):  # (monkeypatch would delete the entry on undo)
+        compiled(*_batch(32)).backward()
+        assert not [r for r in logged if "recompile_limit" in r.getMessage()]
+        compiled(*_batch(24)).backward()
     (warned,) = [r.getMessage() for r in logged if "recompile_limit" in r.getMessage()]
     assert "compile 2 of the 2 Dynamo allows" in warned and "Pad the inputs to a few fixed lengths" in warned
 
