@@ -101,7 +101,7 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
         log.warning("protrain_fx: graph %d ends at a graph break: %s%s%s", record.index, brk.line(),
                     "; the blocks after it are not planned with the ones before (remove the break: a print, "
                     ".item(), data-dependent control flow)" if brk.inside_block else "",
-                    _LOGGER_BREAK_HINT if "logging.Logger" in brk.reason else "")
+                    _break_hint(brk.reason))
     if config.verbose:
         _log_to_stderr()
     _warn_if_not_averaged(record)
@@ -121,12 +121,24 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
     return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
 
 
-#: A logging call inside the model breaks the graph; what it logs is usually the fix.
-_LOGGER_BREAK_HINT = (
-    "; the model logs a warning there, which usually names the setting to change (Hugging Face gradient "
-    "checkpointing: pass use_cache=False or set model.config.use_cache = False); or add the logger's method "
-    "to torch._dynamo.config.ignore_logger_methods"
-)
+#: Graph breaks users meet in common models, by a phrase of Dynamo's reason, and the usual fix.
+_BREAK_HINTS = {
+    # A logging call inside the model; what it logs usually names the setting to change.
+    "logging.Logger": (
+        "; the model logs a warning there, which usually names the setting to change (Hugging Face gradient "
+        "checkpointing: pass use_cache=False or set model.config.use_cache = False); or add the logger's method "
+        "to torch._dynamo.config.ignore_logging_functions"
+    ),
+    # torch.utils.checkpoint around a function with side effects: Hugging Face's activation checkpointing.
+    "HOP: Unsafe side effect": (
+        "; a checkpointed function Dynamo cannot trace (Hugging Face activation checkpointing: call "
+        "model.gradient_checkpointing_disable(); the backend checkpoints blocks itself when the budget needs it)"
+    ),
+}
+
+
+def _break_hint(reason: str) -> str:
+    return next((hint for phrase, hint in _BREAK_HINTS.items() if phrase in reason), "")
 
 
 def _warn_if_not_averaged(record: CapturedGraph) -> None:

@@ -32,6 +32,9 @@ What it changes in the Trainer, and why:
   state ``handle.optimizer_state_dict()`` (full ordinary tensors, the formats of a plain model and a
   plain ``torch.optim.AdamW``); resuming loads them back with ``handle.load_state_dict``. Without
   offload the Trainer's own paths run unchanged.
+- Activation checkpointing (``TrainingArguments(gradient_checkpointing=True)``) is turned off at the
+  first training step, with a warning: the backend plans recompute against the budget
+  (:mod:`protrain_fx.integrations.checkpointing`).
 - Evaluation runs the plain module without offload (no compile for it) and the compiled module
   under ``no_grad`` with offload (the plain module's offloaded parameters hold no bytes; the
   backend's inference graph gathers the chunks).
@@ -56,6 +59,7 @@ import transformers
 from torch import nn
 
 import protrain_fx
+from protrain_fx.integrations.checkpointing import library_checkpointing_off
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +111,10 @@ class ProTrainTrainer(transformers.Trainer):
     # ---- the compiled module -------------------------------------------------------------------
 
     def compiled_model(self) -> nn.Module:
-        """``torch.compile(self.model, backend="protrain", options=protrain_options)``, made once."""
+        """``torch.compile(self.model, backend="protrain", options=protrain_options)``, made once. The
+        model's own activation checkpointing (``TrainingArguments(gradient_checkpointing=True)``) is
+        turned off first: the backend plans recompute (:mod:`protrain_fx.integrations.checkpointing`)."""
+        library_checkpointing_off(self.model, "ProTrainTrainer")
         if self._compiled is None or self._compiled_for is not self.model:
             self._compiled = torch.compile(self.model, backend="protrain", options=self.protrain_options)
             self._compiled_for = self.model

@@ -37,6 +37,7 @@ from protrain_fx.chunks import (
     pack,
 )
 from protrain_fx.errors import UnsupportedError
+from protrain_fx.integrations.checkpointing import library_checkpointing_off
 from protrain_fx.runtime import chunk_ops, distributed, shard
 from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
@@ -57,6 +58,7 @@ from protrain_fx.runtime.shells import (
     install_shell_repr,
     is_shell,
     refuse_eager_call,
+    refuse_eager_submodule,
     set_data,
 )
 
@@ -113,6 +115,7 @@ class OffloadHandle(Checkpoints):
             "n_lean": n_lean,
             "grad_pool": grad_pool,
         }
+        library_checkpointing_off(model, "offload")  # before Dynamo traces it: the backend plans recompute
         expandable_segments(self.device)  # before the chunks' buffers are allocated
         self._init_placement()
         self._init_step_state(grad_clipping)
@@ -122,8 +125,13 @@ class OffloadHandle(Checkpoints):
         else:
             self._build(n_persist, n_buffer, n_gpu_optim or 0)
         # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
-        # with the way out, before the first op reads one.
-        self._eager_guard = model.register_forward_pre_hook(refuse_eager_call)
+        # with the way out, before the first op reads one; so is a module of the model that a frame
+        # Dynamo gave up on runs eagerly inside the compiled call.
+        self._eager_guards = [model.register_forward_pre_hook(refuse_eager_call)] + [
+            module.register_forward_pre_hook(refuse_eager_submodule(name))
+            for name, module in model.named_modules(remove_duplicate=True)
+            if name and module._parameters
+        ]
 
     def _init_placement(self) -> None:
         """The counts and runtime parts, all empty until :meth:`_build` places the chunks."""
@@ -562,7 +570,7 @@ class OffloadHandle(Checkpoints):
         self.synchronize()
         if self.worker is not None:
             self.worker.close()
-        for hook in (*self._hooks, self._eager_guard):
+        for hook in (*self._hooks, *self._eager_guards):
             hook.remove()
         if self.id is not None:
             chunk_ops.unregister(self.id)

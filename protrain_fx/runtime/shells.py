@@ -4,8 +4,8 @@ Dynamo traces an offloaded model through its parameters, so each keeps a tensor 
 with a storage of 0 bytes while its values live in the chunk store. This module holds what makes
 shells safe: making them and setting parameters (also ``meta`` ones, swapped in place so that the
 optimizer's references stay valid), refusing a model offloaded twice, refusing a call outside
-``torch.compile`` (a forward pre-hook) and printing a shell without reading memory it does not
-have.
+``torch.compile`` (forward pre-hooks on the model and on each module owning parameters) and
+printing a shell without reading memory it does not have.
 """
 
 from __future__ import annotations
@@ -71,6 +71,38 @@ def refuse_eager_call(module: nn.Module, args: Any) -> None:
         "backend='protrain'); call the compiled module (handle.state_dict(model) gives the values, to load into "
         "a plain copy of the model)"
     )
+
+
+def refuse_eager_submodule(name: str) -> Callable[[nn.Module, Any], None]:
+    """Forward pre-hook of module ``name`` inside an offloaded model, which owns parameters: when
+    Dynamo gives up on a frame around it (a graph break it cannot resume, such as one inside a
+    loop), the frame runs as plain Python inside the compiled call, and a shell read there would
+    fail deep in an op. The call is refused instead, naming the module and the way out; a module
+    whose own parameters all hold values (persistent chunks) runs as it is."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        hollow = [n for n, p in module.named_parameters(recurse=False)
+                  if not p.is_meta and p.numel() and p.untyped_storage().nbytes() == 0]
+        if not hollow:
+            return None
+        raise UnsupportedError(
+            f"protrain_fx: {name} ({type(module).__name__}) of an offloaded model ran outside the compiled "
+            f"graphs, where its offloaded parameter {hollow[0]!r} holds no values: Dynamo gave up on a frame "
+            "around it and ran that frame eagerly (a graph break it cannot resume, e.g. one inside a loop; "
+            "TORCH_LOGS=graph_breaks names it). Remove that graph break; Hugging Face activation "
+            "checkpointing is one (model.gradient_checkpointing_disable(): the backend checkpoints "
+            "blocks itself when the budget needs it)"
+        )
+
+    return hook
+
+
+# Called from eager code (a frame Dynamo gave up on), the hook must run as Python: compiled as a
+# frame of its own, ``is_compiling()`` would read true and pass. Inlined into a traced graph, it
+# still folds away.
+torch._dynamo.eval_frame.skip_code(refuse_eager_submodule("").__code__)
 
 
 _TORCH_TENSOR_STR: Callable[..., str] | None = None

@@ -29,6 +29,8 @@ SEQ = 16
 #: first stays on the "device", the others live in the host store and stream through 2 buffers.
 OFFLOAD = dict(n_persist=1, n_buffer=2, chunk_bytes=8 * 1024)
 OPTIONS = {"codegen": "eager"}
+#: A budget under which the backend keeps some of those chunks on the "device" and streams the rest.
+BUDGET = 400_000
 #: Any machine: the test reads what the search problem of a captured graph says of accumulation.
 MACHINE = MachineProfile(h2d_bytes_per_s=20e9, d2h_bytes_per_s=20e9, duplex_bytes_per_s=30e9,
                          cpu_adam_params_per_s=1e9, gpu_adam_params_per_s=50e9, gpu_bytes=80 * 2**30)
@@ -216,3 +218,24 @@ def test_an_accumulation_count_other_than_the_trainers_is_refused(tmp_path):
     with pytest.raises(ValueError, match="leave accumulation_steps out of protrain_options"):
         ProTrainTrainer(model=_model(), args=_args(tmp_path, gradient_accumulation_steps=2),
                         protrain_options={"accumulation_steps": 4})
+
+
+def test_automatic_counts_with_the_trainers_gradient_checkpointing_train_like_the_plain_trainer(tmp_path, caplog):
+    # The fine-tuner's arguments: offload with the counts left to the backend under a budget that
+    # streams chunks, and TrainingArguments(gradient_checkpointing=True), which the trainer turns off
+    # (the backend plans recompute): the plain Trainer's losses and weights (it checkpoints).
+    args = dict(gradient_checkpointing=True, max_grad_norm=1.0, gradient_accumulation_steps=2)
+    reference = _train(tmp_path / "plain", protrain=False, **args)
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    trainer = ProTrainTrainer(model=_model(), args=_args(tmp_path / "protrain", **args), train_dataset=_Data(),
+                              protrain_options={**OPTIONS, "memory_budget": BUDGET},
+                              offload={"chunk_bytes": OFFLOAD["chunk_bytes"]})
+    with caplog.at_level(logging.WARNING, logger="protrain_fx"):
+        trainer.train()
+    _assert_same_run(trainer, reference, rtol=1e-5, atol=1e-6)
+    assert any("activation checkpointing" in r.getMessage() and "turned off" in r.getMessage() for r in caplog.records)
+    handle = trainer.handle
+    assert handle.counts_chosen and 0 < handle.n_persist < len(handle.layout.chunks)  # chosen, and chunks streamed
+    assert not any(g.breaks for g in protrain_fx.captured_graphs())
+    handle.close()
