@@ -245,6 +245,15 @@ def test_an_optimizer_the_chunks_cannot_step_is_refused_at_offload():
                             compute_dtype=torch.float16)
 
 
+def _tiny_llama(transformers):
+    """A 3-layer Hugging Face Llama with grouped-query attention and rotary positions, seeded."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
 def test_a_hugging_face_llama_with_the_loss_outside_clipped_and_accumulated_trains_like_eager():
     """The loop a fine-tuner writes: a Hugging Face Llama (GQA, rotary) offloaded without counts under
     a budget, logits returned and the loss computed outside the compiled module, two micro-batches per
@@ -252,11 +261,8 @@ def test_a_hugging_face_llama_with_the_loss_outside_clipped_and_accumulated_trai
     transformers = pytest.importorskip("transformers")
     import torch.nn.functional as F
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                      max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = _tiny_llama(transformers)
+    config = model.config
     reference = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
@@ -300,11 +306,8 @@ def test_hugging_face_gradient_checkpointing_is_turned_off_and_the_loop_trains_l
     import warnings
 
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                      max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = _tiny_llama(transformers)
+    config = model.config
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # renamed activation_checkpointing_enable in newer releases
         model.gradient_checkpointing_enable()
