@@ -14,6 +14,7 @@ https://pytorch.org/memory_viz), a Chrome trace JSON and an SVG plot with both o
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     register()  # a no-op once the package is installed (pip install -e .)
+    if not cuda:  # a CUDA build of torch without a GPU warns that it found no CUDA runtime; the CPU run needs none
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     device = torch.device(args.device)
     config = gpt_config(args.size)
     seq_len = args.seq_len or config.block_size

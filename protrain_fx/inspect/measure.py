@@ -24,6 +24,7 @@ allocations made in the same microsecond. A marker costs one cached small-block 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -379,8 +380,13 @@ class record_cpu_memory:
         if _active is not None:
             raise RuntimeError("a memory recording is already running; recordings cannot be nested")
         self.baseline = _live_cpu_storage_bytes()
+        if not torch.cuda.is_available():
+            # A CUDA build of torch on a machine without a GPU: Kineto logs an ERROR line about the
+            # GPU count when it starts, which reads as ours and says nothing about CPU memory.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self._profiler = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            # acc_events: one recording is one cycle; without it torch warns that it keeps one cycle only
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, acc_events=True,
         )
         self._profiler.__enter__()
         _active = self
