@@ -76,9 +76,10 @@ def refuse_eager_call(module: nn.Module, args: Any) -> None:
 def refuse_eager_submodule(name: str) -> Callable[[nn.Module, Any], None]:
     """Forward pre-hook of module ``name`` inside an offloaded model, which owns parameters: when
     Dynamo gives up on a frame around it (a graph break it cannot resume, such as one inside a
-    loop), the frame runs as plain Python inside the compiled call, and a shell read there would
-    fail deep in an op. The call is refused instead, naming the module and the way out; a module
-    whose own parameters all hold values (persistent chunks) runs as it is."""
+    loop, or an input shape past its recompile limit), the frame runs as plain Python inside the
+    compiled call, and a shell read there would fail deep in an op. The call is refused instead,
+    naming the module and the way out; a module whose own parameters all hold values (persistent
+    chunks) runs as it is."""
 
     def hook(module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
@@ -90,10 +91,11 @@ def refuse_eager_submodule(name: str) -> Callable[[nn.Module, Any], None]:
         raise UnsupportedError(
             f"protrain_fx: {name} ({type(module).__name__}) of an offloaded model ran outside the compiled "
             f"graphs, where its offloaded parameter {hollow[0]!r} holds no values: Dynamo gave up on a frame "
-            "around it and ran that frame eagerly (a graph break it cannot resume, e.g. one inside a loop; "
-            "TORCH_LOGS=graph_breaks names it). Remove that graph break; Hugging Face activation "
-            "checkpointing is one (model.gradient_checkpointing_disable(): the backend checkpoints "
-            "blocks itself when the budget needs it)"
+            "around it and ran that frame eagerly, for a graph break it cannot resume (one inside a loop: "
+            "remove it; Hugging Face activation checkpointing is one, model.gradient_checkpointing_disable(), "
+            "and the backend checkpoints blocks itself when the budget needs it) or for a new input shape past "
+            "torch._dynamo.config.recompile_limit (pad the inputs to a few fixed lengths, or raise the limit); "
+            "TORCH_LOGS=graph_breaks,recompiles names which"
         )
 
     return hook

@@ -363,3 +363,22 @@ def test_a_module_that_runs_eagerly_inside_the_compiled_call_is_refused_by_name(
     with pytest.raises(UnsupportedError, match=r"blocks\.1 \(Linear\).*ran outside the compiled graphs.*graph break"):
         compiled(torch.randn(2, 256))
     handle.close()
+
+
+def test_an_offloaded_model_past_the_recompile_limit_names_the_limit(monkeypatch):
+    """Each input shape is a compile of its own; past Dynamo's recompile limit the frame runs eagerly,
+    where the offloaded parameters hold nothing: refused, naming the limit and the fix."""
+    from torch._dynamo import config as dynamo_config
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK)  # each shape planned apart
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": "64MiB"})
+    with dynamo_config.patch(recompile_limit=2):
+        for seq in (32, 24):
+            compiled(*random_batch(CONFIG, 2, seq)).backward()
+            opt.step(), opt.zero_grad()
+        with pytest.raises(UnsupportedError, match="recompile_limit.*pad the inputs"):
+            compiled(*random_batch(CONFIG, 2, 16))
+    handle.close()
