@@ -307,7 +307,8 @@ class _Partitioner(CustomPartitionerFn):
             record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_offload(record, handle, tried),
                                                handle)
         elif placed is not None:
-            record.auto_plan = choose_for_placed(record, placed, tried)
+            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_for_placed(record, placed, tried),
+                                               placed=placed)
         else:
             record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_plan(record, tried))
         if record.auto_plan is None:

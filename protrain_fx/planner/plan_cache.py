@@ -10,7 +10,9 @@ that verify the plans: minutes on a large model. :func:`reuse_or_choose` wraps t
   graph does not always), the memory budget and where it came from, the devices' names, the torch
   and protrain_fx versions (and a hash of the package's sources), the options that change planning
   (``codegen``, ``optimizer``, ``keep_node_order``, ``machine``, ``verify``) and, for a model
-  offloaded without counts, its chunk layout and dtypes.
+  offloaded without counts, its chunk layout and dtypes; for a later input shape of such a model
+  (its counts chosen by the first graph: ``planner.offload.choose_for_placed``), the counts as
+  placed too, so its activation plan is applied for the same placement only.
 * **File**: one JSON file per device beside its machine profile
   (``profile.cache.plan_cache_path``, under ``$PROTRAIN_CACHE_DIR``), ``{"version", "plans": {digest:
   entry}}``. An entry holds what the planner hands back (:class:`~protrain_fx.planner.result.AutoPlan`:
@@ -104,13 +106,16 @@ def reuse_or_choose(
     trial: Callable[[Plan | None], None],
     choose: Callable[[], AutoPlan | None],
     handle: OffloadHandle | None = None,
+    placed: OffloadHandle | None = None,
 ) -> AutoPlan | None:
     """The plan of ``record`` from the cache (module docstring), else ``choose()``'s, stored for
     the next launch. ``joint``: the joint graph, shapes specialized; ``trial``: the partitioner's
-    (partitions and analyses with a plan); ``handle``: the offload whose counts are chosen."""
+    (partitions and analyses with a plan); ``handle``: the offload whose counts are chosen;
+    ``placed``: the offload whose counts an earlier graph chose (a later input shape: only its
+    activation plan is chosen, for the counts as placed, which the key holds)."""
     if not enabled():
         return choose()
-    key = plan_key(record, joint, handle)
+    key = plan_key(record, joint, handle, placed)
     auto = reuse(record, key, trial, handle)
     if auto is not None:
         return auto
@@ -120,11 +125,15 @@ def reuse_or_choose(
     return auto
 
 
-def plan_key(record: CapturedGraph, joint: fx.GraphModule, handle: OffloadHandle | None = None) -> PlanKey:
+def plan_key(
+    record: CapturedGraph, joint: fx.GraphModule, handle: OffloadHandle | None = None,
+    placed: OffloadHandle | None = None,
+) -> PlanKey:
     """The key of ``record``'s plan (module docstring)."""
     import protrain_fx
 
-    devices = sorted({str(t.device) for t in _tensors_of(joint)} | ({str(handle.device)} if handle else set()))
+    offload = handle or placed
+    devices = sorted({str(t.device) for t in _tensors_of(joint)} | ({str(offload.device)} if offload else set()))
     device = next((d for d in devices if d.startswith("cuda")), devices[0] if devices else "cpu")
     config = record.config
     parts: dict[str, Any] = {
@@ -145,6 +154,8 @@ def plan_key(record: CapturedGraph, joint: fx.GraphModule, handle: OffloadHandle
         },
         "offload": _offload_key(handle) if handle is not None else None,
     }
+    if placed is not None:  # the counts an earlier graph chose: this plan holds for them only
+        parts["placed"] = {**_offload_key(placed), "counts": [placed.n_persist, placed.n_buffer, placed.n_gpu_optim]}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
     return PlanKey(plan_cache_path(device), digest, parts)
 

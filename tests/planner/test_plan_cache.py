@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import protrain_fx
-from examples.gpt import GPT
+from examples.gpt import GPT, random_batch
 from protrain_fx import backend
-from protrain_fx.planner import activations, first_step
+from protrain_fx.planner import activations, first_step, verify
 from protrain_fx.planner import offload as autooffload
 from protrain_fx.planner.budget import budget_for_peak
 from protrain_fx.profile.cache import plan_cache_path
@@ -233,3 +233,42 @@ def test_an_offloaded_model_reuses_its_counts(gpu_like_machine, monkeypatch):
     assert (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == counts
     assert handle.configured and not handle.automatic and handle.counts_chosen
     assert "from the plan cache" in cached.table() and "n_persist=" in cached.table()
+
+
+def test_a_later_input_shape_of_an_offloaded_model_reuses_its_plan_for_the_counts_as_placed(gpu_like_machine,
+                                                                                           monkeypatch):
+    # The first shape chooses the counts, a longer one its activation plan for them (without the
+    # raised search the first leaves it room: tests/planner/test_auto_offload.py). At the next launch
+    # of the same loop both come from the cache: neither the counts nor the later plan are searched.
+    monkeypatch.setattr(verify, "MAX_RAISES", 0)
+    longer = random_batch(CONFIG, 1, 48, generator=torch.Generator().manual_seed(7))
+
+    def launch():
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        model, reference, opt, ref_opt, handle, compiled = _offload_setup(TIGHT)
+        _train_side_by_side(compiled, reference, opt, ref_opt, 2)
+        for _ in range(2):
+            loss, ref_loss = compiled(*longer), reference(*longer)
+            assert torch.equal(loss, ref_loss)
+            loss.backward(), ref_loss.backward()
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        _assert_same_params(handle, model, reference)
+        first, later = _train_graphs()
+        return handle, first.auto_plan, later.auto_plan
+
+    handle, first, later = launch()
+    assert not later.from_cache and later.cache_key in _entries() and later.cache_key != first.cache_key
+    assert later.plan.blocks_with("swap") or later.plan.blocks_with("checkpoint")
+    counts = (handle.n_persist, handle.n_buffer, handle.n_gpu_optim)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the planner ran on a plan cache hit")
+
+    for name in ("verified_choice", "prefer_persistent", "offload_cost_model"):
+        monkeypatch.setattr(autooffload, name, refuse)
+    handle, first_again, later_again = launch()
+    assert first_again.from_cache and later_again.from_cache
+    assert later_again.config == later.config and later_again.plan == later.plan
+    assert (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == counts
