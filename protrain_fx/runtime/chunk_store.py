@@ -594,15 +594,19 @@ class ChunkStore:
         self.wait_writes()
         return self._named(lambda s: self.view("master", s).clone())
 
-    def load_param_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Set every parameter from ``state_dict`` (a model's ``state_dict()`` or :meth:`param_state_dict`).
+    def load_param_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Set every parameter from ``state_dict`` (a model's ``state_dict()`` or :meth:`param_state_dict`);
+        ``strict=False``: those it has an entry for, the others keep their values.
 
         A tied parameter needs one of its names; entries that are not parameters (buffers) are
-        ignored. Gradients held are dropped."""
+        ignored. The gradients held by the chunks set are dropped."""
+        loaded: set[int] = set()
         for s in self.slots:
             name = next((n for n in s.names if n in state_dict), None)
             if name is None:
-                raise KeyError(f"state_dict has no entry for parameter {s.name!r}")
+                if strict:
+                    raise KeyError(f"state_dict has no entry for parameter {s.name!r}")
+                continue
             value, whole = state_dict[name], self._full_slot_of[s.name]
             if tuple(value.shape) != whole.shape:
                 raise ValueError(
@@ -610,7 +614,8 @@ class ChunkStore:
                 )
             self._before_host_write(s.chunk)
             self.view("master", s).copy_(piece_of(value, s))
-        for c in range(self.num_chunks):
+            loaded.add(s.chunk)
+        for c in sorted(loaded):
             if c in self.lean:
                 self._give_back_landing(c)
             else:

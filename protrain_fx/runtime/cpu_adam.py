@@ -223,14 +223,18 @@ class ChunkAdamW:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a ``torch.optim.AdamW`` state dict (from :meth:`state_dict` or a plain optimizer):
         hyper-parameters and other parameters' state go to ``optimizer``, the store's into the store."""
+        self.optimizer.load_state_dict(self.load_stored(state_dict))
+
+    def load_stored(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """The store's parameters' state of ``state_dict`` (a ``torch.optim.AdamW`` state dict) into
+        the store; the state dict of the rest (hyper-parameters and the other parameters' state),
+        for ``optimizer``."""
         state = state_dict["state"]
         ours = {index: slot for slot, index in self._index_of.items()}
-        self.optimizer.load_state_dict(
-            {
-                "state": {k: v for k, v in state.items() if int(k) not in self._stored_indices},
-                "param_groups": state_dict["param_groups"],
-            }
-        )
+        rest = {
+            "state": {k: v for k, v in state.items() if int(k) not in self._stored_indices},
+            "param_groups": state_dict["param_groups"],
+        }
         self._steps.clear()
         for index, slot in ours.items():
             entry = state.get(index, state.get(str(index)))
@@ -244,6 +248,7 @@ class ChunkAdamW:
                 self._steps[slot] = torch.tensor(
                     float(entry["step"]), dtype=torch.float32
                 )
+        return rest
 
 
 #: Elements per fused call (see :meth:`ChunkAdamW._step_group`): 4 MiB of each fp32 buffer, the

@@ -41,7 +41,7 @@ from protrain_fx.integrations.checkpointing import library_checkpointing_off
 from protrain_fx.runtime import chunk_ops, distributed, shard
 from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
-from protrain_fx.runtime.checkpoint import Checkpoints
+from protrain_fx.runtime.checkpoint import Checkpoints, install_state_hooks
 from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore
 from protrain_fx.runtime.clipping import (
     HeldNorms,
@@ -181,7 +181,9 @@ class OffloadHandle(Checkpoints):
         for b in model.buffers():
             b.data = b.data.to(self.device)
         self._hooks = (optimizer.register_step_pre_hook(lambda *_: self._before_step()),
-                       optimizer.register_step_post_hook(lambda *_: self._after_step()))
+                       optimizer.register_step_post_hook(lambda *_: self._after_step()),
+                       # the loop's own state_dict / load_state_dict calls read and write the chunks
+                       *install_state_hooks(self, model, optimizer))
         install_clip_dispatch()
         install_shell_repr()
 

@@ -37,6 +37,11 @@ def is_shell(p: torch.Tensor, device: torch.device) -> bool:
     return not p.is_meta and p.device == device and p.untyped_storage().nbytes() == 0
 
 
+def hollow(t: torch.Tensor) -> bool:
+    """``t`` has elements but a storage of 0 bytes: an offloaded parameter's shell, wherever it is."""
+    return not t.is_meta and t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
 def empty_shell(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor shaped, typed and placed like ``p`` whose storage holds no bytes (for tracing)."""
     shell = torch.empty(p.shape, dtype=p.dtype, device=device)
@@ -48,9 +53,7 @@ def check_not_offloaded(named: Mapping[str, torch.Tensor]) -> None:
     """Refuse a model offloaded before: its parameters are shells of 0 bytes (their values are in
     the first handle's chunk store), and copying from them would read no memory."""
     for name, p in named.items():
-        if chunk_ops.offloaded(p) is not None or chunk_ops.deferred(p) is not None or (
-            not p.is_meta and p.numel() and p.untyped_storage().nbytes() == 0
-        ):
+        if chunk_ops.offloaded(p) is not None or chunk_ops.deferred(p) is not None or hollow(p):
             raise ValueError(
                 f"offload: this model is already offloaded (parameter {name!r} holds no values: they live in the "
                 "chunk store of an earlier offload(...) call). Keep using the handle that call returned, or build "
@@ -84,13 +87,12 @@ def refuse_eager_submodule(name: str) -> Callable[[nn.Module, Any], None]:
     def hook(module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return None
-        hollow = [n for n, p in module.named_parameters(recurse=False)
-                  if not p.is_meta and p.numel() and p.untyped_storage().nbytes() == 0]
-        if not hollow:
+        shells = [n for n, p in module.named_parameters(recurse=False) if hollow(p)]
+        if not shells:
             return None
         raise UnsupportedError(
             f"protrain_fx: {name} ({type(module).__name__}) of an offloaded model ran outside the compiled "
-            f"graphs, where its offloaded parameter {hollow[0]!r} holds no values: Dynamo gave up on a frame "
+            f"graphs, where its offloaded parameter {shells[0]!r} holds no values: Dynamo gave up on a frame "
             "around it and ran that frame eagerly, for a graph break it cannot resume (one inside a loop: "
             "remove it; Hugging Face activation checkpointing is one, model.gradient_checkpointing_disable(), "
             "and the backend checkpoints blocks itself when the budget needs it) or for a new input shape past "
@@ -124,11 +126,10 @@ def install_shell_repr() -> None:
     @functools.wraps(original)
     def _str(self, *, tensor_contents=None):
         try:
-            hollow = (type(self) in (torch.Tensor, nn.Parameter) and not self.is_meta and self.numel() > 0
-                      and self.untyped_storage().nbytes() == 0)
+            shell = type(self) in (torch.Tensor, nn.Parameter) and hollow(self)
         except Exception:  # noqa: BLE001 -- tensors without a plain storage print as torch prints them
-            hollow = False
-        if hollow:
+            shell = False
+        if shell:
             return (f"tensor(<no values here: offloaded by protrain_fx, they live in the chunk store; "
                     f"handle.state_dict(model) gives them>, size={tuple(self.shape)}, dtype={self.dtype}, "
                     f"device='{self.device}')")

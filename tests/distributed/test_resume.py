@@ -1,5 +1,7 @@
 """Checkpoints across world sizes: saved at 2 ranks (gathered whole on every rank), resumed at 1,
-saved there and resumed at 2 again; the next step gives the same bits on every path.
+saved there and resumed at 2 again (with the loop's own ``load_state_dict`` calls: each rank loads
+its pieces); the next step gives the same bits on every path. At 2 ranks ``model.state_dict()`` and
+``optimizer.state_dict()`` are refused naming the handle's collectives.
 
 One rank stands for two by halving each micro-batch's loss and accumulating: 0.5 * g0 + 0.5 * g1 is
 exactly (g0 + g1) / 2 (halving is exact), the mean two ranks reduce."""
@@ -8,9 +10,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import protrain_fx
+from protrain_fx.errors import UnsupportedError
 from tests.distributed import common
 from tests.distributed.ranks import run_ranks
 
@@ -35,9 +39,17 @@ def _run(rank: int, world: int, load: str | None, save: str | None, steps_before
     model, opt, handle, compiled = _offloaded()
     if load is not None:
         checkpoint = torch.load(load, weights_only=False)
-        handle.load_state_dict(model, checkpoint["model"], checkpoint["optimizer"])
+        if world == 2:  # the loop's own calls: each rank loads its pieces, no collective
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["optimizer"])
+        else:
+            handle.load_state_dict(model, checkpoint["model"], checkpoint["optimizer"])
     for step in range(steps_before_save):
         _step(rank, world, compiled, opt, handle, step)
+    if world == 2:  # saving gathers every rank's pieces: the loop's own calls name the handle's
+        for call in (model.state_dict, opt.state_dict):
+            with pytest.raises(UnsupportedError, match="on every rank"):
+                call()
     state, optimizer = handle.state_dict(model), handle.optimizer_state_dict()  # every rank: collectives
     if save is not None and rank == 0:
         torch.save({"model": state, "optimizer": optimizer}, save)
