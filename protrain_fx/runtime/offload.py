@@ -55,6 +55,7 @@ from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
 from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings
 from protrain_fx.runtime.shells import (
     empty_shell,
+    guard_shells,
     install_shell_repr,
     is_shell,
     refuse_eager_call,
@@ -132,6 +133,11 @@ class OffloadHandle(Checkpoints):
             for name, module in model.named_modules(remove_duplicate=True)
             if name and module._parameters
         ]
+        # and a cast, move or deep copy of the parameters, which would read the shells' missing bytes
+        # (kept after close(): the parameters stay shells)
+        for name, module in model.named_modules():
+            if module._parameters or not name:
+                guard_shells(module, name)
 
     def _init_placement(self) -> None:
         """The counts and runtime parts, all empty until :meth:`_build` places the chunks."""

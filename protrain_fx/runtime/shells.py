@@ -4,8 +4,9 @@ Dynamo traces an offloaded model through its parameters, so each keeps a tensor 
 with a storage of 0 bytes while its values live in the chunk store. This module holds what makes
 shells safe: making them and setting parameters (also ``meta`` ones, swapped in place so that the
 optimizer's references stay valid), refusing a model offloaded twice, refusing a call outside
-``torch.compile`` (forward pre-hooks on the model and on each module owning parameters) and
-printing a shell without reading memory it does not have.
+``torch.compile`` (forward pre-hooks on the model and on each module owning parameters), refusing a
+cast, move or deep copy of the parameters, and printing a shell without reading memory it does not
+have.
 """
 
 from __future__ import annotations
@@ -107,6 +108,42 @@ def refuse_eager_submodule(name: str) -> Callable[[nn.Module, Any], None]:
 # frame of its own, ``is_compiling()`` would read true and pass. Inlined into a traced graph, it
 # still folds away.
 torch._dynamo.eval_frame.skip_code(refuse_eager_submodule("").__code__)
+
+
+#: A copy of an offloaded model that holds the values: what a refused cast or deep copy suggests.
+_PLAIN_COPY = "plain = type(model)(...); plain.load_state_dict(model.state_dict())"
+
+
+def guard_shells(module: nn.Module, name: str) -> None:
+    """Refuse, naming the way out, what would copy a module's shells and crash the process on the
+    bytes they lack: ``.to(dtype or device)``, ``.double()``, ``.half()``, ``.cpu()`` and the like
+    (``nn.Module._apply``, checked on every parameter before any is converted, so a refused call
+    changes nothing; a conversion that leaves the shells' dtype and device as they are runs), and
+    ``copy.deepcopy``. Instance attributes of ``module``: they stay, as the shells do."""
+    original = type(module)._apply.__get__(module)
+    what = f"{name} ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
+
+    def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        for p in module.parameters(recurse=recurse):
+            if hollow(p):
+                probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                if probe.dtype != p.dtype or probe.device != p.device:
+                    raise UnsupportedError(
+                        f"protrain_fx: {what} is offloaded: converting its parameters to {probe.dtype} on "
+                        f"{probe.device} would copy shells of 0 bytes (their values live in the chunk store). Cast "
+                        "and move the model before protrain_fx.offload(...) (its compute_dtype= sets the dtype the "
+                        f"graphs compute in), or convert a plain copy: {_PLAIN_COPY}"
+                    )
+        return original(fn, recurse)
+
+    def __deepcopy__(memo: dict[int, Any]) -> nn.Module:
+        raise UnsupportedError(
+            f"protrain_fx: copy.deepcopy of {what}, which is offloaded: its offloaded parameters are shells of 0 "
+            f"bytes (their values live in the chunk store); copy it as {_PLAIN_COPY}"
+        )
+
+    module.__dict__["_apply"] = _apply
+    module.__dict__["__deepcopy__"] = __deepcopy__
 
 
 _TORCH_TENSOR_STR: Callable[..., str] | None = None

@@ -382,3 +382,21 @@ def test_an_offloaded_model_past_the_recompile_limit_names_the_limit(monkeypatch
         with pytest.raises(UnsupportedError, match="recompile_limit.*pad the inputs"):
             compiled(*random_batch(CONFIG, 2, 16))
     handle.close()
+
+
+def test_casting_moving_or_deep_copying_an_offloaded_model_is_refused_and_changes_nothing():
+    """``model.double()``, ``.half()``, ``.to(dtype)`` or ``copy.deepcopy(model)`` after offload would
+    copy the shells' missing bytes (a crash): refused naming the way out, before any parameter is
+    converted; a move to the device the parameters are on already is a no-op and runs."""
+    model, _, opt, _, handle, compiled = _pair()
+    before = {n: (p.dtype, p.untyped_storage().nbytes()) for n, p in model.named_parameters()}
+    for convert in (model.double, model.half, lambda: model.to(torch.bfloat16), lambda: model.blocks[2].double()):
+        with pytest.raises(UnsupportedError, match="offloaded: converting its parameters.*before protrain_fx.offload"):
+            convert()
+        assert {n: (p.dtype, p.untyped_storage().nbytes()) for n, p in model.named_parameters()} == before
+    with pytest.raises(UnsupportedError, match="deepcopy.*load_state_dict"):
+        copy.deepcopy(model)
+    model.to("cpu")  # where the parameters are: nothing to copy
+    compiled(*_batch(0)).backward()  # still trains
+    opt.step()
+    handle.close()
