@@ -43,10 +43,22 @@ def hollow(t: torch.Tensor) -> bool:
     return not t.is_meta and t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
+#: What any op reading or writing a shell's data raises (instead of following its null pointer).
+SHELL_ACCESS_ERROR = (
+    "protrain_fx: this parameter is offloaded (protrain_fx.offload): its values live in the chunk store, not "
+    "in this tensor of 0 bytes. Run the model through torch.compile(model, backend='protrain'); read the values "
+    "with model.state_dict() or handle.state_dict(model)"
+)
+
+
 def empty_shell(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor shaped, typed and placed like ``p`` whose storage holds no bytes (for tracing)."""
+    """A tensor shaped, typed and placed like ``p`` whose storage holds no bytes (for tracing). An op
+    that reads or writes its data (``p.norm()``, ``p.clone()``, ``p.mul_(2)``, a kernel of an eager
+    fallback) raises :data:`SHELL_ACCESS_ERROR` instead of following the storage's null pointer,
+    which crashed the process; shape, dtype, device and storage size stay readable."""
     shell = torch.empty(p.shape, dtype=p.dtype, device=device)
     shell.untyped_storage().resize_(0)
+    torch._C._set_storage_data_ptr_access_error_msg(shell.untyped_storage()._cdata, SHELL_ACCESS_ERROR)
     return shell
 
 

@@ -400,3 +400,18 @@ def test_casting_moving_or_deep_copying_an_offloaded_model_is_refused_and_change
     compiled(*_batch(0)).backward()  # still trains
     opt.step()
     handle.close()
+
+
+def test_reading_or_writing_an_offloaded_parameter_raises_instead_of_crashing():
+    """Logging a weight's norm, flattening the parameters or scaling one in place reads or writes a
+    shell's data, which it lacks (the process crashed on the null pointer): a clear error instead."""
+    model, _, _, _, handle, compiled = _pair()
+    shell = model.get_parameter("blocks.2.mlp.fc.weight")
+    assert shell.untyped_storage().nbytes() == 0  # offloaded
+    for touch in (shell.norm, lambda: torch.nn.utils.parameters_to_vector(model.parameters()),
+                  lambda: shell.detach().mul_(2), shell.clone):
+        with pytest.raises(RuntimeError, match="offloaded.*state_dict"):
+            touch()
+    assert shell.shape == (4 * CONFIG.n_embd, CONFIG.n_embd) and shell.dtype == torch.float32  # still readable
+    compiled(*_batch(0)).backward()
+    handle.close()
