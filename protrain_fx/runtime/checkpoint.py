@@ -39,6 +39,10 @@ class Checkpoints:
     """Saving and loading for ``OffloadHandle`` (which holds ``store``, ``adam``, ``optimizer``,
     ``group`` and the values kept aside before the chunks are placed)."""
 
+    #: Calls of the handle's own into the model's and the optimizer's state dicts now running
+    #: (:meth:`_own_call`): the state hooks let them through.
+    _own_calls = 0
+
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """``model.state_dict()``'s keys (parameters, tied ones under each name, and persistent
         buffers) as ordinary full CPU tensors: it loads into a plain model with ``load_state_dict``."""
@@ -102,7 +106,7 @@ class Checkpoints:
     def _own_call(self) -> Iterator[None]:
         """The handle reads or loads the model's and the optimizer's state dicts itself: the state
         hooks (:func:`install_state_hooks`) let these calls through unchanged."""
-        self._own_calls = getattr(self, "_own_calls", 0) + 1
+        self._own_calls += 1
         try:
             yield
         finally:
@@ -158,7 +162,9 @@ class Checkpoints:
             )
 
 
-def install_state_hooks(handle: Checkpoints, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
+def install_state_hooks(
+    handle: Checkpoints, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> list[RemovableHandle]:
     """Hooks that make the loop's own ``state_dict`` / ``load_state_dict`` calls of ``model`` (each
     module owning parameters) and ``optimizer`` read and write the offloaded values (module
     docstring); the handles to remove them."""
@@ -232,7 +238,7 @@ def _not_missing(taken: dict[int, list[str]], module: nn.Module, incompatible_ke
 
 def _optimizer_state(handle: Checkpoints, optimizer: torch.optim.Optimizer,
                      state_dict: dict[str, Any]) -> dict[str, Any] | None:
-    if getattr(handle, "_own_calls", 0):
+    if handle._own_calls:
         return None
     if handle.group is not None and handle.store is not None:
         raise UnsupportedError(
@@ -247,7 +253,7 @@ def _load_optimizer_state(handle: Checkpoints, optimizer: torch.optim.Optimizer,
                           state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
     """Load pre-hook: the offloaded chunks' moments go to the store (kept aside until the chunks are
     placed); what torch then loads is the rest, hyper-parameters included."""
-    if getattr(handle, "_own_calls", 0):
+    if handle._own_calls:
         return None
     if not handle._built:
         handle._optimizer_state_aside = state_dict
