@@ -103,7 +103,9 @@ def install_clip_dispatch() -> None:
     given an offloaded model's parameters (their gradients are in the chunk store, not in
     ``.grad``); any other call goes to torch's own function unchanged. Installed once, by the first
     ``offload``; a name bound before it (``from torch.nn.utils import clip_grad_norm_``) still holds
-    torch's, which sees only the persistent chunks' gradients."""
+    torch's, which sees only the persistent chunks' gradients: it is refused before it scales any
+    (:func:`_refuse_partial_clips`), as are ``clip_grads_with_norm_`` and ``clip_grad_value_`` over
+    offloaded parameters."""
     global _TORCH_CLIP_GRAD_NORM
     if _TORCH_CLIP_GRAD_NORM is not None:
         return
@@ -129,6 +131,42 @@ def install_clip_dispatch() -> None:
 
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     clip_grad.clip_grad_norm_ = clip_grad_norm_
+    _refuse_partial_clips(clip_grad)
+
+
+#: Where torch's own clipping of an offloaded model's parameters would be silently partial.
+_PARTIAL_CLIP = (
+    "the offloaded chunks' gradients never reach .grad (they live in the chunk store), so a norm or clip "
+    "taken over .grad leaves them out: call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) "
+    "by its module path (it takes the norm over every chunk); a name imported before protrain_fx.offload(...) "
+    "(from torch.nn.utils import clip_grad_norm_) is torch's own"
+)
+
+
+def _refuse_partial_clips(clip_grad: Any) -> None:
+    """torch's clipping functions that would clip an offloaded model's parameters from ``.grad`` alone
+    refuse them instead: ``clip_grads_with_norm_`` (also what torch's own ``clip_grad_norm_`` calls
+    after taking its norm, so a ``clip_grad_norm_`` bound before the dispatch was installed is caught
+    before it scales anything) and ``clip_grad_value_``."""
+    with_norm, by_value = clip_grad._clip_grads_with_norm_, clip_grad.clip_grad_value_
+
+    def refuse_offloaded(parameters: Any, what: str) -> list[torch.Tensor]:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(chunk_ops.offloaded(p) is not None for p in params):
+            raise UnsupportedError(f"protrain_fx: {what} over an offloaded model's parameters: {_PARTIAL_CLIP}")
+        return params
+
+    @functools.wraps(with_norm)
+    def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+        return with_norm(refuse_offloaded(parameters, "a gradient clip by a norm taken over .grad"), max_norm,
+                         total_norm, foreach)
+
+    @functools.wraps(by_value)
+    def clip_grad_value_(parameters, clip_value, foreach=None):
+        return by_value(refuse_offloaded(parameters, "clip_grad_value_"), clip_value, foreach)
+
+    clip_grad._clip_grads_with_norm_ = torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
+    clip_grad.clip_grad_value_ = torch.nn.utils.clip_grad_value_ = clip_grad_value_
 
 
 def clip_grad_norm(

@@ -415,3 +415,25 @@ def test_reading_or_writing_an_offloaded_parameter_raises_instead_of_crashing():
     assert shell.shape == (4 * CONFIG.n_embd, CONFIG.n_embd) and shell.dtype == torch.float32  # still readable
     compiled(*_batch(0)).backward()
     handle.close()
+
+
+def test_torchs_own_clipping_of_an_offloaded_model_is_refused_instead_of_clipping_part_of_it():
+    """A ``clip_grad_norm_`` imported before ``offload`` (torch's own), ``clip_grads_with_norm_`` with a
+    norm from ``get_total_norm`` over ``.grad``, and ``clip_grad_value_`` see only the persistent
+    chunks' gradients: refused before any gradient is scaled; the module path still clips exactly."""
+    from protrain_fx.runtime import clipping
+
+    model, _, opt, _, handle, compiled = _pair(grad_clipping=True)
+    compiled(*_batch(0)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and len(grads) < len(list(model.parameters()))  # persistent ones hold .grad, offloaded not
+    total = torch.nn.utils.get_total_norm(list(grads.values()))
+    for clip in (lambda: clipping._TORCH_CLIP_GRAD_NORM(model.parameters(), 0.01),  # bound before offload
+                 lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.01, total),
+                 lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)):
+        with pytest.raises(UnsupportedError, match="never reach .grad.*clip_grad_norm_\\(model.parameters"):
+            clip()
+    assert all(torch.equal(model.get_parameter(n).grad, g) for n, g in grads.items())  # nothing scaled
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01) > total  # over every chunk
+    opt.step()
+    handle.close()
