@@ -97,6 +97,13 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
             "and optimizer state went with it. Keep that optimizer (it steps the offloaded chunks) for the whole "
             "training, or save handle.state_dict(model) before handle.close() and load it into a new model"
         )
+    if _float16_on_offloaded(gm, record):
+        raise UnsupportedError(
+            "protrain_fx: an offloaded model computes in float16 (torch.autocast(..., dtype=torch.float16)): "
+            "float16 needs loss scaling (GradScaler), whose unscaling and skipped steps do not reach the offloaded "
+            "chunks' gradients (they are stepped from the chunk store, not from .grad); use "
+            "torch.autocast(..., dtype=torch.bfloat16)"
+        )
     for brk in record.breaks:  # Dynamo counts a break before compiling the graph that the break ends
         log.warning("protrain_fx: graph %d ends at a graph break: %s%s%s", record.index, brk.line(),
                     "; the blocks after it are not planned with the ones before (remove the break: a print, "
@@ -158,6 +165,16 @@ def _warn_if_not_averaged(record: CapturedGraph) -> None:
         "docs/distributed.md), or wrap it in DistributedDataParallel before torch.compile", group.world_size,
         record.index,
     )
+
+
+def _float16_on_offloaded(gm: fx.GraphModule, record: CapturedGraph) -> bool:
+    """Whether a training graph reading an offloaded model's parameters computes in float16."""
+    if not torch.is_grad_enabled() or not any(
+        chunk_ops.offloaded(t) is not None or chunk_ops.deferred(t) is not None for t in record.real_inputs()
+    ):
+        return False
+    return any(getattr(n.meta.get("example_value"), "dtype", None) == torch.float16
+               for n in gm.graph.nodes if n.op == "call_function")
 
 
 def _frame_compile_started() -> float:

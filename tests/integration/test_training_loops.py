@@ -437,3 +437,18 @@ def test_torchs_own_clipping_of_an_offloaded_model_is_refused_instead_of_clippin
     assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01) > total  # over every chunk
     opt.step()
     handle.close()
+
+
+def test_float16_autocast_on_an_offloaded_model_is_refused_naming_bfloat16():
+    """float16 needs loss scaling, and GradScaler's unscaling and skipped steps reach ``.grad`` only:
+    the offloaded chunks would step on scaled (or overflowed) gradients. bfloat16 trains."""
+    model, _, opt, _, handle, compiled = _pair()
+    with pytest.raises(UnsupportedError, match="float16.*GradScaler.*bfloat16"):
+        with torch.autocast("cpu", dtype=torch.float16):
+            compiled(*_batch(0))
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(*_batch(0))
+    loss.backward()
+    opt.step()
+    handle.close()
