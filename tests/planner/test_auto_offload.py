@@ -418,6 +418,20 @@ def test_a_first_graph_cut_off_before_the_blocks_names_the_break():
     assert "test_auto_offload.py" in str(info.value) and "by hand" in str(info.value)
 
 
+#: A longer input shape than the tests' first one (1 x 48 tokens).
+LONGER = random_batch(CONFIG, 1, 48, generator=torch.Generator().manual_seed(7))
+
+
+def _train_on(batch, compiled, reference, opt, ref_opt, steps: int = 2) -> None:
+    """``steps`` training steps of both models on ``batch``; the losses must be equal."""
+    for _ in range(steps):
+        loss, ref_loss = compiled(*batch), reference(*batch)
+        assert torch.equal(loss, ref_loss)
+        loss.backward(), ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+
 def test_another_input_shape_gets_its_own_plan_for_the_chunks_as_placed(monkeypatch):
     # Without the raised search the first compile leaves room for the longer shape: with it, the
     # first shape takes that room (more persistent chunks), and the longer one no longer fits.
@@ -426,13 +440,7 @@ def test_another_input_shape_gets_its_own_plan_for_the_chunks_as_placed(monkeypa
     _train_side_by_side(compiled, reference, opt, ref_opt, 2)
     counts = (handle.n_persist, handle.n_buffer, handle.n_gpu_optim)
     first = _train_record()
-    longer = random_batch(CONFIG, 1, 48, generator=torch.Generator().manual_seed(7))
-    for _ in range(2):
-        loss, ref_loss = compiled(*longer), reference(*longer)
-        assert torch.equal(loss, ref_loss)
-        loss.backward(), ref_loss.backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+    _train_on(LONGER, compiled, reference, opt, ref_opt)
     _assert_same_params(handle, model, reference)
     second = _train_record()
     assert second is not first and (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == counts

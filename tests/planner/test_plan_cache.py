@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import protrain_fx
-from examples.gpt import GPT, random_batch
+from examples.gpt import GPT
 from protrain_fx import backend
 from protrain_fx.planner import activations, first_step, verify
 from protrain_fx.planner import offload as autooffload
 from protrain_fx.planner.budget import budget_for_peak
 from protrain_fx.profile.cache import plan_cache_path
-from tests.planner.test_auto_offload import GPU_LIKE, TIGHT
+from tests.planner.test_auto_offload import GPU_LIKE, LONGER, TIGHT, _train_on
 from tests.planner.test_auto_offload import _setup as _offload_setup
 from tests.planner.test_auto_plan import CONFIG, _batch, _train_graphs, logged, no_plan  # noqa: F401
 from tests.runtime.test_offload import _assert_same_params, _train_side_by_side
@@ -241,19 +241,13 @@ def test_a_later_input_shape_of_an_offloaded_model_reuses_its_plan_for_the_count
     # raised search the first leaves it room: tests/planner/test_auto_offload.py). At the next launch
     # of the same loop both come from the cache: neither the counts nor the later plan are searched.
     monkeypatch.setattr(verify, "MAX_RAISES", 0)
-    longer = random_batch(CONFIG, 1, 48, generator=torch.Generator().manual_seed(7))
 
     def launch():
         torch._dynamo.reset()
         protrain_fx.reset()
         model, reference, opt, ref_opt, handle, compiled = _offload_setup(TIGHT)
         _train_side_by_side(compiled, reference, opt, ref_opt, 2)
-        for _ in range(2):
-            loss, ref_loss = compiled(*longer), reference(*longer)
-            assert torch.equal(loss, ref_loss)
-            loss.backward(), ref_loss.backward()
-            opt.step(), ref_opt.step()
-            opt.zero_grad(), ref_opt.zero_grad()
+        _train_on(LONGER, compiled, reference, opt, ref_opt)
         _assert_same_params(handle, model, reference)
         first, later = _train_graphs()
         return handle, first.auto_plan, later.auto_plan
