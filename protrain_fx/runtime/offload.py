@@ -52,7 +52,7 @@ from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
 from protrain_fx.runtime.grad_sync import GradAverager
 from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
-from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings
+from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings, checked_sizes
 from protrain_fx.runtime.shells import (
     empty_shell,
     guard_shells,
@@ -94,6 +94,7 @@ class OffloadHandle(Checkpoints):
         self.group = distributed.check_device(self.device)
         named, init = checked_settings(model, optimizer, self.device, (n_persist, n_buffer, n_gpu_optim),
                                        compute_dtype, grad_clipping, init)
+        chunk_bytes = checked_sizes(chunk_bytes, n_lean, grad_pool)
         auto = n_persist == AUTO
         self.layout = _layout(named, chunk_bytes, self.group)
         distributed.agree({
@@ -116,15 +117,17 @@ class OffloadHandle(Checkpoints):
             "n_lean": n_lean,
             "grad_pool": grad_pool,
         }
-        library_checkpointing_off(model, "offload")  # before Dynamo traces it: the backend plans recompute
         expandable_segments(self.device)  # before the chunks' buffers are allocated
         self._init_placement()
         self._init_step_state(grad_clipping)
-        self._attach(model, optimizer)
         if auto:
             self._defer()
         else:
-            self._build(n_persist, n_buffer, n_gpu_optim or 0)
+            self._build(n_persist, n_buffer, n_gpu_optim or 0)  # (refused counts raise before anything moves)
+        # Only once the chunks are placed (or deferred) do the model and the optimizer get their hooks:
+        # a refused offload(...) leaves both as they were.
+        self._attach(model, optimizer)
+        library_checkpointing_off(model, "offload")  # before Dynamo traces it: the backend plans recompute
         # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
         # with the way out, before the first op reads one; so is a module of the model that a frame
         # Dynamo gave up on runs eagerly inside the compiled call.

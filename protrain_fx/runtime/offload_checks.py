@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from protrain_fx.chunks import ChunkLayout
+from protrain_fx.config import parse_bytes
 from protrain_fx.runtime.cpu_adam import check_optimizer
 from protrain_fx.runtime.shells import check_not_offloaded
 
@@ -60,6 +61,9 @@ def checked_settings(
             "offload (only parameters are materialised into chunks), or give init='model'"
         )
     n_persist, n_buffer, n_gpu_optim = counts
+    for name, value in (("n_persist", n_persist), ("n_buffer", n_buffer), ("n_gpu_optim", n_gpu_optim)):
+        if value not in (AUTO, None) and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"offload: {name} must be a count (an int >= 0) or 'auto', got {value!r}")
     auto = [c == AUTO for c in (n_persist, n_buffer)]
     if any(auto) and not all(auto):
         raise ValueError(
@@ -74,6 +78,17 @@ def checked_settings(
     if not all(auto) and n_gpu_optim == AUTO:
         raise ValueError("offload: n_gpu_optim='auto' needs n_persist and n_buffer 'auto' too")
     return named, init
+
+
+def checked_sizes(chunk_bytes: Any, n_lean: Any, grad_pool: Any) -> int | None:
+    """Refuse a chunk size, lean count or landing pool that cannot be served; the chunk size in bytes
+    (``None``: chosen from the model), read like ``memory_budget`` (``67108864``, ``"64MiB"``)."""
+    if n_lean != AUTO and (isinstance(n_lean, bool) or not isinstance(n_lean, int) or n_lean < 0):
+        raise ValueError(f"offload: n_lean must be 'auto' or a count of chunks (an int >= 0), got {n_lean!r}")
+    if isinstance(grad_pool, bool) or not isinstance(grad_pool, int) or grad_pool < 1:
+        raise ValueError(f"offload: grad_pool must be at least 1, got {grad_pool!r} (the host buffers a lean chunk's "
+                         "gradient lands in)")
+    return None if chunk_bytes is None else parse_bytes(chunk_bytes, option="chunk_bytes")
 
 
 def check_hand_counts(layout: ChunkLayout, n_persist: int) -> None:

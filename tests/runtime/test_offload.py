@@ -421,6 +421,18 @@ def test_bad_settings_are_refused_with_the_numbers():
         protrain_fx.offload(model, opt, n_persist=0, n_buffer=1, device="cpu", chunk_bytes=CHUNK, grad_pool=0)
     with pytest.raises(ValueError, match="n_buffer >= 1"):
         protrain_fx.offload(model, opt, n_persist=0, n_buffer=0, device="cpu", chunk_bytes=CHUNK)
+    # refused before anything moves, the automatic counts' settings too
+    for kwargs, match in [({"chunk_bytes": 0}, "chunk_bytes.*must be positive"),
+                          ({"chunk_bytes": "64 bytes"}, "chunk_bytes.*as a size"),
+                          ({"n_lean": -1}, "n_lean must be 'auto' or a count"),
+                          ({"grad_pool": 0}, "grad_pool must be at least 1, got 0"),
+                          ({"n_persist": -1, "n_buffer": 2}, "n_persist must be a count")]:
+        with pytest.raises(ValueError, match=match):
+            protrain_fx.offload(model, opt, device="cpu", **kwargs)
+    fresh = GPT(CONFIG)  # a size as memory_budget reads one
+    handle = protrain_fx.offload(fresh, torch.optim.AdamW(fresh.parameters()), device="cpu", chunk_bytes="64KiB")
+    assert handle.layout.chunk_bytes == 64 * 1024
+    handle.close()
     with pytest.raises(MemoryError, match="bytes"):
         protrain_fx.offload(model, opt, n_persist=0, n_buffer=1, device="cpu", chunk_bytes=CHUNK, available_host_bytes=1000)
     with pytest.raises((TypeError, ValueError), match="Adam"):
@@ -673,3 +685,19 @@ def test_auto_makes_the_fewest_last_chunks_lean_that_fit_the_host():
     with pytest.raises(ValueError, match=r"n_lean must be 'auto' or in \[0, \d+\]"):
         protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(GPT(CONFIG).parameters()), n_persist=0, n_buffer=2,
                             device="cpu", chunk_bytes=CHUNK, n_lean=999)
+
+
+def test_a_refused_offload_leaves_the_model_and_optimizer_as_they_were():
+    """Counts refused by hand (found only once the layout is known) leave no hook behind: the model
+    and optimizer then offload, save and step as if the refused call had not been made."""
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    hooks = lambda: (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_state_dict_post_hooks),  # noqa: E731
+                     sum(len(m._state_dict_hooks) + len(m._forward_pre_hooks) for m in model.modules()))
+    before = hooks()
+    with pytest.raises(ValueError, match="n_persist must be in"):
+        protrain_fx.offload(model, opt, n_persist=999, n_buffer=1, device="cpu", chunk_bytes=CHUNK)
+    assert hooks() == before and model.get_parameter("wte.weight").untyped_storage().nbytes()
+    handle = protrain_fx.offload(model, opt, n_persist=1, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
+    assert set(model.state_dict()) == set(handle.state_dict(model))
+    handle.close()
