@@ -392,6 +392,32 @@ def test_inductor_codegen_trains_like_eager():
         torch.testing.assert_close(state[name], p.detach(), rtol=1e-4, atol=2e-5)
 
 
+def test_inductor_never_reads_a_shells_data_when_it_checks_input_alignment(monkeypatch):
+    """On a GPU, Inductor checks the alignment of every graph input it cannot prove aligned, at every
+    call, by its data pointer; a shell's data pointer raises (``runtime/shells.py``). The shells are
+    parameters, static inputs Inductor proves aligned at compile time, so they are never checked:
+    here CPU inputs are checked as GPU ones would be, and training runs."""
+    from torch._inductor import compile_fx
+    from torch._inductor.utils import tensor_is_aligned
+
+    checked: list[int] = []
+
+    def as_on_a_gpu(inputs, static_input_idxs):
+        idxs = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)
+                and not (i in static_input_idxs and tensor_is_aligned(x))]
+        checked.extend(idxs)
+        return idxs
+
+    monkeypatch.setattr(compile_fx, "get_input_idxs_to_check", as_on_a_gpu)
+    model, reference, opt, ref_opt, handle, compiled = _setup(1, 2, codegen="inductor")
+    assert any(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # shells among the inputs
+    for step in range(2):
+        compiled(*_batch(step)).backward()
+        opt.step(), opt.zero_grad()
+    assert checked  # the token ids and the saved activations were checked
+    handle.close()
+
+
 def test_inductor_frees_each_chunks_gradients_once_they_are_handed_over():
     # Found at 4.2B on the H200: Inductor kept the gradients given to chunk_grads allocated to the
     # end of backward (a buffer it may not reuse is never freed), i.e. all offloaded chunks' fp32
