@@ -130,8 +130,9 @@ def guard_shells(module: nn.Module, name: str) -> None:
     """Refuse, naming the way out, what would copy a module's shells and crash the process on the
     bytes they lack: ``.to(dtype or device)``, ``.double()``, ``.half()``, ``.cpu()`` and the like
     (``nn.Module._apply``, checked on every parameter before any is converted, so a refused call
-    changes nothing; a conversion that leaves the shells' dtype and device as they are runs), and
-    ``copy.deepcopy``. Instance attributes of ``module``: they stay, as the shells do."""
+    changes nothing; a conversion that leaves the shells' dtype and device as they are runs),
+    ``copy.deepcopy`` and pickling (``torch.save(model)``). Instance attributes of ``module``: they
+    stay, as the shells do."""
     original = type(module)._apply.__get__(module)
     what = f"{name} ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
 
@@ -154,8 +155,16 @@ def guard_shells(module: nn.Module, name: str) -> None:
             f"bytes (their values live in the chunk store); copy it as {_PLAIN_COPY}"
         )
 
+    def __reduce_ex__(protocol: int) -> Any:
+        raise UnsupportedError(
+            f"protrain_fx: pickling {what} (torch.save(model)), which is offloaded: its offloaded parameters are "
+            "shells of 0 bytes (their values live in the chunk store); save torch.save(model.state_dict(), path), "
+            "which holds the values, and load it into a plain model"
+        )
+
     module.__dict__["_apply"] = _apply
     module.__dict__["__deepcopy__"] = __deepcopy__
+    module.__dict__["__reduce_ex__"] = __reduce_ex__
 
 
 _TORCH_TENSOR_STR: Callable[..., str] | None = None

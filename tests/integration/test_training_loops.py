@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 
 import pytest
 import torch
@@ -385,9 +386,10 @@ def test_an_offloaded_model_past_the_recompile_limit_names_the_limit(monkeypatch
 
 
 def test_casting_moving_or_deep_copying_an_offloaded_model_is_refused_and_changes_nothing():
-    """``model.double()``, ``.half()``, ``.to(dtype)`` or ``copy.deepcopy(model)`` after offload would
-    copy the shells' missing bytes (a crash): refused naming the way out, before any parameter is
-    converted; a move to the device the parameters are on already is a no-op and runs."""
+    """``model.double()``, ``.half()``, ``.to(dtype)``, ``copy.deepcopy(model)`` or ``torch.save(model)``
+    after offload would copy the shells' missing bytes (a crash, or a file without the values):
+    refused naming the way out, before any parameter is converted; a move to the device the
+    parameters are on already is a no-op and runs."""
     model, _, opt, _, handle, compiled = _pair()
     before = {n: (p.dtype, p.untyped_storage().nbytes()) for n, p in model.named_parameters()}
     for convert in (model.double, model.half, lambda: model.to(torch.bfloat16), lambda: model.blocks[2].double()):
@@ -396,6 +398,8 @@ def test_casting_moving_or_deep_copying_an_offloaded_model_is_refused_and_change
         assert {n: (p.dtype, p.untyped_storage().nbytes()) for n, p in model.named_parameters()} == before
     with pytest.raises(UnsupportedError, match="deepcopy.*load_state_dict"):
         copy.deepcopy(model)
+    with pytest.raises(UnsupportedError, match=r"torch.save\(model\).*model.state_dict\(\)"):
+        torch.save(model, io.BytesIO())
     model.to("cpu")  # where the parameters are: nothing to copy
     compiled(*_batch(0)).backward()  # still trains
     opt.step()
