@@ -23,8 +23,8 @@ graph, :func:`choose_offload` runs instead of partitioning once:
    (``planner.budget.allocated_cap_bytes``); ``n_gpu_optim`` only on CUDA (on the CPU there is no second
    device to step on). A config with more persistent chunks predicted within 5% of it is taken
    instead (:func:`prefer_persistent`).
-4. The handle places its chunks with those counts (``OffloadHandle.configure``: the host store,
-   the chunk buffers, persistent parameters on the device), the step is partitioned again with the
+4. The handle places its chunks with those counts (``OffloadHandle.configure``: the host store laid
+   out but not filled, the chunk buffers, persistent parameters on the device), the step is partitioned again with the
    activation plan (``search.problem.block_plan``) and rewritten to read the chunks (``passes/gather.py``),
    and the memory analysis checks the rewritten step, chunk buffers and staging included. Above the
    cap, the search runs again with the cap lowered by the miss (the handle is placed again; nothing
@@ -36,8 +36,8 @@ graph, :func:`choose_offload` runs instead of partitioning once:
 5. Nothing fits: :class:`~protrain_fx.search.search.NoPlanFits` names the smallest budget with a plan.
    A host too small for the chunk store is refused by the store, naming its bytes.
 
-Then the handle forgets the values it kept (``OffloadHandle.finalize``): the counts are final for
-the life of the model. Another input shape compiles again (the plan guards on the shapes) and gets
+Then the handle fills the chosen placement's store and forgets the values it kept
+(``OffloadHandle.finalize``): the counts are final for the life of the model. Another input shape compiles again (the plan guards on the shapes) and gets
 its own activation plan for the chunks as placed (:func:`choose_for_placed`).
 
 Lean chunks (a host short of memory for every chunk's compute-dtype copy): the cost model gets
@@ -386,7 +386,8 @@ def place_and_analyse(
     analysis' (``planner.verify.judged_peak``: or Inductor's plan's, with ``verify="inductor"``). ``record``
     is left as of this config."""
     with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
-        handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim)
+        # laid out, not filled: the trial needs the placement's sizes; the chosen one is filled by finalize()
+        handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim, fill=False)
     plan = block_plan(model.problem, config)
     trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
     return judged_trial(record, config, model.estimate(config).peak_bytes)
@@ -432,7 +433,8 @@ def choose_offload(
         if spread and kept is not None:
             config = steadier_gpu_optim(handle, model, kept, cap, trials, spread)
         if final:
-            handle.finalize()
+            with unset_fake_temporarily():
+                handle.finalize()  # the store of the chosen placement gets its values
         return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
                       empty_peak_bytes=all_on_device_peak, empty_step_s=model.estimate(everything).step_s,
                       offload=True, problem_s=problem_s, started=started, rate_spread=spread)

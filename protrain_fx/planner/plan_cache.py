@@ -179,7 +179,7 @@ def reuse(
     config, problem, plan = entry["config"], entry["problem"], entry["plan"]
     if handle is not None:
         with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode
-            handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim)
+            handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim, fill=False)
     trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
     assert record.memory is not None
     peak = record.memory.peak_bytes
@@ -201,7 +201,8 @@ def reuse(
                 handle.unplace()
         return None
     if handle is not None:
-        handle.finalize()
+        with unset_fake_temporarily():
+            handle.finalize()  # the store gets its values once the entry is taken
     spread = entry["rate_spread"]
     auto = AutoPlan(
         plan=plan,

@@ -61,6 +61,7 @@ class ChunkStore:
     docstring), or ``"auto"``: the fewest that fit. ``grad_pool``: landing buffers of the lean chunks.
     ``shard=(rank, world_size)``: the store holds only that rank's equal part of every chunk (its
     buffers, slots and optimizer state; ``runtime/shard.py`` gathers and scatters the rest).
+    ``fill=False``: nothing is allocated until :meth:`fill` (the layout and the host check are done).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class ChunkStore:
         n_lean: int | Literal["auto"] = 0,
         grad_pool: int = GRAD_POOL,
         shard: tuple[int, int] | None = None,
+        fill: bool = True,
     ) -> None:
         if [c.index for c in layout.chunks] != list(range(len(layout.chunks))):
             raise ValueError("chunk indices must be 0, 1, ... in layout order")
@@ -116,16 +118,23 @@ class ChunkStore:
             what += f"; with every chunk lean (n_lean={n}) it would need {lean_all} bytes ({lean_all / GiB:.2f} GiB)"
         check_host_memory(needed, available_bytes, what)
         self._init = init
+        if init is None:
+            meta = next((s.name for s in self.slots if params[s.name].is_meta), None)
+            if meta is not None:
+                raise ValueError(
+                    f"parameter {meta!r} is on the meta device and has no values: give an init "
+                    "function (offload(..., init=fn), fn(name, tensor) fills tensor in place)"
+                )
         self._buffers: dict[BufferKind, list[torch.Tensor | None]] = {
             "working": [],
             "master": [],
             "exp_avg": [],
             "exp_avg_sq": [],
         }
-        for c, slots in enumerate(self._chunk_slots):
-            self._allocate_chunk(slots, params, lean=c in self.lean)
-        needs_scratch = self.compute_dtype != torch.float32 and self.has_trainable
-        self._scratch = self._empty(torch.float32) if needs_scratch else None
+        self._scratch: torch.Tensor | None = None
+        self._params: Mapping[str, torch.Tensor] | None = params  # what fill() reads, then forgotten
+        if fill:
+            self.fill()
         # which slots hold a gradient since the chunk's last step (empty: the working copy is valid)
         self._grad_slots: list[set[ParamSlot]] = [set() for _ in layout.chunks]
         self._versions = [0] * len(layout.chunks)
@@ -215,6 +224,24 @@ class ChunkStore:
 
     # ---- allocation --------------------------------------------------------------------------
 
+    @property
+    def filled(self) -> bool:
+        """Whether the buffers exist and hold the parameters' values (:meth:`fill`)."""
+        return self._params is None
+
+    def fill(self) -> None:
+        """Allocate every chunk's buffers and fill them from ``params`` (materialising the ones on
+        ``meta`` with ``init``). A store made with ``fill=False`` has its layout, sizes and host
+        check only: what the planner's trial placements need, without the bytes."""
+        params = self._params
+        if params is None:
+            return
+        for c, slots in enumerate(self._chunk_slots):
+            self._allocate_chunk(slots, params, lean=c in self.lean)
+        needs_scratch = self.compute_dtype != torch.float32 and self.has_trainable
+        self._scratch = self._empty(torch.float32) if needs_scratch else None
+        self._params = None
+
     def _empty(self, dtype: torch.dtype) -> torch.Tensor:
         return host_empty(self.chunk_numel, dtype, self.pinned)  # exact size: no power-of-two rounding
 
@@ -242,12 +269,9 @@ class ChunkStore:
             )
 
     def _materialize(self, slot: ParamSlot, target: torch.Tensor) -> None:
-        """Fill ``target`` (the slot's flat fp32 master) with ``init(name, tensor)``'s values."""
-        if self._init is None:
-            raise ValueError(
-                f"parameter {slot.name!r} is on the meta device and has no values: give an init "
-                "function (offload(..., init=fn), fn(name, tensor) fills tensor in place)"
-            )
+        """Fill ``target`` (the slot's flat fp32 master) with ``init(name, tensor)``'s values (the
+        constructor refused a meta parameter without ``init``)."""
+        assert self._init is not None
         whole = self._full_slot_of[slot.name]  # a piece: the whole parameter is initialised, then sliced
         if slot.dtype == torch.float32 and whole.numel == slot.numel:
             value = target.view(slot.shape)
@@ -262,6 +286,8 @@ class ChunkStore:
 
     def flat(self, kind: BufferKind, chunk_id: int) -> torch.Tensor:
         """The flat ``kind`` buffer of a chunk (``exp_avg*`` of a chunk with nothing to train: error)."""
+        if self._params is not None:
+            raise RuntimeError("protrain_fx: the chunk store was laid out for planning and holds no values yet (fill())")
         buffer = self._buffers[kind][chunk_id]
         if buffer is None and kind == "working":
             raise ValueError(

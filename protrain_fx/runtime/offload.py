@@ -20,7 +20,6 @@ import dataclasses
 import gc
 import logging
 import re
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -36,7 +35,6 @@ from protrain_fx.chunks import (
     dedupe_tied,
     pack,
 )
-from protrain_fx.errors import UnsupportedError
 from protrain_fx.integrations.checkpointing import library_checkpointing_off
 from protrain_fx.runtime import chunk_ops, distributed, shard
 from protrain_fx.runtime.allocator import expandable_segments
@@ -52,6 +50,7 @@ from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.device_adam import DeviceAdamW
 from protrain_fx.runtime.grad_sync import GradAverager
 from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
+from protrain_fx.runtime.landing import Landing
 from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings, checked_sizes
 from protrain_fx.runtime.shells import (
     empty_shell,
@@ -69,7 +68,7 @@ log = logging.getLogger("protrain_fx")
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 
-class OffloadHandle(Checkpoints):
+class OffloadHandle(Checkpoints, Landing):
     """The state behind one offloaded model (see the module docstring)."""
 
     def __init__(
@@ -164,6 +163,7 @@ class OffloadHandle(Checkpoints):
         #: The backend chose the counts (``offload`` without them): later graphs get activation plans.
         self.counts_chosen = False
         self._built = False
+        self._filled = False  # the placement's store holds its values (configure's fill)
 
     def _init_step_state(self, grad_clipping: bool | None) -> None:
         """What one optimizer step tracks: chunks landed, queued and stepped, and clipping."""
@@ -236,15 +236,18 @@ class OffloadHandle(Checkpoints):
         self._sources = {name: sources[id(p)] for name, p in self._named.items()}
         chunk_ops.register_deferred(self, list(dict.fromkeys(self._named.values())))
 
-    def configure(self, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> None:
+    def configure(self, n_persist: int, n_buffer: int, n_gpu_optim: int = 0, *, fill: bool = True) -> None:
         """Place the chunks with these counts (the backend calls this, before any step of the model
-        runs; again to place them otherwise, until :meth:`finalize`)."""
+        runs; again to place them otherwise, until :meth:`finalize`). ``fill=False``: the host store
+        is laid out and checked but holds no values until :meth:`finalize` (the planner's trial
+        placements: rewriting and analysing a step needs the placement's sizes, not its bytes,
+        and allocating and initialising the store took most of a 7B model's planning)."""
         if self._sources is None:
             raise RuntimeError("offload: the counts were given to offload(...); they cannot be chosen again")
         if self._built:
             self._teardown()
         chunk_ops.unregister_deferred(self)
-        self._build(n_persist, n_buffer, n_gpu_optim)
+        self._build(n_persist, n_buffer, n_gpu_optim, fill)
 
     def unplace(self) -> None:
         """Back to no placement (a compile that chose the counts failed): the next compile chooses again."""
@@ -255,8 +258,10 @@ class OffloadHandle(Checkpoints):
         chunk_ops.register_deferred(self, list(dict.fromkeys(self._named.values())))
 
     def finalize(self) -> None:
-        """The counts are final: forget the values kept to place the chunks again."""
+        """The counts are final: the store gets its values (:meth:`configure`'s ``fill``), and the
+        values kept to place the chunks again are forgotten."""
         if self._built and self._sources is not None:
+            self._fill()
             self._sources = None
             self._optimizer_state_aside = None
             self.counts_chosen = True
@@ -275,7 +280,7 @@ class OffloadHandle(Checkpoints):
             self.grad_sync.close()
         self.store = self.adam = self.worker = self.device_adam = self.pool = self.grad_sync = None
         self.id = None
-        self._built = False
+        self._built = self._filled = False
         gc.collect()  # the store's pinned buffers go back before the next one is allocated
         if self.device.type == "cuda":
             # The placement's blocks (freed above) go back to the device: the next placement (the
@@ -283,7 +288,8 @@ class OffloadHandle(Checkpoints):
             # cached ones, and the reserved memory would add both up above the budget.
             torch.cuda.empty_cache()
 
-    def _build(self, n_persist: int, n_buffer: int, n_gpu_optim: int) -> None:
+    def _build(self, n_persist: int, n_buffer: int, n_gpu_optim: int, fill: bool = True) -> None:
+        assert fill or self._sources is not None, "an unfilled store is filled from the values kept aside"
         named, sources = self._named, self._sources
         source = (lambda name: sources[name]) if sources is not None else (lambda name: named[name])
         n_chunks = len(self.layout.chunks)
@@ -314,6 +320,7 @@ class OffloadHandle(Checkpoints):
             n_lean=n_lean,
             grad_pool=settings["grad_pool"],
             shard=(self.group.rank, self.group.world_size) if self.group is not None else None,
+            fill=fill,  # (counts by hand: filled from the parameters before they become shells below)
         )) if offloaded else None
         self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
@@ -350,6 +357,16 @@ class OffloadHandle(Checkpoints):
             self.grad_sync = GradAverager([named[n] for n in self._persistent_names], self.group.world_size,
                                           lambda: self._accumulating)
         self._built = True
+        if fill:
+            self._fill()
+
+    def _fill(self) -> None:
+        """The store's values, and an optimizer state loaded before the placement (once a placement)."""
+        if self._filled:
+            return
+        if self.store is not None:
+            self.store.fill()
+        self._filled = True
         if self._optimizer_state_aside is not None:
             self._load_optimizer_state(self._optimizer_state_aside)
 
@@ -363,117 +380,6 @@ class OffloadHandle(Checkpoints):
 
     def release(self, chunk: int) -> None:
         self.pool.release(chunk)
-
-    def land_grads(self, chunk: int, names: list[str], grads: list[torch.Tensor]) -> None:
-        if self.group is None:
-            return self._land_local(chunk, names, grads)
-        # the ranks' mean, this rank's piece of each parameter only; the whole gradient is laid out
-        # on the current stream (the graph may reuse its gradients' buffers as soon as this returns)
-        whole = shard.whole_gradient(self.store, chunk, names, grads, self.store.compute_dtype)
-        with self._reducing(whole):
-            part = shard.reduce_scatter_mean(self.store, whole)
-            local = shard.local_grads(self.store, part, names)
-            self._land_local(chunk, list(local), list(local.values()))
-
-    @contextlib.contextmanager
-    def _reducing(self, whole: torch.Tensor) -> Iterator[None]:
-        """On CUDA, the reduce-scatter of ``whole`` and what uses its result (the copy to the host, a
-        device step, the clip's norms) are issued on the handle's reduction stream, after the
-        gradient's making on the current stream, so compute goes on beside the collective (as a
-        fetch's all-gather runs on the pool's copy stream); ``whole`` stays allocated until the
-        stream is past the collective (``record_stream``), and :meth:`wait_reductions` orders a
-        later reader. Elsewhere (gloo on CPU) everything runs where it is called."""
-        if self.device.type != "cuda":
-            yield
-            return
-        if self._reduce_stream is None:
-            self._reduce_stream = torch.cuda.Stream(self.device)
-        stream = self._reduce_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradient is made there
-        whole.record_stream(stream)
-        with torch.cuda.stream(stream):
-            yield
-        self._reduced = torch.cuda.Event()
-        self._reduced.record(stream)
-
-    def wait_reductions(self) -> None:
-        """The current stream waits for the gradient reductions issued so far (a reader of their
-        results on another stream: the clip's norms)."""
-        if self._reduced is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._reduced)
-
-    def _land_local(self, chunk: int, names: list[str], grads: list[torch.Tensor]) -> None:
-        """Land this rank's gradients of ``chunk`` (the whole chunk's with one rank): held, stepped on
-        the CPU worker or streamed through the device."""
-        landed = self._landed.setdefault(chunk, set())
-        if chunk in self._submitted:
-            raise UnsupportedError(self._second_landing(chunk, landed, names))
-        fresh = not self.store.holds_grad(chunk)
-        if (self.grad_clipping is None and not self._accumulating and not self._released_early
-                and self.store.is_lean(chunk) and fresh and self.store.landing_full()):
-            self._release_early()  # learning: held lean gradients may not take host memory beyond the pool
-        hold = self._accumulating or self.grad_clipping is True or (self.grad_clipping is None and not self._released_early)
-        on_device = chunk < self.n_gpu_optim and not hold and fresh
-        if on_device:
-            self.device_adam.make_room()  # bounds the device steps in flight, so their gradients' memory
-        if self.device.type == "cuda" and self.group is None:  # (sharded: the reduced part is a fresh buffer)
-            grads = _staged(grads, self.store.compute_dtype)
-        landed.update(names)
-        if on_device:
-            self.device_adam.step_chunk(chunk, dict(zip(names, grads)))  # its states stream through the GPU
-            self._submitted.add(chunk)
-            return
-        if hold and self.grad_clipping is not False and not self._released_early:  # a clip may follow: its norms
-            self._norms.note(self.store, chunk, names, grads, fresh=fresh)
-        if self.store.is_lean(chunk) and fresh:
-            self._wait_for_landing_buffer()
-        self.store.write_grads(dict(zip(names, grads)), accumulate=True)
-        if hold:
-            self._pending.add(chunk)
-        else:
-            self._submit(chunk)
-
-    def _release_early(self) -> None:
-        """The first step, learning whether the loop clips, cannot hold every chunk's gradient: a lean
-        chunk's would take a landing buffer beyond the pool (host memory the store was not sized
-        for). The held chunks are stepped now and the rest of this step's as they land; a clip in
-        this step is then refused (:meth:`_check_clip`)."""
-        self._released_early = True
-        for chunk in sorted(self._pending):
-            self._submit(chunk)
-
-    def _submit(self, chunk: int, **kwargs: Any) -> None:
-        """Queue the chunk's CPU step (``kwargs`` to ``ChunkAdamW.step_chunk``)."""
-        self._pending.discard(chunk)
-        self._submitted.add(chunk)
-        self.worker.submit(chunk, **kwargs)
-        if self.store.is_lean(chunk):
-            self._landed_lean.append(chunk)
-
-    def _second_landing(self, chunk: int, landed: set[str], names: list[str]) -> str:
-        """Why a chunk already stepped in this step got gradients again, and what to do."""
-        if landed.intersection(names):
-            return (
-                f"protrain_fx: the parameters of offloaded chunk {chunk} got a second gradient before "
-                "optimizer.step(), but their optimizer step already ran as the first one landed (a second "
-                "backward per step: micro-batches). Wrap the backward passes of all but the last micro-batch "
-                "in `with handle.accumulate():` (handle = protrain_fx.offload(...)'s return value)"
-            )
-        return (
-            f"protrain_fx: offloaded chunk {chunk} got gradients from two graphs in one step (a graph break "
-            "inside the parameters of one chunk, after its first part was stepped); remove the graph break "
-            "(protrain_fx.step_report() names it), or pass grad_clipping=True to offload(...), which holds "
-            "every chunk's step until the gradients are complete"
-        )
-
-    def _wait_for_landing_buffer(self) -> None:
-        """While the lean chunks' landing pool is full, wait for the oldest queued CPU step to give
-        its buffer back. With none queued (accumulated gradients hold the buffers until
-        ``optimizer.step()``) the store makes one more, checking the host memory."""
-        start = time.perf_counter()
-        while self.store.landing_full() and self._landed_lean:
-            self.worker.wait(self._landed_lean.pop(0))
-        self.landing_wait_s += time.perf_counter() - start
 
     def set_gpu_optim(self, n_gpu_optim: int) -> None:
         """Step the first ``n_gpu_optim`` offloaded chunks on the device from the next gradient that
@@ -675,20 +581,3 @@ def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None,
 #: slices of a parameter (``cpu_adam.SLICE_ALIGN``) then start on its grid wherever a shard
 #: boundary cuts a parameter placed on that grid.
 SHARD_ALIGN = 64
-
-
-def _staged(grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """The gradients copied, in ``dtype``, into one fresh device buffer on the current stream.
-
-    The copies to the host read this buffer after the graph has gone on; the graph's own gradient
-    buffers are free as soon as this returns (Inductor may reuse them at once, which it could not
-    if the host copies read them), and the staging buffer is the caching allocator's, held until
-    the copy stream is done with it (``record_stream``)."""
-    flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
-    views, start = [], 0
-    for g in grads:
-        view = flat[start : start + g.numel()].view(g.shape)
-        view.copy_(g)
-        views.append(view)
-        start += g.numel()
-    return views
