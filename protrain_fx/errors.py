@@ -25,6 +25,29 @@ class UnsupportedError(RuntimeError):
     model before its chunks are placed, gradients landing twice in one step, ...)."""
 
 
+class TooFewBuffers(ValueError):
+    """A rewritten step holds more parameter chunks at once than the offload has device buffers
+    (``passes/gather.py``). ``needed``: the chunks it holds at its most. With counts by hand the
+    user raises ``n_buffer``; with counts the backend chooses, the planner places the chunks again
+    with ``needed`` buffers (the cost model counts a block's chunks, the rewrite what the graph's
+    order keeps live: a checkpointed block recomputed while the next one's backward still reads
+    its chunks)."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+
+def too_few_buffers(error: BaseException | None) -> TooFewBuffers | None:
+    """The :class:`TooFewBuffers` that ``error`` is or was raised from (the pass runner wraps a
+    pass's ``ValueError`` in one naming the pass), else ``None``."""
+    while error is not None:
+        if isinstance(error, TooFewBuffers):
+            return error
+        error = error.__cause__
+    return None
+
+
 def is_user_error(error: BaseException) -> bool:
     """Whether ``error`` is one the user acts on (module docstring), not a bug of ours or PyTorch's."""
     return isinstance(error, (ValueError, TypeError, MemoryError, UnsupportedError))

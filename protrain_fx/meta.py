@@ -43,6 +43,15 @@ def _flatten(value: Any) -> Iterator[Any]:
         yield value
 
 
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is an op whose every result aliases an input without writing it (a view)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
 def tag_inserted(node: fx.Node, source: fx.Node, phase: str, made_by: str) -> None:
     """Metadata of a node a rewrite inserts: ``source``'s module stack and user line, ``source``'s
     block, the graph ``phase`` and which pass made it (readable graphs and block tables use them)."""

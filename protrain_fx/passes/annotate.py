@@ -13,6 +13,7 @@ import operator
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from protrain_fx import meta
 from protrain_fx.analysis.blocks import BlockInfo, own_block
 from protrain_fx.plan import Plan
 
@@ -70,4 +71,30 @@ def annotate_plan(
         else:
             continue
         tagged += 1
-    return tagged
+    return tagged + _save_viewed_boundaries(forward_nodes.values())
+
+
+def _save_viewed_boundaries(nodes) -> int:
+    """Tag ``MUST_SAVE`` the base of a checkpointed block's output that leaves the block as a view
+    (``(residual + h).view(shape)``, OPT's layers) and is read by a later checkpointed block.
+
+    The partitioner saves a checkpoint region's value read by a later region
+    (``cleanup_recompute_tags``), but not when that value is a view: the min-cut recomputes views
+    from their base, so the boundary was dropped and each block's recompute reran every
+    checkpointed block before it, with all their chunks gathered at once. Returns how many."""
+    saved = 0
+    for node in nodes:
+        if not (meta.is_view(node) and node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE):
+            continue
+        region = node.meta.get("ac_graph_id")
+        if not any(u.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+                   and u.meta.get("ac_graph_id", region) != region for u in node.users):
+            continue
+        base = node.args[0]
+        while isinstance(base, fx.Node) and meta.is_view(base) and base.meta.get("ac_graph_id") == region:
+            base = base.args[0]
+        if (isinstance(base, fx.Node) and base.meta.get("ac_graph_id") == region
+                and base.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE):
+            base.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            saved += 1
+    return saved

@@ -30,6 +30,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from protrain_fx import meta
+from protrain_fx.errors import TooFewBuffers
 from protrain_fx.passes.param_casts import is_dtype_cast
 from protrain_fx.runtime import chunk_ops
 
@@ -95,11 +96,12 @@ def _check_buffers(gm: fx.GraphModule, phase: str) -> None:
     for hid, (needed, block) in most.items():
         n_buffer = chunk_ops.handle(hid).n_buffer
         if needed > n_buffer:
-            raise ValueError(
+            raise TooFewBuffers(
                 f"the {phase} graph holds {needed} parameter chunks at once (at {block}), "
                 f"but the offload has n_buffer={n_buffer}: use n_buffer >= {needed}, larger chunks "
                 "(chunk_bytes) so that a block fits in fewer, or checkpoint fewer blocks (a "
-                "checkpointed block keeps its chunks from its recompute to its backward)"
+                "checkpointed block keeps its chunks from its recompute to its backward)",
+                needed,
             )
 
 
@@ -126,7 +128,7 @@ def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredC
         # passes/param_casts.py) reads the buffer itself: the same values, no copy in another dtype.
         folded = {r for r in span if any(r in p.users for p in params) and _foldable(r, buffer_dtype, outputs)}
         touched = _through_views(span, transparent=folded)
-        readers_done = _tensor_results([n for n in touched if not _is_view(n) and n not in folded])
+        readers_done = _tensor_results([n for n in touched if not meta.is_view(n) and n not in folded])
         last_touched = max([n for n in [*touched, *readers_done] if n not in folded], key=lambda n: order.get(n, -1),
                            default=last)
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -180,7 +182,7 @@ def _output_storage_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         if n in found:
             continue
         found.add(n)
-        if _is_view(n):
+        if meta.is_view(n):
             stack.extend(n.all_input_nodes)
     return found
 
@@ -195,7 +197,7 @@ def _foldable(reader: fx.Node, buffer_dtype: torch.dtype, outputs: set[fx.Node])
         n = stack.pop()
         if n not in aliases:
             aliases.add(n)
-            stack.extend(u for u in _readers(n) if _is_view(u))
+            stack.extend(u for u in _readers(n) if meta.is_view(u))
     return not aliases & outputs
 
 
@@ -229,7 +231,7 @@ def _sink_views(param: fx.Node) -> None:
     """Move the views of ``param`` (a transpose the partitioner placed early, say) right before
     their first reader, so the buffer they read is not held from there on."""
     graph_order = {n: i for i, n in enumerate(param.graph.nodes)}
-    views = [n for n in _through_views(_readers(param)) if _is_view(n) and _readers(n)]
+    views = [n for n in _through_views(_readers(param)) if meta.is_view(n) and _readers(n)]
     for view in sorted(views, key=graph_order.__getitem__, reverse=True):
         order = {n: i for i, n in enumerate(param.graph.nodes)}
         first_user = min(_readers(view), key=order.__getitem__)
@@ -251,17 +253,9 @@ def _through_views(nodes: list[fx.Node], transparent: set[fx.Node] = frozenset()
         if node in seen:
             continue
         seen.append(node)
-        if _is_view(node) or node in transparent:
+        if meta.is_view(node) or node in transparent:
             stack.extend(_readers(node))
     return seen
-
-
-def _is_view(node: fx.Node) -> bool:
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    returns = target._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _param_view(gm: fx.GraphModule, buf: fx.Node, param: fx.Node, offset: int, fake_mode: Any) -> fx.Node:

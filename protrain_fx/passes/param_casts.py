@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from protrain_fx import meta
 from protrain_fx.runtime import chunk_ops
 
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
@@ -42,7 +43,7 @@ def recompute_param_casts(joint: fx.GraphModule, parameter_names: frozenset[str]
                 continue
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             tagged += 1
-            stack.extend(u for u in n.users if _is_view(u) and _forward(u))
+            stack.extend(u for u in n.users if meta.is_view(u) and _forward(u))
     return tagged
 
 
@@ -73,11 +74,3 @@ def is_dtype_cast(node: fx.Node, dtype: torch.dtype | None = None) -> bool:
 
 def _forward(node: fx.Node) -> bool:
     return node.meta.get("partitioner_tag") != "is_backward"
-
-
-def _is_view(node: fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    returns = target._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)

@@ -195,7 +195,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
             chosen = planner_offload.choose_offload(record, handle, trial, final=False, model=model)
             judged = []
             for config in candidates:
-                done = next((t for t in chosen.trials if t.config == config), None)
+                done = verify.tried(chosen.trials, config)
                 if done is None:
                     done = planner_offload.place_and_analyse(record, handle, model, config, trial)
                 judged.append(done)

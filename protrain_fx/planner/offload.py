@@ -59,6 +59,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx import progress
 from protrain_fx.capture import CapturedGraph
+from protrain_fx.errors import UnsupportedError, too_few_buffers
 from protrain_fx.machine import machine_for
 from protrain_fx.plan import Plan
 from protrain_fx.planner.activations import (
@@ -172,16 +173,32 @@ def choose_for_placed(
         _, best, est = min(fitting, key=lambda x: (x[0], x[1]))
         return SearchResult(best, est, len(configs), 0, 0, len(configs), time.perf_counter() - t0)
 
+    short: list[int] = []  # chunks held at once by plans the placed buffers cannot hold
+
     def run(config: Config) -> Trial:
         plan = block_plan(model.problem, config)
-        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
-        t = judged_trial(record, config, model.estimate(config).peak_bytes)
+        try:
+            trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        except ValueError as e:
+            if (too := too_few_buffers(e)) is None:
+                raise
+            short.append(too.needed)  # the buffers are placed: this plan cannot run with them
+            t = Trial(config, model.estimate(config).peak_bytes, UNRUNNABLE)
+        else:
+            t = judged_trial(record, config, model.estimate(config).peak_bytes)
         trials.append(t)
         return t
 
     config, how, found, need, _ = verified_choice(search_at, run, least_memory_configs(model, p, b, g), trials, cap)
     if config is not None:
         return result(config, how, found)
+    if need == UNRUNNABLE:
+        raise UnsupportedError(
+            f"protrain_fx: graph {record.index} (another input shape) needs an activation plan whose rewritten step "
+            f"holds {min(short)} parameter chunks at once, but the model's first compile placed n_buffer={b}: "
+            "compile the largest shape first (the counts are chosen for the first), or give the counts to "
+            f"offload(...) by hand with n_buffer >= {min(short)}"
+        )
     minimum = budget_for_peak(need + outside)
     raise NoPlanFits(
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) for "
@@ -192,6 +209,10 @@ def choose_for_placed(
            "use the first shape's batch, or compile the largest shape first (the counts are chosen for the first)"),
         min_budget_bytes=minimum,
     )
+
+
+#: The analysed peak of a trial whose plan the placed chunk buffers cannot run (``choose_for_placed``).
+UNRUNNABLE = 2**63 - 1
 
 
 def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) -> CostModel:
@@ -384,13 +405,27 @@ def place_and_analyse(
     """Place ``handle``'s chunks with ``config``'s counts, rewrite and analyse the step with its
     activation plan (``trial``), and return the :class:`Trial`: the cost model's peak and the
     analysis' (``planner.verify.judged_peak``: or Inductor's plan's, with ``verify="inductor"``). ``record``
-    is left as of this config."""
-    with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
-        # laid out, not filled: the trial needs the placement's sizes; the chosen one is filled by finalize()
-        handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim, fill=False)
-    plan = block_plan(model.problem, config)
-    trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
-    return judged_trial(record, config, model.estimate(config).peak_bytes)
+    is left as of this config. A rewrite that holds more chunks at once than ``config`` has
+    buffers (:class:`~protrain_fx.errors.TooFewBuffers`) is placed again with as many as it
+    holds: the trial's ``config`` is then that one, ``requested`` the one asked for."""
+    applied = config
+    while True:
+        with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
+            # laid out, not filled: the trial needs the placement's sizes; the chosen one is filled by finalize()
+            handle.configure(applied.n_persist, applied.n_buffer, applied.n_gpu_optim, fill=False)
+        plan = block_plan(model.problem, applied)
+        try:
+            trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        except ValueError as e:
+            short = too_few_buffers(e)
+            if short is None or short.needed <= applied.n_buffer or short.needed > model.n_chunks - applied.n_persist:
+                raise
+            log.info("protrain_fx: %s needs %d chunk buffers in its rewritten step; placed again with them",
+                     applied, short.needed)
+            applied = dataclasses.replace(applied, n_buffer=short.needed)
+            continue
+        t = judged_trial(record, applied, model.estimate(applied).peak_bytes)
+        return t if applied == config else dataclasses.replace(t, requested=config)
 
 
 def choose_offload(

@@ -31,12 +31,24 @@ MAX_SEARCHES = 3
 @dataclass(frozen=True)
 class Trial:
     """One plan partitioned and analysed: its config, the cost model's peak, the analysis' peak
-    (``by_inductor``: Inductor's allocation plan of the step, ``verify="inductor"``)."""
+    (``by_inductor``: Inductor's allocation plan of the step, ``verify="inductor"``). ``requested``:
+    the config asked for, when the rewrite needed more chunk buffers than it gave
+    (:class:`~protrain_fx.errors.TooFewBuffers`); ``config`` is then the one applied."""
 
     config: Config
     predicted_peak_bytes: int
     analysed_peak_bytes: int
     by_inductor: bool = False
+    requested: Config | None = None
+
+    def answers(self, config: Config) -> bool:
+        """Whether this trial is what running ``config`` gives (asked for, or applied)."""
+        return config == self.config or config == self.requested
+
+
+def tried(trials: Sequence[Trial], config: Config) -> Trial | None:
+    """The first of ``trials`` that :meth:`Trial.answers` ``config``."""
+    return next((t for t in trials if t.answers(config)), None)
 
 
 def judged_peak(record: CapturedGraph) -> tuple[int, bool]:
@@ -74,9 +86,9 @@ def verified_choice(
     bytes (raised when negative), ``run(config)`` applies a config and returns its analysed
     :class:`Trial` (appending it to ``trials``). ``least``: the configs of least memory
     (``planner.activations.least_memory_configs``), in the order to try them. Returns
-    ``(config, how, last search, peak needed, least config)``: a searched config analysed under
-    ``cap`` (``"searched"``), else the first of ``least`` the analysis puts under ``cap`` (``"least
-    memory"``; tried even when the cost model says it does not fit, and judged by the analysis
+    ``(config, how, last search, peak needed, least config)``, each config as applied
+    (:attr:`Trial.config`): a searched config analysed under ``cap`` (``"searched"``), else the
+    first of ``least`` the analysis puts under ``cap`` (``"least memory"``; tried even when the cost model says it does not fit, and judged by the analysis
     alone, as every trial is: the cost model's peak is an upper bound of it, and with
     ``verify="inductor"`` it can be gigabytes above the plan that runs), else ``None`` with the
     least peak any of ``least`` analyses to and that config, so that the minimum a caller names is
@@ -93,22 +105,23 @@ def verified_choice(
             found = search_at(lowered)
         except NoPlanFits:
             break
-        if any(t.config == found.best for t in trials):
+        if tried(trials, found.best):
             break
         t = run(found.best)
         if t.analysed_peak_bytes <= cap:
             found = raised_choice(search_at, run, found, t, trials, cap)
-            need = next(x for x in trials if x.config == found.best).analysed_peak_bytes
-            return found.best, "searched", found, need, found.best
+            kept = tried(trials, found.best)
+            assert kept is not None
+            return kept.config, "searched", found, kept.analysed_peak_bytes, kept.config
         lowered += max(1, t.analysed_peak_bytes - t.predicted_peak_bytes)
     judged: list[Trial] = []
     for config in [least] if isinstance(least, Config) else least:
-        done = next((t for t in trials if t.config == config), None) or run(config)
+        done = tried(trials, config) or run(config)
         judged.append(done)
         if done.analysed_peak_bytes <= cap:  # the analysis judges (the cost model's peak is an upper bound of it)
             if trials[-1] is not done:
                 run(config)  # the record holds the graphs of the last trial
-            return config, "least memory", found, done.analysed_peak_bytes, config
+            return done.config, "least memory", found, done.analysed_peak_bytes, done.config
     lowest = min(judged, key=lambda t: t.analysed_peak_bytes)
     return None, "", found, lowest.analysed_peak_bytes, lowest.config
 
@@ -152,7 +165,7 @@ def raised_choice(
     Why lower rather than stop: the predicted-to-analysed ratio is not one number. The raised
     search's pick can analyse over the cap where a config the cost model puts a little lower
     analyses under it and runs faster than the config that first fitted."""
-    applied = fitted.config  # the config whose graphs the record holds
+    applied = fitted.requested or fitted.config  # the config whose graphs the record holds, as asked for
     raise_by: int | None = None  # None: from the fitted config's ratio
     for _ in range(MAX_RAISES):
         if raise_by is None:
@@ -164,9 +177,7 @@ def raised_choice(
             raised = search_at(-raise_by)
         except NoPlanFits:
             break
-        if raised.estimate.step_s > found.estimate.step_s * (1 - RAISE_MIN_GAIN) or any(
-            t.config == raised.best for t in trials
-        ):
+        if raised.estimate.step_s > found.estimate.step_s * (1 - RAISE_MIN_GAIN) or tried(trials, raised.best):
             break
         t = run(raised.best)
         applied = raised.best

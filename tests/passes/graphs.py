@@ -26,11 +26,19 @@ from protrain_fx.config import ProtrainConfig
 MiB = 2**20
 N = 512  # N x N fp32: 1 MiB
 #: Forward node -> the block Dynamo would have recorded it in.
-BLOCK_OF = {"mm": "blocks.0", "relu": "blocks.0", "mm_1": "blocks.1", "relu_1": "blocks.1"}
+BLOCK_OF = {"mm": "blocks.0", "relu": "blocks.0", "mm_1": "blocks.1", "relu_1": "blocks.1",
+            "view": "blocks.0", "view_1": "blocks.0"}  # (the views of two_blocks_viewed)
 
 
 def two_blocks(w0: torch.Tensor, w1: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     h = torch.relu(x @ w0)
+    y = torch.relu(h @ w1)
+    return y.sum()
+
+
+def two_blocks_viewed(w0: torch.Tensor, w1: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """:func:`two_blocks` whose first block hands its output on as a view (``view``, ``view_1``)."""
+    h = torch.relu(x @ w0).view(N * N).view(N, N)
     y = torch.relu(h @ w1)
     return y.sum()
 

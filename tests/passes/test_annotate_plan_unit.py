@@ -9,15 +9,15 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.passes.pipeline import PassContext, annotate_plan, run_passes
 from protrain_fx.plan import Plan
-from tests.passes.graphs import outputs, record_for, trace
+from tests.passes.graphs import outputs, record_for, trace, two_blocks, two_blocks_viewed
 
 PARAMETERS = frozenset({"primals_1", "primals_2"})
 RECOMPUTE, SAVE = CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE
 
 
-def _run(plan: Plan | None):
-    """The pass on the joint graph before the partitioner; returns the record, the tags written
-    (name -> (policy, ac_graph_id)) and the partitioned graphs."""
+def _run(plan: Plan | None, fn=two_blocks):
+    """The pass on the joint graph of ``fn`` before the partitioner; returns the record, the tags
+    written (name -> (policy, ac_graph_id)) and the partitioned graphs."""
     seen = {}
 
     def on_joint(joint):
@@ -26,7 +26,7 @@ def _run(plan: Plan | None):
         seen["tags"] = {n.name: (n.meta["recompute"], n.meta.get("ac_graph_id"))
                         for n in joint.graph.nodes if "recompute" in n.meta}
 
-    _, forward, backward = trace(on_joint=on_joint)
+    _, forward, backward = trace(fn, on_joint=on_joint)
     return seen["record"], seen["tags"], forward, backward
 
 
@@ -46,6 +46,16 @@ def test_a_checkpointed_block_is_tagged_and_recomputed():
 def test_each_block_gets_its_own_graph_id():
     _, tags, _, _ = _run(Plan(blocks={"blocks.0": "checkpoint", "blocks.1": "checkpoint"}))
     assert tags == {"mm": (RECOMPUTE, 1), "relu": (RECOMPUTE, 1), "mm_1": (RECOMPUTE, 2), "relu_1": (RECOMPUTE, 2)}
+
+
+def test_a_checkpointed_block_handing_on_a_view_saves_its_base_for_the_next_checkpointed_block():
+    """The partitioner saves the boundary between two checkpoint regions, but not a view (it
+    recomputes views from their base): blocks.1's recompute would rerun blocks.0 too."""
+    _, tags, forward, backward = _run(Plan(blocks={"blocks.0": "checkpoint", "blocks.1": "checkpoint"}),
+                                      two_blocks_viewed)
+    assert tags["relu"] == (SAVE, 1) and tags["mm"] == (RECOMPUTE, 1) and tags["mm_1"] == (RECOMPUTE, 2)
+    assert "mm" not in {n.name for n in backward.graph.nodes}  # blocks.0 is not rerun
+    assert {"relu", "view_1"} & set(_saved(forward))
 
 
 def test_a_tensor_override_wins_over_its_block():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import protrain_fx
+from protrain_fx import meta
 from protrain_fx.passes import gather
 from protrain_fx.passes.param_casts import is_dtype_cast
 
@@ -56,7 +57,7 @@ def _cast_chunk_copies(gm) -> int:
 def _weight_cast(node: torch.fx.Node, state: frozenset[str]) -> bool:
     """``node`` is a dtype cast (or a view of one) of a parameter, or of a chunk buffer."""
     cast = False
-    while isinstance(node, torch.fx.Node) and (is_dtype_cast(node) or gather._is_view(node)):
+    while isinstance(node, torch.fx.Node) and (is_dtype_cast(node) or meta.is_view(node)):
         cast = cast or is_dtype_cast(node)
         node = node.args[0]
     return cast and ((node.op == "placeholder" and node.name in state)

@@ -23,7 +23,8 @@ from protrain_fx.planner import first_step, verify
 from protrain_fx.planner import offload as autooffload
 from protrain_fx.planner.budget import allocated_cap_bytes
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import MachineProfile
+from protrain_fx.search.problem import Config, MachineProfile
+from protrain_fx.search.search import NoPlanFits
 from tests.planner.test_auto_plan import _no_plan_fits
 from tests.runtime.test_offload import (
     CHUNK,
@@ -548,3 +549,53 @@ def test_steadier_gpu_optim_applies_the_count_of_least_expected_step_and_records
         none = steadier_gpu_optim(Handle(), model, kept, cap=10**9, trials=[kept], spread=spread)
         assert none == config
     assert changed  # the random steps include ones where stepping on the device is expected faster
+
+
+def _opt(seed: int = 0):
+    """A tiny Hugging Face OPT (3 layers over 11 chunks of 64 KiB; the first chunk past the embedding
+    holds the positions, the final layer norm and layer 0's first weight), offloaded without counts
+    with fused AdamW, and a plain copy."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
+                                    max_position_embeddings=64, word_embed_proj_dim=64, vocab_size=256,
+                                    dropout=0.0, use_cache=False)
+    torch.manual_seed(seed)
+    model = transformers.OPTForCausalLM(config)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=64 * 1024)
+    return model, reference, opt, ref_opt, handle
+
+
+def test_a_plan_whose_rewrite_holds_more_chunks_than_its_buffers_is_placed_again_with_them(monkeypatch, caplog):
+    """OPT with every layer checkpointed and as many buffers as a layer has chunks: the final layer
+    norm's backward (outside the layers, in a chunk of its own) runs while layer 2's recompute holds
+    that layer's chunks, so the rewritten step holds one chunk more than the cost model counts. The
+    planner places such a trial again with the buffers it holds; before, the gather pass's
+    ValueError reached the user (here as the least-memory plan, the search left out)."""
+    def least(model):
+        return [Config(0, model.min_buffers(0), 0, model.n_blocks, 0)]
+
+    def no_search(*args, **kwargs):
+        raise NoPlanFits("searched plans left out: the least-memory plan is the case", min_budget_bytes=1)
+
+    monkeypatch.setattr(autooffload, "least_memory_candidates", least)
+    monkeypatch.setattr(autooffload, "prefer_persistent", no_search)
+    model, reference, opt, ref_opt, handle = _opt()
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": 10**9})
+    with caplog.at_level("INFO", logger="protrain_fx"):
+        for step in range(3):
+            x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(step))
+            loss, ref_loss = compiled(input_ids=x, labels=x).loss, reference(input_ids=x, labels=x).loss
+            assert torch.equal(loss, ref_loss), step
+            loss.backward(), ref_loss.backward()
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+    auto = protrain_fx.captured_graphs()[-1].auto_plan
+    (trial,) = auto.trials
+    assert trial.requested is not None and trial.config.n_buffer > trial.requested.n_buffer
+    assert trial.config.n_checkpoint == 3 and (auto.config, handle.n_buffer) == (trial.config, trial.config.n_buffer)
+    assert "chunk buffers in its rewritten step; placed again with them" in caplog.text
+    _assert_same_params(handle, model, reference)
+    handle.close()
