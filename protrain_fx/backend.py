@@ -108,7 +108,7 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
         log.warning("protrain_fx: graph %d ends at a graph break: %s%s%s", record.index, brk.line(),
                     "; the blocks after it are not planned with the ones before (remove the break: a print, "
                     ".item(), data-dependent control flow)" if brk.inside_block else "",
-                    _break_hint(brk.reason))
+                    _break_hint(brk.line()))
     if config.verbose:
         _log_to_stderr()
     _warn_if_not_averaged(record)
@@ -130,6 +130,12 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
 
 #: Graph breaks users meet in common models, by a phrase of Dynamo's reason, and the usual fix.
 _BREAK_HINTS = {
+    # Hugging Face's loss lookup warns that loss_type is unset (GPT-2): the loss leaves the graph.
+    "in loss_function": (
+        "; Hugging Face warns there that the model's loss_type is unset and uses ForCausalLM: set "
+        "model.loss_type = 'ForCausalLM' before torch.compile (the same loss; protrain_fx.offload and "
+        "ProTrainTrainer set it), so that the loss is computed inside the graph instead of on its returned logits"
+    ),
     # A logging call inside the model; what it logs usually names the setting to change.
     "logging.Logger": (
         "; the model logs a warning there, which usually names the setting to change (Hugging Face gradient "

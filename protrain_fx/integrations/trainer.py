@@ -60,6 +60,7 @@ from torch import nn
 
 import protrain_fx
 from protrain_fx.integrations.checkpointing import library_checkpointing_off
+from protrain_fx.integrations.loss_type import name_default_loss_type
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class ProTrainTrainer(transformers.Trainer):
         model's own activation checkpointing (``TrainingArguments(gradient_checkpointing=True)``) is
         turned off first: the backend plans recompute (:mod:`protrain_fx.integrations.checkpointing`)."""
         library_checkpointing_off(self.model, "ProTrainTrainer")
+        name_default_loss_type(self.model)
         if self._compiled is None or self._compiled_for is not self.model:
             self._compiled = torch.compile(self.model, backend="protrain", options=self.protrain_options)
             self._compiled_for = self.model

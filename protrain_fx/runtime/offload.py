@@ -36,6 +36,7 @@ from protrain_fx.chunks import (
     pack,
 )
 from protrain_fx.integrations.checkpointing import library_checkpointing_off
+from protrain_fx.integrations.loss_type import name_default_loss_type
 from protrain_fx.runtime import chunk_ops, distributed, shard
 from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
@@ -127,6 +128,7 @@ class OffloadHandle(Checkpoints, Landing):
         # a refused offload(...) leaves both as they were.
         self._attach(model, optimizer)
         library_checkpointing_off(model, "offload")  # before Dynamo traces it: the backend plans recompute
+        name_default_loss_type(model)  # a Hugging Face loss lookup that warns would break the graph
         # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
         # with the way out, before the first op reads one; so is a module of the model that a frame
         # Dynamo gave up on runs eagerly inside the compiled call.

@@ -298,6 +298,45 @@ def test_a_hugging_face_llama_with_the_loss_outside_clipped_and_accumulated_trai
         assert torch.equal(state[name], value), name
 
 
+def _tiny_gpt2(transformers):
+    """A 3-layer Hugging Face GPT-2 without dropout, seeded: its class name tells Hugging Face no
+    loss type (``loss_type`` is ``None``)."""
+    config = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=64, vocab_size=128,
+                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_a_hugging_face_gpt2_trains_in_one_graph_when_offloaded_and_names_the_fix_when_not(caplog):
+    """GPT-2's loss lookup logs that its loss type is unset, which breaks the graph between the logits
+    and the loss. ``offload`` names the type Hugging Face falls back to (the same loss): one graph,
+    bit for bit eager. Compiled without offload, the break's warning names that setting."""
+    transformers = pytest.importorskip("transformers")
+    model = _tiny_gpt2(transformers)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, n_persist=1, n_buffer=2)
+    assert model.loss_type == "ForCausalLM" and reference.loss_type is None
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
+    for step in range(2):
+        idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+        loss, ref_loss = compiled(input_ids=idx, labels=idx).loss, reference(input_ids=idx, labels=idx).loss
+        assert torch.equal(loss, ref_loss), step
+        loss.backward(), ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert len(protrain_fx.captured_graphs()) == 1 and not protrain_fx.graph_break_reasons()
+    handle.close()
+
+    protrain_fx.reset()
+    torch._dynamo.reset()
+    plain = torch.compile(reference, backend="protrain", options={"codegen": "eager"})
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        plain(input_ids=idx, labels=idx).loss.backward()
+    assert "set model.loss_type = 'ForCausalLM' before torch.compile" in caplog.text
+
+
 def test_hugging_face_gradient_checkpointing_is_turned_off_and_the_loop_trains_like_eager():
     """``model.gradient_checkpointing_enable()``, as fine-tuners do, then ``offload``: the model's own
     checkpointing is turned off with a warning (the backend plans recompute against the budget; in
