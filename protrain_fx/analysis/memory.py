@@ -179,6 +179,11 @@ def analyze_memory(
     renamed: dict[int, object] = {}
 
     def raw_keys(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
+        if meta.is_view(node) and isinstance(node.args[0], fx.Node):
+            # A view aliases its input, whatever storage its recorded value has: a rewrite that
+            # re-points a reader (a parameter's transpose now reading a chunk buffer) keeps the
+            # value recorded before, whose storage the analysis would count as a new buffer.
+            return raw_keys(node.args[0])
         keys = [(meta.storage_key(t), t) for t in meta.tensor_values(node) if t.device == device]
         return [(k, t) for k, t in keys if k not in host]
 

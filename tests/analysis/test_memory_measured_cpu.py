@@ -69,3 +69,41 @@ def test_predicted_step_memory_equals_cpu_allocations(codegen, plan):
         assert 0 <= max(seen) - (max(e.peak_bytes for e in entries) - base) <= 64, phase
     # Bytes left after the step: the loss the user holds.
     assert measured_curve[-1][1] == loss.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("plan", [None, "checkpoint=all"])
+def test_predicted_memory_of_an_offloaded_step_equals_cpu_allocations(plan):
+    """An offloaded step: its parameters are read as views of the chunk buffers the graphs gather
+    (the pool's bytes, allocated before the step), so no view of a parameter (a weight's transpose)
+    allocates anything. Forward and backward, as the eager codegen runs them."""
+    torch.manual_seed(0)
+    config = gpt_config("tiny")
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    # (a checkpointed block holds its chunks from its recompute to its backward: 5 at most here)
+    handle = protrain_fx.offload(model, optimizer, device="cpu", n_persist=0, n_buffer=5 if plan else 3,
+                                 chunk_bytes=64 * 1024, grad_clipping=False)
+    options = {"codegen": "eager"}
+    if plan:
+        options["plan"] = from_counts(plan, [f"blocks.{i}" for i in range(config.n_layer)])
+    compiled = torch.compile(model, backend="protrain", options=options)
+    batch = random_batch(config, 4, 64, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        loss = _step(compiled, optimizer, batch)
+    handle.synchronize()
+    del loss
+    with record_cpu_memory() as recording:
+        loss = _step(compiled, optimizer, batch, mark_phase)
+        handle.synchronize()
+    measured = recording.timeline()
+    (record,) = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
+    predicted = record.memory.timeline
+    base = sum(predicted.baseline_bytes.values())
+    measured_curve = measured.curve()
+    for phase in ("forward", "backward"):
+        lo, hi = measured.phase_bounds[phase]
+        seen = [live for index, live in measured_curve if lo <= index < hi]
+        plo, phi = predicted.phase_bounds[phase]
+        entries = predicted.entries[plo:phi]
+        assert 0 <= max(seen) - (max(e.peak_bytes for e in entries) - base) <= 64, phase
+    handle.close()
