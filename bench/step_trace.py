@@ -7,7 +7,7 @@ automatic plan runs when everything fits: Inductor codegen, parameters kept), tr
 steps with ``torch.profiler`` (a device sync after the forward, so kernels split into forward and
 backward by their start), and sums the kernels' device time per kind: matrix products (cuBLAS),
 attention, Inductor's generated kernels, other. Beside it, the estimate the cost model prices the
-same graphs at (``planner.problem._node_times`` with the fused roofline and the measured op times, as
+same graphs at (``planner.problem.node_times`` with the fused roofline and the measured op times, as
 ``planner.problem.problem_from_record`` does): the timed ops split into products and attention, the rest
 (the fused roofline). The question it answers: do the products run faster inside the step than
 measured alone, or is the fused roofline high. Also per phase, where the device sat idle
@@ -52,13 +52,13 @@ def node_kind(target: str) -> str:
 def estimate(record, machine, op_times) -> dict:
     """The estimate's seconds per phase and kind (nodes with a FLOP formula are products or attention,
     measured when ``op_times`` has them; the rest is the fused roofline), and node counts."""
-    from protrain_fx.planner.problem import _node_times
+    from protrain_fx.planner.problem import node_times
     from protrain_fx.profile.ops import op_signature
 
     out: dict = {}
     for phase, graph in (("forward", record.forward), ("backward", record.backward)):
         nodes = [n for n in graph.graph.nodes if n.op not in ("placeholder", "output")]
-        times = _node_times(nodes, machine, fused=True, op_times=op_times)
+        times = node_times(nodes, machine, fused=True, op_times=op_times)
         sums = dict.fromkeys(KINDS, 0.0)
         counts = dict.fromkeys(KINDS, 0)
         timed = 0
@@ -192,13 +192,13 @@ def gap_analysis(prof, steps: int) -> dict:
 
 def protocol_rounds(record, machine, rounds: int, device: str = "cuda") -> dict:
     """The graphs' products and attention timed afresh ``rounds`` times under each of two protocols of
-    ``profile.ops._time_node``: ``events`` (the profiler's: 5 calls back to back between two events) and
+    ``profile.ops.time_node``: ``events`` (the profiler's: 5 calls back to back between two events) and
     ``prefilled`` (the same with the device kept busy while they are queued); per round and protocol,
     the estimate's seconds per phase and kind at those times (nothing cached is read or written)."""
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from protrain_fx.profile.ops import _time_node, _warm_clocks, distinct_calls
+    from protrain_fx.profile.ops import distinct_calls, time_node, warm_clocks
 
     nodes = [*record.forward.graph.nodes, *record.backward.graph.nodes]
     calls = distinct_calls(nodes)
@@ -206,10 +206,10 @@ def protocol_rounds(record, machine, rounds: int, device: str = "cuda") -> dict:
     out: dict = {"events": [], "prefilled": []}
     with unset_fake_temporarily(), torch.no_grad(), torch.autocast(device.type, enabled=False):
         if device.type == "cuda":
-            _warm_clocks(device)
+            warm_clocks(device)
         for _ in range(rounds):
             for protocol in ("events", "prefilled"):
-                times = {sig: _time_node(node, device, 5, prefill=protocol == "prefilled")
+                times = {sig: time_node(node, device, 5, prefill=protocol == "prefilled")
                          for sig, node in calls.items()}
                 est = estimate(record, machine, times)
                 out[protocol].append({ph: est[ph]["seconds"] for ph in ("forward", "backward")})

@@ -164,8 +164,8 @@ def _step_times(
     checkpointed too, in the unscaled estimate's seconds; :func:`_block_profiles` applies it to
     ``fwd_s`` as a fraction of the estimated forward."""
     fused = record.config.codegen == "inductor"
-    fw_times = _node_times(fw_nodes, est, fused=fused, op_times=op_times)
-    times = _label_times(fw_times, _node_times(bw_nodes, est, fused=fused, op_times=op_times))
+    fw_times = node_times(fw_nodes, est, fused=fused, op_times=op_times)
+    times = _label_times(fw_times, node_times(bw_nodes, est, fused=fused, op_times=op_times))
     rerun = _recompute_times(fw_nodes, fw_times, output_args(record.forward)[record.step.num_user_outputs :])
     estimated = dict(times)
     if compute_scale != 1.0:  # the recompute fractions stay those of the unscaled estimate
@@ -335,7 +335,7 @@ def _split(value: Any) -> tuple[float, float]:
     return total / 3, 2 * total / 3
 
 
-def _node_times(
+def node_times(
     nodes: list[fx.Node],
     machine: Machine,
     *,
@@ -362,9 +362,9 @@ def _phase_times(
     fused: bool = False,
     op_times: Mapping[str, float] | None = None,
 ) -> dict[str, tuple[float, float]]:
-    """Seconds per label and phase: :func:`_node_times` of each graph, summed per label."""
-    return _label_times(_node_times(fw_nodes, machine, fused=fused, op_times=op_times),
-                        _node_times(bw_nodes, machine, fused=fused, op_times=op_times))
+    """Seconds per label and phase: :func:`node_times` of each graph, summed per label."""
+    return _label_times(node_times(fw_nodes, machine, fused=fused, op_times=op_times),
+                        node_times(bw_nodes, machine, fused=fused, op_times=op_times))
 
 
 def _label_times(

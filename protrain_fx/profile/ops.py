@@ -104,7 +104,7 @@ def ops_cache_path(
 ) -> Path:
     """The JSON file of ``device``'s op times: ``ops-<device name>-torch<version>.json`` next to the
     machine profile (``profile/cache.cache_path``); ``ops-prefilled-...`` for times taken with the device
-    kept busy (:func:`_time_node`'s ``prefill``), which are not the same readings."""
+    kept busy (:func:`time_node`'s ``prefill``), which are not the same readings."""
     from protrain_fx.profile.cache import cache_path
 
     machine_file = cache_path(device, cache)
@@ -133,7 +133,7 @@ def measure_op_times(
     mode, autocast and autograd. An op
     that raises (shapes it cannot take, out of memory) is logged at debug level and left out: its
     nodes keep the roofline. With ``prefill`` (CUDA), each op is timed with the device kept busy while
-    its calls are queued (:func:`_time_node`), into a cache file of its own (:func:`ops_cache_path`).
+    its calls are queued (:func:`time_node`), into a cache file of its own (:func:`ops_cache_path`).
     """
     device = torch.device(device)
     first = distinct_calls(nodes)
@@ -151,10 +151,10 @@ def measure_op_times(
     with progress.phase("ops", "profiling ops", total=len(missing)) as shown, unset_fake_temporarily(), \
             torch.no_grad(), torch.autocast(device.type, enabled=False):
         if device.type == "cuda":
-            _warm_clocks(device)
+            warm_clocks(device)
         for sig in missing:
             try:
-                measured[sig] = _time_node(first[sig], device, repeat, prefill=prefill)
+                measured[sig] = time_node(first[sig], device, repeat, prefill=prefill)
             except Exception as exc:  # noqa: BLE001 - any failure: the roofline stays for this op
                 log.debug("protrain_fx: could not time %s: %s: %s", sig, type(exc).__name__, exc)
             shown.advance()
@@ -165,13 +165,13 @@ def measure_op_times(
     return {**known, **measured}
 
 
-#: GPU clock cycles :func:`_time_node` keeps the device busy for (``torch.cuda._sleep``) per call
+#: GPU clock cycles :func:`time_node` keeps the device busy for (``torch.cuda._sleep``) per call
 #: it then queues, with ``prefill``: about 0.2 ms a call at a 2 GHz clock, several times what the
 #: host takes to queue one.
 PREFILL_CYCLES_PER_CALL = 400_000
 
 
-def _time_node(node: fx.Node, device: torch.device, repeat: int, *, prefill: bool = False) -> float:
+def time_node(node: fx.Node, device: torch.device, repeat: int, *, prefill: bool = False) -> float:
     """Seconds of one call of ``node``'s op on fresh inputs of its traced shapes.
 
     CUDA: ``repeat`` calls back to back between two events (as the kernels of a step run: queued, no
@@ -212,7 +212,8 @@ def _time_node(node: fx.Node, device: torch.device, repeat: int, *, prefill: boo
 CLOCK_WARMUP_S = 0.2
 
 
-def _warm_clocks(device: torch.device) -> None:
+def warm_clocks(device: torch.device) -> None:
+    """Keep ``device`` busy with matrix products for :data:`CLOCK_WARMUP_S`, so timings start at its working clocks."""
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     deadline = time.perf_counter() + CLOCK_WARMUP_S
     while time.perf_counter() < deadline:

@@ -19,6 +19,7 @@ import torch
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx.errors import UnsupportedError
+from tests.runtime.test_offload import _train_hf_side_by_side
 
 CONFIG = gpt_config("tiny", n_layer=4)
 CHUNK = 64 * 1024
@@ -319,19 +320,14 @@ def test_a_hugging_face_gpt2_trains_in_one_graph_when_offloaded_and_names_the_fi
     handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, n_persist=1, n_buffer=2)
     assert model.loss_type == "ForCausalLM" and reference.loss_type is None
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
-    for step in range(2):
-        idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
-        loss, ref_loss = compiled(input_ids=idx, labels=idx).loss, reference(input_ids=idx, labels=idx).loss
-        assert torch.equal(loss, ref_loss), step
-        loss.backward(), ref_loss.backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+    _train_hf_side_by_side(compiled, reference, opt, ref_opt, 2, model.config.vocab_size)
     assert len(protrain_fx.captured_graphs()) == 1 and not protrain_fx.graph_break_reasons()
     handle.close()
 
     protrain_fx.reset()
     torch._dynamo.reset()
     plain = torch.compile(reference, backend="protrain", options={"codegen": "eager"})
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
     with caplog.at_level("WARNING", logger="protrain_fx"):
         plain(input_ids=idx, labels=idx).loss.backward()
     assert "set model.loss_type = 'ForCausalLM' before torch.compile" in caplog.text

@@ -31,6 +31,7 @@ from tests.runtime.test_offload import (
     CONFIG,
     _assert_same_params,
     _batch,
+    _train_hf_side_by_side,
     _train_side_by_side,
 )
 
@@ -587,13 +588,7 @@ def test_a_plan_whose_rewrite_holds_more_chunks_than_its_buffers_is_placed_again
     model, reference, opt, ref_opt, handle = _opt()
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": 10**9})
     with caplog.at_level("INFO", logger="protrain_fx"):
-        for step in range(3):
-            x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(step))
-            loss, ref_loss = compiled(input_ids=x, labels=x).loss, reference(input_ids=x, labels=x).loss
-            assert torch.equal(loss, ref_loss), step
-            loss.backward(), ref_loss.backward()
-            opt.step(), ref_opt.step()
-            opt.zero_grad(), ref_opt.zero_grad()
+        _train_hf_side_by_side(compiled, reference, opt, ref_opt, 3, model.config.vocab_size)
     auto = protrain_fx.captured_graphs()[-1].auto_plan
     (trial,) = auto.trials
     assert trial.requested is not None and trial.config.n_buffer > trial.requested.n_buffer

@@ -57,7 +57,7 @@ def test_measured_once_then_read_from_the_cache(tmp_path, capsys, monkeypatch):
     assert data["version"] == opprofile.CACHE_VERSION and data["times"] == times
 
     calls = []
-    monkeypatch.setattr(opprofile, "_time_node", lambda *a, **k: calls.append((a, k)) or 1.0)
+    monkeypatch.setattr(opprofile, "time_node", lambda *a, **k: calls.append((a, k)) or 1.0)
     assert opprofile.measure_op_times(nodes, "cpu", cache=tmp_path) == times
     assert calls == [] and capsys.readouterr().err == ""
     # refresh measures again and rewrites the file

@@ -55,6 +55,18 @@ def _train_side_by_side(compiled, reference, opt, ref_opt, steps: int, schedules
             schedule.step()
 
 
+def _train_hf_side_by_side(compiled, reference, opt, ref_opt, steps: int, vocab_size: int):
+    """The same for a Hugging Face causal LM: ``steps`` steps of ``model(input_ids=x, labels=x).loss``
+    on the same random 2 x 32 tokens."""
+    for step in range(steps):
+        x = torch.randint(0, vocab_size, (2, 32), generator=torch.Generator().manual_seed(step))
+        loss, ref_loss = compiled(input_ids=x, labels=x).loss, reference(input_ids=x, labels=x).loss
+        assert torch.equal(loss, ref_loss), step
+        loss.backward(), ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+
 def _train_accumulating(compiled, reference, handle, opt, ref_opt, steps: int = 2, micro: tuple[int, ...] = (),
                         clip: float | None = None):
     """``steps`` optimizer steps of ``micro[step]`` micro-batches each (default two; all but the last
