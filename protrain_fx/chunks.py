@@ -89,8 +89,11 @@ def pack(params: Sequence[ParamInfo], chunk_bytes: int) -> ChunkLayout:
     ordered = sorted(params, key=lambda p: p.first_use)
     too_big = [p for p in ordered if p.nbytes > chunk_bytes]
     if too_big:
+        largest = max(too_big, key=lambda p: p.nbytes)
         raise ValueError(
-            f"parameter {too_big[0].names[0]!r} ({too_big[0].nbytes} bytes) does not fit a chunk of {chunk_bytes} bytes"
+            f"parameter {too_big[0].names[0]!r} ({too_big[0].nbytes} bytes) does not fit a chunk of {chunk_bytes} "
+            f"bytes: use chunk_bytes >= {largest.nbytes} (the largest parameter, {largest.names[0]!r}), or leave "
+            "chunk_bytes out to have it chosen"
         )
     chunks: list[list[ChunkSlot]] = [[]]
     used = 0

@@ -75,8 +75,8 @@ def test_a_block_that_does_not_fit_the_rest_starts_a_new_chunk():
 
 
 def test_errors_name_the_problem():
-    with pytest.raises(ValueError, match="'big'"):
-        pack([ParamInfo(("big",), 300, "outside", 0)], 100)
+    with pytest.raises(ValueError, match="'big'.*use chunk_bytes >= 500 \\(the largest parameter, 'bigger'\\)"):
+        pack([ParamInfo(("big",), 300, "outside", 0), ParamInfo(("bigger",), 500, "outside", 1)], 100)
     with pytest.raises(ValueError, match="positive"):
         pack([], 0)
     with pytest.raises(ValueError, match="no parameters"):
