@@ -116,7 +116,8 @@ class StepReport:
             verdict = {
                 "fits": "fits",
                 "tight": f"TIGHT: the peak fits, the allocator's usual {100 * ALLOCATOR_HEADROOM:.0f}% headroom does not",
-                "over": "DOES NOT FIT (choose a plan with options={'plan': ...})",
+                "over": "DOES NOT FIT (" + ("choose a plan with options={'plan': ...})" if graph.blocks and graph.blocks.labels
+                                           else "no repeated layers to checkpoint or swap: offload the parameters)"),
             }[budget_verdict(memory.peak_bytes, budget)]
             source = " (what this process can reach on the device)" if graph.budget_source == "device" else ""
             lines.insert(1, f"  budget {human_bytes(budget)}{source}: {verdict}")

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from protrain_fx import meta
+from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.runtime import chunk_ops
 
@@ -179,17 +180,19 @@ def check_budget(record: CapturedGraph) -> None:
         return
     if getattr(record, "auto_plan", None) is not None:
         advice = "the automatic plan was chosen from the graph-level prediction, which said it fits"
+    elif record.blocks is None or not record.blocks.labels:
+        advice = ("no repeated layers found in this graph to checkpoint or swap: offload the parameters with "
+                  "protrain_fx.offload(...), use a smaller batch, or raise the budget")
     else:
         advice = "choose a plan by hand with options={'plan': ...}"
     log.warning(
-        "protrain_fx: graph %d is predicted to need %.2f GiB (%.2f GiB with %.0f%% allocator headroom), "
-        "%s %s of %.2f GiB (%s)",
+        "protrain_fx: graph %d is predicted to need %s (%s with %.0f%% allocator headroom), %s %s of %s (%s)",
         record.index,
-        memory.peak_bytes / 2**30,
-        memory.peak_bytes * (1 + ALLOCATOR_HEADROOM) / 2**30,
+        human_bytes(memory.peak_bytes),
+        human_bytes(math.ceil(memory.peak_bytes * (1 + ALLOCATOR_HEADROOM))),
         100 * ALLOCATOR_HEADROOM,
         "over" if verdict == "over" else "at the edge of",
         what,
-        budget / 2**30,
+        human_bytes(budget),
         advice,
     )
