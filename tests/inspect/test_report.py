@@ -137,7 +137,8 @@ def test_without_a_budget_a_peak_over_the_gpus_allowed_memory_warns(monkeypatch,
     assert planner_budget.device_limit_bytes("cpu") is None
 
     def record(peak: int, device: str):
-        return SimpleNamespace(config=ProtrainConfig(), index=0, memory=SimpleNamespace(peak_bytes=peak, device=device))
+        return SimpleNamespace(config=ProtrainConfig(), index=0, memory=SimpleNamespace(peak_bytes=peak, device=device),
+                               blocks=None)
 
     with caplog.at_level(logging.WARNING, logger="protrain_fx"):
         # 6.7B with chunks on the H200: 27.8 GiB predicted under a 24 GiB cap, and it ran out of memory
@@ -147,3 +148,4 @@ def test_without_a_budget_a_peak_over_the_gpus_allowed_memory_warns(monkeypatch,
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1
     assert "over the memory this process may use on cuda:0 of 24.00 GiB" in messages[0]
+    assert "no repeated layers found in this graph" in messages[0] and "protrain_fx.offload" in messages[0]
