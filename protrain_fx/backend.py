@@ -17,6 +17,7 @@ import hashlib
 import logging
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -382,7 +383,13 @@ def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own."""
-    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    with warnings.catch_warnings():
+        # Copying a graph whose nodes hold pytree specs (a model called with keyword arguments)
+        # rebuilds each LeafSpec through torch's deprecated isinstance check: torch's warning, not
+        # the user's to act on.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    copied = fx.GraphModule(gm, graph)
     copied.meta = dict(getattr(gm, "meta", {}))
     return copied
 
