@@ -23,9 +23,16 @@ from protrain_fx.runtime import shard
 
 class Landing:
     """Gradient landing for ``OffloadHandle`` (which holds ``store``, ``worker``, ``device_adam``,
-    ``group``, the counts and the step state of ``_init_step_state``)."""
+    ``group``, the counts, the step state of ``_init_step_state`` and ``_param_of_slot``)."""
 
     def land_grads(self, chunk: int, names: list[str], grads: list[torch.Tensor]) -> None:
+        if any(not self._param_of_slot[n].requires_grad for n in names):
+            # frozen since the graph was compiled (Dynamo does not recompile for it): autograd
+            # would drop these gradients, and the optimizer would skip the parameters
+            kept = [(n, g) for n, g in zip(names, grads) if self._param_of_slot[n].requires_grad]
+            if not kept:
+                return
+            names, grads = [n for n, _ in kept], [g for _, g in kept]
         if self.group is None:
             return self._land_local(chunk, names, grads)
         # the ranks' mean, this rank's piece of each parameter only; the whole gradient is laid out

@@ -35,6 +35,7 @@ from protrain_fx.chunks import (
     dedupe_tied,
     pack,
 )
+from protrain_fx.errors import UnsupportedError
 from protrain_fx.integrations.checkpointing import library_checkpointing_off
 from protrain_fx.integrations.loss_type import name_default_loss_type
 from protrain_fx.runtime import chunk_ops, distributed, shard
@@ -110,6 +111,8 @@ class OffloadHandle(Checkpoints, Landing):
             available_host_bytes = shard.node_share(self.group)
         self.optimizer = optimizer
         self._named = named
+        #: Parameters frozen at offload: the store keeps no optimizer state for them.
+        self._frozen = frozenset(name for name, p in named.items() if not p.requires_grad)
         self._settings = {
             "compute_dtype": compute_dtype,
             "available_host_bytes": available_host_bytes,
@@ -355,6 +358,8 @@ class OffloadHandle(Checkpoints, Landing):
             elif src is not p or p.device != self.device:
                 set_data(p, src.detach().to(self.device))
         self.id = chunk_ops.register(self, list(shells.values()))
+        #: The parameter behind each offloaded slot the graphs land gradients for.
+        self._param_of_slot = {name: p for p, _, _, name in shells.values()}
         if self.group is not None:  # replicated parameters: their gradients averaged in backward
             self.grad_sync = GradAverager([named[n] for n in self._persistent_names], self.group.world_size,
                                           lambda: self._accumulating)
@@ -430,10 +435,26 @@ class OffloadHandle(Checkpoints, Landing):
         """``optimizer.step()`` is about to run: the chunks still holding gradients are stepped now
         (accumulated micro-batches; the first step, held to learn whether the loop clips, which it
         does not when it steps without clipping first)."""
+        self._check_unfrozen()
         if self._pending and self.grad_clipping is None and not self._clipped:
             self.grad_clipping = False
         for chunk in sorted(self._pending):
             self._submit(chunk)
+
+    def _check_unfrozen(self) -> None:
+        """Refuse a step after a parameter frozen at ``offload`` was set to require a gradient: the
+        store keeps no optimizer state for it, and graphs compiled while it was frozen compute no
+        gradient for it (Dynamo does not recompile when a parameter's ``requires_grad`` changes),
+        so it would silently stay as it is."""
+        woken = [name for name in self._frozen if self._named[name].requires_grad]
+        if woken:
+            raise UnsupportedError(
+                f"protrain_fx: {len(woken)} parameter(s) frozen when the model was offloaded now require a "
+                f"gradient ({', '.join(sorted(woken)[:3])}{', ...' if len(woken) > 3 else ''}); offloaded chunks "
+                "keep optimizer state only for the parameters trainable at protrain_fx.offload(...). Set "
+                "requires_grad before offload: save handle.state_dict(model), build and offload the model again "
+                "with these parameters trainable, and load it"
+            )
 
     def _after_step(self) -> None:
         if self.store is not None:  # forget lean chunks whose steps are over (else it grows every step)

@@ -236,6 +236,46 @@ def test_hand_counts_that_offload_nothing_are_refused():
         protrain_fx.offload(model, opt, n_persist=1, n_buffer=1, device="cpu")  # one 32 MiB chunk holds it all
 
 
+def test_a_block_frozen_after_offload_stops_training_as_in_eager():
+    """Freezing part of the model mid-training: Dynamo does not recompile when a parameter's
+    requires_grad changes, so the compiled backward still makes the frozen parameters' gradients.
+    Autograd drops them for plain parameters; the offloaded chunks drop them as they land, so the
+    frozen parameters stay as they are, bit for bit eager's."""
+    model, reference, opt, ref_opt, handle, compiled = _pair(n_persist=0, n_buffer=4)
+    for step in range(4):
+        if step == 2:
+            model.blocks[0].requires_grad_(False), reference.blocks[0].requires_grad_(False)
+            frozen = {n: p.detach().clone() for n, p in reference.named_parameters() if not p.requires_grad}
+        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
+        assert torch.equal(loss, ref_loss), step
+        loss.backward(), ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    _assert_same_params(handle, model, reference)
+    state = handle.state_dict(model)
+    assert frozen and all(torch.equal(state[n], value) for n, value in frozen.items())
+    handle.close()
+
+
+def test_a_parameter_frozen_at_offload_and_trained_later_is_refused_naming_the_fix():
+    """The store keeps no optimizer state for a parameter frozen at offload, and the compiled graphs
+    make no gradient for it: unfrozen later it would silently stay as it is."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    model.blocks[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    handle = protrain_fx.offload(model, opt, n_persist=1, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
+    compiled(*_batch(0)).backward()
+    opt.step(), opt.zero_grad()
+    model.blocks[0].requires_grad_(True)
+    compiled(*_batch(1)).backward()
+    with pytest.raises(UnsupportedError, match="frozen when the model was offloaded now require a gradient.*"
+                                               "Set requires_grad before offload"):
+        opt.step()
+    handle.close()
+
+
 def test_an_optimizer_the_chunks_cannot_step_is_refused_at_offload():
     model = GPT(CONFIG)
     with pytest.raises(TypeError, match="AdamW"):
@@ -410,11 +450,14 @@ def test_an_offloaded_model_past_the_recompile_limit_names_the_limit(monkeypatch
     model = GPT(CONFIG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK)  # each shape planned apart
-    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": "64MiB"})
+    # a budget under the step with every chunk on the device (3.6 MiB): some chunks are shells outside the
+    # graphs, so the frame run eagerly reads one (with all of them on the device it would run unplanned)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": 2_500_000})
     with dynamo_config.patch(recompile_limit=2):
         for seq in (32, 24):
             compiled(*random_batch(CONFIG, 2, seq)).backward()
             opt.step(), opt.zero_grad()
+        assert handle.n_persist < len(handle.layout.chunks)
         with pytest.raises(UnsupportedError, match="recompile_limit.*pad the inputs"):
             compiled(*random_batch(CONFIG, 2, 16))
     handle.close()
