@@ -5,8 +5,8 @@ would see only the persistent chunks. :func:`install_clip_dispatch` routes
 ``torch.nn.utils.clip_grad_norm_`` to :func:`clip_grad_norm` when it is given an offloaded model's
 parameters; every other call reaches torch unchanged. The norm is taken over every gradient (the
 chunks' per-parameter norms kept by :class:`HeldNorms` as their gradients land), the persistent
-gradients are scaled as torch scales them, and the held chunk steps start with the same scale. A
-non-finite norm skips the step everywhere. Clipping needs the chunks' steps held until the norm
+gradients are scaled as torch scales them, and ``optimizer.step()`` steps the held chunks with the
+same scale. A non-finite norm skips the step everywhere. Clipping needs the chunks' steps held until the norm
 is known (``offload(..., grad_clipping=...)``); a clip that cannot be exact is refused with the
 way out.
 """
@@ -179,13 +179,15 @@ def clip_grad_norm(
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over ``parameters``, offloaded ones included: the norm
     of every gradient, the persistent ones' ``.grad`` scaled in place and the offloaded chunks'
-    held steps queued with the same scale. ``torch.nn.utils.clip_grad_norm_`` comes here when
+    held steps queued at ``optimizer.step()`` with the same scale. ``torch.nn.utils.clip_grad_norm_`` comes here when
     given parameters of this model (``offload`` installs the dispatch), so the loop is unchanged.
 
     The offloaded chunks' steps run as their gradients land in backward, before a norm over all
     of them exists; so the handle holds them (``grad_clipping``): always with ``True``; with
     ``None`` (default) at the first step, and from then on when that step clipped. Held steps
-    start here, overlapping the optimizer's step of the persistent chunks and the next forward.
+    start at ``optimizer.step()`` (its pre-hook: a loop may still skip the step, and
+    ``zero_grad()`` then drops them), overlapping the optimizer's step of the persistent chunks
+    and the next forward.
     A non-finite norm skips the step everywhere (as ``GradScaler`` does): no offloaded chunk is
     stepped and the persistent gradients are set to ``None``, so ``optimizer.step()`` leaves
     those parameters too; ``error_if_nonfinite=True`` raises instead, as torch does."""
@@ -231,9 +233,8 @@ def clip_grad_norm(
         _skip_held_steps(handle, persistent, total)
         return total
     torch.nn.utils.clip_grads_with_norm_(persistent, max_norm, total, foreach)  # as torch scales them
-    scale = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).to("cpu", torch.float32)
-    for chunk in sorted(handle._pending):
-        handle._submit(chunk, grad_scale=scale)
+    # the held chunks are stepped with it at optimizer.step() (a loop may still skip the step)
+    handle._held_scale = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).to("cpu", torch.float32)
     return total
 
 def _total_over_ranks(offloaded: list[torch.Tensor], persistent: list[torch.Tensor], norm_type: float,
@@ -258,6 +259,11 @@ def _check_clip(handle: Any, params: list[torch.Tensor]) -> None:
     """Refuse a clip this handle cannot make exact (see :meth:`clip_grad_norm_`)."""
     fix = ("pass grad_clipping=True to protrain_fx.offload(...), which holds the offloaded chunks' steps "
            "until the norm is known (a loop that clips from its first step needs nothing)")
+    if handle._clipped:
+        raise UnsupportedError(
+            "protrain_fx: clip_grad_norm_ ran twice in one step on an offloaded model: the offloaded chunks take "
+            "one scale, from the first clip's norm, at optimizer.step(); clip once per step"
+        )
     stepped = sorted(handle._submitted)
     if stepped:
         if handle._released_early:
@@ -266,10 +272,8 @@ def _check_clip(handle: Any, params: list[torch.Tensor]) -> None:
                    f"holds its gradient in a landing buffer of {handle.store.chunk_numel * handle.store.compute_dtype.itemsize} "
                    "bytes of host memory until the norm is known")
             why = "at the first step, its lean chunks' gradients could not all wait in the landing pool"
-        elif handle.grad_clipping is False:
-            why = "this model's loop did not clip at its first step, so its chunks are stepped as their gradients land"
         else:
-            why = "clip_grad_norm_ already ran in this step"
+            why = "this model's loop did not clip at its first step, so its chunks are stepped as their gradients land"
         raise UnsupportedError(
             f"protrain_fx: clip_grad_norm_ on an offloaded model whose chunks {stepped} were already "
             f"stepped in this step, without clipping ({why}); {fix}"
@@ -287,10 +291,7 @@ def _check_clip(handle: Any, params: list[torch.Tensor]) -> None:
 def _skip_held_steps(handle: Any, persistent: list[torch.Tensor], total: torch.Tensor) -> None:
     """A non-finite gradient norm: drop every held gradient, leave the persistent parameters
     without one (``optimizer.step()`` skips them), count and say so."""
-    for chunk in sorted(handle._pending):
-        handle.store.finish_step(chunk)  # the working copy back from the master, the gradient gone
-        handle._submitted.add(chunk)
-    handle._pending.clear()
+    handle.drop_held_grads()
     for p in persistent:
         p.grad = None
     handle.skipped_steps += 1

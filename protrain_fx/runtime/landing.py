@@ -90,6 +90,7 @@ class Landing:
         if on_device:
             self.device_adam.step_chunk(chunk, dict(zip(names, grads)))  # its states stream through the GPU
             self._submitted.add(chunk)
+            self._stepped = True
             return
         if hold and self.grad_clipping is not False and not self._released_early:  # a clip may follow: its norms
             self._norms.note(self.store, chunk, names, grads, fresh=fresh)
@@ -114,6 +115,7 @@ class Landing:
         """Queue the chunk's CPU step (``kwargs`` to ``ChunkAdamW.step_chunk``)."""
         self._pending.discard(chunk)
         self._submitted.add(chunk)
+        self._stepped = True
         self.worker.submit(chunk, **kwargs)
         if self.store.is_lean(chunk):
             self._landed_lean.append(chunk)

@@ -182,6 +182,9 @@ class OffloadHandle(Checkpoints, Landing):
         self.grad_clipping: bool | None = grad_clipping
         self._norms = HeldNorms()
         self._clipped = False  # clip_grad_norm_ ran in this step
+        #: The clip's scale of the held gradients, applied when optimizer.step() steps them.
+        self._held_scale: torch.Tensor | None = None
+        self._stepped = False  # a chunk step was queued or issued since the last optimizer.step()
         self._released_early = False  # the first step's held chunks were stepped before its end
         #: Optimizer steps whose offloaded chunk steps were skipped (a non-finite gradient norm).
         self.skipped_steps = 0
@@ -198,6 +201,14 @@ class OffloadHandle(Checkpoints, Landing):
                        optimizer.register_step_post_hook(lambda *_: self._after_step()),
                        # the loop's own state_dict / load_state_dict calls read and write the chunks
                        *install_state_hooks(self, model, optimizer))
+        zero_grad = optimizer.zero_grad  # torch has no zero_grad hook: the instance's method wraps it
+
+        def zero_grad_of_offloaded(*args: Any, **kwargs: Any) -> None:
+            self._on_zero_grad()
+            zero_grad(*args, **kwargs)
+
+        optimizer.zero_grad = zero_grad_of_offloaded
+        self._zero_grad = zero_grad_of_offloaded
         install_clip_dispatch()
         install_shell_repr()
 
@@ -438,8 +449,31 @@ class OffloadHandle(Checkpoints, Landing):
         self._check_unfrozen()
         if self._pending and self.grad_clipping is None and not self._clipped:
             self.grad_clipping = False
+        for chunk in sorted(self._pending):  # (clipped: with the clip's scale)
+            self._submit(chunk, **({} if self._held_scale is None else {"grad_scale": self._held_scale}))
+
+    def drop_held_grads(self) -> None:
+        """Forget the gradients the offloaded chunks hold without stepping them (a skipped step)."""
         for chunk in sorted(self._pending):
-            self._submit(chunk)
+            self.store.finish_step(chunk)  # the working copy back from the master, the gradient gone
+        self._pending.clear()
+
+    def _on_zero_grad(self) -> None:
+        """``optimizer.zero_grad()``. After ``optimizer.step()`` nothing is held. Between a backward
+        and its step the loop skips the step (a loss spike, a bad batch): the held gradients are
+        dropped as ``zero_grad`` drops ``.grad``. Chunks already stepped as their gradients landed
+        cannot be un-stepped: refused, naming the setting that holds them."""
+        if self._stepped:
+            raise UnsupportedError(
+                "protrain_fx: optimizer.zero_grad() after a backward whose optimizer.step() was skipped: the "
+                "offloaded chunks were already stepped as their gradients landed (their steps overlap "
+                "backward), so the step cannot be skipped. A loop that may skip optimizer.step() after a "
+                "backward holds the chunk steps until optimizer.step(): pass grad_clipping=True to "
+                "protrain_fx.offload(...) (for loops that do not clip too)"
+            )
+        if self._pending or self._landed:
+            self.drop_held_grads()
+            self._after_step()
 
     def _check_unfrozen(self) -> None:
         """Refuse a step after a parameter frozen at ``offload`` was set to require a gradient: the
@@ -463,6 +497,8 @@ class OffloadHandle(Checkpoints, Landing):
         self._landed.clear()
         self._norms.clear()
         self._clipped = False
+        self._held_scale = None
+        self._stepped = False
         self._released_early = False
 
     def clip_grad_norm_(
@@ -512,6 +548,8 @@ class OffloadHandle(Checkpoints, Landing):
             self.worker.close()
         for hook in (*self._hooks, *self._eager_guards):
             hook.remove()
+        if vars(self.optimizer).get("zero_grad") is self._zero_grad:
+            del self.optimizer.zero_grad
         if self.id is not None:
             chunk_ops.unregister(self.id)
         if self.grad_sync is not None:

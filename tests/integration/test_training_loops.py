@@ -236,6 +236,51 @@ def test_hand_counts_that_offload_nothing_are_refused():
         protrain_fx.offload(model, opt, n_persist=1, n_buffer=1, device="cpu")  # one 32 MiB chunk holds it all
 
 
+@pytest.mark.parametrize("clip", [True, False])
+def test_a_loop_that_skips_a_step_trains_like_eager_when_the_chunk_steps_are_held(clip):
+    """A loop that, after backward (and clipping), decides not to step (a loss spike, a bad batch) and
+    calls zero_grad(): the gradients the offloaded chunks hold are dropped, as zero_grad drops .grad.
+    A clipping loop holds the chunk steps anyway; one that does not clip holds them with
+    grad_clipping=True."""
+    model, reference, opt, ref_opt, handle, compiled = _pair(**({} if clip else {"grad_clipping": True}))
+    for step in range(5):
+        for m, o, params in ((compiled, opt, model.parameters()), (reference, ref_opt, reference.parameters())):
+            loss = m(*_batch(step))
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, 0.05)
+            if step != 2:
+                o.step()
+            o.zero_grad()
+            if m is compiled:
+                ours = loss
+        assert torch.equal(ours, loss), step
+    _assert_same_params(handle, model, reference)
+    handle.close()
+
+
+def test_a_skipped_step_whose_chunks_were_already_stepped_is_refused_naming_the_fix():
+    """Without clipping the chunks step as their gradients land: a skipped optimizer.step() cannot be
+    honoured, so its zero_grad() is refused instead of training on."""
+    model, reference, opt, ref_opt, handle, compiled = _pair()
+    for step in range(2):
+        compiled(*_batch(step)).backward()
+        opt.step(), opt.zero_grad()
+    compiled(*_batch(2)).backward()
+    with pytest.raises(UnsupportedError, match="optimizer.step\\(\\) was skipped.*grad_clipping=True"):
+        opt.zero_grad()
+    handle.close()
+
+
+def test_clipping_twice_in_one_step_is_refused():
+    model, reference, opt, ref_opt, handle, compiled = _pair(grad_clipping=True)
+    compiled(*_batch(0)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(UnsupportedError, match="ran twice in one step"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    handle.close()
+
+
 def test_a_block_frozen_after_offload_stops_training_as_in_eager():
     """Freezing part of the model mid-training: Dynamo does not recompile when a parameter's
     requires_grad changes, so the compiled backward still makes the frozen parameters' gradients.
