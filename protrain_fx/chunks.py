@@ -140,13 +140,16 @@ def choose_layout(params: Sequence[ParamInfo], candidates: Sequence[int] = DEFAU
 
 def _block_multiples(params: Sequence[ParamInfo], most: int = 4) -> list[int]:
     """1..``most`` times the bytes of the most common block size, each also with room for the
-    small parameters outside blocks (smaller than one block)."""
+    small parameters outside blocks (smaller than one block), and at most a quarter of the blocks:
+    a chunk of a model's every block wastes nothing and offloads nothing (a model built with a few
+    layers would get one chunk)."""
     sizes: dict[str, int] = {}
     for p in params:
         if p.block != OUTSIDE:
             sizes[p.block] = sizes.get(p.block, 0) + p.nbytes
     if not sizes:
         return []
+    most = max(1, min(most, len(sizes) // 4))
     counts: dict[int, int] = {}
     for size in sizes.values():
         counts[size] = counts.get(size, 0) + 1

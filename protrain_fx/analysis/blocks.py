@@ -84,7 +84,8 @@ def block_at_end(gm: fx.GraphModule) -> str:
 
 
 def find_blocks(graphs: Sequence[fx.GraphModule]) -> BlockInfo:
-    """Find the repeated container covering the most nodes (outermost on ties)."""
+    """Find the repeated container covering the most nodes (outermost on ties); a container of one
+    indexed child only where none repeats (a model built with one layer)."""
     children: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
     covered: Counter[str] = Counter()
     first_seen: dict[str, int] = {}
@@ -106,11 +107,11 @@ def find_blocks(graphs: Sequence[fx.GraphModule]) -> BlockInfo:
     candidates = []
     for container, kids in children.items():
         classes = set().union(*kids.values())
-        if len(kids) >= 2 and len(classes) == 1:
-            candidates.append((-covered[container], container.count("."), container, classes.pop()))
+        if len(classes) == 1:  # (a model of one layer: its one child, where no container repeats)
+            candidates.append((len(kids) < 2, -covered[container], container.count("."), container, classes.pop()))
     if not candidates:
         return BlockInfo(container="", layer_class="", labels=())
-    _, _, container, cls = min(candidates)
+    _, _, _, container, cls = min(candidates)
     labels = sorted(
         (f"{container}.{i}" if container else str(i) for i in children[container]),
         key=lambda lab: (first_seen.get(lab, 1 << 60), lab),

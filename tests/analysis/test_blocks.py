@@ -112,6 +112,17 @@ def test_gpt_blocks_found_in_order() -> None:
     assert record.blocks.order(meta.OUTSIDE) == N_LAYER
 
 
+def test_a_model_of_one_layer_has_that_layer_as_its_block() -> None:
+    """No container repeats in a model built with one layer: its one indexed child is the block (else
+    nothing could be planned or offloaded for it)."""
+    config = gpt_config("tiny", n_layer=1)
+    torch.manual_seed(0)
+    x, y = random_batch(config, 2, 16, generator=torch.Generator().manual_seed(0))
+    torch.compile(GPT(config), backend="protrain", options={"codegen": "eager"})(x, y).backward()
+    (record,) = protrain_fx.captured_graphs()
+    assert (record.blocks.container, record.blocks.labels) == ("blocks", ("blocks.0",))
+
+
 def test_gpt_every_node_has_block_and_phase() -> None:
     record = _gpt_record()
     allowed = set(LABELS) | {meta.OUTSIDE}

@@ -116,3 +116,13 @@ def test_blocks_larger_than_the_fixed_sizes_get_chunks_of_whole_blocks():
     assert layout.chunk_bytes >= 2 * block
     assert layout.waste_bytes / used < 0.04
     assert pack(params, max(p.nbytes for p in params)).waste_bytes / used > 0.25
+
+
+def test_a_model_of_a_few_large_blocks_is_not_laid_out_in_one_chunk():
+    # Four 453 MB blocks and their embedding: one chunk of everything would waste nothing and leave
+    # nothing to offload (its one buffer holds the whole model); chunks of whole blocks stream.
+    params = [ParamInfo(p.names, p.nbytes * 2, p.block, p.first_use) for p in _gpt_like(4, 3072)]
+    layout = choose_layout(params)
+    _check(layout, params)
+    block = sum(p.nbytes for p in params if p.block == "blocks.0")
+    assert len(layout.chunks) >= 4 and layout.chunk_bytes < 2 * block
