@@ -170,7 +170,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                               "layers": args.layers, "steps": args.steps, "device": args.device, "ok": False}
     started = time.perf_counter()
     import protrain_fx
+    from protrain_fx.backend import register
     from protrain_fx.config import parse_bytes
+
+    register()  # backend="protrain" from a source tree that is not installed
 
     budget = parse_bytes(args.budget)
     if cuda:
@@ -247,8 +250,10 @@ def what_fits_one(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import protrain_fx
+    from protrain_fx.backend import register
     from protrain_fx.config import parse_bytes
 
+    register()  # backend="protrain" from a source tree that is not installed
     name = args.models[0]
     cuda = args.device == "cuda"
     budget = parse_bytes(args.budget)

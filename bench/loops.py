@@ -143,7 +143,7 @@ def run_one(run: dict, args) -> dict:
     import protrain_fx
     from protrain_fx.backend import register
 
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("protrain_fx").setLevel(logging.INFO)  # the plan tables and first-step checks, in the log
     register()
     device = args.device
