@@ -189,6 +189,9 @@ def inspect_model(
     torch._dynamo.reset()
     capture.reset()
     saved_grads = {p: p.grad for p in model.parameters()}
+    from protrain_fx.backend import register
+
+    register()  # the name resolves from a source tree that is not installed too
     compiled = torch.compile(model, backend="protrain", options=dict(options or {}))
     out = compiled(*example_inputs)
     loss = loss_fn(out) if loss_fn is not None else out

@@ -75,9 +75,13 @@ class FitReport:
         if self.budget_bytes is None:
             head = "no memory budget given"
         else:
-            head = f"budget {human_bytes(self.budget_bytes)} ({self.budget_source}): " + (
-                "fits" if self.fits else "does NOT fit"
-            )
+            if self.fits:
+                verdict = "fits"
+            elif self.host_available_bytes is not None and self.min_budget_bytes <= self.budget_bytes:
+                verdict = "does NOT fit: the device budget would do, the host memory does not (below)"
+            else:
+                verdict = "does NOT fit"
+            head = f"budget {human_bytes(self.budget_bytes)} ({self.budget_source}): {verdict}"
         lines = [f"graph {self.graph}: {head}; smallest budget {human_bytes(self.min_budget_bytes)} "
                  f"({self.min_budget_bytes} bytes)"]
         if self.plan is not None:
@@ -256,6 +260,9 @@ def what_fits(
     if memory_budget is not None:
         opts["memory_budget"] = memory_budget
     opts["dry_run"] = True
+    from protrain_fx.backend import register
+
+    register()  # the name resolves from a source tree that is not installed too
     compiled = torch.compile(model, backend="protrain", options=opts)
     try:
         with torch.enable_grad():

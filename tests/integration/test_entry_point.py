@@ -79,3 +79,37 @@ def test_backend_resolves_in_fresh_interpreter_without_import(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "CHILD-OK" in proc.stdout
+
+
+# A source tree on sys.path without the package installed: torch finds no entry point for it.
+_NO_ENTRY_POINT = textwrap.dedent(
+    """
+    import importlib.metadata
+
+    real = importlib.metadata.entry_points
+
+    def entry_points(**kwargs):
+        if kwargs.get("group") == "torch_dynamo_backends":
+            return importlib.metadata.EntryPoints(())
+        return real(**kwargs)
+
+    importlib.metadata.entry_points = entry_points
+    import torch
+    assert "protrain" not in torch._dynamo.list_backends()
+
+    import protrain_fx
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    fit = protrain_fx.what_fits(model, torch.randn(4, 8), memory_budget="64MiB", options={"codegen": "eager"})
+    assert fit.fits, fit
+    print("CHILD-OK")
+    """
+)
+
+
+def test_library_functions_that_compile_resolve_the_backend_without_installed_metadata() -> None:
+    """``what_fits`` (and the report and the Trainer integration, the same way) compiles with the name
+    ``"protrain"``: it registers the name itself where the package runs from a source tree."""
+    proc = subprocess.run([sys.executable, "-c", _NO_ENTRY_POINT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "CHILD-OK" in proc.stdout

@@ -306,6 +306,8 @@ def test_what_fits_on_a_host_too_small_names_the_host_memory_and_places_nothing(
     assert report.host_available_bytes == 1000 and report.host_needed_bytes > 1000
     assert report.min_budget_bytes > 0 and report.counts["n_persist"] == 0
     assert "does NOT fit this host" in str(report) and f"({report.host_needed_bytes} bytes" in str(report)
+    assert report.min_budget_bytes <= report.budget_bytes  # the device budget would do: the head names the host
+    assert "the device budget would do, the host memory does not" in str(report).splitlines()[0]
     assert handle.automatic and not handle.configured and handle.store is None
     # training on that host is refused with the same numbers
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
