@@ -22,7 +22,9 @@ thread (``runtime/grad_adds.py``); :meth:`ChunkStore.wait_grad` waits for those 
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
@@ -37,13 +39,15 @@ from protrain_fx.runtime.host_memory import (
     planned_store_bytes,
 )
 from protrain_fx.runtime.grad_adds import PendingAdds
-from protrain_fx.runtime.pinned import host_empty
+from protrain_fx.runtime.pinned import host_empty, host_zeros
 from protrain_fx.runtime.slots import ParamSlot, _layout_itemsize, _pieces, _slot_view, _slots, piece_of
 
 __all__ = ["GRAD_POOL", "BufferKind", "ChunkStore", "ParamSlot", "piece_of"]
 
 #: Gradient landing buffers of the lean chunks (see the module docstring), unless told otherwise.
 GRAD_POOL = 4
+
+log = logging.getLogger("protrain_fx")
 
 
 #: What the store can show per parameter (see the module table).
@@ -63,6 +67,13 @@ class ChunkStore:
     buffers, slots and optimizer state; ``runtime/shard.py`` gathers and scatters the rest).
     ``fill=False``: nothing is allocated until :meth:`fill` (the layout and the host check are done).
     """
+
+    #: A fill on its own thread (:meth:`fill`), until a reader waited for it; its error, if it raised.
+    _filling: threading.Thread | None = None
+    _fill_error: BaseException | None = None
+    #: Seconds the fill took, and the seconds the first reader waited for a background fill.
+    fill_s: float | None = None
+    fill_wait_s: float | None = None
 
     def __init__(
         self,
@@ -195,12 +206,14 @@ class ChunkStore:
         return self._chunk_bytes() / sum(s.numel for s in self.slots)
 
     def _chunk_bytes(self) -> int:
+        self.wait_filled()
         buffers = [b for kind in self._buffers.values() for b in kind if b is not None]
         return sum(b.numel() * b.element_size() for b in buffers)
 
     def _fixed_bytes(self) -> int:
         """The scratch, and the landing and staging buffers made so far."""
         itemsize = self.compute_dtype.itemsize
+        self.wait_filled()
         scratch = 0 if self._scratch is None else self._scratch.numel() * 4
         return scratch + self._landing_made * self.chunk_numel * itemsize + self.adds.staging_bytes
 
@@ -226,29 +239,72 @@ class ChunkStore:
 
     @property
     def filled(self) -> bool:
-        """Whether the buffers exist and hold the parameters' values (:meth:`fill`)."""
+        """Whether the buffers exist and hold the parameters' values (:meth:`fill`; waits for one
+        in the background)."""
+        self.wait_filled()
         return self._params is None
 
-    def fill(self) -> None:
+    def fill(self, *, background: bool = False) -> None:
         """Allocate every chunk's buffers and fill them from ``params`` (materialising the ones on
         ``meta`` with ``init``). A store made with ``fill=False`` has its layout, sizes and host
-        check only: what the planner's trial placements need, without the bytes."""
-        params = self._params
-        if params is None:
+        check only: what the planner's trial placements need, without the bytes.
+
+        ``background=True``: the fill runs on a thread of its own and this returns at once (the
+        backend fills while Inductor compiles the step: page-locking and copying a 4.2B model's
+        46 GB took about as long as that compile). Every read of a buffer waits for it
+        (:meth:`wait_filled`) and raises its error, if it raised. An ``init`` function runs on that
+        thread: it draws the same numbers as on the caller's while nothing else draws meanwhile."""
+        if self._params is None or self._filling is not None:
             return
+        if not background:
+            self._fill_now()
+            return
+        self._filling = threading.Thread(target=self._fill_thread, name="protrain_fx chunk store fill")
+        self._filling.start()
+
+    def _fill_thread(self) -> None:
+        try:
+            self._fill_now()
+        except BaseException as error:  # noqa: BLE001 -- raised to the reader that waits (wait_filled)
+            self._fill_error = error
+
+    def _fill_now(self) -> None:
+        params = self._params
+        assert params is not None
+        started = time.perf_counter()
         for c, slots in enumerate(self._chunk_slots):
             self._allocate_chunk(slots, params, lean=c in self.lean)
         needs_scratch = self.compute_dtype != torch.float32 and self.has_trainable
         self._scratch = self._empty(torch.float32) if needs_scratch else None
         self._params = None
+        self.fill_s = time.perf_counter() - started
+
+    def wait_filled(self) -> None:
+        """Wait for a background :meth:`fill` (nothing to wait for otherwise); raise its error."""
+        thread = self._filling
+        if thread is not None and thread is not threading.current_thread():
+            started = time.perf_counter()
+            thread.join()
+            self._filling = None
+            if self.fill_wait_s is None:
+                self.fill_wait_s = time.perf_counter() - started
+                if self._fill_error is None:
+                    log.info("protrain_fx: the chunk store (%.2f GiB) was filled in %.1f s beside the compile; "
+                             "its first reader waited %.2f s", self._chunk_bytes() / GiB, self.fill_s or 0.0,
+                             self.fill_wait_s)
+        if self._fill_error is not None:
+            raise self._fill_error
 
     def _empty(self, dtype: torch.dtype) -> torch.Tensor:
         return host_empty(self.chunk_numel, dtype, self.pinned)  # exact size: no power-of-two rounding
 
+    def _zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        return host_zeros(self.chunk_numel, dtype, self.pinned)
+
     def _allocate_chunk(
         self, slots: tuple[ParamSlot, ...], params: Mapping[str, torch.Tensor], *, lean: bool
     ) -> None:
-        master = self._empty(torch.float32).zero_()  # zero padding: finite if ever read
+        master = self._zeros(torch.float32)  # zero padding: finite if ever read
         for s in slots:
             source = params[s.name]
             target = master[s.offset : s.offset + s.numel]
@@ -264,9 +320,7 @@ class ChunkStore:
         self._buffers["master"].append(master)
         self._buffers["working"].append(working)
         for kind in ("exp_avg", "exp_avg_sq"):
-            self._buffers[kind].append(
-                self._empty(torch.float32).zero_() if trainable else None
-            )
+            self._buffers[kind].append(self._zeros(torch.float32) if trainable else None)
 
     def _materialize(self, slot: ParamSlot, target: torch.Tensor) -> None:
         """Fill ``target`` (the slot's flat fp32 master) with ``init(name, tensor)``'s values (the
@@ -286,6 +340,7 @@ class ChunkStore:
 
     def flat(self, kind: BufferKind, chunk_id: int) -> torch.Tensor:
         """The flat ``kind`` buffer of a chunk (``exp_avg*`` of a chunk with nothing to train: error)."""
+        self.wait_filled()
         if self._params is not None:
             raise RuntimeError("protrain_fx: the chunk store was laid out for planning and holds no values yet (fill())")
         buffer = self._buffers[kind][chunk_id]
@@ -302,6 +357,7 @@ class ChunkStore:
 
     def has_buffer(self, kind: BufferKind, chunk_id: int) -> bool:
         """Whether the chunk has a ``kind`` buffer here (no moments where nothing here trains)."""
+        self.wait_filled()
         return self._buffers[kind][chunk_id] is not None
 
     def view(self, kind: BufferKind, slot: ParamSlot) -> torch.Tensor:
@@ -491,6 +547,7 @@ class ChunkStore:
     @property
     def scratch(self) -> torch.Tensor | None:
         """The fp32 gradient scratch of one chunk (``None`` with fp32 compute)."""
+        self.wait_filled()
         return self._scratch
 
     def finish_step(self, chunk_id: int, refreshed: Iterable[ParamSlot] = ()) -> None:

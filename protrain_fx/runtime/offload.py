@@ -275,15 +275,19 @@ class OffloadHandle(Checkpoints, Landing):
 
     def finalize(self) -> None:
         """The counts are final: the store gets its values (:meth:`configure`'s ``fill``), and the
-        values kept to place the chunks again are forgotten."""
+        values kept to place the chunks again are forgotten. The store fills on a thread of its own,
+        beside the compile that follows (``ChunkStore.fill``); the first step waits for it."""
         if self._built and self._sources is not None:
-            self._fill()
+            self._fill(background=True)
             self._sources = None
             self._optimizer_state_aside = None
             self.counts_chosen = True
 
     def _teardown(self) -> None:
         """Undo :meth:`_build` (before any step ran): free the store, persistent parameters back to shells."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # a fill of a placement given up: its error no longer matters
+                self.store.wait_filled()
         if self.worker is not None:
             self.worker.close()
         if self.id is not None:
@@ -378,12 +382,12 @@ class OffloadHandle(Checkpoints, Landing):
         if fill:
             self._fill()
 
-    def _fill(self) -> None:
+    def _fill(self, background: bool = False) -> None:
         """The store's values, and an optimizer state loaded before the placement (once a placement)."""
         if self._filled:
             return
         if self.store is not None:
-            self.store.fill()
+            self.store.fill(background=background)
         self._filled = True
         if self._optimizer_state_aside is not None:
             self._load_optimizer_state(self._optimizer_state_aside)

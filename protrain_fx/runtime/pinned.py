@@ -31,9 +31,11 @@ class _Mapping(mmap.mmap):
 
 
 def empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised (zero-filled) 1-D host tensor of ``numel`` elements in page-locked memory.
+    """A zero-filled 1-D host tensor of ``numel`` elements in page-locked memory.
 
-    Needs CUDA. Rounded up to whole pages only (4 KiB), never to a power of two."""
+    Needs CUDA. Rounded up to whole pages only (4 KiB), never to a power of two. The pages are
+    touched (zeroed) on every intra-op thread before they are page-locked: ``cudaHostRegister``
+    would fault them in one by one on the calling thread."""
     if not torch.cuda.is_available():
         raise RuntimeError("page-locked host memory needs a CUDA device")
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -42,6 +44,7 @@ def empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     torch.cuda.init()
     region = _Mapping(-1, nbytes)
     tensor = torch.frombuffer(region, dtype=dtype, count=numel)  # keeps ``region`` alive
+    tensor.zero_()  # first touch, in parallel (the mapping reads as zeros already)
     ptr = tensor.data_ptr()
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
@@ -53,3 +56,9 @@ def empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
 def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     """:func:`empty_pinned` when ``pinned``, else a plain (pageable) ``torch.empty``."""
     return empty_pinned(numel, dtype) if pinned else torch.empty(numel, dtype=dtype)
+
+
+def host_zeros(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """:func:`empty_pinned` (zeros already) when ``pinned``, else ``torch.zeros``: no second pass
+    over page-locked bytes that are zero."""
+    return empty_pinned(numel, dtype) if pinned else torch.zeros(numel, dtype=dtype)

@@ -232,6 +232,47 @@ def test_tied_parameters_are_stored_once():
         )
 
 
+def test_a_background_fill_gives_the_same_buffers_and_every_read_waits_for_it():
+    """``fill(background=True)`` (what the backend does beside Inductor's compile): the buffers equal a
+    fill on the caller's thread, a read before the fill is done waits for it, and the fill's error
+    is raised at every read."""
+    model = _model()
+    layout = _layout(model, 4096)
+    plain = ChunkStore(layout, _named(model), compute_dtype=torch.bfloat16, pin_memory=False)
+    started, release = threading.Event(), threading.Event()
+
+    def slow_init(name: str, tensor: torch.Tensor) -> None:  # holds the fill until the test lets it go
+        started.set()
+        assert release.wait(30)
+        tensor.copy_(meta_values[name])
+
+    meta_values = {n: p.detach() for n, p in _named(model).items()}
+    metas: dict[int, torch.Tensor] = {}  # tied names keep one tensor
+    on_meta = {n: metas.setdefault(id(p), torch.empty_like(p, device="meta").requires_grad_(p.requires_grad))
+               for n, p in _named(model).items()}
+    store = ChunkStore(layout, on_meta, compute_dtype=torch.bfloat16, pin_memory=False, init=slow_init,
+                       fill=False)
+    store.fill(background=True)
+    assert started.wait(30) and store._filling is not None  # running, not done
+    threading.Timer(0.2, release.set).start()
+    for kind in ("master", "working", "exp_avg", "exp_avg_sq"):  # the first read waits
+        for c in range(store.num_chunks):
+            if plain.has_buffer(kind, c):
+                assert torch.equal(store.flat(kind, c), plain.flat(kind, c)), (kind, c)
+    assert store.filled and store.fill_wait_s is not None and store.fill_wait_s > 0.05
+    assert store.host_bytes() == plain.host_bytes()
+
+    def failing_init(name: str, tensor: torch.Tensor) -> None:
+        raise MemoryError(f"no room for {name}")
+
+    broken = ChunkStore(layout, on_meta, compute_dtype=torch.bfloat16, pin_memory=False, init=failing_init,
+                        fill=False)
+    broken.fill(background=True)
+    for _ in range(2):  # raised where the values are read, every time
+        with pytest.raises(MemoryError, match="no room for"):
+            broken.flat("master", 0)
+
+
 def test_frozen_parameters_are_stored_but_take_no_gradient():
     model = _model()
     store = ChunkStore(_layout(model, 4096), _named(model), pin_memory=False)
