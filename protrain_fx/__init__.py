@@ -25,8 +25,10 @@ def offload(model, optimizer, **kwargs):
 def what_fits(model, *args, **kwargs):
     """The plan and the smallest memory budget of ``model`` on these inputs, without training; see
     :mod:`protrain_fx.planner.fit`."""
+    from protrain_fx.backend import register
     from protrain_fx.planner.fit import what_fits as _what_fits
 
+    register()  # it compiles with backend="protrain": the name resolves from a source tree not installed too
     return _what_fits(model, *args, **kwargs)
 
 

@@ -126,6 +126,12 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
             compiled = _compile_eager(gm, example_inputs, record)
         else:
             compiled = _compile_inductor(gm, example_inputs, record)
+        # The chunk store filled beside the compile (runtime.offload's finalize); done before the first
+        # step, whose peak is measured, and before anything of the user's runs beside an init function.
+        if chunk_ops.filling():
+            with progress.phase("store", "filling the chunk store"):
+                chunk_ops.wait_filled()
+        chunk_ops.wait_filled()  # a fill's error, if it raised
     return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
 
 

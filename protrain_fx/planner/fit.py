@@ -260,9 +260,6 @@ def what_fits(
     if memory_budget is not None:
         opts["memory_budget"] = memory_budget
     opts["dry_run"] = True
-    from protrain_fx.backend import register
-
-    register()  # the name resolves from a source tree that is not installed too
     compiled = torch.compile(model, backend="protrain", options=opts)
     try:
         with torch.enable_grad():

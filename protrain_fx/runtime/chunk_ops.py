@@ -82,6 +82,23 @@ def orphaned(t: Any) -> bool:
 _deferred: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
+def _stores() -> list[Any]:
+    stores = (getattr(ref(), "store", None) for ref in list(_handles.values()))
+    return [s for s in stores if s is not None]
+
+
+def filling() -> bool:
+    """Whether a live handle's chunk store is filling in the background (``ChunkStore.fill``)."""
+    return any(s.filling for s in _stores())
+
+
+def wait_filled() -> None:
+    """Wait for every live handle's chunk store filling in the background and raise a fill's error:
+    the backend calls it once the step is compiled, before the first step."""
+    for store in _stores():
+        store.wait_filled()
+
+
 def register_deferred(handle: OffloadHandle, params: list[torch.Tensor]) -> None:
     """``params`` wait for ``handle.configure`` (the backend places their chunks at the first compile)."""
     ref = weakref.ref(handle)

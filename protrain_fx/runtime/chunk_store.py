@@ -22,7 +22,6 @@ thread (``runtime/grad_adds.py``); :meth:`ChunkStore.wait_grad` waits for those 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -38,6 +37,7 @@ from protrain_fx.runtime.host_memory import (
     check_host_memory,
     planned_store_bytes,
 )
+from protrain_fx.runtime.background import Background
 from protrain_fx.runtime.grad_adds import PendingAdds
 from protrain_fx.runtime.pinned import host_empty, host_zeros
 from protrain_fx.runtime.slots import ParamSlot, _layout_itemsize, _pieces, _slot_view, _slots, piece_of
@@ -46,8 +46,6 @@ __all__ = ["GRAD_POOL", "BufferKind", "ChunkStore", "ParamSlot", "piece_of"]
 
 #: Gradient landing buffers of the lean chunks (see the module docstring), unless told otherwise.
 GRAD_POOL = 4
-
-log = logging.getLogger("protrain_fx")
 
 
 #: What the store can show per parameter (see the module table).
@@ -68,12 +66,8 @@ class ChunkStore:
     ``fill=False``: nothing is allocated until :meth:`fill` (the layout and the host check are done).
     """
 
-    #: A fill on its own thread (:meth:`fill`), until a reader waited for it; its error, if it raised.
-    _filling: threading.Thread | None = None
-    _fill_error: BaseException | None = None
-    #: Seconds the fill took, and the seconds the first reader waited for a background fill.
-    fill_s: float | None = None
-    fill_wait_s: float | None = None
+    _filling: Background | None = None  # a fill on a thread of its own (fill)
+    fill_s: float | None = None  # seconds the fill took
 
     def __init__(
         self,
@@ -249,51 +243,41 @@ class ChunkStore:
         ``meta`` with ``init``). A store made with ``fill=False`` has its layout, sizes and host
         check only: what the planner's trial placements need, without the bytes.
 
-        ``background=True``: the fill runs on a thread of its own and this returns at once (the
-        backend fills while Inductor compiles the step: page-locking and copying a 4.2B model's
-        46 GB took about as long as that compile). Every read of a buffer waits for it
-        (:meth:`wait_filled`) and raises its error, if it raised. An ``init`` function runs on that
-        thread: it draws the same numbers as on the caller's while nothing else draws meanwhile."""
+        ``background=True``: on a thread of its own (the backend's, beside Inductor's compile); every
+        read of a buffer waits for it (:meth:`wait_filled`) and raises its error. ``init`` runs on
+        that thread: it draws what it would on the caller's while nothing else draws meanwhile."""
         if self._params is None or self._filling is not None:
             return
         if not background:
             self._fill_now()
             return
-        self._filling = threading.Thread(target=self._fill_thread, name="protrain_fx chunk store fill")
-        self._filling.start()
-
-    def _fill_thread(self) -> None:
-        try:
-            self._fill_now()
-        except BaseException as error:  # noqa: BLE001 -- raised to the reader that waits (wait_filled)
-            self._fill_error = error
+        self._filling = Background(self._fill_now, "protrain_fx chunk store fill")
 
     def _fill_now(self) -> None:
         params = self._params
         assert params is not None
-        started = time.perf_counter()
+        started = time.monotonic()
         for c, slots in enumerate(self._chunk_slots):
             self._allocate_chunk(slots, params, lean=c in self.lean)
         needs_scratch = self.compute_dtype != torch.float32 and self.has_trainable
         self._scratch = self._empty(torch.float32) if needs_scratch else None
         self._params = None
-        self.fill_s = time.perf_counter() - started
+        self.fill_s = time.monotonic() - started
 
     def wait_filled(self) -> None:
         """Wait for a background :meth:`fill` (nothing to wait for otherwise); raise its error."""
-        thread = self._filling
-        if thread is not None and thread is not threading.current_thread():
-            started = time.perf_counter()
-            thread.join()
-            self._filling = None
-            if self.fill_wait_s is None:
-                self.fill_wait_s = time.perf_counter() - started
-                if self._fill_error is None:
-                    log.info("protrain_fx: the chunk store (%.2f GiB) was filled in %.1f s beside the compile; "
-                             "its first reader waited %.2f s", self._chunk_bytes() / GiB, self.fill_s or 0.0,
-                             self.fill_wait_s)
-        if self._fill_error is not None:
-            raise self._fill_error
+        if self._filling is not None:
+            self._filling.wait()
+
+    @property
+    def filling(self) -> bool:
+        """Whether a background :meth:`fill` is still running."""
+        return self._filling is not None and not self._filling.done
+
+    @property
+    def fill_wait_s(self) -> float | None:
+        """Seconds the first reader waited for a background fill (``None``: none did)."""
+        return None if self._filling is None else self._filling.waited_s
 
     def _empty(self, dtype: torch.dtype) -> torch.Tensor:
         return host_empty(self.chunk_numel, dtype, self.pinned)  # exact size: no power-of-two rounding
