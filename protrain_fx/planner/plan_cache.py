@@ -55,6 +55,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from protrain_fx import progress
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.plan import Plan
 from protrain_fx.planner.reserve import returned_outputs
@@ -177,8 +178,8 @@ def reuse(
                     "and the plan is chosen again", record.index, key.path, type(e).__name__, e)
         return None
     config, problem, plan = entry["config"], entry["problem"], entry["plan"]
-    if handle is not None:
-        with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode
+    if handle is not None:  # timed apart from the rest of the hit (the rewrite and its analysis)
+        with unset_fake_temporarily(), progress.phase("place", "placing the chunks"):  # (out of the compile's fake mode)
             handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim, fill=False)
     trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
     assert record.memory is not None
