@@ -875,7 +875,7 @@ def _protrain_prediction() -> dict:
             # n_gpu_optim chosen again at those rates (protrain_fx.planner.rates.Replan), and the step period
             # measured after it against its prediction; config and predicted_step_s stay the first plan's
             "replan": _replan(a.replanned),
-            "problem_s": a.problem_s, "choose_s": a.choose_s,
+            "problem_s": a.problem_s, "choose_s": a.choose_s, "from_cache": a.from_cache,
             "problem": a.problem.to_dict(),
         }}
     return {
@@ -887,6 +887,9 @@ def _protrain_prediction() -> dict:
         "swap_est_h2d_s": sum(s.h2d_s for s in record.swapped),
         "host_pool_bytes": POOL.nbytes(),
         "graphs": len(protrain_fx.captured_graphs()),
+        # seconds of each phase of the compile (capture, planning, place, trial lowerings, codegen, store: the
+        # wait for the chunk store filled beside the compile), as the plan table prints them
+        "phases": dict(record.phases),
     }
 
 
