@@ -15,7 +15,7 @@ A run is ``MODEL:SIZE:LOSS[:FLAGS]``: MODEL ``gpt`` (examples/gpt.py at a B24 si
 ``inside`` (the model returns the loss) or ``outside`` (the model returns logits and the loop
 computes ``F.cross_entropy(logits.float(), targets)``), FLAGS ``+``-joined: ``offload``
 (``protrain_fx.offload`` without counts, built on ``meta``), ``clip`` (``clip_grad_norm_(..., 1.0)``
-every step).
+every step), ``inductor`` (plain ``torch.compile``, the reference: how much the loop itself costs).
 
     python bench/loops.py --runs gpt:350M:inside gpt:350M:outside --out OUT
     python bench/loops.py --runs gpt:4.2B:outside:offload llama:7B:inside:offload --batch 4 --seq 2048 --out OUT
@@ -62,11 +62,13 @@ def parse_run(spec: str) -> dict:
         raise ValueError(f"run {spec!r}: model {model!r}; accepted: gpt, {', '.join(HF_SHAPES)}")
     if loss not in ("inside", "outside"):
         raise ValueError(f"run {spec!r}: loss {loss!r}; accepted: inside, outside")
-    unknown = flags - {"offload", "clip"}
+    unknown = flags - {"offload", "clip", "inductor"}
     if unknown:
-        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip")
+        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, inductor")
+    if {"offload", "inductor"} <= flags:
+        raise ValueError(f"run {spec!r}: an offloaded model runs only through the protrain backend (no 'inductor')")
     return {"spec": spec, "model": model, "size": size, "loss": loss, "offload": "offload" in flags,
-            "clip": "clip" in flags}
+            "clip": "clip" in flags, "inductor": "inductor" in flags}
 
 
 def build(run: dict, args, device: str):
@@ -162,7 +164,8 @@ def run_one(run: dict, args) -> dict:
         elif not cuda:
             pass
         options = {"memory_budget": f"{args.cap_gib}GiB"} if cuda else {"memory_budget": args.cpu_budget}
-        compiled = torch.compile(model, backend="protrain", options=options)
+        compiled = (torch.compile(model) if run["inductor"]  # the reference: plain torch.compile, no plan
+                    else torch.compile(model, backend="protrain", options=options))
         generator = torch.Generator().manual_seed(0)
         for step in range(args.steps):
             idx = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
