@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import re
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -607,8 +609,11 @@ def offload(
     then clips over every chunk: :meth:`OffloadHandle.clip_grad_norm_`). The offloaded chunks'
     steps then wait for the end of backward instead of overlapping it. ``None`` (default): learned
     at the first optimizer step, which waits; ``True``: always wait (a loop that starts clipping
-    later); ``False``: never wait, and a clip raises."""
-    return OffloadHandle(
+    later); ``False``: never wait, and a clip raises.
+
+    The model gets a ``forward`` of its own (:func:`own_forward_code`): a second model of the same
+    class offloaded in the process (a notebook cell run again) is compiled for its own chunks."""
+    handle = OffloadHandle(
         model,
         optimizer,
         n_persist=n_persist,
@@ -623,6 +628,25 @@ def offload(
         grad_pool=grad_pool,
         grad_clipping=grad_clipping,
     )
+    own_forward_code(model)
+    return handle
+
+
+def own_forward_code(model: nn.Module) -> None:
+    """Bind to ``model`` a copy of its ``forward`` with a code object of its own. Dynamo keys compiled
+    code by code object and tells the instances of a class apart only by guards, which cannot see
+    which chunk store holds a parameter: every offloaded instance gets its own compiled graphs this
+    way (they name their handle's chunks). A ``forward`` that is not a method is left as it is (a
+    graph of another model's chunks then refuses to run: ``chunk_ops.check_shell``)."""
+    bound = model.forward
+    if not isinstance(bound, types.MethodType) or not isinstance(bound.__func__, types.FunctionType):
+        return
+    f = bound.__func__
+    code = f.__code__.replace(co_firstlineno=f.__code__.co_firstlineno)  # equal, but another object
+    twin = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    twin.__kwdefaults__ = dict(f.__kwdefaults__) if f.__kwdefaults__ else None
+    functools.update_wrapper(twin, f)  # name, docstring, signature (__wrapped__) as the original's
+    model.forward = types.MethodType(twin, model)
 
 
 def _layout(named: Mapping[str, torch.Tensor], chunk_bytes: int | None,

@@ -589,26 +589,34 @@ def test_device_steps_with_bf16_compute_give_the_host_paths_bits():
         assert torch.equal(dev_working[name], host_working[name]), name
 
 
-def test_a_graph_reused_for_another_offloaded_model_is_refused_not_run_on_the_wrong_chunks():
-    # Dynamo reuses the first model's graph for a second instance of the class (same shapes); that
-    # graph names the first handle. Before the shell check, the second model silently computed with
-    # the first one's weights (its loss was the first model's).
-    def make(seed):
+def test_a_second_offloaded_model_of_the_class_gets_its_own_graphs_and_a_shared_one_is_refused():
+    # Dynamo keys compiled code by code object: a second instance of the class reused the first one's
+    # graph, which names the first handle (before the shell check it silently computed with the first
+    # model's weights; then it was refused). offload() gives each model a forward of its own: both
+    # train as eager in one process (a notebook cell run again), each on its own chunks.
+    def make(seed, own_forward=True):
         torch.manual_seed(seed)
         model = GPT(CONFIG)
         reference = copy.deepcopy(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         handle = protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
+        if not own_forward:
+            del model.forward  # the class's forward: one code object for both instances
         return torch.compile(model, backend="protrain", options={"codegen": "eager"}), reference, handle
 
     first, first_ref, first_handle = make(0)
     second, second_ref, second_handle = make(1)
-    assert torch.equal(first(*_batch(0)), first_ref(*_batch(0)))
+    for step in range(2):
+        assert torch.equal(first(*_batch(step)), first_ref(*_batch(step)))
+        assert torch.equal(second(*_batch(step)), second_ref(*_batch(step)))
+    # sharing the class's code, the second graph is refused instead of run on the first model's chunks
+    third, third_ref, third_handle = make(2, own_forward=False)
+    fourth, fourth_ref, fourth_handle = make(3, own_forward=False)
+    assert torch.equal(third(*_batch(0)), third_ref(*_batch(0)))
     with pytest.raises(RuntimeError, match="another model's parameters.*torch._dynamo.reset"):
-        second(*_batch(0))
-    torch._dynamo.reset()  # as the message says: compiled again, for the second model's chunks
-    assert torch.equal(second(*_batch(0)), second_ref(*_batch(0)))
-    first_handle.close(), second_handle.close()
+        fourth(*_batch(0))
+    for handle in (first_handle, second_handle, third_handle, fourth_handle):
+        handle.close()
 
 
 def test_an_offloaded_model_evaluates_under_no_grad():
