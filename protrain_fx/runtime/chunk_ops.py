@@ -155,8 +155,8 @@ def check_shell(hid: int, chunk: int, shell: torch.Tensor) -> None:
             "was called with another model's parameters. torch.compile shares compiled code among the "
             "instances of one module class and cannot tell which offload holds their parameters. Use one "
             "offloaded model per process, or call torch._dynamo.reset() before calling this model (it is "
-            "then compiled again, for its own parameters): in a notebook, a cell that builds, offloads and "
-            "trains a model again calls torch._dynamo.reset() first."
+            "then compiled again, for its own parameters). offload() gives each model a forward of its "
+            "own to avoid this: was model.forward replaced after offload()?"
         )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import torch
@@ -37,7 +38,6 @@ from protrain_fx.runtime.host_memory import (
     check_host_memory,
     planned_store_bytes,
 )
-from protrain_fx.runtime.background import Background
 from protrain_fx.runtime.grad_adds import PendingAdds
 from protrain_fx.runtime.pinned import host_empty, host_zeros
 from protrain_fx.runtime.slots import ParamSlot, _layout_itemsize, _pieces, _slot_view, _slots, piece_of
@@ -66,7 +66,7 @@ class ChunkStore:
     ``fill=False``: nothing is allocated until :meth:`fill` (the layout and the host check are done).
     """
 
-    _filling: Background | None = None  # a fill on a thread of its own (fill)
+    _filling: Future[None] | None = None  # a fill on a thread of its own (fill)
     fill_s: float | None = None  # seconds the fill took
 
     def __init__(
@@ -251,7 +251,9 @@ class ChunkStore:
         if not background:
             self._fill_now()
             return
-        self._filling = Background(self._fill_now, "protrain_fx chunk store fill")
+        pool = ThreadPoolExecutor(1, thread_name_prefix="protrain_fx chunk store fill")
+        self._filling = pool.submit(self._fill_now)
+        pool.shutdown(wait=False)  # its thread ends with the fill
 
     def _fill_now(self) -> None:
         params = self._params
@@ -265,19 +267,15 @@ class ChunkStore:
         self.fill_s = time.monotonic() - started
 
     def wait_filled(self) -> None:
-        """Wait for a background :meth:`fill` (nothing to wait for otherwise); raise its error."""
+        """Wait for a background :meth:`fill` (nothing to wait for otherwise); raise its error, at
+        every call, so that nothing goes on with what a failed fill left half-made."""
         if self._filling is not None:
-            self._filling.wait()
+            self._filling.result()
 
     @property
     def filling(self) -> bool:
         """Whether a background :meth:`fill` is still running."""
-        return self._filling is not None and not self._filling.done
-
-    @property
-    def fill_wait_s(self) -> float | None:
-        """Seconds the first reader waited for a background fill (``None``: none did)."""
-        return None if self._filling is None else self._filling.waited_s
+        return self._filling is not None and not self._filling.done()
 
     def _empty(self, dtype: torch.dtype) -> torch.Tensor:
         return host_empty(self.chunk_numel, dtype, self.pinned)  # exact size: no power-of-two rounding

@@ -4,6 +4,7 @@ worker, checkpoints, gradient accumulation -- all checked against eager PyTorch 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -255,11 +256,14 @@ def test_a_background_fill_gives_the_same_buffers_and_every_read_waits_for_it():
     store.fill(background=True)
     assert started.wait(30) and store._filling is not None  # running, not done
     threading.Timer(0.2, release.set).start()
-    for kind in ("master", "working", "exp_avg", "exp_avg_sq"):  # the first read waits
+    started_reading = time.monotonic()
+    first = store.flat("master", 0)  # waits for the fill
+    assert time.monotonic() - started_reading > 0.1 and store.filled
+    assert torch.equal(first, plain.flat("master", 0))
+    for kind in ("master", "working", "exp_avg", "exp_avg_sq"):
         for c in range(store.num_chunks):
             if plain.has_buffer(kind, c):
                 assert torch.equal(store.flat(kind, c), plain.flat(kind, c)), (kind, c)
-    assert store.filled and store.fill_wait_s is not None and store.fill_wait_s > 0.05
     assert store.host_bytes() == plain.host_bytes()
 
     def failing_init(name: str, tensor: torch.Tensor) -> None:
