@@ -1,8 +1,22 @@
-"""Shared test set-up: the repository root on ``sys.path`` (for ``examples``) and a fresh compile state per test."""
+"""Shared test set-up: the repository root on ``sys.path`` (for ``examples``), a fresh compile state per
+test, and a machine profile of the suite's own.
+
+The planner prices plans with rates measured on the host (``profile/machine_profile.py``), so a test
+that checks a choice would pass or fail with the speed of the machine that runs it. The suite runs
+instead against a **pinned** profile (``profile.cache.pin_machine_profile``) in a cache folder of its
+own, made when the suite starts and removed when it ends: ``PROTRAIN_CACHE_DIR`` points there for
+every test and every process a test starts, so the user's ``~/.cache/protrain_fx`` is neither read
+nor written. ``PROTRAIN_TEST_HOST`` picks the pinned host (:data:`HOSTS`: ``default``, ``slow``,
+``fast``); ``tests/test_host_profiles.py`` runs the planner-facing tests under ``slow`` and ``fast``.
+Tests of the profiler and of calibration measure in folders of their own (``tmp_path``).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,10 +27,70 @@ if str(ROOT) not in sys.path:  # ``python -m pytest`` adds the cwd, plain ``pyte
     sys.path.insert(0, str(ROOT))
 
 import protrain_fx  # noqa: E402
-from protrain_fx.profile import cache as profile_cache
+from protrain_fx.profile import cache as profile_cache  # noqa: E402
+from protrain_fx.search.problem import MachineProfile  # noqa: E402
 
 #: The real one, for the tests of it (``tests/planner/test_calibrate.py``, on their own cache directory).
 NOTE_TRAINING_RATES = profile_cache.note_training_rates
+
+#: The CPU hosts the suite can be pinned to (``PROTRAIN_TEST_HOST``). ``default``: the CPU "device"'s
+#: constants (``protrain_fx.machine.CPU``: 20 GB/s copies, its Adam from 50 GB/s at 70%) with a CPU
+#: chunk step of 0.4 G parameters/s, about what a busy 2-core host measures; ``slow`` and ``fast``
+#: are a tenth-speed and a fast host, far apart on every rate the offload counts depend on.
+HOSTS = {
+    "default": MachineProfile(h2d_bytes_per_s=20e9, d2h_bytes_per_s=20e9, duplex_bytes_per_s=20e9,
+                              cpu_adam_params_per_s=0.4e9, gpu_adam_params_per_s=1.25e9),
+    "slow": MachineProfile(h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9, duplex_bytes_per_s=5e9,
+                           cpu_adam_params_per_s=0.1e9, gpu_adam_params_per_s=1.25e9),
+    "fast": MachineProfile(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=50e9,
+                           cpu_adam_params_per_s=5e9, gpu_adam_params_per_s=1.25e9),
+}
+
+HOST = os.environ.get("PROTRAIN_TEST_HOST", "default")
+if HOST not in HOSTS:
+    raise pytest.UsageError(f"PROTRAIN_TEST_HOST={HOST!r}; accepted: {', '.join(HOSTS)}")
+
+#: The user's cache folder (what ``PROTRAIN_CACHE_DIR`` unset means), which no test may touch.
+USER_CACHE = Path.home() / ".cache" / "protrain_fx"
+
+
+def pin_cpu_profile(folder: str | os.PathLike[str] | None = None) -> Path:
+    """Pin the CPU's machine profile to the suite's host (:data:`HOST`) in ``folder`` (default: the
+    folder ``PROTRAIN_CACHE_DIR`` names); returns the profile file."""
+    return profile_cache.pin_machine_profile("cpu", HOSTS[HOST], cache=folder)
+
+
+def use_cache_dir(monkeypatch: pytest.MonkeyPatch, folder: str | os.PathLike[str]) -> Path:
+    """Point ``PROTRAIN_CACHE_DIR`` at ``folder`` for one test, with the suite's pinned CPU profile in it."""
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(folder))
+    pin_cpu_profile(folder)
+    return Path(folder)
+
+
+SUITE_CACHE = Path(tempfile.mkdtemp(prefix="protrain_fx_tests_"))
+os.environ["PROTRAIN_CACHE_DIR"] = str(SUITE_CACHE)  # inherited by every process a test starts
+pin_cpu_profile(SUITE_CACHE)
+
+
+def _user_cache_state() -> dict[str, tuple[int, int]]:
+    """Name -> (size, mtime in ns) of every file in the user's cache folder."""
+    if not USER_CACHE.is_dir():
+        return {}
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in USER_CACHE.iterdir() if p.is_file()}
+
+
+USER_CACHE_AT_START = _user_cache_state()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SUITE_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _user_cache_untouched():
+    """No test writes the user's cache folder (the suite's own is ``PROTRAIN_CACHE_DIR``)."""
+    yield
+    assert _user_cache_state() == USER_CACHE_AT_START, f"a test wrote {USER_CACHE}"
 
 
 @pytest.fixture(autouse=True)

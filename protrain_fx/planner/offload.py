@@ -82,7 +82,7 @@ from protrain_fx.planner.verify import (
     verified_choice,
     widened,
 )
-from protrain_fx.profile.cache import training_rates
+from protrain_fx.profile.cache import pinned_profile, training_rates
 from protrain_fx.profile.collectives import collective_times
 from protrain_fx.profile.machine_profile import (
     chunk_adam_rate,
@@ -262,7 +262,10 @@ def offload_machine(
     ``parts`` (:func:`chunk_parts`), on CUDA, the device-step rate is that of chunks laid out so,
     stepped beside the model's own matrix and attention kernels
     (``profile.machine_profile.device_step_rate``, cached per layout and load): one large tensor
-    reads well above what training reaches (``docs/results.md#device-step-rate-measured-against-training``)."""
+    reads well above what training reaches (``docs/results.md#device-step-rate-measured-against-training``).
+    A pinned profile (``profile.cache.pin_machine_profile``) is every rate, on any device."""
+    if (pinned := pinned_profile(device)) is not None:
+        return pinned
     measured = measure_machine(device)
     if chunk_params:
         measured = dataclasses.replace(measured, cpu_adam_params_per_s=chunk_adam_rate(device, chunk_params))

@@ -5,7 +5,12 @@ One JSON file per (device name, torch version) under :func:`cache_dir` holds the
 the backend timed in training (``planner/rates.py``). Kept apart from the measurements so the
 planner's first-step feedback reads and updates the file without the code that measures (this
 module never measures). Rates are parameters or bytes per second; files are written whole and atomically, and a
-file of another :data:`CACHE_VERSION` is ignored (measured again)."""
+file of another :data:`CACHE_VERSION` is ignored (measured again).
+
+A profile **pinned** by :func:`pin_machine_profile` is never measured nor learned from: every rate
+comes from it (the CPU step of any chunk size, the device steps of any layout), training's rates are
+not kept beside it, and the plans chosen from it are the same on every host. For tests, for a fleet
+of hosts that must plan alike, and to replay a plan from someone else's numbers."""
 
 from __future__ import annotations
 
@@ -63,6 +68,42 @@ def plan_cache_path(device: torch.device | str, cache: str | os.PathLike[str] | 
     return cache_dir(cache) / f"plans-{_slug(device)}.json"
 
 
+def pin_machine_profile(
+    device: torch.device | str,
+    profile: problem.MachineProfile | dict,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Pin ``device``'s machine profile to ``profile`` (a :class:`~protrain_fx.search.problem.MachineProfile`
+    or its ``to_dict()``): written as the profile file of :func:`cache_path`, marked ``"pinned"``, it
+    replaces whatever was measured there. Returns the file. A rate that is not a positive number
+    raises ``ValueError`` naming it (``MachineProfile``'s check); delete the file to measure again."""
+    if isinstance(profile, dict):
+        profile = problem.MachineProfile.from_dict(profile)
+    path = cache_path(device, cache)
+    write_json(path, {
+        "version": CACHE_VERSION,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "pinned": True,
+        "profile": profile.to_dict(),
+    })
+    return path
+
+
+def pinned_profile(device: torch.device | str, cache: str | os.PathLike[str] | None = None
+                   ) -> problem.MachineProfile | None:
+    """The profile :func:`pin_machine_profile` pinned for ``device``, else ``None`` (no file, a
+    measured one, another :data:`CACHE_VERSION`, or a file that does not read)."""
+    try:
+        data = json.loads(cache_path(device, cache).read_text(encoding="utf-8"))
+        if data.get("version") == CACHE_VERSION and data.get("pinned") is True:
+            return problem.MachineProfile.from_dict(data["profile"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
 def read_json(path: Path) -> dict | None:
     """The JSON object in ``path``; ``None`` when there is no such file. Raises ``OSError`` or
     ``ValueError`` for a file that cannot be read or is not a JSON object (the caller decides how loud)."""
@@ -107,13 +148,14 @@ def note_training_rates(
     :func:`chunk_adam_rate` rounds it) and the device steps' (without the re-fetches beside them,
     under :data:`TRAINING_DEVICE_KEY`). A rate of 0 is not kept. Without a profile file (nothing was
     measured on this machine) nothing is written; measuring the profile again (``refresh``, another
-    cache version) starts without them. Returns the file written, else ``None``."""
+    cache version) starts without them, and a pinned profile (:func:`pin_machine_profile`) keeps
+    none. Returns the file written, else ``None``."""
     path = cache_path(device, cache)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if data.get("version") != CACHE_VERSION or (device_step_bytes_per_s <= 0 and not (cpu_adam_params_per_s > 0 and chunk_params)):
+    if data.get("version") != CACHE_VERSION or data.get("pinned") is True or (device_step_bytes_per_s <= 0 and not (cpu_adam_params_per_s > 0 and chunk_params)):
         return None
     kept = data.setdefault("in_training", {})
     if device_step_bytes_per_s > 0:
@@ -143,6 +185,8 @@ def training_rates(
       of training's rate to the profiled one (``"cpu_adam_by_chunk"``) over the sizes trained. Without
       ``chunk_params`` it is left as it is.
 
+    A pinned profile (:func:`pin_machine_profile`) is returned as it is.
+
     Why a near size's rate and not the scaled profile: the profiled reading of each chunk size
     misses its training rate by a factor that differs between sizes on one host, so scaling the
     profile carries one size's miss onto the other; a near size's training rate predicts a size's
@@ -151,7 +195,7 @@ def training_rates(
         data = json.loads(cache_path(device, cache).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return profile, []
-    if data.get("version") != CACHE_VERSION:
+    if data.get("version") != CACHE_VERSION or data.get("pinned") is True:
         return profile, []
     kept = data.get("in_training")
     kept = kept if isinstance(kept, dict) else {}

@@ -28,6 +28,7 @@ from protrain_fx.profile.cache import (
     _write_json,
     cache_path,
     device_name,
+    pinned_profile,
 )
 from protrain_fx.profile.device import (
     COPY_BYTES,
@@ -78,8 +79,13 @@ def chunk_adam_rate(
     so no chunk's CPU step is timed in training and the rate is never corrected
     (``planner/rates.py``); one read too high is, once training's steps are timed. Hence also
     :func:`wait_for_quiet_cpus` before each reading
-    (``docs/results.md#cpu-step-rate-within-and-across-hosts``)."""
+    (``docs/results.md#cpu-step-rate-within-and-across-hosts``).
+
+    A pinned profile (``profile.cache.pin_machine_profile``) measures nothing: its CPU rate is every
+    chunk size's."""
     device = torch.device(device)
+    if (pinned := pinned_profile(device, cache)) is not None:
+        return pinned.cpu_adam_params_per_s
     measure_machine(device, cache=cache)  # the file this rate is kept in
     path = cache_path(device, cache)
     n = _granule(chunk_params)
@@ -117,7 +123,8 @@ def measure_machine(
 
     The first call for a (device name, torch version) pair measures, prints one progress line to
     stderr and writes ``cache_path(device, cache)``; later calls (even after a restart) read that
-    file. ``refresh=True`` measures again.
+    file. ``refresh=True`` measures again, except a pinned profile (``profile.cache.pin_machine_profile``),
+    which is returned as it is.
 
     What is measured (best of ``repeat`` after a warm-up; the CPU chunk step and the device steps:
     the median of ``2 * repeat + 1``):
@@ -143,6 +150,8 @@ def measure_machine(
       cost model prices it at the shared copy rate).
     """
     device = torch.device(device)
+    if (pinned := pinned_profile(device, cache)) is not None:
+        return pinned
     path = cache_path(device, cache)
     if not refresh and path.exists():
         try:
@@ -225,13 +234,16 @@ def device_step_rate(
     (``docs/results.md#device-step-rate-measured-against-training``). The re-fetches that cross
     the link beside a step in training are left out here: the cost model adds them itself
     (``search/cost.CostModel._dev_refetch``), and training's rate is compared without them
-    (``planner/rates.alone_rate``)."""
+    (``planner/rates.alone_rate``). A pinned profile (``profile.cache.pin_machine_profile``)
+    measures nothing: its device-step rate is every layout's."""
     device = torch.device(device)
     parts = [int(x) for x in parts]
     if parts and min(parts) <= 0:
         raise ValueError(f"device_step_rate: parameter sizes must be positive, got {min(parts)}")
     if device.type != "cuda" or not parts:
         return 0.0
+    if (pinned := pinned_profile(device, cache)) is not None:
+        return pinned.device_step_bytes_per_s
     measure_machine(device, cache=cache)  # the file this rate is kept in
     path = cache_path(device, cache)
     load_nodes = list(load_nodes)  # read twice: the key, then the load

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
+from tests.conftest import pin_cpu_profile
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_torchrun_trains_the_example_with_automatic_counts_and_the_ranks_agree(tmp_path):
-    env = {**os.environ, "PROTRAIN_PLAN_CACHE": "0", "PROTRAIN_CACHE_DIR": str(tmp_path / "cache"),
+    env = {**os.environ, "PROTRAIN_PLAN_CACHE": "0", "PROTRAIN_CACHE_DIR": str(pin_cpu_profile(tmp_path / "cache").parent),
            "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / "examples" / "train_dp.py"), "--steps", "3", "--out", str(tmp_path)]

@@ -19,6 +19,7 @@ from examples.gpt import GPT
 from protrain_fx import progress
 from protrain_fx.planner import offload as autooffload
 from protrain_fx.planner.budget import budget_for_peak
+from tests.conftest import use_cache_dir
 from tests.planner.test_auto_offload import GPU_LIKE, TIGHT
 from tests.planner.test_auto_offload import _setup as _offload_setup
 from tests.planner.test_auto_plan import CONFIG, _batch, _train_graphs, no_plan  # noqa: F401
@@ -66,7 +67,7 @@ def test_off_when_stderr_is_not_a_terminal(no_plan, capfd):  # noqa: F811
 
 
 def test_a_plan_cache_hit_skips_the_search_and_the_trial_lowerings(no_plan, monkeypatch, tmp_path):  # noqa: F811
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    use_cache_dir(monkeypatch, tmp_path)
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
     budget = budget_for_peak(no_plan["peak"]) - 1
     first, _ = _first_call(budget)

@@ -23,6 +23,7 @@ from protrain_fx.planner import activations, first_step, verify
 from protrain_fx.planner import offload as autooffload
 from protrain_fx.planner.budget import budget_for_peak
 from protrain_fx.profile.cache import plan_cache_path
+from tests.conftest import use_cache_dir
 from tests.planner.test_auto_offload import GPU_LIKE, LONGER, TIGHT, _train_on
 from tests.planner.test_auto_offload import _setup as _offload_setup
 from tests.planner.test_auto_plan import CONFIG, _batch, _train_graphs, logged, no_plan  # noqa: F401
@@ -31,7 +32,7 @@ from tests.runtime.test_offload import _assert_same_params, _train_side_by_side
 
 @pytest.fixture(autouse=True)
 def _plan_cache_in_tmp(monkeypatch, tmp_path):
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    use_cache_dir(monkeypatch, tmp_path)
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
 
 

@@ -197,6 +197,31 @@ def test_measure_machine_cpu_is_cached(tmp_path, monkeypatch, capsys):
     assert calls and again.cpu_adam_params_per_s == 1.0 and profile_cache.cache_path("cpu").exists()
 
 
+def test_a_pinned_profile_is_every_rate_and_nothing_is_measured_or_learned(tmp_path, monkeypatch):
+    """``pin_machine_profile``: the profile read back as it was pinned, the CPU step of any chunk size
+    and the device steps of any layout at its rates, no measurement (``refresh`` too), nothing kept
+    from training beside it, and a rate that is not a positive number refused naming it."""
+    calls = []
+    monkeypatch.setattr(machine_profile, "_chunk_adam_params_per_s", lambda *a: calls.append(a) or 1.0)
+    monkeypatch.setattr(machine_profile, "device_step_spans", lambda *a, **k: calls.append(a) or [1.0])
+    path = profile_cache.pin_machine_profile("cpu", MACHINE.to_dict(), cache=tmp_path)
+    assert path == profile_cache.cache_path("cpu", tmp_path) and json.loads(path.read_text())["pinned"] is True
+    assert profile_cache.pinned_profile("cpu", tmp_path) == MACHINE
+    assert machine_profile.measure_machine("cpu", cache=tmp_path) == MACHINE
+    assert machine_profile.measure_machine("cpu", cache=tmp_path, refresh=True) == MACHINE
+    for params in (1, 2**20, 2**30):
+        assert machine_profile.chunk_adam_rate("cpu", params, cache=tmp_path, readings=2) == MACHINE.cpu_adam_params_per_s
+    assert calls == []
+    assert profile_cache.note_training_rates("cpu", chunk_params=2**20, cpu_adam_params_per_s=7.0, cache=tmp_path) is None
+    assert profile_cache.training_rates("cpu", MACHINE, 2**20, cache=tmp_path) == (MACHINE, [])
+    assert "in_training" not in json.loads(path.read_text())
+    with pytest.raises(ValueError, match="cpu_adam_params_per_s"):
+        profile_cache.pin_machine_profile("cpu", {**MACHINE.to_dict(), "cpu_adam_params_per_s": 0}, cache=tmp_path)
+    # a measured profile is not a pinned one
+    profile_cache.write_json(path, {**json.loads(path.read_text()), "pinned": False})
+    assert profile_cache.pinned_profile("cpu", tmp_path) is None
+
+
 def test_fused_times_count_only_what_enters_and_leaves_a_pointwise_chain():
     from torch.fx.experimental.proxy_tensor import make_fx
 

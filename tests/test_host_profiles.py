@@ -1,0 +1,53 @@
+"""The suite's results do not depend on the host that runs it (``tests/conftest.py``).
+
+The tests below run in a folder of their own that the suite pins a CPU machine profile in, never the
+user's cache; here the tests whose plans read that profile run again under a slow and a fast pinned
+host, each in a pytest process of its own, and must pass under both.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from protrain_fx.planner import offload as autooffload
+from protrain_fx.profile import cache as profile_cache
+from tests.conftest import HOST, HOSTS, SUITE_CACHE, USER_CACHE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The tests whose plans read the CPU machine profile (offloads with automatic counts that do not
+#: replace the machine by hand), found by recording which tests read it; each compiles and trains.
+PLANNER_FACING = [
+    "tests/integration/test_hf_trainer.py::test_automatic_counts_with_the_trainers_gradient_checkpointing_train_like_the_plain_trainer",
+    "tests/integration/test_model_init.py::test_a_meta_hf_llama_with_automatic_counts_is_initialised_when_its_chunks_are_placed",
+    "tests/integration/test_training_loops.py::test_a_hugging_face_llama_with_the_loss_outside_clipped_and_accumulated_trains_like_eager",
+    "tests/integration/test_training_loops.py::test_an_offloaded_model_past_the_recompile_limit_names_the_limit",
+    "tests/integration/test_training_loops.py::test_hugging_face_gradient_checkpointing_is_turned_off_and_the_loop_trains_like_eager",
+    "tests/passes/test_param_casts.py::test_a_model_whose_chunks_all_stay_on_the_device_saves_no_weight_cast_either",
+    "tests/runtime/test_state_dict_hooks.py::test_the_loops_own_save_and_restart_continue_exactly",
+    "tests/distributed/test_torchrun.py",
+]
+
+
+def test_the_suite_plans_from_its_own_pinned_profile_not_the_users_cache():
+    assert os.environ["PROTRAIN_CACHE_DIR"] == str(SUITE_CACHE)
+    assert profile_cache.cache_dir() == SUITE_CACHE != USER_CACHE
+    pinned = profile_cache.pinned_profile("cpu")
+    assert pinned == HOSTS[HOST]
+    # what the planner prices an offload with on the CPU: the pinned profile, nothing measured
+    assert autooffload.offload_machine(__import__("torch").device("cpu"), None, 1 << 20, [1 << 20]) == pinned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("host", ["slow", "fast"])
+def test_the_planner_facing_tests_pass_on_a_slow_and_a_fast_host(host):
+    env = {**os.environ, "PROTRAIN_TEST_HOST": host}
+    env.pop("PROTRAIN_CACHE_DIR")  # the run's own suite folder, pinned to ``host``
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PLANNER_FACING],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
