@@ -15,11 +15,22 @@ A run is ``MODEL:SIZE:LOSS[:FLAGS]``: MODEL ``gpt`` (examples/gpt.py at a B24 si
 ``inside`` (the model returns the loss) or ``outside`` (the model returns logits and the loop
 computes ``F.cross_entropy(logits.float(), targets)``), FLAGS ``+``-joined: ``offload``
 (``protrain_fx.offload`` without counts, built on ``meta``), ``clip`` (``clip_grad_norm_(..., 1.0)``
-every step), ``inductor`` (plain ``torch.compile``, the reference: how much the loop itself costs).
+every step), ``inductor`` (plain ``torch.compile``, the reference: how much the loop itself costs),
+``uncapped`` (no memory fraction and no budget given: the reference for a model that does not fit the cap).
+
+Time to each step: every step's entry holds ``since_launch_s``, seconds from the run's process start
+(before ``import torch``) to the step's end, and the run its compiles' phases (``phases``: one dict
+per graph, ``CapturedGraph.phases``) and Inductor's own timers summed over the process
+(``inductor_s``: ``torch._dynamo.utils.compilation_time_metrics``, the kernels' source written and
+defined apart, and how many graphs Inductor lowered). With ``--cache-dir DIR`` each run has its own
+Inductor, Triton and protrain_fx caches under ``DIR/<run>``, empty at its first run: a spec named
+twice runs the second time on the caches the first left (a second launch).
 
     python bench/loops.py --runs gpt:350M:inside gpt:350M:outside --out OUT
     python bench/loops.py --runs gpt:4.2B:outside:offload llama:7B:inside:offload --batch 4 --seq 2048 --out OUT
     python bench/loops.py --device cpu --runs gpt:tiny:outside:offload+clip --seq 32 --out OUT   # dry run
+    python bench/loops.py --runs gpt:760M:outside:inductor+clip+uncapped gpt:760M:outside:clip \
+        gpt:760M:outside:clip --steps 5 --cache-dir /tmp/caches --out OUT    # first and second launch
 
 Writes ``OUT/loops.json`` (every run, rewritten after each) and prints one line per run.
 """
@@ -62,13 +73,13 @@ def parse_run(spec: str) -> dict:
         raise ValueError(f"run {spec!r}: model {model!r}; accepted: gpt, {', '.join(HF_SHAPES)}")
     if loss not in ("inside", "outside"):
         raise ValueError(f"run {spec!r}: loss {loss!r}; accepted: inside, outside")
-    unknown = flags - {"offload", "clip", "inductor"}
+    unknown = flags - {"offload", "clip", "inductor", "uncapped"}
     if unknown:
-        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, inductor")
+        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, inductor, uncapped")
     if {"offload", "inductor"} <= flags:
         raise ValueError(f"run {spec!r}: an offloaded model runs only through the protrain backend (no 'inductor')")
     return {"spec": spec, "model": model, "size": size, "loss": loss, "offload": "offload" in flags,
-            "clip": "clip" in flags, "inductor": "inductor" in flags}
+            "clip": "clip" in flags, "inductor": "inductor" in flags, "uncapped": "uncapped" in flags}
 
 
 def build(run: dict, args, device: str):
@@ -136,6 +147,52 @@ def prediction() -> dict:
     return out
 
 
+#: Inductor methods timed apart by ``inductor_timers`` (``module:Class.method``): a kernel's source
+#: written, and defined (its file written, its compile started). Missing ones are skipped.
+KERNEL_TIMERS = ("torch._inductor.codegen.triton:TritonKernel.codegen_kernel",
+                 "torch._inductor.codegen.triton:TritonScheduling.define_kernel",
+                 "torch._inductor.codegen.cpp:CppScheduling.define_kernel",
+                 "torch._inductor.codegen.simd:SIMDScheduling.codegen_node_schedule_with_kernel")
+
+
+def inductor_timers() -> dict:
+    """Start timing :data:`KERNEL_TIMERS`; the returned dict collects ``{name: [seconds, calls]}``."""
+    import functools
+    import importlib
+
+    seen: dict = {}
+    for spec in KERNEL_TIMERS:
+        module_name, qual = spec.split(":")
+        cls_name, method = qual.split(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+            original = getattr(cls, method)
+        except (ImportError, AttributeError):
+            continue
+
+        def timed(*a, __original=original, __name=qual, **k):
+            start = time.perf_counter()
+            try:
+                return __original(*a, **k)
+            finally:
+                entry = seen.setdefault(__name, [0.0, 0])
+                entry[0] += time.perf_counter() - start
+                entry[1] += 1
+
+        setattr(cls, method, functools.wraps(original)(timed))
+    return seen
+
+
+def inductor_seconds(kernel_timers: dict) -> dict:
+    """Inductor's own timers summed over this process (``compilation_time_metrics``) and
+    :func:`inductor_timers`'s, as ``{name: {"s": seconds, "calls": n}}``."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    out = {name: {"s": round(sum(times), 3), "calls": len(times)} for name, times in compilation_time_metrics.items()}
+    out.update({name: {"s": round(s, 3), "calls": n} for name, (s, n) in kernel_timers.items()})
+    return out
+
+
 def run_one(run: dict, args) -> dict:
     """Train one run in this process; the result dict (never raises for a failed run)."""
     import logging
@@ -150,10 +207,12 @@ def run_one(run: dict, args) -> dict:
     register()
     device = args.device
     cuda = device == "cuda"
-    if cuda:
+    if cuda and not run["uncapped"]:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
-    result: dict = {**run, "status": "ok", "steps": []}
+    kernel_timers = inductor_timers()
+    launched = args.launched_at or time.time()
+    result: dict = {**run, "status": "ok", "steps": [], "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
     try:
         model, loss_fn, vocab, init = build(run, args, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
@@ -164,6 +223,8 @@ def run_one(run: dict, args) -> dict:
         elif not cuda:
             pass
         options = {"memory_budget": f"{args.cap_gib}GiB"} if cuda else {"memory_budget": args.cpu_budget}
+        if run["uncapped"]:
+            options = {}
         compiled = (torch.compile(model) if run["inductor"]  # the reference: plain torch.compile, no plan
                     else torch.compile(model, backend="protrain", options=options))
         generator = torch.Generator().manual_seed(0)
@@ -183,7 +244,8 @@ def run_one(run: dict, args) -> dict:
             optimizer.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
-            entry = {"step": step, "s": time.perf_counter() - start, "loss": float(loss.item()), **prediction()}
+            entry = {"step": step, "s": time.perf_counter() - start, "since_launch_s": time.time() - launched,
+                     "loss": float(loss.item()), **prediction()}
             if cuda:
                 entry["peak_bytes"] = torch.cuda.max_memory_allocated()
                 entry["reserved_bytes"] = torch.cuda.max_memory_reserved()
@@ -198,10 +260,12 @@ def run_one(run: dict, args) -> dict:
         graphs = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
         result["recompiles"] = max(0, len(graphs) - 1)
         result["plans"] = [g.auto_plan.table(g.index) for g in graphs if g.auto_plan is not None]
+        result["phases"] = [dict(g.phases) for g in protrain_fx.captured_graphs()]
         if handle is not None:
             result["counts"] = {"n_persist": handle.n_persist, "n_buffer": handle.n_buffer,
                                 "n_gpu_optim": handle.n_gpu_optim, "chunks": len(handle.layout.chunks),
                                 "host_bytes": handle.store.host_bytes() if handle.store else 0}
+        result["inductor_s"] = inductor_seconds(kernel_timers)
     except torch.OutOfMemoryError as e:
         result.update(status="OOM", reason=str(e).splitlines()[0][:600], traceback=traceback.format_exc()[-3000:])
     except Exception as e:  # noqa: BLE001 -- a failed run is a result
@@ -223,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-layers", type=int, default=0, help="Hugging Face models: this many layers (0: all)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--cache-dir", type=Path, help="each run's own Inductor, Triton and protrain_fx caches under "
+                        "DIR/<run> (empty at a spec's first run, kept for its second)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this spec in this process
+    parser.add_argument("--launched-at", type=float, default=0.0, help=argparse.SUPPRESS)  # internal: time.time()
     args = parser.parse_args(argv)
     if args.one:
         result = run_one(parse_run(args.one), args)
@@ -235,16 +302,25 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for run in runs:
         before = set(args.out.glob("run_*.json"))
-        command = [sys.executable, __file__, "--one", run["spec"], "--runs", run["spec"], *_passed(args)]
-        started = time.perf_counter()
         slug = run["spec"].replace(":", "_").replace("+", "_")
-        with open(args.out / f"{slug}.log", "w") as log:  # written as it runs: a timeout keeps it
-            try:
-                proc = subprocess.run(command, timeout=args.timeout, stdout=log, stderr=subprocess.STDOUT)
+        env = dict(os.environ)
+        if args.cache_dir is not None:
+            caches = args.cache_dir / slug
+            run["launch"] = "second" if caches.exists() else "first"
+            env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"),
+                       PROTRAIN_CACHE_DIR=str(caches / "protrain"))
+            caches.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        command = [sys.executable, __file__, "--one", run["spec"], "--runs", run["spec"], *_passed(args),
+                   "--launched-at", repr(time.time())]
+        with open(args.out / f"{slug}{'_' + run['launch'] if 'launch' in run else ''}.log", "w") as log:
+            try:  # the log is written as it runs: a timeout keeps it
+                proc = subprocess.run(command, timeout=args.timeout, stdout=log, stderr=subprocess.STDOUT, env=env)
             except subprocess.TimeoutExpired:
                 proc = None
         made = sorted(set(args.out.glob("run_*.json")) - before)
         result = json.loads(made[0].read_text()) if made else {**run, "status": "crash" if proc else "timeout"}
+        result.update({k: run[k] for k in ("launch",) if k in run})
         for path in made:
             path.unlink()
         result["wall_s"] = time.perf_counter() - started
@@ -266,7 +342,10 @@ def _line(r: dict) -> str:
     errors = [e["peak_error_pct"] for e in r["steps"][1:] if "peak_error_pct" in e]
     worst = f", later steps' peak vs prediction {min(errors):+.1f}%..{max(errors):+.1f}%" if errors else ""
     tps = f"{r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else "-"
-    return f"{r['spec']}: ok, {tps}, {r.get('recompiles')} recompile(s){worst}, wall {r['wall_s']:.0f} s"
+    steps = r["steps"]
+    to = f", step 1 at {steps[0]['since_launch_s']:.0f} s, step {len(steps)} at {steps[-1]['since_launch_s']:.0f} s" if steps else ""
+    launch = f" ({r['launch']} launch)" if "launch" in r else ""
+    return f"{r['spec']}{launch}: ok, {tps}, {r.get('recompiles')} recompile(s){worst}{to}, wall {r['wall_s']:.0f} s"
 
 
 if __name__ == "__main__":
