@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import hashlib
 import logging
 import re
 import time
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,11 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from protrain_fx import progress
 from protrain_fx.analysis.blocks import block_at_end
-from protrain_fx.analysis.inductor_memory import (
-    analyze_inductor_memory,
-    read_inductor_plan,
-)
-from protrain_fx.analysis.memory import MemoryAnalysis, StepGraphs, output_args
+from protrain_fx.analysis.memory import StepGraphs
 from protrain_fx.capture import CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.errors import UnsupportedError, surfaced
@@ -60,17 +53,13 @@ from protrain_fx.planner.offload import (
     deferred_handle,
     placed_handle,
 )
-from protrain_fx.planner.plan_cache import reuse_or_choose
+from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
+from protrain_fx.planner.plan_cache import judgments, plan_key, reuse_or_choose
 from protrain_fx.runtime import chunk_ops, distributed
 from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.state import STATE
 
 log = logging.getLogger("protrain_fx")
-
-_SOURCE_HASH = hashlib.sha256(
-    b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.rglob("*.py")))
-).hexdigest()
-
 
 def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None, **kwargs: Any) -> Callable:
     """Dynamo backend entry point (``backend="protrain"``); ``options`` is parsed by ``parse_options``."""
@@ -317,30 +306,35 @@ class _Partitioner(CustomPartitionerFn):
             record.swapped = []
             graphs[:] = [partition(_copy_graph_module(joint), plan, check=False)]
 
-        # The planner's trials, timed and counted as one phase; a plan from the plan cache is
-        # applied with the plain trial (no trial lowering: its time is the planning's).
-        tried = progress.timed("trial lowerings", counted=True)(trial)
+        # The planner's trials, timed as one phase (planner/judged.py counts the trials judged); a plan
+        # from the plan cache is applied with the plain trial (no trial lowering: its time is the planning's).
+        tried = progress.timed("trial lowerings")(trial)
+        # The judgments of this graph kept by earlier compiles, and in the plan cache by earlier launches:
+        # only configs never judged are rewritten and lowered (planner/judged.py).
+        key = plan_key(record, joint, handle, placed)
+        kept = judgments(key)
         if user_config.verify != "graph":  # "inductor" (options refuse it with another codegen) or "auto"
             # Judged on the device the step's memory is analysed for (an offloaded model's inputs
             # can sit on the host): "auto" lowers with Inductor only for a CUDA step.
             record.probe_inductor = progress.timed("trial lowerings")(lambda: (
-                _probe_inductor(record) if user_config.verify_for(record.memory.device) == "inductor" else None
+                probe_inductor(record, _compile_patches(record), _copy_graph_module)
+                if user_config.verify_for(record.memory.device) == "inductor" else None
             ))
 
         if dry_run and handle is not None:
-            answer_offload(record, handle, tried)  # placed, checked and removed: training's answer
+            answer_offload(record, handle, tried, kept)  # placed, checked and removed: training's answer
         if dry_run:
-            answer(record, tried)  # stops the compile with the report: nothing runs
+            answer(record, tried, kept)  # stops the compile with the report: nothing runs
         # A plan kept from an earlier launch of this graph and budget is applied without planning
         # (planner/plan_cache.py); otherwise the planner chooses, and the choice is kept.
         if handle is not None:
-            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_offload(record, handle, tried),
+            record.auto_plan = reuse_or_choose(record, key, trial, lambda: choose_offload(record, handle, tried, kept=kept),
                                                handle)
         elif placed is not None:
-            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_for_placed(record, placed, tried),
-                                               placed=placed)
+            record.auto_plan = reuse_or_choose(record, key, trial,
+                                               lambda: choose_for_placed(record, placed, tried, kept=kept))
         else:
-            record.auto_plan = reuse_or_choose(record, joint, trial, lambda: choose_plan(record, tried))
+            record.auto_plan = reuse_or_choose(record, key, trial, lambda: choose_plan(record, tried, kept))
         if record.auto_plan is None:
             log.info("protrain_fx: graph %d has no transformer blocks: no activation plan to choose", record.index)
         else:
@@ -354,7 +348,7 @@ class _Partitioner(CustomPartitionerFn):
         return graphs[0]
 
     def uuid(self) -> Any:
-        return _SOURCE_HASH
+        return SOURCE_HASH
 
     def __reduce__(self):
         # Inductor pickles its config into cache keys; the uuid stands for this partitioner.
@@ -424,9 +418,6 @@ def _step_graphs(forward: fx.GraphModule, backward: fx.GraphModule | None, num_u
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record: CapturedGraph) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    lowered: dict[str, Any] = {}
-    patches = {"custom_partitioner_fn": _Partitioner(record), **_lowering_patches(record, lowered)}
-
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         phase = "inference" if kwargs.get("is_inference") else "backward" if kwargs.get("is_backward") else "forward"
         if phase == "inference":  # no backward: our partitioner never ran
@@ -436,10 +427,10 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
             if progress.current() is None:
                 stack.enter_context(progress.recording(record.phases, title=f"protrain_fx: graph {record.index} ({phase})"))
             with progress.phase("codegen", f"Inductor codegen ({phase})"):
-                compiled = compile_fx_inner(graph, inputs, **kwargs)
-        lowering = lowered.pop("graph", None)
-        if lowering is not None and record.step is not None:
-            record.inductor_plans[phase] = read_inductor_plan(lowering, phase)
+                compiled, plan = lower(record, graph, list(inputs), phase, compile_fx_inner, _copy_graph_module, **kwargs)
+        if record.step is not None:
+            if plan is not None:
+                record.inductor_plans[phase] = plan
             if phase != "forward" or record.backward is None:
                 run_passes(LOWERED_PASSES, PassContext(record, record.plan))
                 check_budget(record)
@@ -447,132 +438,14 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
 
     # A warm AOTAutograd cache would skip partitioning, and with it our passes.
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=_compile_patches(record))
 
 
-def _lowering_patches(record: CapturedGraph, lowered: dict[str, Any]) -> dict[str, Any]:
-    """Inductor settings of every lowering of ``record``'s graphs (the compile's and
-    :func:`_probe_inductor`'s): ``lowered["graph"]`` gets the graph being lowered, to read its
-    allocation plan once compiled, and chunk buffers are never reused."""
-
-    def remember_graph(nodes: list[Any]) -> list[Any]:
-        from torch._inductor.virtualized import V
-
-        lowered["graph"] = V.graph
-        _keep_chunk_buffers(nodes, V.graph)
-        return nodes
-
-    patches: dict[str, Any] = {
-        "_post_fusion_custom_pass": _Picklable(remember_graph),
-        # A cached kernel skips the scheduler, and with it the hook above.
-        "fx_graph_cache": False,
-    }
-    if record.config.keep_node_order:
-        patches["reorder_for_peak_memory"] = False
-    return patches
-
-
-def _probe_inductor(record: CapturedGraph) -> MemoryAnalysis | None:
-    """The memory analysis of Inductor's allocation plans for the step now in ``record`` (one plan
-    the backend tries, ``verify="inductor"``), lowered as the compile lowers it: copies of both
-    graphs through ``compile_fx_inner`` with the compile's own settings (static inputs: the model
-    state in forward, the tangents in backward; the saved values AOTAutograd donates to backward,
-    whose storage Inductor reuses; chunk buffers never reused). ``None`` (with a warning) when it
-    cannot be done: the graph-level analysis judges then."""
-    from types import SimpleNamespace
-
-    from torch._functorch._aot_autograd.graph_compile import (
-        collect_bw_donated_buffer_idxs,
-    )
-    from torch._guards import TracingContext, detect_fake_mode, tracing
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx_inner, count_tangents
-
-    step = record.step
-    if step is None or step.backward is None:
-        return None
-    try:
-        # Inductor rewrites the graphs it lowers: copies (node values shared, so storages match)
-        forward, backward = _copy_graph_module(step.forward), _copy_graph_module(step.backward)
-        probe_step = dataclasses.replace(step, forward=forward, backward=backward)
-        outputs = output_args(forward)
-        saved = outputs[step.num_user_outputs:]  # AOTAutograd's order: saved tensors, then saved sizes
-
-        def kind(v: Any) -> type | None:
-            val = v.meta.get("val") if isinstance(v, fx.Node) else v
-            return torch.Tensor if isinstance(val, torch.Tensor) else torch.SymInt if isinstance(val, (int, torch.SymInt)) else None
-
-        n_tensors = sum(kind(v) is torch.Tensor for v in saved)
-        if [kind(v) for v in saved] != [torch.Tensor] * n_tensors + [torch.SymInt] * (len(saved) - n_tensors):
-            log.warning("protrain_fx: graph %d saves values of an unexpected kind for its backward: its plans are "
-                        "judged by the graph-level analysis, not Inductor's plan", record.index)
-            return None
-        donated = collect_bw_donated_buffer_idxs(forward, backward, SimpleNamespace(
-            num_forward=step.num_user_outputs,
-            tensors_saved_for_backwards_slice=slice(step.num_user_outputs, step.num_user_outputs + n_tensors),
-            num_symints_saved_for_bw=len(saved) - n_tensors))  # backward takes the sizes first
-        placeholders = [n.name for n in forward.graph.nodes if n.op == "placeholder"]
-        plans = {}
-        for phase, gm in (("forward", forward), ("backward", backward)):
-            inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-            out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-            if phase == "forward":  # as compile_fx_forward / compile_fx_backward mark them
-                static = [i for i, name in enumerate(placeholders) if name in step.state_inputs]
-                out.meta["user_visible_output_idxs"] = [i for i in range(step.num_user_outputs)
-                                                        if isinstance(outputs[i], fx.Node)]
-            else:
-                static = list(range(count_tangents(gm)))
-                out.meta["user_visible_output_idxs"] = [
-                    i for i, v in enumerate(output_args(gm)) if isinstance(v, fx.Node)
-                ] if inductor_config.bw_outputs_user_visible else []
-            context = TracingContext(detect_fake_mode(inputs))
-            context.fw_metadata = SimpleNamespace(bw_donated_idxs=donated)
-            lowered: dict[str, Any] = {}
-            with tracing(context), inductor_config.patch(_lowering_patches(record, lowered)):
-                compile_fx_inner(gm, inputs, is_backward=phase == "backward", static_input_idxs=static)
-            plans[phase] = read_inductor_plan(lowered["graph"], phase)
-        return analyze_inductor_memory(probe_step, plans,
-                                       optimizer_states_per_param=record.config.optimizer_states_per_param,
-                                       label=f"graph {record.index} (Inductor, a plan tried)")
-    except Exception as e:  # noqa: BLE001 -- a failed check must not fail the compile
-        log.warning("protrain_fx: lowering a plan with Inductor to check its memory failed (%s: %s); the "
-                    "graph-level analysis judges it", type(e).__name__, e)
-        return None
-
-
-def _keep_chunk_buffers(nodes: list[Any], graph: Any) -> None:
-    """A chunk buffer ``chunk_gather`` returns belongs to the pool: Inductor must never reuse its
-    memory for another buffer nor write a kernel's output into it in place.
-
-    (Gradients handed to ``chunk_grads`` are not listed: Inductor never frees a buffer it may not
-    reuse, so they stayed allocated to the end of backward -- every offloaded chunk's gradient at
-    once. The op copies them into a staging buffer of its own before returning instead.)"""
-    gather = getattr(torch.ops.protrain, "chunk_gather", None)
-    if gather is None:
-        return
-    from torch._inductor.ir import MultiOutput
-
-    for node in nodes:
-        for snode in node.get_nodes():
-            op = snode.node
-            if isinstance(op, MultiOutput) and op.inputs:  # the tensor a single-output fallback returns
-                op = op.inputs[0]
-            if getattr(op, "op_overload", None) is gather.default:
-                for out in snode.get_outputs():
-                    graph.never_reuse_buffers.add(out.get_name())
-
-
-class _Picklable:
-    """Wraps an Inductor config hook so that its cache-key pickling sees a stable token."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-    def __reduce__(self):
-        return (str, (f"protrain_fx:{_SOURCE_HASH}",))
+def _compile_patches(record: CapturedGraph) -> dict[str, Any]:
+    """Inductor settings of the compile besides those of each lowering (``lowering.lowering_patches``):
+    our partitioner. A trial's lowering runs under them too, so that Inductor caches it under the key
+    the compile of the same graph looks up (``lowering.py``)."""
+    return {"custom_partitioner_fn": _Partitioner(record)}
 
 
 def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequence[Any]) -> None:

@@ -93,7 +93,7 @@ class CapturedGraph:
     gathered: list[Any] = field(default_factory=list)
     #: With ``verify="inductor"``, set by the partitioner while the backend chooses a plan: lowers
     #: the graphs of the plan now in ``step`` with Inductor and returns the analysis of its
-    #: allocation plans, or ``None`` when that could not be done (``backend._probe_inductor``).
+    #: allocation plans, or ``None`` when that could not be done (``lowering.probe_inductor``).
     probe_inductor: Callable[[], Any] | None = None  # returns an analysis.memory.MemoryAnalysis or None
     #: The activation plan the backend chose from the memory budget, with its prediction
     #: (``planner/``); ``None`` without a budget, with a plan by hand or offloaded parameters.

@@ -6,7 +6,7 @@ that checks a choice would pass or fail with the speed of the machine that runs 
 instead against a **pinned** profile (``profile.cache.pin_machine_profile``) in a cache folder of its
 own, made when the suite starts and removed when it ends: ``PROTRAIN_CACHE_DIR`` points there for
 every test and every process a test starts, so the user's ``~/.cache/protrain_fx`` is neither read
-nor written. ``PROTRAIN_TEST_HOST`` picks the pinned host (:data:`HOSTS`: ``default``, ``slow``,
+nor written (Inductor's caches are there too). ``PROTRAIN_TEST_HOST`` picks the pinned host (:data:`HOSTS`: ``default``, ``slow``,
 ``fast``); ``tests/test_host_profiles.py`` runs the planner-facing tests under ``slow`` and ``fast``.
 Tests of the profiler and of calibration measure in folders of their own (``tmp_path``).
 """
@@ -69,6 +69,9 @@ def use_cache_dir(monkeypatch: pytest.MonkeyPatch, folder: str | os.PathLike[str
 
 SUITE_CACHE = Path(tempfile.mkdtemp(prefix="protrain_fx_tests_"))
 os.environ["PROTRAIN_CACHE_DIR"] = str(SUITE_CACHE)  # inherited by every process a test starts
+# Inductor's caches too, in the suite's folder: every run starts cold, as CI does, and no test reuses
+# code an earlier run compiled beside allocation plans it did not keep (protrain_fx/lowering.py)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(SUITE_CACHE / "inductor")
 pin_cpu_profile(SUITE_CACHE)
 
 

@@ -31,6 +31,7 @@ from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
 from protrain_fx.plan import Plan
 from protrain_fx.planner.budget import ALLOCATOR_HEADROOM, budget_for_peak
+from protrain_fx.planner.judged import Judge, Judgment, trial_key
 from protrain_fx.planner.problem import (
     IN_STEP_SCALE,
     device_op_times,
@@ -38,10 +39,9 @@ from protrain_fx.planner.problem import (
 )
 from protrain_fx.planner.reserve import plan_cap, reserve_note, returned_outputs
 from protrain_fx.planner.result import AutoPlan
+from protrain_fx.planner import verify
 from protrain_fx.planner.verify import (
     Trial,
-    judged_peak,
-    judged_trial,
     verified_choice,
     widened,
 )
@@ -161,13 +161,16 @@ def warn_at_recompile_limit(record: CapturedGraph) -> None:
     )
 
 
-def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> AutoPlan | None:
+def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
+                kept: dict[str, Judgment] | None = None) -> AutoPlan | None:
     """Choose, apply and verify the activation plan of ``record`` (module docstring, steps 1-5).
 
     ``trial(plan)`` partitions the step with ``plan`` (``None``: no plan) and runs the passes on it,
     leaving ``record``'s graphs and ``record.memory`` as of that plan; on return the record holds the
-    chosen plan's graphs. Returns ``None`` for a step without transformer blocks (nothing to plan;
-    the record holds it as it is). Raises :class:`~protrain_fx.search.search.NoPlanFits` when nothing fits.
+    chosen plan's graphs. ``kept``: the judgments of this graph kept from earlier compiles
+    (``planner/judged.py``), added to. Returns ``None`` for a step without transformer blocks
+    (nothing to plan; the record holds it as it is). Raises
+    :class:`~protrain_fx.search.search.NoPlanFits` when nothing fits.
     """
     started = time.perf_counter()
     budget = record.config.memory_budget_bytes
@@ -178,7 +181,6 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     reserve = budget - cap
     if record.blocks is None or not record.blocks.labels:
         return None  # no block to checkpoint or swap: the budget is only checked, as with a plan by hand
-    empty_peak, empty_by_inductor = judged_peak(record)
     t0 = time.perf_counter()
     problem = activation_problem(record)
     problem_s = time.perf_counter() - t0
@@ -187,20 +189,28 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
     empty = Config(n, 0, 0, 0)
     empty_est = model.estimate(empty)
 
-    def result(config: Config, how: str, found: SearchResult | None, trials: list[Trial]) -> AutoPlan:
-        return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
-                      empty_peak_bytes=empty_peak, empty_step_s=empty_est.step_s, problem_s=problem_s,
-                      started=started, empty_by_inductor=empty_by_inductor)
-
-    if empty_peak <= cap:
-        return result(empty, "fits as is", None, [])
-
-    trials: list[Trial] = []
-
-    def run(config: Config) -> Trial:
+    def rewrite(config: Config) -> Config:
         plan = block_plan(problem, config)
         trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
-        t = judged_trial(record, config, model.estimate(config).peak_bytes)
+        return config
+
+    judge = Judge({} if kept is None else kept, lambda c: trial_key(block_plan(problem, c)), rewrite,
+                  lambda: verify.judged_peak(record), lambda c: model.estimate(c).peak_bytes, holding=empty)
+    judged_empty = judge(empty)
+    empty_peak, empty_by_inductor = judged_empty.analysed_peak_bytes, judged_empty.by_inductor
+    trials: list[Trial] = []
+
+    def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+        judge.hold(config)  # the record holds the chosen plan's graphs
+        return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
+                      empty_peak_bytes=empty_peak, empty_step_s=empty_est.step_s, problem_s=problem_s,
+                      started=started, empty_by_inductor=empty_by_inductor, judge=judge)
+
+    if empty_peak <= cap:
+        return result(empty, "fits as is", None)
+
+    def run(config: Config) -> Trial:
+        t = judge(config)
         trials.append(t)
         return t
 
@@ -213,7 +223,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> 
 
     config, how, found, need, least = verified_choice(search_at, run, candidates, trials, cap)
     if config is not None:
-        return result(config, how, found, trials)
+        return result(config, how, found)
     minimum = budget_for_peak(need + outside)
     raise NoPlanFits(
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
@@ -243,12 +253,14 @@ def chosen(
     started: float | None = None,
     empty_by_inductor: bool = False,
     rate_spread: Mapping[str, float] | None = None,
+    judge: Judge | None = None,
 ) -> AutoPlan:
     """The :class:`AutoPlan` of ``config`` for ``record`` (as rewritten for it) under its budget;
     ``started``: ``time.perf_counter()`` when the choice began (for ``choose_s``);
     ``empty_by_inductor``: ``empty_peak_bytes`` is Inductor's (:func:`judged_peak`). With
     ``rate_spread``, the predicted step is the mean over the host rates within that spread of their
-    readings (``search.spread.expected_estimate``)."""
+    readings (``search.spread.expected_estimate``). ``judge``: the trials' judge, whose counts of
+    trials run and answered from earlier compiles the plan reports."""
     est = expected_estimate(model.problem, config, rate_spread) if rate_spread else model.estimate(config)
     kept = next((t for t in trials if t.config == config), None)
     if kept is not None:
@@ -281,4 +293,6 @@ def chosen(
         judged_by="inductor" if by_inductor else "graph",
         empty_by_inductor=empty_by_inductor,
         rate_spread=dict(rate_spread) if rate_spread else None,
+        trials_run=judge.lowered if judge is not None else len(trials),
+        trials_kept=judge.reused if judge is not None else 0,
     )

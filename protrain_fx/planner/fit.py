@@ -116,9 +116,10 @@ class _Answered(BaseException):
         self.report = report
 
 
-def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
-    """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would,
-    find the smallest budget, and stop the compile with the report."""
+def answer(record: CapturedGraph, trial: Callable[[Plan | None], None], kept: dict | None = None) -> None:
+    """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would
+    (``kept``: the graph's judgments kept, ``planner/judged.py``), find the smallest budget, and stop
+    the compile with the report."""
     from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
     from protrain_fx.search.search import NoPlanFits
 
@@ -126,7 +127,7 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
     record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
     chosen: result.AutoPlan | None = None
     try:
-        chosen = activations.choose_plan(record, trial)
+        chosen = activations.choose_plan(record, trial, kept)
         fits, minimum = True, None
     except NoPlanFits as e:
         fits, minimum = False, e.min_budget_bytes
@@ -167,7 +168,8 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None]) -> None:
     )
 
 
-def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | None], None]) -> None:
+def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | None], None],
+                   kept: dict | None = None) -> None:
     """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
     the training compile would choose under the budget (``planner.offload.choose_offload``, which
     places the chunks of each config it tries and checks it with the memory analysis), and the
@@ -175,7 +177,8 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     (``planner.offload.least_memory_candidates``: the cost model's least, and checkpointing every
     block) as the analysis judges it, the judge training uses (the cost model's peak is not asked to
     fit: it can fall below the analysis', on small chunks and on swaps, or far above it). Then
-    nothing stays placed (``handle.unplace()``) and the compile stops with the report."""
+    nothing stays placed (``handle.unplace()``) and the compile stops with the report. ``kept``: the
+    graph's judgments kept (``planner/judged.py``)."""
     from protrain_fx.planner import offload as planner_offload
     from protrain_fx.planner.budget import budget_for_peak
     from protrain_fx.planner.reserve import outside_reserve
@@ -196,7 +199,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     host_short: HostMemoryError | None = None
     try:
         try:
-            chosen = planner_offload.choose_offload(record, handle, trial, final=False, model=model)
+            chosen = planner_offload.choose_offload(record, handle, trial, final=False, model=model, kept=kept)
             judged = []
             for config in candidates:
                 done = verify.tried(chosen.trials, config)

@@ -68,6 +68,7 @@ from protrain_fx.planner.activations import (
     machine_profile,
 )
 from protrain_fx.planner.budget import ALLOCATOR_HEADROOM, budget_for_peak
+from protrain_fx.planner.judged import Judge, Judgment, trial_key
 from protrain_fx.planner.problem import (
     IN_STEP_SCALE,
     device_op_times,
@@ -75,9 +76,9 @@ from protrain_fx.planner.problem import (
 )
 from protrain_fx.planner.reserve import plan_cap, reserve_note
 from protrain_fx.planner.result import AutoPlan
+from protrain_fx.planner import verify
 from protrain_fx.planner.verify import (
     Trial,
-    judged_peak,
     judged_trial,
     verified_choice,
     widened,
@@ -127,14 +128,16 @@ def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
 
 
 def choose_for_placed(
-    record: CapturedGraph, handle: OffloadHandle, trial: Callable[[Plan | None], None]
+    record: CapturedGraph, handle: OffloadHandle, trial: Callable[[Plan | None], None],
+    kept: dict[str, Judgment] | None = None,
 ) -> AutoPlan | None:
     """The activation plan of a later graph (another input shape) of a model whose chunk counts the
     backend chose at its first compile: the counts stay, the fastest ``(n_swap, n_checkpoint)`` whose
     predicted peak fits with them is searched (every pair simulated), applied and verified as in
     :func:`choose_offload`. ``"fits as is"`` when the step analyses under the cap without a plan.
     ``None`` for a graph without transformer blocks (the part of a step after a graph break, say):
-    nothing to plan, and the backend checks its peak against the budget as it is."""
+    nothing to plan, and the backend checks its peak against the budget as it is. ``kept``: the
+    judgments of this graph kept from earlier compiles (``planner/judged.py``), added to."""
     started = time.perf_counter()
     budget = record.config.memory_budget_bytes
     assert budget is not None
@@ -149,15 +152,31 @@ def choose_for_placed(
     N = model.n_blocks
     configs = [Config(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
     empty = configs[0]
-    empty_peak, empty_by_inductor = judged_peak(record)
+    short: list[int] = []  # chunks held at once by plans the placed buffers cannot hold
+
+    def rewrite(config: Config) -> Config:
+        plan = block_plan(model.problem, config)
+        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        return config
+
+    def judge_now() -> tuple[int, bool]:
+        return verify.judged_peak(record)
+
+    lean = handle.lean_counts()[p]
+    judge = Judge({} if kept is None else kept, lambda c: trial_key(block_plan(model.problem, c), (p, b, g, lean)),
+                  rewrite, judge_now, lambda c: model.estimate(c).peak_bytes, holding=empty)
+    judged_empty = judge(empty)
+    empty_peak, empty_by_inductor = judged_empty.analysed_peak_bytes, judged_empty.by_inductor
     trials: list[Trial] = []
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+        judge.hold(config)  # the record holds the chosen plan's graphs
         return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
                       empty_peak_bytes=empty_peak,
                       empty_step_s=model.estimate(empty).step_s, offload=True, problem_s=problem_s, started=started,
                       empty_by_inductor=empty_by_inductor,
-                      rate_spread=RATE_SPREAD if torch.device(record.memory.device).type == "cuda" else None)
+                      rate_spread=RATE_SPREAD if torch.device(record.memory.device).type == "cuda" else None,
+                      judge=judge)
 
     if empty_peak <= cap:
         return result(empty, "fits as is", None)
@@ -173,19 +192,15 @@ def choose_for_placed(
         _, best, est = min(fitting, key=lambda x: (x[0], x[1]))
         return SearchResult(best, est, len(configs), 0, 0, len(configs), time.perf_counter() - t0)
 
-    short: list[int] = []  # chunks held at once by plans the placed buffers cannot hold
-
     def run(config: Config) -> Trial:
-        plan = block_plan(model.problem, config)
         try:
-            trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+            t = judge(config)
         except ValueError as e:
             if (too := too_few_buffers(e)) is None:
                 raise
             short.append(too.needed)  # the buffers are placed: this plan cannot run with them
+            judge.holding = None  # the record holds no finished rewrite
             t = Trial(config, model.estimate(config).peak_bytes, UNRUNNABLE)
-        else:
-            t = judged_trial(record, config, model.estimate(config).peak_bytes)
         trials.append(t)
         return t
 
@@ -398,19 +413,18 @@ def least_memory_candidates(model: CostModel) -> list[Config]:
     return least_memory_configs(model, 0, b)
 
 
-def place_and_analyse(
+def place_and_rewrite(
     record: CapturedGraph,
     handle: OffloadHandle,
     model: CostModel,
     config: Config,
     trial: Callable[[Plan | None], None],
-) -> Trial:
-    """Place ``handle``'s chunks with ``config``'s counts, rewrite and analyse the step with its
-    activation plan (``trial``), and return the :class:`Trial`: the cost model's peak and the
-    analysis' (``planner.verify.judged_peak``: or Inductor's plan's, with ``verify="inductor"``). ``record``
-    is left as of this config. A rewrite that holds more chunks at once than ``config`` has
-    buffers (:class:`~protrain_fx.errors.TooFewBuffers`) is placed again with as many as it
-    holds: the trial's ``config`` is then that one, ``requested`` the one asked for."""
+) -> Config:
+    """Place ``handle``'s chunks with ``config``'s counts and rewrite and analyse the step with its
+    activation plan (``trial``), leaving ``record`` as of it; returns the config applied. A rewrite
+    that holds more chunks at once than ``config`` has buffers
+    (:class:`~protrain_fx.errors.TooFewBuffers`) is placed again with as many as it holds: the config
+    applied is then that one."""
     applied = config
     while True:
         with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
@@ -427,8 +441,42 @@ def place_and_analyse(
                      applied, short.needed)
             applied = dataclasses.replace(applied, n_buffer=short.needed)
             continue
-        t = judged_trial(record, applied, model.estimate(applied).peak_bytes)
-        return t if applied == config else dataclasses.replace(t, requested=config)
+        return applied
+
+
+def offload_judge(
+    record: CapturedGraph,
+    handle: OffloadHandle,
+    model: CostModel,
+    trial: Callable[[Plan | None], None],
+    kept: dict[str, Judgment] | None,
+) -> Judge:
+    """The :class:`~protrain_fx.planner.judged.Judge` of ``handle``'s placements: each config placed
+    and rewritten (:func:`place_and_rewrite`) and judged (``planner.verify.judged_peak``), or answered
+    from ``kept``; a placement's trial is told apart by its counts and lean chunks."""
+    lean = handle.lean_counts()
+    return Judge(
+        {} if kept is None else kept,
+        lambda c: trial_key(block_plan(model.problem, c), (c.n_persist, c.n_buffer, c.n_gpu_optim, lean[c.n_persist])),
+        lambda c: place_and_rewrite(record, handle, model, c, trial),
+        lambda: verify.judged_peak(record),
+        lambda c: model.estimate(c).peak_bytes,
+    )
+
+
+def place_and_analyse(
+    record: CapturedGraph,
+    handle: OffloadHandle,
+    model: CostModel,
+    config: Config,
+    trial: Callable[[Plan | None], None],
+) -> Trial:
+    """Place, rewrite and analyse ``config`` (:func:`place_and_rewrite`) and return the :class:`Trial`:
+    the cost model's peak and the analysis' (``planner.verify.judged_peak``: or Inductor's plan's,
+    with ``verify="inductor"``); ``requested`` is ``config`` when more buffers were applied."""
+    applied = place_and_rewrite(record, handle, model, config, trial)
+    t = judged_trial(record, applied, model.estimate(applied).peak_bytes)
+    return t if applied == config else dataclasses.replace(t, requested=config)
 
 
 def choose_offload(
@@ -438,12 +486,14 @@ def choose_offload(
     *,
     final: bool = True,
     model: CostModel | None = None,
+    kept: dict[str, Judgment] | None = None,
 ) -> AutoPlan:
     """Choose the counts and the activation plan, place ``handle``'s chunks and verify (module
     docstring). ``trial`` is :func:`protrain_fx.planner.activations.choose_plan`'s: it partitions and analyses
     the step with a plan, leaving ``record`` as of that plan. ``final=False`` (``what_fits``): the
     chunks stay placed but not final, so that ``handle.unplace()`` can undo them. ``model``: the
-    cost model of the step, when the caller made it after ``trial(None)``."""
+    cost model of the step, when the caller made it after ``trial(None)``. ``kept``: the judgments
+    of this graph kept from earlier compiles (``planner/judged.py``), added to."""
     started = time.perf_counter()
     budget = record.config.memory_budget_bytes
     assert budget is not None  # the backend refuses the compile before (backend._check_automatic_offload)
@@ -459,23 +509,25 @@ def choose_offload(
     all_on_device_peak = record.memory.peak_bytes
     everything = Config(model.n_chunks, 0, 0, 0)
     trials: list[Trial] = []  # every placement analysed, in order
+    judge = offload_judge(record, handle, model, trial, kept)
 
     def run(config: Config) -> Trial:
-        t = place_and_analyse(record, handle, model, config, trial)
+        t = judge(config)
         trials.append(t)
         return t
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+        judge.hold(config)  # the chunks placed and the record rewritten for the chosen config
         spread = RATE_SPREAD if device.type == "cuda" else None  # the CPU device plans with fixed rates
-        kept = next((t for t in trials if t.config == config), None)
-        if spread and kept is not None:
-            config = steadier_gpu_optim(handle, model, kept, cap, trials, spread)
+        done = next((t for t in trials if t.config == config), None)
+        if spread and done is not None:
+            config = steadier_gpu_optim(handle, model, done, cap, trials, spread)
         if final:
             with unset_fake_temporarily():
                 handle.finalize()  # the store of the chosen placement gets its values
         return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
                       empty_peak_bytes=all_on_device_peak, empty_step_s=model.estimate(everything).step_s,
-                      offload=True, problem_s=problem_s, started=started, rate_spread=spread)
+                      offload=True, problem_s=problem_s, started=started, rate_spread=spread, judge=judge)
 
     try:
         gpu_optim = device.type == "cuda"

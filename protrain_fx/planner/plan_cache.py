@@ -23,7 +23,11 @@ that verify the plans: minutes on a large model. :func:`reuse_or_choose` wraps t
   the plan and analysed: no search, no other trial, no Inductor lowering to verify. The plan is
   refused (and the entry dropped, the planner runs) when that analysis is above both the peak
   stored and the cap, and skipped when this process measured more room for the code around the
-  graph than the entry kept. The first step's peak is measured as for any plan
+  graph than the entry kept and the plan's judged peak no longer fits under the cap that leaves (a
+  reserve grown by a few percent keeps a plan that still fits).
+* **Judgments** (``planner/judged.py``): every trial's judged peak of the graph, under a key without
+  the budget, beside the plans (``"judged"``). A planner that runs (a miss, a refused entry, another
+  budget) answers the trials judged before from them: it lowers only configs never judged. The first step's peak is measured as for any plan
   (``planner/first_step.py``): a miss there (or a faster plan found from the measured reserve)
   drops the entry, and the graph compiled again is planned and stored anew.
 * **Data-parallel**: the key holds the ranks (world size, ranks per node, backend); rank 0's entry
@@ -58,6 +62,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from protrain_fx import progress
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.plan import Plan
+from protrain_fx.planner.judged import Judgment, judge_key, kept_for
 from protrain_fx.planner.reserve import returned_outputs
 from protrain_fx.planner.result import AutoPlan
 from protrain_fx.profile.cache import (
@@ -78,7 +83,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("protrain_fx")
 
 #: Version of the plan cache file; a file of another version is ignored (and written over).
-PLAN_CACHE_VERSION = 1
+PLAN_CACHE_VERSION = 2
 
 #: The environment variable that turns the cache off when ``"0"`` (``docs/options.md``).
 ENV = "PROTRAIN_PLAN_CACHE"
@@ -103,20 +108,17 @@ class PlanKey:
 
 def reuse_or_choose(
     record: CapturedGraph,
-    joint: fx.GraphModule,
+    key: PlanKey,
     trial: Callable[[Plan | None], None],
     choose: Callable[[], AutoPlan | None],
     handle: OffloadHandle | None = None,
-    placed: OffloadHandle | None = None,
 ) -> AutoPlan | None:
     """The plan of ``record`` from the cache (module docstring), else ``choose()``'s, stored for
-    the next launch. ``joint``: the joint graph, shapes specialized; ``trial``: the partitioner's
-    (partitions and analyses with a plan); ``handle``: the offload whose counts are chosen;
-    ``placed``: the offload whose counts an earlier graph chose (a later input shape: only its
-    activation plan is chosen, for the counts as placed, which the key holds)."""
+    the next launch with the judgments of the graph (``planner/judged.py``). ``key``:
+    :func:`plan_key` of the graph; ``trial``: the partitioner's (partitions and analyses with a
+    plan); ``handle``: the offload whose counts are chosen."""
     if not enabled():
         return choose()
-    key = plan_key(record, joint, handle, placed)
     auto = reuse(record, key, trial, handle)
     if auto is not None:
         return auto
@@ -124,6 +126,22 @@ def reuse_or_choose(
     if auto is not None:
         store(record, key, auto)
     return auto
+
+
+def judgments(key: PlanKey) -> dict[str, Judgment]:
+    """The judgments of the graph of ``key`` kept in this process (``planner.judged.kept_for``), with
+    those the plan cache file keeps for it added when the cache is on (rank 0's file on every rank)."""
+    kept = kept_for(judge_key(key.parts))
+    if not enabled():
+        return kept
+    raw = distributed.from_rank0(_judged(key.path).get(judge_key(key.parts)))
+    if isinstance(raw, dict):
+        for trial, value in raw.items():
+            try:
+                kept.setdefault(trial, Judgment.from_list(value))
+            except (TypeError, ValueError, KeyError):
+                continue  # an entry that does not parse is left out (and written over at the next store)
+    return kept
 
 
 def plan_key(
@@ -186,13 +204,15 @@ def reuse(
     peak = record.memory.peak_bytes
     measured = STATE.measured_outside.get(record.memory.device, 0)
     refusal = ""
+    room = entry["allocated_cap_bytes"] + entry["reserve_bytes"] - measured  # the cap under the measured reserve
     if peak > max(entry["graph_peak_bytes"], entry["allocated_cap_bytes"]):
         refusal = (f"the plan analyses at {peak} bytes, above the {entry['graph_peak_bytes']} stored and the cap "
                    f"of {entry['allocated_cap_bytes']}")
         drop(key.path, key.digest)
-    elif measured > entry["reserve_bytes"]:
+    elif measured > entry["reserve_bytes"] and entry["analysed_peak_bytes"] > room:
         refusal = (f"this process measured {measured} bytes for the code around the graph, more than the "
-                   f"{entry['reserve_bytes']} the plan kept")
+                   f"{entry['reserve_bytes']} the plan kept, and with it the plan's judged peak of "
+                   f"{entry['analysed_peak_bytes']} bytes is over the cap of {room}")
     refusal = next((r for r in distributed.gather(refusal) if r), "")  # one rank's refusal is every rank's
     if refusal:
         log.warning("protrain_fx: graph %d: the plan cache's plan (%s) is not used: %s; the plan is chosen again",
@@ -205,21 +225,22 @@ def reuse(
         with unset_fake_temporarily():
             handle.finalize()  # the store gets its values once the entry is taken
     spread = entry["rate_spread"]
+    grown = measured > entry["reserve_bytes"]  # still fits: the cap is the one under the measured reserve
     auto = AutoPlan(
         plan=plan,
         config=config,
         estimate=expected_estimate(problem, config, spread) if spread else CostModel(problem).estimate(config),
         problem=problem,
         budget_bytes=entry["budget_bytes"],
-        allocated_cap_bytes=entry["allocated_cap_bytes"],
+        allocated_cap_bytes=room if grown else entry["allocated_cap_bytes"],
         predicted_peak_bytes=entry["predicted_peak_bytes"],
         analysed_peak_bytes=entry["analysed_peak_bytes"],
         empty_peak_bytes=entry["empty_peak_bytes"],
         empty_step_s=entry["empty_step_s"],
         how=entry["how"],
         budget_source=entry["budget_source"],
-        reserve_bytes=entry["reserve_bytes"],
-        reserve_source=entry["reserve_source"],
+        reserve_bytes=measured if grown else entry["reserve_bytes"],
+        reserve_source="measured" if grown else entry["reserve_source"],
         returned=tuple(returned_outputs(record)),
         rate_spread=spread,
         offload=entry["offload"],
@@ -266,8 +287,14 @@ def store(record: CapturedGraph, key: PlanKey, auto: AutoPlan) -> None:
     plans[key.digest] = entry  # the newest last
     while len(plans) > MAX_ENTRIES:
         plans.pop(next(iter(plans)))
+    judged = _judged(key.path)
+    graph = judge_key(key.parts)
+    judged.pop(graph, None)
+    judged[graph] = {trial: j.to_list() for trial, j in kept_for(graph).items()}  # the newest last
+    while len(judged) > MAX_ENTRIES:
+        judged.pop(next(iter(judged)))
     try:
-        write_json(key.path, {"version": PLAN_CACHE_VERSION, "plans": plans})
+        write_json(key.path, {"version": PLAN_CACHE_VERSION, "plans": plans, "judged": judged})
     except OSError as e:
         log.warning("protrain_fx: graph %d: the plan could not be kept in the plan cache %s (%s)",
                     record.index, key.path, e)
@@ -283,7 +310,7 @@ def drop(path: str | Path, digest: str) -> bool:
     if plans.pop(digest, None) is None:
         return False
     try:
-        write_json(path, {"version": PLAN_CACHE_VERSION, "plans": plans})
+        write_json(path, {"version": PLAN_CACHE_VERSION, "plans": plans, "judged": _judged(path)})
     except OSError as e:
         log.warning("protrain_fx: the plan cache %s could not be written (%s)", path, e)
         return False
@@ -335,6 +362,18 @@ def _entries(path: Path, *, warn: bool = True) -> dict[str, Any]:
             log.warning("protrain_fx: the plan cache %s has no plans table; it is ignored and written over", path)
         return {}
     return plans
+
+
+def _judged(path: Path) -> dict[str, Any]:
+    """The judgments table of the plan cache ``path`` (judge key -> trial key -> judgment as a list;
+    empty: no file, another version, or none there). Errors are :func:`_entries`'s to report."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    if data is None or data.get("version") != PLAN_CACHE_VERSION or not isinstance(data.get("judged"), dict):
+        return {}
+    return data["judged"]
 
 
 def _parse(raw: Any) -> dict[str, Any]:

@@ -167,12 +167,24 @@ class AutoPlan:
     #: Seconds of each phase of the compile that chose this plan, measured (``CapturedGraph.phases``,
     #: the same dict: the backward's codegen joins it at the first ``backward()``); empty outside a compile.
     phases: dict[str, float] = field(default_factory=dict)
+    #: Trials this choice ran (each a rewrite and its analysis; with Inductor judging, a lowering of
+    #: both graphs), and trials answered from what earlier compiles of the graph judged
+    #: (``planner/judged.py``: no rewrite, no lowering).
+    trials_run: int = 0
+    trials_kept: int = 0
+
+    def trials_line(self) -> str:
+        """``"3 trial lowerings (2 judged before)"``: the trials this choice ran and those it reused."""
+        what = "trial lowerings" if self.judged_by == "inductor" or self.empty_by_inductor else "trial rewrites"
+        kept = f" ({self.trials_kept} judged before)" if self.trials_kept else ""
+        return f"{self.trials_run} {what}{kept}"
 
     def phases_line(self) -> str:
-        """``"phases: capture 12.3 s, planning 0.4 s, search 0.05 s, trial lowerings 31.0 s"``; a plan
-        from the plan cache says that the search and the trial lowerings were skipped."""
+        """``"phases: capture 12.3 s, planning 0.4 s, search 0.05 s, trial lowerings 31.0 s (2 trial
+        lowerings)"``; a plan from the plan cache says that the search and the trial lowerings were skipped."""
         skipped = "; search and trial lowerings skipped (plan cache)" if self.from_cache else ""
-        return f"phases: {seconds_line(self.phases) or '-'}{skipped}" if self.phases or skipped else ""
+        counts = f" ({self.trials_line()})" if not self.from_cache and (self.trials_run or self.trials_kept) else ""
+        return f"phases: {seconds_line(self.phases) or '-'}{counts}{skipped}" if self.phases or skipped else ""
 
     @property
     def step_cap_bytes(self) -> int:
@@ -237,7 +249,7 @@ class AutoPlan:
             lines.append(f"  search: {s.evaluated} of {s.total} configs simulated in {s.seconds * 1e3:.1f} ms")
         if self.choose_s:
             lines.append(f"  chosen in {self.choose_s:.2f} s: {self.problem_s:.2f} s profiling and describing the step, "
-                         f"{len(self.trials)} rewrite(s) analysed")
+                         f"{self.trials_line()}")
         if phases := self.phases_line():
             lines.append(f"  {phases}")
         if self.peak_check is not None:

@@ -885,7 +885,13 @@ def test_verify_inductor_judges_plans_by_inductors_own_allocation_plan():
     budget = planner_budget.budget_for_peak(inductor_peak)
     assert graph_peak > planner_budget.allocated_cap_bytes(budget) >= inductor_peak
 
+    counters = torch._dynamo.utils.counters["inductor"]
+    hits, misses = counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
     judged, judged_grads = step({"memory_budget": budget, "verify": "inductor"})
+    # the trial lowers the graphs the plain compile lowered, with the arguments AOTAutograd gives Inductor:
+    # Inductor's cache holds them (with the allocation plans kept beside), and the compile after the trial
+    # hits the cache too (protrain_fx/lowering.py)
+    assert (counters["fxgraph_cache_hit"] - hits, counters["fxgraph_cache_miss"] - misses) == (4, 0)
     assert judged.auto_plan.how == "fits as is" and judged.probe_inductor is None
     assert judged.auto_plan.judged_by == "inductor" and judged.auto_plan.analysed_peak_bytes == inductor_peak
     assert "in Inductor's allocation plan" in judged.auto_plan.table()

@@ -51,6 +51,9 @@ def test_a_planned_compile_puts_its_measured_phases_into_the_plan_table(no_plan,
     assert sum(phases.values()) <= wall
     line = auto.phases_line()
     assert line.startswith("phases: capture ") and "trial lowerings" in line and "skipped" not in line
+    assert auto.trials_run >= 2 and f"({auto.trials_line()})" in line  # the trials run, counted in the table
+    assert auto.trials_line() == f"{auto.trials_run} trial rewrites" + (
+        f" ({auto.trials_kept} judged before)" if auto.trials_kept else "")
     assert line in auto.table() and line in protrain_fx.step_report().block_table()
 
     err = capfd.readouterr().err
