@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.nn.parallel import DistributedDataParallel
 
 from protrain_fx import progress
@@ -55,6 +56,7 @@ from protrain_fx.planner.offload import (
 )
 from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
 from protrain_fx.planner.plan_cache import judgments, plan_key, reuse_or_choose
+from protrain_fx.profile.machine_profile import card_machine
 from protrain_fx.runtime import chunk_ops, distributed
 from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.state import STATE
@@ -110,6 +112,10 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
     }, f"the compile of graph {record.index}")
     # The phases' seconds go to record.phases, and to a progress line on a terminal (progress.py).
     with progress.recording(record.phases, title=f"protrain_fx: graph {record.index}", since=started) as shown:
+        cuda = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
+        if cuda is not None:  # every plan and rewrite of this process prices the card at its own rates
+            with progress.phase("machine", "measuring the machine"), unset_fake_temporarily():
+                card_machine(cuda)
         shown.begin("capture", "capture (Dynamo, AOTAutograd)", since=started)  # ended by the partitioner
         if config.codegen == "eager":
             compiled = _compile_eager(gm, example_inputs, record)

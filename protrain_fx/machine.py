@@ -1,9 +1,12 @@
 """Machine constants the rewrites plan with: compute rate, memory bandwidth, host<->device copy speed.
 
-These are known numbers for the GPUs measured (``docs/results.md#the-gpu-machine``) and
-conservative defaults elsewhere; ``options={"machine": {...}}`` overrides any of them. The rates the
-cost model prices an offloaded plan with (the copy link, the optimizer steps) are measured on each
-host instead (``profile/machine_profile.py``).
+On a CUDA device they are the card's own, measured once per card and cached
+(``profile/machine_profile.card_machine``, which hands them here: :func:`remember_card`), with the
+efficiencies below; before that (or where they cannot be measured) known numbers for the GPUs
+measured (``docs/results.md#the-gpu-machine``) and conservative defaults elsewhere.
+``options={"machine": {...}}`` overrides any of them. The rates the cost model prices an offloaded
+plan with (the copy link, the optimizer steps) are measured on each host too
+(``profile/machine_profile.py``).
 
 They price what is not measured (the roofline of memory-bound nodes, ``analysis/estimate.py``) and
 *place* work (when to wait for an offload, how early to prefetch); a wrong number costs time (a copy
@@ -90,13 +93,34 @@ CPU = Machine(
 )
 
 
+#: The fraction of a measured device-to-device copy's rate (``Machine.hbm_bytes`` of a measured card)
+#: a typical fused kernel reaches: the H200's datasheet bandwidth at 70% (the estimate's fit,
+#: ``docs/results.md#the-compute-estimate``) is 78% of the 4.3 TB/s its copy reads
+#: (``docs/results.md#the-estimate-on-each-card``).
+MEASURED_HBM_EFFICIENCY = 0.78
+
+#: The cards measured in this process: device name -> :class:`Machine` (:func:`remember_card`).
+_CARDS: dict[str, Machine] = {}
+
+
+def remember_card(name: str, rates: Mapping[str, float]) -> Machine:
+    """Plan on the card named ``name`` with its measured ``rates`` (``flops``, ``hbm_bytes``,
+    ``h2d_bytes``, ``d2h_bytes``, ``duplex_bytes``) from now on (``profile/machine_profile.card_machine``
+    measures and caches them); returns its :class:`Machine`."""
+    machine = Machine(name, **{k: float(rates[k]) for k in ("flops", "hbm_bytes", "h2d_bytes", "d2h_bytes",
+                                                            "duplex_bytes")}, hbm_efficiency=MEASURED_HBM_EFFICIENCY)
+    _CARDS[name] = machine
+    return machine
+
+
 def machine_for(
     device: torch.device, overrides: Mapping[str, Any] | None = None
 ) -> Machine:
-    """The constants for ``device``, with the user's overrides applied."""
+    """The constants for ``device``, with the user's overrides applied: a CUDA card's measured ones
+    (:func:`remember_card`), else the table's."""
     if device.type != "cuda":
         base = CPU
     else:
         name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else ""
-        base = H200 if "H200" in name else GENERIC_GPU
+        base = _CARDS.get(name) or (H200 if "H200" in name else GENERIC_GPU)
     return base.with_overrides(overrides)

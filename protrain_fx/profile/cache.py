@@ -62,6 +62,11 @@ def cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None 
     return cache_dir(cache) / f"machine-{_slug(device)}.json"
 
 
+def card_path(device: torch.device | str, cache: str | os.PathLike[str] | None = None) -> Path:
+    """The JSON file of the card's own rates (``machine_profile.card_machine``), beside its machine profile."""
+    return cache_dir(cache) / f"card-{_slug(device)}.json"
+
+
 def plan_cache_path(device: torch.device | str, cache: str | os.PathLike[str] | None = None) -> Path:
     """The JSON file of the plans chosen on ``device`` (``planner/plan_cache.py``), beside its machine
     profile and named like it: a plan rests on that machine's rates."""

@@ -82,6 +82,52 @@ def _cuda_copy_rates(device: torch.device, nbytes: int, repeat: int) -> tuple[fl
     return h2d, d2h, 2 * nbytes / best
 
 
+#: Bytes of the device-to-device copy :func:`card_rates` times: large enough to stream from memory, not cache.
+CARD_COPY_BYTES = 512 * MiB
+
+#: Side of the bf16 matrix products :func:`card_rates` times (the size the GPU machine's table reads at).
+CARD_MATMUL_SIZE = 8192
+
+
+def card_rates(device: torch.device, repeat: int = 5) -> dict[str, float]:
+    """The card's own rates, in the units of ``protrain_fx.machine.Machine``: ``flops`` (bf16
+    products of :data:`CARD_MATMUL_SIZE`, best of ``repeat`` after a warm-up, on random data),
+    ``hbm_bytes`` (a device-to-device copy of :data:`CARD_COPY_BYTES`, bytes read plus written),
+    and the pinned copy link (``h2d_bytes``, ``d2h_bytes``, ``duplex_bytes``: :func:`_cuda_copy_rates`
+    of :data:`COPY_BYTES`). About a second; CUDA only."""
+    torch.cuda.synchronize(device)
+    h2d, d2h, duplex = _cuda_copy_rates(device, COPY_BYTES, 3)
+    return {"flops": _matmul_flops(device, repeat), "hbm_bytes": _device_copy_bytes_per_s(device, repeat),
+            "h2d_bytes": h2d, "d2h_bytes": d2h, "duplex_bytes": duplex}
+
+
+def _best_event_s(run: Callable[[], Any], repeat: int) -> float:
+    """The least seconds of ``run()`` on the current stream over ``repeat`` calls after a warm-up."""
+    best = float("inf")
+    for i in range(repeat + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        if i:
+            best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def _matmul_flops(device: torch.device, repeat: int) -> float:
+    n = CARD_MATMUL_SIZE
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    return 2 * n**3 / _best_event_s(lambda: torch.mm(a, b), repeat)
+
+
+def _device_copy_bytes_per_s(device: torch.device, repeat: int) -> float:
+    src = torch.empty(CARD_COPY_BYTES, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * CARD_COPY_BYTES / _best_event_s(lambda: dst.copy_(src), repeat)
+
+
 def _device_step_bytes_per_s(
     n: int, chunks: int = 3, repeat: int = 3, *, parts: Sequence[int] = (), cpu_rates: list[float] | None = None
 ) -> float:

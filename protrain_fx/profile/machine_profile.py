@@ -11,6 +11,7 @@ measuring; ``refresh=True`` measures again. Rates are bytes or parameters per se
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import os
 import statistics
@@ -21,17 +22,21 @@ import torch
 from torch import fx
 
 from protrain_fx import progress
+from protrain_fx.machine import Machine, remember_card
 from protrain_fx.profile.cache import (
     CACHE_VERSION,
     _granule,
     _median_rate,
     _write_json,
     cache_path,
+    card_path,
     device_name,
     pinned_profile,
+    read_json,
 )
 from protrain_fx.profile.device import (
     COPY_BYTES,
+    card_rates,
     DEVICE_STEP_PARAMS,
     LAYOUT_STEP_CHUNKS,
     _cuda_copy_rates,
@@ -49,6 +54,55 @@ from protrain_fx.profile.host import (
 )
 from protrain_fx.profile.ops import compute_load, distinct_calls
 from protrain_fx.search import problem
+
+log = logging.getLogger("protrain_fx")
+
+
+#: The keys of a card's rates (``profile/device.card_rates``), all required in its file.
+CARD_KEYS = ("flops", "hbm_bytes", "h2d_bytes", "d2h_bytes", "duplex_bytes")
+
+
+def card_machine(
+    device: torch.device | str,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+) -> Machine | None:
+    """The :class:`~protrain_fx.machine.Machine` of the CUDA card ``device`` from its own rates
+    (``profile/device.card_rates``: matrix products, device memory, the pinned link), measured once per
+    card and torch version with one progress line (about a second) and kept in ``card_path``; handed
+    to ``machine.remember_card``, so every later plan of this process prices the card at them.
+    ``None`` off CUDA.
+
+    Why measured: the estimate's memory-bound kernels run at the card's bandwidth, and a table keyed
+    by name put an H100 at a generic card's (a third of its own), 40-50% off the step
+    (``docs/results.md#the-estimate-on-each-card``)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    path = card_path(device, cache)
+    data = None
+    if not refresh:
+        try:
+            data = read_json(path)
+        except (OSError, ValueError):
+            data = None
+    rates = data.get("rates") if isinstance(data, dict) and data.get("version") == CACHE_VERSION else None
+    if not (isinstance(rates, dict) and all(isinstance(rates.get(k), (int, float)) and rates[k] > 0 for k in CARD_KEYS)):
+        progress.note(f"protrain_fx: measuring {device_name(device)} (matrix products, memory and link bandwidth; "
+                      f"once, cached in {path})")
+        try:
+            rates = card_rates(device)
+        except torch.OutOfMemoryError:  # a budget too tight for it: the table's numbers stand in
+            log.info("protrain_fx: %s could not be measured within the memory this process may use; its plans "
+                     "use the table's rates", device_name(device))
+            return None
+        finally:
+            torch.cuda.empty_cache()  # the measurement's blocks go back (a compile may be measuring under a budget)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(path, {"version": CACHE_VERSION, "device": device_name(device), "torch": torch.__version__,
+                           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "rates": rates})
+    return remember_card(device_name(device), rates)
 
 
 def chunk_adam_rate(

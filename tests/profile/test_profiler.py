@@ -402,3 +402,29 @@ def test_cpu_measurements_on_cuda_wait_for_the_host_to_be_quiet(monkeypatch, cap
     assert "may read low" in capsys.readouterr().err and profile_host._quiet_wait_left == [0.0]
     assert profile_host.wait_for_quiet_cpus(torch.device("cuda"), "the CPU step") == 0.9
     assert "; up to 0 s)" in capsys.readouterr().err
+
+
+def test_a_cards_own_rates_are_measured_once_cached_and_priced_with(tmp_path, monkeypatch):
+    """``card_machine``: the card's matrix, memory and link rates measured once (a second compile, or
+    process, reads the file) and handed to ``machine.machine_for``, which prices that card with them
+    (memory-bound kernels at ``MEASURED_HBM_EFFICIENCY`` of the measured copy) instead of the table's
+    numbers for its name. CUDA faked on the CPU: one card named "Fake GPU"."""
+    from protrain_fx import machine
+
+    rates = {"flops": 700e12, "hbm_bytes": 3.0e12, "h2d_bytes": 50e9, "d2h_bytes": 51e9, "duplex_bytes": 90e9}
+    measured = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(machine_profile, "card_rates", lambda device: measured.append(device) or dict(rates))
+    monkeypatch.setattr(machine, "_CARDS", {})
+    assert machine.machine_for(torch.device("cuda")) == machine.GENERIC_GPU  # not measured yet: the table's
+    first = machine_profile.card_machine("cuda", cache=tmp_path)
+    again = machine_profile.card_machine("cuda", cache=tmp_path)
+    assert len(measured) == 1 and first == again
+    assert json.loads(profile_cache.card_path("cuda", tmp_path).read_text())["rates"] == rates
+    priced = machine.machine_for(torch.device("cuda"))
+    assert (priced.flops, priced.hbm_bytes, priced.h2d_bytes, priced.duplex_bytes) == (700e12, 3.0e12, 50e9, 90e9)
+    assert priced.hbm_efficiency == machine.MEASURED_HBM_EFFICIENCY
+    assert machine.machine_for(torch.device("cuda"), {"hbm_bytes": 1e12}).hbm_bytes == 1e12  # the option still wins
+    assert machine_profile.card_machine("cpu", cache=tmp_path) is None
