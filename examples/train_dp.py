@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         if rank == 0:
-            print(f"step {step}: loss {mean.item() / world:.4f} (mean over {world} ranks), "
+            print(f"step {step}: loss {mean.item() / world:.4f} (mean over {world} rank{'s' if world > 1 else ''}), "
                   f"{time.perf_counter() - start:.2f} s", flush=True)
 
     state = handle.state_dict(model)  # collectives: every rank calls both
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     same = all(torch.equal(d, digests[0]) for d in digests)
     if rank == 0:
         print(f"{handle.n_persist} of {len(handle.layout.chunks)} chunks on the {device.type}, the rest sharded "
-              f"over {world} ranks; every rank holds the same parameters: {same}", flush=True)
+              f"over {world} rank{'s' if world > 1 else ''}; every rank holds the same parameters: {same}", flush=True)
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             torch.save({"model": state, "optimizer": optimizer_state}, args.out / "checkpoint.pt")

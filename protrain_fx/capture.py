@@ -189,6 +189,13 @@ def captured_graphs() -> list[CapturedGraph]:
         return list(STATE.records)
 
 
+def forget_records_after(count: int) -> None:
+    """Forget the records captured after the first ``count`` (``what_fits``'s trial compile); later
+    graphs are numbered from there again."""
+    with STATE.lock:
+        del STATE.records[count:]
+
+
 def graph_break_reasons() -> list[str]:
     """Distinct graph-break reasons Dynamo logged while our graphs were captured."""
     with STATE.lock:

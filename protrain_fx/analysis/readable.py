@@ -26,9 +26,11 @@ def _fmt_val(node: fx.Node) -> str:
 
 
 def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    """``"1.50 GiB"``, ``"512.00 KiB"``, ``"12 B"``; past a thousand TiB in powers of ten (``"9.31e+77 TiB"``)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
+            value = n / size
+            return f"{value:.3g} {unit}" if abs(value) >= 1000 and unit == "TiB" else f"{value:.2f} {unit}"
     return f"{n} B"
 
 

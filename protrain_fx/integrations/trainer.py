@@ -137,7 +137,7 @@ class ProTrainTrainer(transformers.Trainer):
             inner = _unwrapped(optimizer)
             if not isinstance(inner, torch.optim.Adam):  # AdamW is an Adam
                 raise ValueError(
-                    f"ProTrainTrainer(offload=...): TrainingArguments(optim={str(self.args.optim)!r}) builds "
+                    f"ProTrainTrainer(offload=...): TrainingArguments(optim={getattr(self.args.optim, 'value', self.args.optim)!r}) builds "
                     f"{type(inner).__name__}, which the CPU chunk optimizer cannot step (it implements Adam and AdamW); "
                     "use optim='adamw_torch' or 'adamw_torch_fused'"
                 )

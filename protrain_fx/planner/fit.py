@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from protrain_fx.analysis.readable import human_bytes
-from protrain_fx.capture import CapturedGraph
+from protrain_fx.capture import CapturedGraph, captured_graphs, forget_records_after
 from protrain_fx.plan import Plan
 from protrain_fx.planner import activations, reserve, result, verify
 from protrain_fx.search.cost import CostModel
@@ -41,7 +41,9 @@ UNBOUNDED = 2**62
 @dataclass(frozen=True)
 class FitReport:
     """One training graph's answer. ``budget_bytes``: what it was asked under (``None``: no budget,
-    only the minimum is reported); ``fits``: a plan keeps the allocated peak under the budget less the
+    only the minimum is reported); ``predicted_peak_bytes``: the peak the plan is judged by (the memory
+    analysis, or with ``verify="inductor"`` Inductor's allocation plan), as the training compile's
+    plan table and ``step_report()`` give it; ``fits``: a plan keeps the allocated peak under the budget less the
     allocator's headroom (``planner.budget.allocated_cap_bytes``); ``plan``: the plan the backend would run
     (``None`` when nothing fits); ``min_budget_bytes``: the smallest budget with which the backend
     finds a plan (that of least memory, allocator headroom included); ``host_swap_bytes``: pinned host
@@ -159,7 +161,7 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None], kept: di
             budget_source=record.budget_source if given is not None else None,
             fits=fits,
             plan=chosen.plan if chosen is not None else (Plan(blocks={}) if fits else None),
-            predicted_peak_bytes=chosen.predicted_peak_bytes if chosen is not None else record.memory.peak_bytes,
+            predicted_peak_bytes=chosen.analysed_peak_bytes if chosen is not None else record.memory.peak_bytes,
             predicted_step_s=chosen.estimate.step_s if chosen is not None else None,
             min_budget_bytes=minimum,
             least_memory_plan=least,
@@ -264,6 +266,7 @@ def what_fits(
         opts["memory_budget"] = memory_budget
     opts["dry_run"] = True
     compiled = torch.compile(model, backend="protrain", options=opts)
+    kept = len(captured_graphs())
     try:
         with torch.enable_grad():
             compiled(*args, **kwargs)
@@ -271,6 +274,8 @@ def what_fits(
         # The compile stopped before Dynamo cached anything for this frame: a later torch.compile of
         # the model compiles afresh, and other compiled models keep their graphs (tested).
         return answered.report
+    finally:  # the graphs captured to answer are not the user's: step_report() lists what trained
+        forget_records_after(kept)
     raise ValueError(
         "what_fits: no training step was captured: no parameter requires grad, or the model is offloaded "
         "with n_persist / n_buffer given by hand"

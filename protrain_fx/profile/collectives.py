@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from protrain_fx import progress
+from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.profile.cache import cache_path, read_json, write_json
 from protrain_fx.runtime import distributed
 
@@ -57,8 +58,8 @@ def collective_times(
     if not measure:
         return distributed.from_rank0((float(kept[0]), float(kept[1])) if _valid(kept) else None)
     if group.rank == 0:
-        progress.note(f"protrain_fx: timing the all-gather and reduce-scatter of a {chunk_numel * dtype.itemsize / 2**20:.0f} "
-                      f"MiB chunk over {group.world_size} ranks ({group.backend}; once, cached in {path})")
+        progress.note(f"protrain_fx: timing the all-gather and reduce-scatter of a {human_bytes(chunk_numel * dtype.itemsize)} "
+                      f"chunk over {group.world_size} ranks ({group.backend}; once, cached in {path})")
     times = distributed.from_rank0(_time_collectives(device, chunk_numel, dtype, group.world_size, repeat))
     if group.local_rank == 0:  # one writer per node's file
         data = _read(path)

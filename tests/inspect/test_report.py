@@ -149,3 +149,11 @@ def test_without_a_budget_a_peak_over_the_gpus_allowed_memory_warns(monkeypatch,
     assert len(messages) == 1
     assert "over the memory this process may use on cuda:0 of 24.00 GiB" in messages[0]
     assert "no repeated layers found in this graph" in messages[0] and "protrain_fx.offload" in messages[0]
+
+
+def test_sizes_read_as_sizes_from_bytes_to_budgets_no_host_holds():
+    from protrain_fx.analysis.readable import human_bytes
+
+    assert human_bytes(12) == "12 B" and human_bytes(512 * 1024) == "512.00 KiB"
+    assert human_bytes(3 * 2**29) == "1.50 GiB" and human_bytes(2**41) == "2.00 TiB"
+    assert human_bytes(10**90) == "9.09e+77 TiB"  # a budget typed with too many digits: still one short number

@@ -203,7 +203,7 @@ def test_a_run_resumed_from_its_step_2_checkpoint_continues_exactly(tmp_path, of
 def test_offload_refuses_an_optimizer_the_cpu_worker_cannot_step(tmp_path):
     trainer = ProTrainTrainer(model=_model(), args=_args(tmp_path, optim="sgd"), train_dataset=_Data(),
                               protrain_options=OPTIONS, offload=OFFLOAD)
-    with pytest.raises(ValueError, match="optim='adamw_torch'"):
+    with pytest.raises(ValueError, match=r"TrainingArguments\(optim='sgd'\) builds SGD.*optim='adamw_torch'"):
         trainer.create_optimizer()
     with pytest.raises(ValueError, match="offload must be"):
         ProTrainTrainer(model=_model(), args=_args(tmp_path), offload="yes")

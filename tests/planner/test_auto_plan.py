@@ -716,6 +716,27 @@ def test_what_fits_answers_like_training_would_and_runs_nothing(no_plan):
     assert _no_plan_fits(info.value).min_budget_bytes == report.min_budget_bytes
 
 
+@pytest.mark.parametrize("fits", [True, False])
+def test_what_fits_leaves_no_record_and_says_the_peak_training_then_reports(fits):
+    """The graphs what_fits captured to answer are not listed by step_report(), and the peak it predicts
+    is the one the training compile of the same step, under the same autocast, judges and reports."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bare = protrain_fx.what_fits(model, *_batch(), options={"codegen": "eager"}).predicted_peak_bytes  # no plan
+        budget = budget_for_peak(bare) * (2 if fits else 1) - (0 if fits else 1)
+        options = {"codegen": "eager", "memory_budget": budget}
+        report = protrain_fx.what_fits(model, *_batch(), memory_budget=budget, options={"codegen": "eager"})
+        assert protrain_fx.captured_graphs() == []
+        loss = torch.compile(model, backend="protrain", options=options)(*_batch())
+    loss.backward()
+    (record,) = protrain_fx.captured_graphs()
+    assert record.index == 0 and (record.auto_plan.how == "fits as is") is fits
+    assert report.fits and report.plan == record.auto_plan.plan
+    assert report.predicted_peak_bytes == record.auto_plan.analysed_peak_bytes == record.memory.peak_bytes
+    assert "DOES NOT FIT" not in str(protrain_fx.step_report())
+
+
 def test_what_fits_without_a_budget_names_the_minimum_and_refuses_plans_by_hand(no_plan):
     torch._dynamo.reset()
     protrain_fx.reset()
@@ -724,7 +745,7 @@ def test_what_fits_without_a_budget_names_the_minimum_and_refuses_plans_by_hand(
     trained(*_batch()).backward()
     report = protrain_fx.what_fits(GPT(CONFIG), *_batch(), options={"codegen": "eager"})
     trained(*_batch()).backward()  # another compiled model keeps its graph: nothing captured again
-    assert len(_train_graphs()) == 2  # its own and the query's
+    assert len(_train_graphs()) == 1  # its own: the query's graph is forgotten
     assert report.budget_bytes is None and report.fits
     assert not report.plan.blocks_with("checkpoint") and not report.plan.blocks_with("swap")  # the step as it is
     assert report.least_memory_plan.blocks_with("checkpoint")
