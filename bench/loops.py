@@ -16,7 +16,9 @@ A run is ``MODEL:SIZE:LOSS[:FLAGS]``: MODEL ``gpt`` (examples/gpt.py at a B24 si
 computes ``F.cross_entropy(logits.float(), targets)``), FLAGS ``+``-joined: ``offload``
 (``protrain_fx.offload`` without counts, built on ``meta``), ``clip`` (``clip_grad_norm_(..., 1.0)``
 every step), ``inductor`` (plain ``torch.compile``, the reference: how much the loop itself costs),
-``uncapped`` (no memory fraction and no budget given: the reference for a model that does not fit the cap).
+``uncapped`` (no memory fraction and no budget given: the reference for a model that does not fit the cap),
+``trace`` (after the timed steps, two more under ``torch.profiler``: the kernels and CPU ops by time and the
+device's busy fraction, in the run's ``trace``).
 
 Time to each step: every step's entry holds ``since_launch_s``, seconds from the run's process start
 (before ``import torch``) to the step's end, and the run its compiles' phases (``phases``: one dict
@@ -29,6 +31,8 @@ twice runs the second time on the caches the first left (a second launch).
     python bench/loops.py --runs gpt:350M:inside gpt:350M:outside --out OUT
     python bench/loops.py --runs gpt:4.2B:outside:offload llama:7B:inside:offload --batch 4 --seq 2048 --out OUT
     python bench/loops.py --device cpu --runs gpt:tiny:outside:offload+clip --seq 32 --out OUT   # dry run
+    python bench/loops.py --device cpu --runs gpt:small:outside:inductor+uncapped gpt:small:outside --layers 24 \
+        --seq 128 --steps 5 --cpu-budget 200MiB --cache-dir /tmp/caches --out OUT      # CPU time to step 5
     python bench/loops.py --runs gpt:760M:outside:inductor+clip+uncapped gpt:760M:outside:clip \
         gpt:760M:outside:clip --steps 5 --cache-dir /tmp/caches --out OUT    # first and second launch
 
@@ -73,13 +77,14 @@ def parse_run(spec: str) -> dict:
         raise ValueError(f"run {spec!r}: model {model!r}; accepted: gpt, {', '.join(HF_SHAPES)}")
     if loss not in ("inside", "outside"):
         raise ValueError(f"run {spec!r}: loss {loss!r}; accepted: inside, outside")
-    unknown = flags - {"offload", "clip", "inductor", "uncapped"}
+    unknown = flags - {"offload", "clip", "inductor", "uncapped", "trace"}
     if unknown:
-        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, inductor, uncapped")
+        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, inductor, uncapped, trace")
     if {"offload", "inductor"} <= flags:
         raise ValueError(f"run {spec!r}: an offloaded model runs only through the protrain backend (no 'inductor')")
     return {"spec": spec, "model": model, "size": size, "loss": loss, "offload": "offload" in flags,
-            "clip": "clip" in flags, "inductor": "inductor" in flags, "uncapped": "uncapped" in flags}
+            "clip": "clip" in flags, "inductor": "inductor" in flags, "uncapped": "uncapped" in flags,
+            "trace": "trace" in flags}
 
 
 def build(run: dict, args, device: str):
@@ -89,7 +94,7 @@ def build(run: dict, args, device: str):
     if run["model"] == "gpt":
         from examples.gpt import GPT, gpt_config
 
-        config = gpt_config(run["size"])
+        config = gpt_config(run["size"], **({"n_layer": args.layers} if args.layers else {}))
         where = "meta" if run["offload"] and device == "cuda" else device
         torch.manual_seed(0)
         with torch.device(where):
@@ -193,6 +198,33 @@ def inductor_seconds(kernel_timers: dict) -> dict:
     return out
 
 
+def traced(train_step, cuda: bool, steps: int = 2) -> dict:
+    """``steps`` training steps under ``torch.profiler``: the top kernels and CPU ops by their own
+    time, and the device's busy time over the steps' wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    train_step()  # outside the trace: a warm step
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            train_step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    device_s = sum(e.self_device_time_total for e in events) / 1e6 / steps if cuda else 0.0
+    top = sorted(events, key=lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total, reverse=True)
+    return {"wall_s_per_step": wall, "device_busy_s_per_step": device_s,
+            "top": [{"name": e.key[:120], "calls": e.count // steps, "device_ms": e.self_device_time_total / 1e3 / steps,
+                     "cpu_ms": e.self_cpu_time_total / 1e3 / steps} for e in top[:40]],
+            "top_cpu": [{"name": e.key[:120], "calls": e.count // steps, "cpu_ms": e.self_cpu_time_total / 1e3 / steps}
+                        for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]]}
+
+
 def run_one(run: dict, args) -> dict:
     """Train one run in this process; the result dict (never raises for a failed run)."""
     import logging
@@ -228,13 +260,10 @@ def run_one(run: dict, args) -> dict:
         compiled = (torch.compile(model) if run["inductor"]  # the reference: plain torch.compile, no plan
                     else torch.compile(model, backend="protrain", options=options))
         generator = torch.Generator().manual_seed(0)
-        for step in range(args.steps):
+
+        def train_step():
             idx = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
             targets = idx if run["model"] != "gpt" else torch.roll(idx, -1, 1)
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
             with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
                 loss = loss_fn(compiled, idx, targets)
             loss.backward()
@@ -242,6 +271,14 @@ def run_one(run: dict, args) -> dict:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        for step in range(args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            loss = train_step()
             if cuda:
                 torch.cuda.synchronize()
             entry = {"step": step, "s": time.perf_counter() - start, "since_launch_s": time.time() - launched,
@@ -266,6 +303,10 @@ def run_one(run: dict, args) -> dict:
                                 "n_gpu_optim": handle.n_gpu_optim, "chunks": len(handle.layout.chunks),
                                 "host_bytes": handle.store.host_bytes() if handle.store else 0}
         result["inductor_s"] = inductor_seconds(kernel_timers)
+        counters = torch._dynamo.utils.counters["inductor"]
+        result["fx_graph_cache"] = {"hit": counters["fxgraph_cache_hit"], "miss": counters["fxgraph_cache_miss"]}
+        if run["trace"]:
+            result["trace"] = traced(train_step, cuda)
     except torch.OutOfMemoryError as e:
         result.update(status="OOM", reason=str(e).splitlines()[0][:600], traceback=traceback.format_exc()[-3000:])
     except Exception as e:  # noqa: BLE001 -- a failed run is a result
@@ -285,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-budget", default="64MiB", help="memory budget of a --device cpu dry run")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--hf-layers", type=int, default=0, help="Hugging Face models: this many layers (0: all)")
+    parser.add_argument("--layers", type=int, default=0, help="GPT: this many blocks instead of the size's (0: the size's)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--cache-dir", type=Path, help="each run's own Inductor, Triton and protrain_fx caches under "
@@ -333,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 def _passed(args) -> list[str]:
     return ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq), "--cap-gib",
             str(args.cap_gib), "--cpu-budget", args.cpu_budget, "--lr", str(args.lr), "--hf-layers",
-            str(args.hf_layers), "--device", args.device, "--out", str(args.out)]
+            str(args.hf_layers), "--layers", str(args.layers), "--device", args.device, "--out", str(args.out)]
 
 
 def _line(r: dict) -> str:
