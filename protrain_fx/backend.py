@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import re
 import time
@@ -68,7 +69,7 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = N
     try:
         return _protrain(gm, example_inputs, options, **kwargs)
     except Exception as e:  # ours reach the user as themselves, not wrapped by Dynamo (errors.py)
-        error = surfaced(e)
+        error = surfaced(e, inspect.currentframe())
         if error is e:
             raise
         raise error.with_traceback(e.__traceback__) from e.__cause__

@@ -6,7 +6,8 @@ report to PyTorch, so ``except NoPlanFits`` or ``except ValueError`` around a tr
 catch nothing. Dynamo lets through unchanged only exceptions that are ``ShortenTraceback``s (its
 own marker for "the backend's message is the useful part"). :func:`surfaced` gives an error of ours
 that marker: a subclass of the error's own class and of ``ShortenTraceback``, so it is still caught
-as itself, as a ``ValueError`` (where it is one), and prints its own message without the footer.
+as itself, as a ``ValueError`` (where it is one), and prints its own message without the footer,
+under a traceback from the user's call straight to the backend (Dynamo's frames between left out).
 
 Which errors are the user's to act on (:func:`is_user_error`): bad settings (``ValueError``, of
 which :class:`~protrain_fx.search.search.NoPlanFits` is one), wrong types (``TypeError``), a host too small
@@ -56,9 +57,11 @@ def is_user_error(error: BaseException) -> bool:
 _SURFACED: dict[type, type] = {}
 
 
-def surfaced(error: BaseException) -> BaseException:
+def surfaced(error: BaseException, first_useful_frame: Any = None) -> BaseException:
     """``error`` as an instance of a subclass of its class that Dynamo raises unwrapped (module
-    docstring); the same object when it is not a user error or already surfaced."""
+    docstring); the same object when it is not a user error or already surfaced.
+    ``first_useful_frame``: the backend's own frame, where Dynamo cuts the traceback it shows (its own
+    frames between the user's call and the backend go; ``TORCHDYNAMO_VERBOSE=1`` keeps them)."""
     from torch._dynamo.exc import ShortenTraceback
 
     if not is_user_error(error) or isinstance(error, ShortenTraceback):
@@ -76,7 +79,7 @@ def surfaced(error: BaseException) -> BaseException:
     out = sub.__new__(sub, *error.args)
     out.__dict__.update(error.__dict__)
     out.args = error.args
-    out.first_useful_frame = None  # ShortenTraceback's: keep every frame of the traceback
+    out.first_useful_frame = first_useful_frame  # ShortenTraceback's: None keeps every frame
     out._protrain_message = str(error)
     out.__cause__, out.__context__ = error.__cause__, error.__context__
     out.__traceback__ = error.__traceback__

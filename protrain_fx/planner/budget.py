@@ -23,6 +23,7 @@ from protrain_fx import meta
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.runtime import chunk_ops
+from protrain_fx.search.search import NoPlanFits
 
 log = logging.getLogger("protrain_fx")
 
@@ -163,7 +164,13 @@ def _cuda_index(device: str | torch.device) -> int:
 
 def check_budget(record: CapturedGraph) -> None:
     """Warn when the predicted peak, with the allocator's headroom, exceeds the memory budget, or,
-    without one, the memory this process may use on the GPU (a run that will run out of memory)."""
+    without one, the memory this process may use on the GPU (a run that will run out of memory).
+
+    Where the backend was asked to fit the budget (:func:`wants_auto_plan`: an automatic plan, or a
+    graph without blocks to plan) and the step as compiled is over it, past the headroom, it raises
+    :class:`~protrain_fx.search.search.NoPlanFits` naming the smallest budget for it instead: a plan
+    said to fit that does not is refused before it runs (Inductor's allocation plan can peak above
+    the graph-level analysis that judged it, ``verify="graph"``)."""
     budget, memory = record.config.memory_budget_bytes, record.memory
     if memory is None:
         return
@@ -178,7 +185,23 @@ def check_budget(record: CapturedGraph) -> None:
     verdict = budget_verdict(memory.peak_bytes, budget)
     if verdict == "fits":
         return
-    if getattr(record, "auto_plan", None) is not None:
+    auto = getattr(record, "auto_plan", None)
+    if verdict == "over" and record.config.memory_budget_bytes is not None and wants_auto_plan(record):
+        reserve = auto.reserve_bytes if auto is not None else 0
+        minimum = budget_for_peak(memory.peak_bytes + reserve)
+        judged = ("; the plan was judged by the graph-level analysis, under it: options={'verify': 'inductor'} judges "
+                  "plans by the code Inductor compiles" if auto is not None and auto.judged_by != "inductor" else "")
+        what_to_do = ("raise memory_budget" + judged if auto is not None else
+                      "no repeated layers in this graph to checkpoint or swap: raise memory_budget, use a smaller "
+                      "batch, or offload the parameters with protrain_fx.offload(...)")
+        raise NoPlanFits(
+            f"protrain_fx: graph {record.index} as compiled peaks at {memory.peak_bytes} bytes "
+            f"({human_bytes(memory.peak_bytes)}){f' beside {human_bytes(reserve)} kept for the code around it' if reserve else ''}, "
+            f"over {what} of {budget} bytes ({human_bytes(budget)}) with the allocator's headroom; the budget must be at "
+            f"least {minimum} bytes ({human_bytes(minimum)}); {what_to_do}",
+            min_budget_bytes=minimum,
+        )
+    if auto is not None:
         advice = "the automatic plan was chosen from the graph-level prediction, which said it fits"
     elif record.blocks is None or not record.blocks.labels:
         advice = ("no repeated layers found in this graph to checkpoint or swap: offload the parameters with "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 import protrain_fx
@@ -157,3 +158,23 @@ def test_sizes_read_as_sizes_from_bytes_to_budgets_no_host_holds():
     assert human_bytes(12) == "12 B" and human_bytes(512 * 1024) == "512.00 KiB"
     assert human_bytes(3 * 2**29) == "1.50 GiB" and human_bytes(2**41) == "2.00 TiB"
     assert human_bytes(10**90) == "9.09e+77 TiB"  # a budget typed with too many digits: still one short number
+
+
+def test_a_graph_without_blocks_over_the_budget_it_was_asked_to_fit_is_refused_naming_the_minimum():
+    """No repeated layers to checkpoint or swap, and a memory budget the step cannot meet: the compile
+    is refused with the smallest budget for the step as it is (a budget only checked, as with a plan
+    by hand or auto_plan=False, still warns)."""
+    from protrain_fx.planner.budget import budget_for_peak
+    from protrain_fx.search.search import NoPlanFits
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    with pytest.raises(NoPlanFits, match="no repeated layers in this graph") as refused:
+        torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": 4096})(x).sum().backward()
+    (record,) = protrain_fx.captured_graphs()
+    assert refused.value.min_budget_bytes == budget_for_peak(record.memory.peak_bytes) > 4096
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": 4096, "auto_plan": False})(
+        x).sum().backward()  # only checked: a warning, and it runs

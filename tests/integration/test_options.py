@@ -304,3 +304,19 @@ def test_a_graph_break_inside_a_block_is_counted_and_named(monkeypatch) -> None:
     breaks = [b for g in report.graphs for b in g.breaks]
     assert breaks and breaks[0].inside_block.startswith("blocks.") and "talkative" in breaks[0].where
     assert "inside transformer blocks" in report.summary()
+
+
+def test_a_bad_option_is_raised_as_itself_under_a_short_traceback():
+    """The first call compiles, inside Dynamo; the option's error reaches the user as a ``ValueError``
+    whose traceback goes from the call straight into the backend, without Dynamo's own frames."""
+    import traceback
+
+    from examples.gpt import GPT, gpt_config, random_batch
+
+    config = gpt_config("tiny")
+    x, y = random_batch(config, 2, 16)
+    with pytest.raises(ValueError, match="option 'memory_budget': cannot read 'lots' as a size") as raised:
+        torch.compile(GPT(config), backend="protrain", options={"memory_budget": "lots"})(x, y)
+    frames = traceback.extract_tb(raised.value.__traceback__)
+    assert not any("convert_frame" in f.filename or "output_graph" in f.filename for f in frames)
+    assert len(frames) <= 15 and frames[-1].filename.endswith("config.py")
