@@ -13,6 +13,9 @@ from protrain_fx.capture import (
     reset,
 )
 from protrain_fx.config import ProtrainConfig, parse_bytes, parse_options
+from protrain_fx.logs import register as _register_logs
+
+_register_logs()  # torch._logging.set_logs(modules={"protrain": ...}) (protrain_fx/logs.py)
 
 
 def offload(model, optimizer, **kwargs):

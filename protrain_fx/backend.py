@@ -55,6 +55,7 @@ from protrain_fx.planner.offload import (
     deferred_handle,
     placed_handle,
 )
+from protrain_fx.inspect import structured
 from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
 from protrain_fx.planner.plan_cache import judgments, plan_key, reuse_or_choose
 from protrain_fx.profile.machine_profile import card_machine
@@ -264,8 +265,13 @@ class _Partitioner(CustomPartitionerFn):
         progress.end("capture")  # AOTAutograd has traced the joint graph
         with progress.phase("planning"):
             graphs = self._partition(joint, joint_inputs, **kwargs)
-        if self.record.auto_plan is not None:  # after the phase: its table has the planning's seconds
-            log.info("protrain_fx: %s", self.record.auto_plan.table(self.record.index))
+        record = self.record
+        if record.auto_plan is not None:  # after the phase: its table has the planning's seconds
+            log.info("protrain_fx: %s", record.auto_plan.table(record.index))
+        # TORCH_TRACE (tlparse): the plan beside Dynamo's and AOTAutograd's artifacts of this compile
+        structured.write_plan(record)
+        if record.config.codegen == "eager":
+            structured.write_timeline(record)
         return graphs
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
@@ -440,6 +446,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
                 record.inductor_plans[phase] = plan
             if phase != "forward" or record.backward is None:
                 run_passes(LOWERED_PASSES, PassContext(record, record.plan))
+                structured.write_timeline(record)  # (TORCH_TRACE) the analysis of the code Inductor wrote
                 check_budget(record)
         return compiled
 

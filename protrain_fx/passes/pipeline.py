@@ -222,6 +222,7 @@ def run_passes(passes: Sequence[Pass], ctx: PassContext) -> None:
             raise RuntimeError(
                 f"protrain_fx: pass {name!r} failed on graph {record.index} (after {previous!r}): {e}") from e
         if line is None:
+            log.debug("graph %d: %s: nothing to do (%.3f s)", record.index, name, time.perf_counter() - start)
             continue
         seconds = time.perf_counter() - start
         record.passes.append(PassRecord(name, seconds, line))

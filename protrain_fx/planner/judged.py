@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,8 @@ class Judgment:
 #: forgets them.
 KEPT: dict[str, dict[str, Judgment]] = {}
 STATE.on_reset(KEPT.clear)
+
+log = logging.getLogger("protrain_fx")
 
 #: The compile phase the trials are timed and counted in (``progress.py``; the backend times them).
 TRIALS_PHASE = "trial lowerings"
@@ -113,6 +116,8 @@ class Judge:
         got = self.kept.get(key)
         if got is not None:
             self.reused += 1
+            log.debug("protrain_fx: trial %s: judged before at %d bytes (%s)", got.applied, got.analysed_peak_bytes,
+                      "Inductor's allocation plan" if got.by_inductor else "graph-level analysis")
             return Trial(got.applied, self.predict(got.applied), got.analysed_peak_bytes, got.by_inductor,
                          requested=None if got.applied == config else config)
         applied = config if self.holding == config else self.rewrite(config)
@@ -122,6 +127,8 @@ class Judge:
         if (rec := progress.current()) is not None:
             rec.advance(TRIALS_PHASE)
         self.kept[key] = Judgment(peak, by_inductor, applied)
+        log.debug("protrain_fx: trial %s: judged at %d bytes (%s; the cost model's %d)", applied, peak,
+                  "Inductor's allocation plan" if by_inductor else "graph-level analysis", self.predict(applied))
         return Trial(applied, self.predict(applied), peak, by_inductor,
                      requested=None if applied == config else config)
 

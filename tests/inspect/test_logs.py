@@ -1,0 +1,129 @@
+"""The backend's log under torch's logging controls (``protrain_fx/logs.py``) and its artifacts in
+torch's structured trace (``protrain_fx/inspect/structured.py``, ``TORCH_TRACE`` and ``tlparse``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import protrain_fx
+from protrain_fx import logs
+from protrain_fx.inspect import structured
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Trains the tiny GPT for one step under a budget that needs a plan (eager codegen).
+SCRIPT = """
+import torch
+from examples.gpt import GPT, gpt_config, random_batch
+cfg = gpt_config("tiny", n_layer=4)
+torch.manual_seed(0)
+model = GPT(cfg)
+x, y = random_batch(cfg, 4, 32, generator=torch.Generator().manual_seed(0))
+torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": "5MB"})(x, y).backward()
+"""
+
+
+def _run(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_torchs_private_registration_api_is_where_the_package_uses_it():
+    """Fails loudly when the pinned torch moves what logs.py relies on."""
+    from torch._logging import _internal
+
+    assert callable(_internal.register_log) and hasattr(_internal, "log_registry")
+    assert _internal.log_registry.is_log(logs.ALIAS)
+    assert _internal.log_registry.log_alias_to_log_qnames[logs.ALIAS] == [logs.LOGGER]
+
+
+@pytest.fixture
+def torch_logs_restored():
+    """torch's set_logs() takes over every registered log's level, handlers and propagation; the
+    package's logger is put back as it was for the tests after."""
+    logger = logging.getLogger(logs.LOGGER)
+    saved = logger.level, logger.propagate, list(logger.handlers)
+    yield
+    torch._logging.set_logs()
+    logger.setLevel(saved[0])
+    logger.propagate = saved[1]
+    logger.handlers[:] = saved[2]
+
+
+def test_set_logs_turns_the_packages_log_up_by_its_short_name_and_back(torch_logs_restored):
+    logger = logging.getLogger(logs.LOGGER)
+    try:
+        torch._logging.set_logs(modules={"protrain": logging.DEBUG})
+        assert logger.getEffectiveLevel() == logging.DEBUG
+        torch._logging.set_logs(modules={"protrain": logging.INFO})
+        assert logger.getEffectiveLevel() == logging.INFO
+    finally:
+        torch._logging.set_logs()
+    assert logger.getEffectiveLevel() == logging.WARNING
+
+
+@pytest.mark.slow
+def test_torch_logs_shows_the_backends_info_and_debug_lines_and_nothing_when_unset():
+    debug = _run({"TORCH_LOGS": "+protrain_fx"})
+    assert debug.returncode == 0, debug.stderr[-3000:]
+    assert "automatic activation plan for graph 0" in debug.stderr  # INFO: the plan table
+    assert "judged at" in debug.stderr and "nothing to do" in debug.stderr  # DEBUG: the trials, the passes
+    info = _run({"TORCH_LOGS": "protrain_fx"})
+    assert "automatic activation plan for graph 0" in info.stderr and "judged at" not in info.stderr
+    other = _run({"TORCH_LOGS": "recompiles"})  # an unrelated setting leaves the package's lines off
+    assert "automatic activation plan" not in other.stderr and "judged at" not in other.stderr
+
+
+def _trace_records(folder: Path) -> list[dict]:
+    records = []
+    for log_file in folder.glob("*.log"):
+        for line in log_file.read_text().splitlines():
+            start = line.find("{")
+            if start >= 0 and '"artifact"' in line:
+                records.append(json.loads(line[start:]))
+    return records
+
+
+@pytest.mark.slow
+def test_torch_trace_holds_each_artifact_once_under_the_compile_id_and_tlparse_renders_them(tmp_path):
+    done = _run({"TORCH_TRACE": str(tmp_path / "trace")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = [r for r in _trace_records(tmp_path / "trace") if r["artifact"]["name"].startswith(structured.PREFIX)]
+    names = [r["artifact"]["name"] for r in ours]
+    assert sorted(names) == sorted(f"protrain_{n}" for n in (
+        "plan", "candidates", "block_table", "forward_graph", "backward_graph", "memory_timeline"))
+    assert {(r["frame_id"], r["frame_compile_id"]) for r in ours} == {(0, 0)}  # the compile's id
+    if shutil.which("tlparse") is None:
+        pytest.skip("tlparse is not installed (pip install 'protrain_fx[tlparse]')")
+    (log_file,) = (tmp_path / "trace").glob("*.log")
+    rendered = subprocess.run(["tlparse", str(log_file), "-o", str(tmp_path / "out"), "--no-browser"],
+                              capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    directory = json.loads((tmp_path / "out" / "compile_directory.json").read_text())
+    artifacts = [a["name"] for entry in directory.values() for a in entry["artifacts"]]
+    assert any(a.startswith("protrain_plan") for a in artifacts), artifacts
+
+
+def test_without_torch_trace_no_artifact_is_built(monkeypatch):
+    """The payloads are built only for a trace: with ``TORCH_TRACE`` unset, none is."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("an artifact was built without TORCH_TRACE")
+
+    monkeypatch.setattr(structured, "plan_json", refuse)
+    monkeypatch.setattr(structured, "candidates_json", refuse)
+    monkeypatch.setattr(structured, "to_chrome_trace", refuse)
+    from examples.gpt import GPT, gpt_config, random_batch
+
+    cfg = gpt_config("tiny", n_layer=4)
+    x, y = random_batch(cfg, 4, 32, generator=torch.Generator().manual_seed(0))
+    torch.compile(GPT(cfg), backend="protrain", options={"codegen": "eager", "memory_budget": "5MB"})(x, y).backward()
+    assert protrain_fx.captured_graphs()[0].auto_plan is not None
