@@ -76,6 +76,7 @@ from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config, Problem, block_plan
 from protrain_fx.search.spread import expected_estimate
 from protrain_fx.state import STATE
+from protrain_fx.version import __version__
 
 if TYPE_CHECKING:
     from protrain_fx.runtime.offload import OffloadHandle
@@ -149,8 +150,6 @@ def plan_key(
     placed: OffloadHandle | None = None,
 ) -> PlanKey:
     """The key of ``record``'s plan (module docstring)."""
-    import protrain_fx
-
     offload = handle or placed
     devices = sorted({str(t.device) for t in _tensors_of(joint)} | ({str(offload.device)} if offload else set()))
     device = next((d for d in devices if d.startswith("cuda")), devices[0] if devices else "cpu")
@@ -161,7 +160,7 @@ def plan_key(
         "budget_source": record.budget_source or "user",
         "devices": [device_name(d) for d in devices],
         "torch": torch.__version__,
-        "protrain_fx": protrain_fx.__version__,
+        "protrain_fx": __version__,
         "sources": source_digest(),
         "options": {
             "codegen": config.codegen,
