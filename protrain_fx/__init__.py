@@ -14,7 +14,7 @@ from protrain_fx.capture import (
 )
 from protrain_fx.config import ProtrainConfig, parse_bytes, parse_options
 from protrain_fx.logs import register as _register_logs
-from protrain_fx.version import __version__
+from protrain_fx.version import __version__ as __version__
 
 _register_logs()  # torch._logging.set_logs(modules={"protrain": ...}) (protrain_fx/logs.py)
 
