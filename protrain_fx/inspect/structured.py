@@ -6,8 +6,7 @@ AOTAutograd's graphs, guards, recompiles and Inductor's output. These artifacts 
 side beside them, under the same compile id (torch's ``trace_structured`` takes it from the compile
 running): one set per compile, written when its plan is chosen (:func:`write_plan`) and when its
 memory analysis is final (:func:`write_timeline`: after Inductor's allocation plans are read, or
-with eager codegen at once). Nothing is built when ``TORCH_TRACE`` is unset (torch calls the payload
-functions only then). Artifact names, each ``protrain_``-prefixed: ``plan`` and ``candidates`` (JSON),
+with eager codegen at once). Nothing is built when no trace is written (:func:`tracing`). Artifact names, each ``protrain_``-prefixed: ``plan`` and ``candidates`` (JSON),
 ``block_table``, ``forward_graph``, ``backward_graph`` (text), ``memory_timeline`` (JSON: the Chrome
 trace the timeline export writes).
 """
@@ -18,6 +17,7 @@ import json
 from typing import Any, Callable
 
 from torch._logging import trace_structured
+from torch._logging._internal import LazyTraceHandler, trace_log
 
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.inspect.tables import block_table
@@ -28,8 +28,20 @@ from protrain_fx.search.cost import CostModel
 PREFIX = "protrain_"
 
 
+def tracing() -> bool:
+    """Whether torch's structured trace is written anywhere: a handler on its log other than torch's
+    lazy one with no folder. (``trace_structured`` builds a payload whenever its log has a handler,
+    and ``torch._logging.set_logs()`` puts the lazy one back until the next record removes it: a
+    large payload would be built for nothing.)"""
+    return any(not isinstance(h, LazyTraceHandler) or h.root_dir is not None or h.stream is not None
+               for h in trace_log.handlers)
+
+
 def artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
-    """One artifact ``PREFIX + name`` of the compile running, ``encoding`` ``"json"`` or ``"string"``."""
+    """One artifact ``PREFIX + name`` of the compile running, ``encoding`` ``"json"`` or ``"string"``;
+    nothing when no trace is written (:func:`tracing`)."""
+    if not tracing():
+        return
     trace_structured("artifact", metadata_fn=lambda: {"name": PREFIX + name, "encoding": encoding},
                      payload_fn=payload)
 

@@ -111,10 +111,14 @@ def test_torch_trace_holds_each_artifact_once_under_the_compile_id_and_tlparse_r
     assert any(a.startswith("protrain_plan") for a in artifacts), artifacts
 
 
-def test_without_torch_trace_no_artifact_is_built(monkeypatch):
-    """The payloads are built only for a trace: with ``TORCH_TRACE`` unset, none is."""
+def test_without_torch_trace_no_artifact_is_built(monkeypatch, torch_logs_restored):
+    """The payloads are built only for a trace: with ``TORCH_TRACE`` unset, none is, even right after
+    ``set_logs()`` put torch's lazy trace handler back."""
     def refuse(*args, **kwargs):
         raise AssertionError("an artifact was built without TORCH_TRACE")
+
+    torch._logging.set_logs()
+    assert not structured.tracing()
 
     monkeypatch.setattr(structured, "plan_json", refuse)
     monkeypatch.setattr(structured, "candidates_json", refuse)
