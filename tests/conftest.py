@@ -13,6 +13,7 @@ Tests of the profiler and of calibration measure in folders of their own (``tmp_
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -107,6 +108,20 @@ def _fresh_compile_state():
 
 
 @pytest.fixture(autouse=True)
+def _no_structured_trace_left():
+    """No test leaves torch's structured trace on for the tests after it: with a handler on its log,
+    torch builds every trace payload of every compile (minutes over the suite), and the backend's
+    artifacts with them (``inspect/structured.py``)."""
+    yield
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    trace_log.propagate = False
+    for handler in list(trace_log.handlers):
+        if not isinstance(handler, LazyTraceHandler) or handler.root_dir is not None or handler.stream is not None:
+            trace_log.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
 def _training_rates_not_kept(monkeypatch):
     """Rates one test's training reaches are not kept in this machine's profile file, where later
     tests' plans would be priced at them (``planner/rates.py``)."""
@@ -119,3 +134,13 @@ def _no_plan_cache(monkeypatch):
     user's cache directory (``planner/plan_cache.py``; ``tests/planner/test_plan_cache.py`` turns it on,
     in a folder of its own)."""
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+
+
+@pytest.fixture
+def replans(monkeypatch):
+    """A faster plan the first step finds is compiled whatever the compile cost: the tiny models' steps
+    save microseconds (or nothing the cost model prices), so ``planner.first_step.REPLAN_PAYBACK_STEPS``
+    holds every such re-plan back, and the tests of the re-plan itself opt in here."""
+    from protrain_fx.planner import first_step
+
+    monkeypatch.setattr(first_step, "REPLAN_PAYBACK_STEPS", math.inf)

@@ -42,7 +42,6 @@ from protrain_fx.planner.result import AutoPlan
 from protrain_fx.planner import verify
 from protrain_fx.planner.verify import (
     Trial,
-    verified_choice,
     widened,
 )
 from protrain_fx.search import problem
@@ -195,16 +194,18 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
         return config
 
     judge = Judge({} if kept is None else kept, lambda c: trial_key(block_plan(problem, c)), rewrite,
-                  lambda: verify.judged_peak(record), lambda c: model.estimate(c).peak_bytes, holding=empty)
-    judged_empty = judge(empty)
-    empty_peak, empty_by_inductor = judged_empty.analysed_peak_bytes, judged_empty.by_inductor
+                  lambda lower: verify.judged_peak(record, lower), lambda c: model.estimate(c).peak_bytes,
+                  holding=empty, lowers=verify.lowers(record))
+    judged_empty = verify.judged_as_is(judge, empty, cap)
+    empty_peak = judged_empty.analysed_peak_bytes
     trials: list[Trial] = []
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
         judge.hold(config)  # the record holds the chosen plan's graphs
+        plain = verify.tried(trials, empty) or judged_empty  # lowered after all, when confirmed_choice did
         return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
-                      empty_peak_bytes=empty_peak, empty_step_s=empty_est.step_s, problem_s=problem_s,
-                      started=started, empty_by_inductor=empty_by_inductor, judge=judge)
+                      empty_peak_bytes=plain.analysed_peak_bytes, empty_step_s=empty_est.step_s, problem_s=problem_s,
+                      started=started, empty_by_inductor=plain.by_inductor, judge=judge)
 
     if empty_peak <= cap:
         return result(empty, "fits as is", None)
@@ -221,9 +222,11 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
         b, r = widened(budget, reserve + lowered)
         return search_activation_plan(problem, b, reserve_bytes=r)
 
-    config, how, found, need, least = verified_choice(search_at, run, candidates, trials, cap)
+    config, how, found, need, least = verify.confirmed_choice(search_at, run, candidates, trials, cap, judge,
+                                                              as_is=judged_empty)
     if config is not None:
-        return result(config, how, found)
+        # a lowering can put the step as it is under the cap where its analysis did not (confirmed_choice)
+        return result(config, "fits as is" if config == empty else how, None if config == empty else found)
     minimum = budget_for_peak(need + outside)
     raise NoPlanFits(
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "

@@ -14,6 +14,7 @@ nothing is measured (tests replace :func:`memory_counters`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable
@@ -325,7 +326,8 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
                f"n_checkpoint={auto.config.n_checkpoint}) was chosen for under a budget of {auto.budget_bytes} bytes "
                f"({human_bytes(auto.reserve_bytes)} of it kept for the code around the graph)")
         level = logging.WARNING
-    elif auto.reserve_source == "outputs" and (better := faster_plan_under(auto, auto.step_cap_bytes - outside)):
+    elif auto.reserve_source == "outputs" and (better := faster_plan_under(
+            auto, auto.step_cap_bytes - outside, compile_s=sum(record.phases.values()), index=record.index)):
         why = (f"the code around the graph held {human_bytes(outside)} at the step's peak, where "
                f"{human_bytes(auto.reserve_bytes)} was kept for it: with that measured, n_swap={better.n_swap}, "
                f"n_checkpoint={better.n_checkpoint} is predicted at least {100 * RAISE_MIN_GAIN:.0f}% faster")
@@ -347,12 +349,35 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
     return check
 
 
-def faster_plan_under(auto: AutoPlan, cap: int) -> Config | None:
+#: A faster plan found after the first step is compiled only when the time it saves per step repays
+#: the compile within this many steps (a short run): a plan 2% faster on a 100 ms step saves 20 s over
+#: them, less than the minute a large model's compile takes (``docs/results.md#time-to-the-first-steps``).
+REPLAN_PAYBACK_STEPS = 10_000
+
+
+def faster_plan_under(auto: AutoPlan, cap: int, compile_s: float = 0.0, index: int = 0) -> Config | None:
     """An activation plan for ``auto``'s chunks as placed (its ``n_persist``, ``n_buffer``,
     ``n_gpu_optim``) that the cost model predicts :data:`RAISE_MIN_GAIN` faster than ``auto.config``
     and under ``cap`` (the cost model's peak scaled by its margin over the judged peak of the plan
     chosen, as :func:`raised_choice` does), else ``None``. No plan at all when the step as it is
-    was judged under ``cap`` (parameters on the device: ``empty_peak_bytes``)."""
+    was judged under ``cap`` (parameters on the device: ``empty_peak_bytes``). ``None`` too (logged)
+    when what it saves per step repays ``compile_s`` (the compile of graph ``index`` as it took)
+    only after more than :data:`REPLAN_PAYBACK_STEPS` steps (infinitely many: any plan found repays)."""
+    better = _faster_plan_under(auto, cap)
+    if better is None or compile_s <= 0 or math.isinf(REPLAN_PAYBACK_STEPS):
+        return better
+    saved = auto.estimate.step_s - CostModel(auto.problem).estimate(better).step_s
+    if saved * REPLAN_PAYBACK_STEPS >= compile_s:
+        return better
+    log.info("protrain_fx: graph %d: n_swap=%d, n_checkpoint=%d fits the measured room and is predicted %.3g ms "
+             "faster per step; not compiled: it would repay the %.0f s this graph's compile took only after %s "
+             "steps (more than %s)", index, better.n_swap, better.n_checkpoint, 1e3 * saved, compile_s,
+             f"{compile_s / saved:.0f}" if saved > 0 else "infinitely many", REPLAN_PAYBACK_STEPS)
+    return None
+
+
+def _faster_plan_under(auto: AutoPlan, cap: int) -> Config | None:
+    """:func:`faster_plan_under` before the payback check."""
     model = CostModel(auto.problem)
     c, N = auto.config, model.n_blocks
     empty = Config(c.n_persist, c.n_buffer, 0, 0, c.n_gpu_optim)

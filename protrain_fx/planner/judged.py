@@ -15,6 +15,11 @@ from what is kept, or run and kept. A kept answer leaves the record's graphs as 
 planner ends with :meth:`Judge.hold`, which rewrites the step once more for the config chosen when
 the last rewrite was of another. :attr:`Judge.lowered` counts the trials run (each a lowering of
 both graphs under ``verify="inductor"``) and :attr:`Judge.reused` those answered from what was kept.
+
+Under ``verify="inductor"`` a judge also answers without lowering (:attr:`Judge.lower` off: the
+graph-level analysis alone, a second or two where a lowering takes a minute on a large model);
+``planner.verify.confirmed_choice`` searches with those answers and lowers only the plan it would
+choose. Such answers are kept for the judge's own compile, never with the Inductor judgments.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from protrain_fx import progress
@@ -96,33 +101,49 @@ class Judge:
 
     ``key_of(config)``: :func:`trial_key` of the config; ``rewrite(config)``: place (an offload),
     partition, rewrite and analyse the step for ``config``, leaving the record as of it, and return
-    the config applied (an offload's rewrite can need more chunk buffers than asked); ``judge_now()``:
-    the peak of the step the record holds and whether Inductor's plan gave it
-    (``planner.verify.judged_peak``: the lowering, with ``verify="inductor"``); ``predict(config)``:
-    the cost model's peak. ``holding``: the config whose rewrite the record holds now, if any."""
+    the config applied (an offload's rewrite can need more chunk buffers than asked);
+    ``judge_now(lower)``: the peak of the step the record holds and whether Inductor's plan gave it
+    (``planner.verify.judged_peak``: the lowering, with ``verify="inductor"`` and ``lower``);
+    ``predict(config)``: the cost model's peak. ``holding``: the config whose rewrite the record
+    holds now, if any. ``lowers``: whether a judgment lowers the step (``verify="inductor"``);
+    ``lower``: whether the next judgments do (module docstring)."""
 
     kept: dict[str, Judgment]
     key_of: Callable[[Config], str]
     rewrite: Callable[[Config], Config]
-    judge_now: Callable[[], tuple[int, bool]]
+    judge_now: Callable[[bool], tuple[int, bool]]
     predict: Callable[[Config], int]
     holding: Config | None = None
     lowered: int = 0
     reused: int = 0
+    lowers: bool = False
+    lower: bool = True
+    analysed: dict[str, Judgment] = field(default_factory=dict)
 
     def __call__(self, config: Config) -> Trial:
         """The :class:`Trial` of ``config``: kept, or rewritten (unless the record holds it) and judged."""
         key = self.key_of(config)
         got = self.kept.get(key)
+        if got is None and self.lowers and not self.lower:
+            if (got := self.analysed.get(key)) is None:
+                applied = config if self.holding == config else self.rewrite(config)
+                self.holding = applied
+                got = self.analysed[key] = Judgment(self.judge_now(False)[0], False, applied)
+                log.debug("protrain_fx: trial %s: analysed at %d bytes (graph-level analysis, not lowered)",
+                          applied, got.analysed_peak_bytes)
+            return Trial(got.applied, self.predict(got.applied), got.analysed_peak_bytes, got.by_inductor,
+                         requested=None if got.applied == config else config)
         if got is not None:
             self.reused += 1
             log.debug("protrain_fx: trial %s: judged before at %d bytes (%s)", got.applied, got.analysed_peak_bytes,
                       "Inductor's allocation plan" if got.by_inductor else "graph-level analysis")
             return Trial(got.applied, self.predict(got.applied), got.analysed_peak_bytes, got.by_inductor,
                          requested=None if got.applied == config else config)
-        applied = config if self.holding == config else self.rewrite(config)
+        analysed = self.analysed.get(key)  # the record can hold its rewrite from the analysis alone
+        target = analysed.applied if analysed is not None else config
+        applied = target if self.holding == target else self.rewrite(config)
         self.holding = applied
-        peak, by_inductor = self.judge_now()
+        peak, by_inductor = self.judge_now(True)
         self.lowered += 1
         if (rec := progress.current()) is not None:
             rec.advance(TRIALS_PHASE)

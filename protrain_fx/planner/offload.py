@@ -80,7 +80,6 @@ from protrain_fx.planner import verify
 from protrain_fx.planner.verify import (
     Trial,
     judged_trial,
-    verified_choice,
     widened,
 )
 from protrain_fx.profile.cache import pinned_profile, training_rates
@@ -159,22 +158,24 @@ def choose_for_placed(
         trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
         return config
 
-    def judge_now() -> tuple[int, bool]:
-        return verify.judged_peak(record)
+    def judge_now(lower: bool) -> tuple[int, bool]:
+        return verify.judged_peak(record, lower)
 
     lean = handle.lean_counts()[p]
     judge = Judge({} if kept is None else kept, lambda c: trial_key(block_plan(model.problem, c), (p, b, g, lean)),
-                  rewrite, judge_now, lambda c: model.estimate(c).peak_bytes, holding=empty)
-    judged_empty = judge(empty)
-    empty_peak, empty_by_inductor = judged_empty.analysed_peak_bytes, judged_empty.by_inductor
+                  rewrite, judge_now, lambda c: model.estimate(c).peak_bytes, holding=empty,
+                  lowers=verify.lowers(record))
+    judged_empty = verify.judged_as_is(judge, empty, cap)
+    empty_peak = judged_empty.analysed_peak_bytes
     trials: list[Trial] = []
 
     def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
         judge.hold(config)  # the record holds the chosen plan's graphs
+        plain = verify.tried(trials, empty) or judged_empty  # lowered after all, when confirmed_choice did
         return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
-                      empty_peak_bytes=empty_peak,
+                      empty_peak_bytes=plain.analysed_peak_bytes,
                       empty_step_s=model.estimate(empty).step_s, offload=True, problem_s=problem_s, started=started,
-                      empty_by_inductor=empty_by_inductor,
+                      empty_by_inductor=plain.by_inductor,
                       rate_spread=RATE_SPREAD if torch.device(record.memory.device).type == "cuda" else None,
                       judge=judge)
 
@@ -204,9 +205,11 @@ def choose_for_placed(
         trials.append(t)
         return t
 
-    config, how, found, need, _ = verified_choice(search_at, run, least_memory_configs(model, p, b, g), trials, cap)
+    config, how, found, need, _ = verify.confirmed_choice(
+        search_at, run, least_memory_configs(model, p, b, g), trials, cap, judge, as_is=judged_empty)
     if config is not None:
-        return result(config, how, found)
+        # a lowering can put the step as it is under the cap where its analysis did not (confirmed_choice)
+        return result(config, "fits as is" if config == empty else how, None if config == empty else found)
     if need == UNRUNNABLE:
         raise UnsupportedError(
             f"protrain_fx: graph {record.index} (another input shape) needs an activation plan whose rewritten step "
@@ -459,8 +462,9 @@ def offload_judge(
         {} if kept is None else kept,
         lambda c: trial_key(block_plan(model.problem, c), (c.n_persist, c.n_buffer, c.n_gpu_optim, lean[c.n_persist])),
         lambda c: place_and_rewrite(record, handle, model, c, trial),
-        lambda: verify.judged_peak(record),
+        lambda lower: verify.judged_peak(record, lower),
         lambda c: model.estimate(c).peak_bytes,
+        lowers=verify.lowers(record),
     )
 
 
@@ -531,10 +535,10 @@ def choose_offload(
 
     try:
         gpu_optim = device.type == "cuda"
-        config, how, found, need, least = verified_choice(
+        config, how, found, need, least = verify.confirmed_choice(
             progress.timed("offload counts", "choosing the offload counts")(
                 lambda lowered: prefer_persistent(problem, *widened(budget, reserve + lowered), gpu_optim=gpu_optim)),
-            run, least_memory_candidates(model), trials, cap,
+            run, least_memory_candidates(model), trials, cap, judge,
         )
         if config is not None:
             return result(config, how, found)

@@ -15,11 +15,14 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.search.problem import Config
 from protrain_fx.search.search import NoPlanFits, SearchResult
+
+if TYPE_CHECKING:
+    from protrain_fx.planner.judged import Judge  # judged.py imports this module
 
 log = logging.getLogger("protrain_fx")
 
@@ -51,21 +54,28 @@ def tried(trials: Sequence[Trial], config: Config) -> Trial | None:
     return next((t for t in trials if t.answers(config)), None)
 
 
-def judged_peak(record: CapturedGraph) -> tuple[int, bool]:
+def judged_peak(record: CapturedGraph, lower: bool = True) -> tuple[int, bool]:
     """The peak the plan now in ``record`` is judged by, and whether Inductor's allocation plan gave
-    it: the graph-level analysis' peak, or with ``verify="inductor"`` the peak of Inductor's plan of
-    the same graphs (``record.probe_inductor``: one lowering of both graphs, as the compile lowers
-    them). That plan is what runs: it can be below the graph-level peak (values Inductor never
-    stores) or above it (a tiny offloaded GPT on the CPU: 2.82 MB against 2.59)."""
+    it: the graph-level analysis' peak, or with ``verify="inductor"`` and ``lower`` the peak of
+    Inductor's plan of the same graphs (``record.probe_inductor``: one lowering of both graphs, as
+    the compile lowers them). That plan is what runs: it can be below the graph-level peak (values
+    Inductor never stores) or above it (a tiny offloaded GPT on the CPU: 2.82 MB against 2.59)."""
     assert record.memory is not None
     peak = record.memory.peak_bytes
-    if record.probe_inductor is not None:
+    if lower and record.probe_inductor is not None:
         probed = record.probe_inductor()
         if probed is not None:
             log.info("protrain_fx: a plan the graph-level analysis puts at %d bytes peaks at %d in "
                      "Inductor's allocation plan", peak, probed.peak_bytes)
             return probed.peak_bytes, True
     return peak, False
+
+
+def lowers(record: CapturedGraph) -> bool:
+    """Whether a judgment of ``record``'s step lowers it with Inductor (``verify="inductor"``, or
+    ``"auto"`` for a CUDA step): what :attr:`~protrain_fx.planner.judged.Judge.lowers` is given."""
+    assert record.memory is not None
+    return record.probe_inductor is not None and record.config.verify_for(record.memory.device) == "inductor"
 
 
 def judged_trial(record: CapturedGraph, config: Config, predicted_peak_bytes: int) -> Trial:
@@ -124,6 +134,107 @@ def verified_choice(
             return done.config, "least memory", found, done.analysed_peak_bytes, done.config
     lowest = min(judged, key=lambda t: t.analysed_peak_bytes)
     return None, "", found, lowest.analysed_peak_bytes, lowest.config
+
+
+#: Searches judged by the graph-level analysis, each ended by one lowering of the config it chose,
+#: before :func:`confirmed_choice` lowers every trial as :func:`verified_choice` does.
+CONFIRM_ROUNDS = 3
+
+#: A step the graph-level analysis puts at most this fraction above the cap is lowered to be judged
+#: as it is (:func:`judged_as_is`); further above, :func:`confirmed_choice` reaches it when a lowering
+#: shows Inductor's plan that far below the analysis.
+AS_IS_MARGIN = 0.05
+
+
+def judged_as_is(judge: Judge, empty: Config, cap: int) -> Trial:
+    """The :class:`Trial` of the step without a plan (``empty``): lowered (``verify="inductor"``) only
+    when the graph-level analysis puts it under ``cap`` or within :data:`AS_IS_MARGIN` above it. A
+    step gigabytes over the cap is not lowered: a lowering of a large model's step costs a minute
+    (``docs/results.md#time-to-the-first-steps``), and the plan chosen instead is lowered anyway."""
+    if judge.lowers:
+        judge.lower = False
+        try:
+            analysed = judge(empty)
+        finally:
+            judge.lower = True
+        if analysed.analysed_peak_bytes > cap * (1 + AS_IS_MARGIN):
+            return analysed
+    return judge(empty)
+
+
+def confirmed_choice(
+    search_at: Callable[[int], SearchResult],
+    run: Callable[[Config], Trial],
+    least: Config | Sequence[Config],
+    trials: list[Trial],
+    cap: int,
+    judge: Judge,
+    as_is: Trial | None = None,
+) -> tuple[Config | None, str, SearchResult | None, int, Config]:
+    """:func:`verified_choice`, lowering (``verify="inductor"``: ``judge.lowers``) only the configs it
+    would choose. Each round runs :func:`verified_choice` with ``judge.lower`` off (every trial judged
+    by the graph-level analysis, which puts most plans of a step at the byte Inductor's allocation
+    plan does, in a second where a lowering takes a minute on a large model) and lowers its choice
+    (where nothing fits the analysis, the config of least analysed peak).
+
+    * Above ``cap``: the next round searches with the cap lowered by what Inductor's plan added to the
+      analysis of that config.
+    * Under ``cap``, below its analysis (Inductor fuses away values the analysis counts, a loss over a
+      large vocabulary say): the next round searches with the cap raised by that difference, and a
+      config it finds predicted :data:`RAISE_MIN_GAIN` faster is lowered and kept if it fits; and
+      ``as_is`` (the step without a plan, judged by its analysis alone: :func:`judged_as_is`) is
+      lowered, and chosen (``"fits as is"``) if it fits.
+    * Under ``cap`` and at its analysis or above: kept.
+
+    The last config lowered under ``cap`` is returned (its lowering is the one the compile reuses).
+    None after :data:`CONFIRM_ROUNDS` rounds: every trial is lowered (:func:`verified_choice` as it
+    is), with the lowerings done kept. ``trials`` holds the lowered trials only."""
+    if not judge.lowers:
+        return verified_choice(search_at, run, least, trials, cap)
+    shift = 0  # how far the cap of the next round lies under ``cap`` (above, when negative)
+    kept: tuple[Trial, str, SearchResult | None] | None = None
+    below = False  # a lowering came out under its analysis
+    for _ in range(CONFIRM_ROUNDS):
+        start = len(trials)
+        judge.lower = False
+        try:
+            config, how, found, _, lowest = verified_choice(
+                lambda lowered, shift=shift: search_at(lowered + shift), run, least, trials, cap - shift)
+        finally:
+            judge.lower = True
+        if config is None:
+            config, how = lowest, "least memory"
+        analysed = next((t for t in trials[start:] if t.answers(config)), None)
+        del trials[start:]
+        if analysed is None or tried(trials, config):
+            break
+        if kept is not None:  # a raised round: only a faster searched config is worth its lowering
+            kept_s = kept[2].estimate.step_s if kept[1] == "searched" and kept[2] is not None else math.inf
+            if how != "searched" or found is None or found.estimate.step_s > kept_s * (1 - RAISE_MIN_GAIN):
+                break
+        lowered = run(analysed.requested or config)  # as asked for: the trial says what the rewrite added
+        below |= lowered.analysed_peak_bytes < analysed.analysed_peak_bytes
+        if lowered.analysed_peak_bytes <= cap:
+            kept = (lowered, how, found)
+            gap = analysed.analysed_peak_bytes - lowered.analysed_peak_bytes
+            if gap <= 0:
+                break
+            shift = -gap
+            continue
+        if kept is not None:
+            break
+        log.info("protrain_fx: %s analysed at %d bytes peaks at %d in Inductor's allocation plan, over the cap of "
+                 "%d: searched again under a lower cap", config, analysed.analysed_peak_bytes,
+                 lowered.analysed_peak_bytes, cap)
+        shift = max(shift + 1, lowered.analysed_peak_bytes - analysed.analysed_peak_bytes)
+    if below and as_is is not None and not as_is.by_inductor and not tried(trials, as_is.config):
+        plain = run(as_is.config)
+        if plain.analysed_peak_bytes <= cap:
+            return plain.config, "fits as is", None, plain.analysed_peak_bytes, plain.config
+    if kept is not None:
+        t, how, found = kept
+        return t.config, how, found, t.analysed_peak_bytes, t.config
+    return verified_choice(search_at, run, least, trials, cap)
 
 
 #: Searches with a raised (or, after one analysed above the cap, lowered again) cap after a searched

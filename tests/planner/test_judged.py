@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import protrain_fx
@@ -20,6 +21,9 @@ from protrain_fx.state import STATE
 from tests.conftest import use_cache_dir
 from tests.planner.test_auto_plan import CONFIG, _batch, _device_budget, _loss_outside, _train_graphs, logged  # noqa: F401
 
+
+#: Every test here compiles a graph again after its first step (conftest.replans).
+pytestmark = pytest.mark.usefixtures("replans")
 
 def _bare_peak() -> int:
     torch._dynamo.reset()
@@ -82,7 +86,7 @@ def test_the_compile_again_after_the_first_step_judges_no_config_twice(monkeypat
     a, b = first.auto_plan, second.auto_plan
     assert (a.how, b.how) == ("least memory", "searched") and a.config != b.config
     assert a.trials_run == len({t.config for t in a.trials}) + 1  # each config once, and the empty plan
-    assert b.trials_kept >= 2  # at least the empty plan and the first plan were judged before
+    assert b.trials_kept >= 1  # at least the first plan was judged before
     judged_first = {t.config: t.analysed_peak_bytes for t in a.trials}
     for t in b.trials:
         if t.config in judged_first:  # the same answer as the first compile's

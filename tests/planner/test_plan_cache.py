@@ -114,7 +114,7 @@ def test_a_hit_runs_neither_the_search_nor_its_verification(no_plan, monkeypatch
         raise AssertionError("the planner ran on a plan cache hit")
 
     monkeypatch.setattr(activations, "search_activation_plan", refuse)
-    monkeypatch.setattr(activations, "verified_choice", refuse)
+    monkeypatch.setattr(verify, "confirmed_choice", refuse)
     monkeypatch.setattr(activations, "choose_plan", refuse)
     record, _ = _launch(budget, steps=1)
     assert record.auto_plan.from_cache
@@ -221,7 +221,7 @@ def test_an_offloaded_model_reuses_its_counts(gpu_like_machine, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the offload planner ran on a plan cache hit")
 
-    monkeypatch.setattr(autooffload, "verified_choice", refuse)
+    monkeypatch.setattr(verify, "confirmed_choice", refuse)
     monkeypatch.setattr(autooffload, "prefer_persistent", refuse)
     monkeypatch.setattr(autooffload, "offload_cost_model", refuse)
     torch._dynamo.reset()
@@ -261,7 +261,8 @@ def test_a_later_input_shape_of_an_offloaded_model_reuses_its_plan_for_the_count
     def refuse(*args, **kwargs):
         raise AssertionError("the planner ran on a plan cache hit")
 
-    for name in ("verified_choice", "prefer_persistent", "offload_cost_model"):
+    monkeypatch.setattr(verify, "confirmed_choice", refuse)
+    for name in ("prefer_persistent", "offload_cost_model"):
         monkeypatch.setattr(autooffload, name, refuse)
     handle, first_again, later_again = launch()
     assert first_again.from_cache and later_again.from_cache

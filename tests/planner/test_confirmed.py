@@ -1,0 +1,97 @@
+"""``planner.verify.confirmed_choice`` and ``judged_as_is`` on a made-up step: which configs are
+lowered (``verify="inductor"``) and which are judged by the graph-level analysis alone."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from protrain_fx.planner import verify
+from protrain_fx.planner.judged import Judge
+from protrain_fx.search.problem import Config
+from protrain_fx.search.search import NoPlanFits, SearchResult
+
+#: n_checkpoint -> (the cost model's peak, the graph-level analysis' peak, Inductor's plan's peak):
+#: the cost model is an upper bound of the analysis; Inductor's plan of one config (1 block
+#: checkpointed) is 8 bytes above its analysis, as a lowering can be.
+PEAKS = {k: (100 - 10 * k, 95 - 10 * k, 95 - 10 * k + (8 if k == 1 else 0)) for k in range(5)}
+CAP = 85
+
+
+def _config(k: int) -> Config:
+    return Config(1, 0, 0, k)
+
+
+def _search_at(lowered: int) -> SearchResult:
+    """The fastest config (the fewest blocks checkpointed) the cost model puts under the cap lowered."""
+    fitting = [k for k, (predicted, _, _) in PEAKS.items() if predicted <= CAP - lowered]
+    if not fitting:
+        raise NoPlanFits("nothing fits", min_budget_bytes=0)
+    k = min(fitting)
+    return SearchResult(_config(k), SimpleNamespace(step_s=1 + 0.1 * k, peak_bytes=PEAKS[k][0]), 1, 0, 0, 5, 0.0)
+
+
+def _judge(lowers: bool) -> tuple[Judge, list[tuple[int, bool]]]:
+    """A judge of the made-up step, and the (n_checkpoint, lowered) of every judgment run."""
+    runs: list[tuple[int, bool]] = []
+
+    def judge_now(lower: bool) -> tuple[int, bool]:
+        k = judge.holding.n_checkpoint
+        runs.append((k, lower))
+        return (PEAKS[k][2], True) if lower and lowers else (PEAKS[k][1], False)
+
+    judge = Judge({}, lambda c: str(c.n_checkpoint), lambda c: c, judge_now, lambda c: PEAKS[c.n_checkpoint][0],
+                  lowers=lowers)
+    return judge, runs
+
+
+def _choose(judge: Judge) -> tuple[Config | None, list[verify.Trial]]:
+    trials: list[verify.Trial] = []
+
+    def run(config: Config) -> verify.Trial:
+        t = judge(config)
+        trials.append(t)
+        return t
+
+    config, *_ = verify.confirmed_choice(_search_at, run, [_config(4)], trials, CAP, judge)
+    return config, trials
+
+
+def test_only_the_configs_it_would_keep_are_lowered_and_an_overshoot_lowers_the_cap():
+    judge, runs = _judge(lowers=True)
+    config, trials = _choose(judge)
+    # the analysis alone would keep 1 block checkpointed (85 <= 85); Inductor's plan of it is 93, so
+    # the cap is lowered by 8 and the analysis keeps 2 (75), whose lowering fits
+    assert config == _config(2)
+    assert [k for k, lower in runs if lower] == [1, 2]
+    assert [(t.config.n_checkpoint, t.analysed_peak_bytes, t.by_inductor) for t in trials] == [(1, 93, True), (2, 75, True)]
+    assert judge.lowered == 2 and judge.kept.keys() == {"1", "2"}  # only lowered judgments are kept
+    assert judge.holding == _config(2)  # the record holds the chosen plan's graphs
+
+
+def test_every_trial_is_lowered_and_chooses_the_same_when_lowering_is_all_there_is():
+    judge, runs = _judge(lowers=True)
+    lowered_only: list[verify.Trial] = []
+
+    def run(config: Config) -> verify.Trial:
+        t = judge(config)
+        lowered_only.append(t)
+        return t
+
+    config, *_ = verify.verified_choice(_search_at, run, [_config(4)], lowered_only, CAP)
+    assert config == _config(2) and all(lower for _, lower in runs)
+    assert judge.lowered >= 2  # here no fewer than confirmed_choice's
+
+
+def test_without_inductor_the_analysis_judges_every_trial_as_before():
+    judge, runs = _judge(lowers=False)
+    config, trials = _choose(judge)
+    assert config == _config(1)  # the analysis is the judge: 85 fits
+    assert all(not t.by_inductor for t in trials)
+
+
+def test_a_step_far_over_the_cap_is_not_lowered_to_be_judged_as_it_is():
+    judge, runs = _judge(lowers=True)
+    far = verify.judged_as_is(judge, _config(0), CAP)  # 95 analysed: over 85 by more than the margin
+    assert far.analysed_peak_bytes == 95 and not far.by_inductor and runs == [(0, False)]
+    near = verify.judged_as_is(judge, _config(0), 92)  # within the margin: lowered
+    assert near.by_inductor and runs[-1] == (0, True)
