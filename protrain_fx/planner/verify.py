@@ -15,14 +15,11 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.search.problem import Config
 from protrain_fx.search.search import NoPlanFits, SearchResult
-
-if TYPE_CHECKING:
-    from protrain_fx.planner.judged import Judge  # judged.py imports this module
 
 log = logging.getLogger("protrain_fx")
 
@@ -52,6 +49,16 @@ class Trial:
 def tried(trials: Sequence[Trial], config: Config) -> Trial | None:
     """The first of ``trials`` that :meth:`Trial.answers` ``config``."""
     return next((t for t in trials if t.answers(config)), None)
+
+
+class Judge(Protocol):
+    """What :func:`confirmed_choice` needs of a judge (``planner.judged.Judge``): whether its judgments
+    can lower the step (``lowers``), whether the next ones do (``lower``), and a config's trial."""
+
+    lowers: bool
+    lower: bool
+
+    def __call__(self, config: Config) -> Trial: ...
 
 
 def judged_peak(record: CapturedGraph, lower: bool = True) -> tuple[int, bool]:
@@ -179,12 +186,12 @@ def confirmed_choice(
 
     * Above ``cap``: the next round searches with the cap lowered by what Inductor's plan added to the
       analysis of that config.
-    * Under ``cap``, below its analysis (Inductor fuses away values the analysis counts, a loss over a
-      large vocabulary say): the next round searches with the cap raised by that difference, and a
+    * Under ``cap``, below its analysis by more than :data:`AS_IS_MARGIN` of ``cap`` (Inductor fuses
+      away values the analysis counts, a loss over a large vocabulary say): the next round searches with the cap raised by that difference, and a
       config it finds predicted :data:`RAISE_MIN_GAIN` faster is lowered and kept if it fits; and
       ``as_is`` (the step without a plan, judged by its analysis alone: :func:`judged_as_is`) is
       lowered, and chosen (``"fits as is"``) if it fits.
-    * Under ``cap`` and at its analysis or above: kept.
+    * Under ``cap`` otherwise: kept.
 
     The last config lowered under ``cap`` is returned (its lowering is the one the compile reuses).
     None after :data:`CONFIRM_ROUNDS` rounds: every trial is lowered (:func:`verified_choice` as it
@@ -213,11 +220,11 @@ def confirmed_choice(
             if how != "searched" or found is None or found.estimate.step_s > kept_s * (1 - RAISE_MIN_GAIN):
                 break
         lowered = run(analysed.requested or config)  # as asked for: the trial says what the rewrite added
-        below |= lowered.analysed_peak_bytes < analysed.analysed_peak_bytes
+        gap = analysed.analysed_peak_bytes - lowered.analysed_peak_bytes
+        below |= gap > AS_IS_MARGIN * cap
         if lowered.analysed_peak_bytes <= cap:
             kept = (lowered, how, found)
-            gap = analysed.analysed_peak_bytes - lowered.analysed_peak_bytes
-            if gap <= 0:
+            if gap <= AS_IS_MARGIN * cap:
                 break
             shift = -gap
             continue
