@@ -21,7 +21,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+#: torch's logging and trace settings of the shell that runs the suite are dropped before torch is
+#: imported (it reads them then): a TORCH_TRACE or TORCH_LOGS left set would make torch build and write
+#: every compile's trace, and the tests of the backend's log and trace would read another setting.
+for _name in ("TORCH_TRACE", "TORCH_DTRACE", "TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT"):
+    os.environ.pop(_name, None)
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # ``python -m pytest`` adds the cwd, plain ``pytest`` does not
