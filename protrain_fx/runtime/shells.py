@@ -100,7 +100,10 @@ def refuse_eager_submodule(name: str) -> Callable[[nn.Module, Any], None]:
     def hook(module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return None
-        shells = [n for n, p in module.named_parameters(recurse=False) if hollow(p)]
+        shells = []  # a loop, not a comprehension: its frame would be one Dynamo compiles (see below)
+        for n, p in module.named_parameters(recurse=False):
+            if hollow(p):
+                shells.append(n)
         if not shells:
             return None
         raise UnsupportedError(
@@ -118,8 +121,10 @@ def refuse_eager_submodule(name: str) -> Callable[[nn.Module, Any], None]:
 
 # Called from eager code (a frame Dynamo gave up on), the hook must run as Python: compiled as a
 # frame of its own, ``is_compiling()`` would read true and pass. Inlined into a traced graph, it
-# still folds away.
+# still folds away. ``hollow`` too: compiled as a frame of its own from the hook, it made a graph of
+# the module's parameters and broke at their storage, and that graph's errors named the wrong cause.
 torch._dynamo.eval_frame.skip_code(refuse_eager_submodule("").__code__)
+torch._dynamo.eval_frame.skip_code(hollow.__code__)
 
 
 #: A copy of an offloaded model that holds the values: what a refused cast or deep copy suggests.

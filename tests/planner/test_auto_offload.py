@@ -424,6 +424,33 @@ def test_a_first_graph_cut_off_before_the_blocks_names_the_break():
     assert "test_auto_offload.py" in str(info.value) and "by hand" in str(info.value)
 
 
+def test_a_graph_break_inside_the_blocks_of_an_offloaded_model_names_the_break(monkeypatch):
+    """A break inside every block (a ``print`` in real code): Dynamo runs the model's loop over the
+    blocks eagerly; the first module it reaches outside the compiled graphs is refused with the way
+    out (issue 48: the error used to say the step had no backward, the break inside the package)."""
+    from examples import gpt
+
+    block_forward = gpt.Block.forward
+
+    def forward(self, x):
+        x = block_forward(self, x)
+        torch._dynamo.graph_break()
+        return x
+
+    monkeypatch.setattr(gpt.Block, "forward", forward)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters())
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
+    with pytest.raises(Exception) as info:
+        compiled(*_batch(0)).backward()
+    handle.close()
+    message = str(info.value)
+    assert "ran outside the compiled graphs" in message and "graph break" in message, message
+    assert "TORCH_LOGS=graph_breaks" in message and "no backward" not in message
+
+
 #: A longer input shape than the tests' first one (2 x 48 tokens).
 LONGER = random_batch(CONFIG, 2, 48, generator=torch.Generator().manual_seed(7))
 
