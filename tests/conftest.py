@@ -114,6 +114,32 @@ def _fresh_compile_state():
     protrain_fx.reset()
 
 
+def _trace_log_without_pytests_capture() -> None:
+    """pytest 9 attaches its log-capture handlers to every logger that does not propagate, torch's
+    structured-trace log among them, and torch builds every trace payload of every compile whenever
+    that log has a handler (minutes over the suite): they are taken off it for each test phase."""
+    from torch._logging._internal import trace_log
+
+    for handler in list(trace_log.handlers):
+        if type(handler).__module__.startswith("_pytest."):
+            trace_log.removeHandler(handler)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _trace_log_without_pytests_capture()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    _trace_log_without_pytests_capture()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    _trace_log_without_pytests_capture()
+
+
 @pytest.fixture(autouse=True)
 def _no_structured_trace_left():
     """No test leaves torch's structured trace on for the tests after it: with a handler on its log,

@@ -14,6 +14,7 @@ trace the timeline export writes).
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Callable
 
 from torch._logging import trace_structured
@@ -30,11 +31,21 @@ PREFIX = "protrain_"
 
 def tracing() -> bool:
     """Whether torch's structured trace is written anywhere: a handler on its log other than torch's
-    lazy one with no folder. (``trace_structured`` builds a payload whenever its log has a handler,
-    and ``torch._logging.set_logs()`` puts the lazy one back until the next record removes it: a
-    large payload would be built for nothing.)"""
-    return any(not isinstance(h, LazyTraceHandler) or h.root_dir is not None or h.stream is not None
-               for h in trace_log.handlers)
+    lazy one with no folder, and other than a test runner's log capture. (``trace_structured`` builds
+    a payload whenever its log has a handler; ``torch._logging.set_logs()`` puts the lazy one back
+    until the next record removes it, and pytest 9 attaches its capture handlers to every logger that
+    does not propagate, torch's trace log among them: a large payload would be built for nothing.)"""
+    return any(_writes(h) for h in trace_log.handlers)
+
+
+def _writes(handler: logging.Handler) -> bool:
+    if isinstance(handler, LazyTraceHandler):
+        return handler.root_dir is not None or handler.stream is not None
+    return not type(handler).__module__.startswith(_TEST_RUNNER_CAPTURE)
+
+
+#: The package of the log-capture handlers pytest attaches to every non-propagating logger.
+_TEST_RUNNER_CAPTURE = "_pytest."
 
 
 def artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:

@@ -111,6 +111,29 @@ def test_torch_trace_holds_each_artifact_once_under_the_compile_id_and_tlparse_r
     assert any(a.startswith("protrain_plan") for a in artifacts), artifacts
 
 
+def test_a_test_runs_with_nothing_on_torchs_trace_log_but_its_lazy_handler():
+    """The suite takes pytest's capture handlers off torch's trace log (``tests/conftest.py``): with
+    them there, torch would build every compile's trace payloads through the whole suite."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    assert all(isinstance(h, LazyTraceHandler) and h.root_dir is None for h in trace_log.handlers)
+    assert not structured.tracing()
+
+
+def test_only_a_handler_that_writes_the_trace_somewhere_counts_as_tracing(monkeypatch):
+    """torch's lazy handler without a folder and a test runner's log capture are not a trace; a
+    handler the user puts on torch's trace log, or the lazy one with a folder, is."""
+    from _pytest.logging import LogCaptureHandler
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    monkeypatch.setattr(trace_log, "handlers", [LazyTraceHandler(None), LogCaptureHandler()])
+    assert not structured.tracing()
+    monkeypatch.setattr(trace_log, "handlers", [LazyTraceHandler("/some/folder")])
+    assert structured.tracing()
+    monkeypatch.setattr(trace_log, "handlers", [logging.StreamHandler()])
+    assert structured.tracing()
+
+
 def test_without_torch_trace_no_artifact_is_built(monkeypatch, torch_logs_restored):
     """The payloads are built only for a trace: with ``TORCH_TRACE`` unset, none is, even right after
     ``set_logs()`` put torch's lazy trace handler back."""
