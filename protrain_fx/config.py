@@ -11,6 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
+from protrain_fx.machine import CPU
+from protrain_fx.plan import parse_plan
+
 if TYPE_CHECKING:
     from protrain_fx.plan import Plan
 
@@ -149,7 +152,6 @@ class ProtrainConfig:
         if self.machine is not None:
             if not isinstance(self.machine, Mapping):
                 raise ValueError(f"option 'machine': got {self.machine!r}; accepted: a dict of machine constants")
-            from protrain_fx.machine import CPU
 
             CPU.with_overrides(self.machine)  # raises ValueError naming a bad key or value
             object.__setattr__(self, "machine", dict(self.machine))
@@ -206,8 +208,6 @@ def parse_options(options: Mapping[str, Any] | None) -> ProtrainConfig:
         if key == "memory_budget" and value is not None:
             value = parse_bytes(value, option="memory_budget")
         if key == "plan" and value is not None:
-            from protrain_fx.plan import parse_plan
-
             value = parse_plan(value)
         kwargs[_OPTION_FIELDS[key]] = value
     return ProtrainConfig(**kwargs).validate()

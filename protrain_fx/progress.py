@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 import shutil
 import sys
 import threading
@@ -45,8 +44,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, ParamSpec, TypeVar
 
+from protrain_fx import settings
+
 #: The environment variable that forces the line off (``0``) or on (``1``) whatever stderr is.
-ENV = "PROTRAIN_PROGRESS"
+ENV = settings.PROGRESS
 
 #: Seconds between redraws of a line whose phase has no item to count (its seconds still move).
 TICK_S = 0.5
@@ -54,18 +55,13 @@ TICK_S = 0.5
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_OFF = ("0", "false", "off", "no")
-_ON = ("1", "true", "on", "yes")
-
 
 def shown(stream: IO[str]) -> bool:
     """Whether a progress line goes to ``stream``: ``PROTRAIN_PROGRESS`` when set to ``0`` or ``1``
     (or ``false``/``true``, ``off``/``on``, ``no``/``yes``), else whether ``stream`` is a terminal."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in _OFF:
-        return False
-    if value in _ON:
-        return True
+    chosen = settings.progress()
+    if chosen is not None:
+        return chosen
     isatty = getattr(stream, "isatty", None)
     try:
         return bool(isatty and isatty())

@@ -14,6 +14,8 @@ import importlib
 import sys
 from typing import Any, Sequence
 
+from protrain_fx.inspect.report import inspect_model
+
 
 def _literal(text: str) -> Any:
     try:
@@ -56,7 +58,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ins.add_argument("--timeline", metavar="DIR", help="write the predicted timeline files into DIR")
     args = parser.parse_args(argv)
 
-    from protrain_fx.inspect.report import inspect_model
 
     model, inputs = _load(args.factory)(**_pairs(args.kw, "--kw"))
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from protrain_fx.analysis.timeline import Timeline
+from protrain_fx.inspect.measure import timeline_from_snapshot
 from protrain_fx.inspect.snapshot import write_memory_snapshot, write_snapshot_pickle
 from protrain_fx.inspect.svg import write_svg_plot
 from protrain_fx.inspect.trace import write_chrome_trace
@@ -38,8 +39,6 @@ def write_all(
     if not stem or "/" in stem:
         raise ValueError(f"stem must be a plain file name stem, got {stem!r}")
     if measured is None and measured_snapshot is not None:
-        from protrain_fx.inspect.measure import timeline_from_snapshot
-
         measured = timeline_from_snapshot(measured_snapshot)
     out = Path(out_dir)
     paths = {

@@ -24,12 +24,12 @@ allocations made in the same microsecond. A marker costs one cached small-block 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from protrain_fx import settings
 from protrain_fx.analysis.timeline import BufferEvent, Timeline
 
 #: Names ``mark_phase`` accepts, in the order their marker sizes encode them.
@@ -383,7 +383,7 @@ class record_cpu_memory:
         if not torch.cuda.is_available():
             # A CUDA build of torch on a machine without a GPU: Kineto logs an ERROR line about the
             # GPU count when it starts, which reads as ours and says nothing about CPU memory.
-            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+            settings.quiet_kineto()
         self._profiler = torch.profiler.profile(
             # acc_events: one recording is one cycle; without it torch warns that it keeps one cycle only
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, acc_events=True,

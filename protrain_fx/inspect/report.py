@@ -16,8 +16,13 @@ from typing import Any, Callable, Mapping
 import torch
 
 from protrain_fx import capture
+from protrain_fx.analysis.params import parameter_infos
 from protrain_fx.analysis.timeline import Timeline
+from protrain_fx.backend import register
 from protrain_fx.capture import CapturedGraph
+from protrain_fx.chunks import choose_layout
+from protrain_fx.inspect.block_times import profile_block_times
+from protrain_fx.inspect.export import write_all
 from protrain_fx.inspect.tables import block_table
 
 
@@ -70,9 +75,6 @@ class StepReport:
 
     def chunk_layout(self, index: int | None = None):
         """The parameter chunk layout (``protrain_fx.chunks``) this graph's parameters would get."""
-        from protrain_fx.analysis.params import parameter_infos
-        from protrain_fx.chunks import choose_layout
-
         graph = self._graph(index)
         if graph.step is None:
             raise ValueError(f"graph {graph.index} was not analysed")
@@ -100,8 +102,6 @@ class StepReport:
     def write_timelines(self, out_dir: str | Path, measured: Timeline | None = None, *, stem: str = "timeline",
                         index: int | None = None) -> dict[str, Path]:
         """Write the predicted timeline (and a measured one, overlaid) as snapshot, Chrome trace and SVG."""
-        from protrain_fx.inspect.export import write_all
-
         return write_all(self.timeline(index), Path(out_dir), measured=measured, stem=stem)
 
 
@@ -122,7 +122,6 @@ def inspect_model(
     torch._dynamo.reset()
     capture.reset()
     saved_grads = {p: p.grad for p in model.parameters()}
-    from protrain_fx.backend import register
 
     register()  # the name resolves from a source tree that is not installed too
     compiled = torch.compile(model, backend="protrain", options=dict(options or {}))
@@ -136,8 +135,6 @@ def inspect_model(
     loss.backward()
     report = StepReport(graphs=capture.captured_graphs())
     if measure_time:
-        from protrain_fx.inspect.block_times import profile_block_times
-
         for g in report.train_graphs:
             report.block_seconds[g.index] = profile_block_times(g)
     for p, g in saved_grads.items():

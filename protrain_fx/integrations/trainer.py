@@ -59,6 +59,7 @@ import transformers
 from torch import nn
 
 import protrain_fx
+from protrain_fx.backend import register
 from protrain_fx.integrations.checkpointing import library_checkpointing_off
 from protrain_fx.integrations.loss_type import name_default_loss_type
 
@@ -118,8 +119,6 @@ class ProTrainTrainer(transformers.Trainer):
         library_checkpointing_off(self.model, "ProTrainTrainer")
         name_default_loss_type(self.model)
         if self._compiled is None or self._compiled_for is not self.model:
-            from protrain_fx.backend import register
-
             register()  # the name resolves from a source tree that is not installed too
             self._compiled = torch.compile(self.model, backend="protrain", options=self.protrain_options)
             self._compiled_for = self.model

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from protrain_fx import settings
 from protrain_fx.analysis import blocks, inductor_memory, memory
 from protrain_fx.analysis.readable import format_graph, readable_graphs
 from protrain_fx.capture import CapturedGraph, PassRecord
@@ -44,9 +44,9 @@ from protrain_fx.runtime import chunk_ops, device_adam
 log = logging.getLogger("protrain_fx")
 
 #: Environment variable naming a folder where graphs are dumped after every pass.
-DUMP_DIR_ENV = "PROTRAIN_DUMP_DIR"
+DUMP_DIR_ENV = settings.DUMP_DIR
 #: Environment variable listing rewrites to skip, comma-separated (module docstring).
-DISABLE_ENV = "PROTRAIN_DISABLE_PASSES"
+DISABLE_ENV = settings.DISABLE_PASSES
 
 
 @dataclasses.dataclass
@@ -192,7 +192,7 @@ REWRITES = frozenset({"recompute_param_casts", "annotate_plan", "gather_chunks",
 
 def disabled_passes() -> frozenset[str]:
     """The rewrites :data:`DISABLE_ENV` names; ``ValueError`` for a name that is not one."""
-    names = frozenset(n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip())
+    names = settings.disabled_passes()
     unknown = sorted(names - REWRITES)
     if unknown:
         raise ValueError(f"{DISABLE_ENV}: {', '.join(unknown)} cannot be disabled; the rewrites that can: "
@@ -204,7 +204,7 @@ def run_passes(passes: Sequence[Pass], ctx: PassContext) -> None:
     """Run ``passes`` in order on ``ctx`` (module docstring)."""
     record = ctx.record
     off = disabled_passes()
-    dump_dir = os.environ.get(DUMP_DIR_ENV) or None
+    dump_dir = settings.dump_dir()
     previous = record.passes[-1].name if record.passes else "capture"
     if dump_dir and passes is STEP_PASSES:
         _dump(record, dump_dir, "capture")

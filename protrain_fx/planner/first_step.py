@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
+from protrain_fx.planner.offload import placed_handle
 from protrain_fx.planner.plan_cache import drop_after_miss
 from protrain_fx.planner.rates import (
     STEP_TIMED_CALLS,
@@ -35,6 +36,7 @@ from protrain_fx.planner.rates import (
 )
 from protrain_fx.planner.result import AutoPlan, PeakCheck
 from protrain_fx.planner.verify import RAISE_MIN_GAIN
+from protrain_fx.profile import cache as profile_cache
 from protrain_fx.runtime import distributed
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config
@@ -185,10 +187,6 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
 def _open_rate_window(record: CapturedGraph) -> list[RateWindow]:
     """``[RateWindow]`` on the offload handle whose chunks ``record``'s automatic plan placed with
     optimizer steps of their own (CPU or device), else ``[]``."""
-    from protrain_fx.planner.offload import (
-        placed_handle,  # (planner/offload.py imports this module)
-    )
-
     auto = record.auto_plan
     if auto is None or not auto.offload:
         return []
@@ -204,15 +202,11 @@ def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | No
     and it may step chunks on the device (:func:`replans_device_steps`), ``n_gpu_optim`` is chosen
     again at those rates (``planner.rates.replan_gpu_optim``) and a faster count is applied to the
     handle at once (``AutoPlan.replanned``, logged); that :class:`Replan` is returned."""
-    from protrain_fx.profile.cache import (
-        note_training_rates,  # read at the call (tests replace it)
-    )
-
     auto = record.auto_plan
     assert auto is not None and record.memory is not None
     rates = distributed.from_rank0(window.close(auto.problem, auto.config))  # every rank re-plans alike
     auto.training_rates = rates
-    kept = note_training_rates(
+    kept = profile_cache.note_training_rates(
         record.memory.device,
         chunk_params=window.handle.chunk_params,
         cpu_adam_params_per_s=rates.cpu_adam_params_per_s,

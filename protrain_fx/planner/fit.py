@@ -30,8 +30,13 @@ from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph, captured_graphs, forget_records_after
 from protrain_fx.plan import Plan
 from protrain_fx.planner import activations, reserve, result, verify
+from protrain_fx.planner import offload as planner_offload
+from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
+from protrain_fx.planner.reserve import outside_reserve
+from protrain_fx.runtime.host_memory import HostMemoryError
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import block_plan
+from protrain_fx.search.search import NoPlanFits
 
 #: The budget a report without one is planned under: large enough for any step, so only the
 #: smallest budget is of interest.
@@ -122,9 +127,6 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None], kept: di
     """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would
     (``kept``: the graph's judgments kept, ``planner/judged.py``), find the smallest budget, and stop
     the compile with the report."""
-    from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
-    from protrain_fx.search.search import NoPlanFits
-
     given = record.config.memory_budget_bytes
     record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
     chosen: result.AutoPlan | None = None
@@ -181,12 +183,6 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     fit: it can fall below the analysis', on small chunks and on swaps, or far above it). Then
     nothing stays placed (``handle.unplace()``) and the compile stops with the report. ``kept``: the
     graph's judgments kept (``planner/judged.py``)."""
-    from protrain_fx.planner import offload as planner_offload
-    from protrain_fx.planner.budget import budget_for_peak
-    from protrain_fx.planner.reserve import outside_reserve
-    from protrain_fx.runtime.host_memory import HostMemoryError
-    from protrain_fx.search.search import NoPlanFits
-
     given = record.config.memory_budget_bytes
     trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
     # after the trial, which puts the user's options back: choose_offload reads the budget first thing

@@ -47,7 +47,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -59,7 +58,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from protrain_fx import progress
+from protrain_fx import progress, settings
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.plan import Plan
 from protrain_fx.planner.judged import Judgment, judge_key, kept_for
@@ -87,7 +86,7 @@ log = logging.getLogger("protrain_fx")
 PLAN_CACHE_VERSION = 2
 
 #: The environment variable that turns the cache off when ``"0"`` (``docs/options.md``).
-ENV = "PROTRAIN_PLAN_CACHE"
+ENV = settings.PLAN_CACHE
 
 #: Entries kept per file (the newest): one per graph, budget and shape planned on this machine.
 MAX_ENTRIES = 64
@@ -95,7 +94,7 @@ MAX_ENTRIES = 64
 
 def enabled() -> bool:
     """Whether the plan cache is on: unless ``PROTRAIN_PLAN_CACHE`` is ``0`` (or ``false``, ``off``, ``no``)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return settings.plan_cache()
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,14 @@ from torch import fx
 from protrain_fx import chunks as chunks_mod
 from protrain_fx import meta
 from protrain_fx.analysis.estimate import fused_node_times, node_time
-from protrain_fx.analysis.memory import output_args, default_granule
+from protrain_fx.analysis.memory import default_granule, output_args
 from protrain_fx.analysis.params import parameter_infos
 from protrain_fx.analysis.swappable import swap_candidates
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
 from protrain_fx.profile.ops import measure_op_times, op_signature
 from protrain_fx.runtime import distributed
+from protrain_fx.runtime.device_adam import DEVICE_SLICE_ELEMS, N_SETS
 from protrain_fx.search import problem
 
 #: Adam-family optimizers keep two fp32 moments per parameter (the cost model's Adam state); the
@@ -317,8 +318,6 @@ def device_op_times(record: CapturedGraph) -> dict[str, float] | None:
 def _device_step_staging_bytes(itemsize: int) -> int:
     """Device staging of chunks stepped on the GPU (``DeviceAdamW.staging_bytes`` for this working-copy
     element size): what a config with ``n_gpu_optim > 0`` adds besides its gradients in flight."""
-    from protrain_fx.runtime.device_adam import DEVICE_SLICE_ELEMS, N_SETS
-
     return N_SETS * DEVICE_SLICE_ELEMS * (4 * 4 + itemsize)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from protrain_fx import settings
 from protrain_fx.search import problem
 
 MiB = 2**20
@@ -39,8 +40,7 @@ def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
     ``~/.cache/protrain_fx``."""
     if path is not None:
         return Path(path)
-    env = os.environ.get("PROTRAIN_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "protrain_fx"
+    return settings.cache_dir()
 
 
 def device_name(device: torch.device | str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from protrain_fx.chunks import ParamInfo, pack
 from protrain_fx.profile.cache import MiB
 from protrain_fx.profile.load import (
     _deep_queue_until,
@@ -24,6 +25,9 @@ from protrain_fx.profile.load import (
     _matmuls_until,
     _sync_until,
 )
+from protrain_fx.runtime.chunk_store import ChunkStore
+from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
+from protrain_fx.runtime.device_adam import DeviceAdamW
 
 #: Default bytes of each timed copy (``measure_machine``'s ``copy_bytes``).
 COPY_BYTES = 256 * MiB
@@ -168,8 +172,6 @@ def device_step_spans(
     (its first copy in to its last copy out, as ``planner/rates.RateWindow`` times training's steps).
     ``refetch``: before each step, copy ``n`` compute-dtype elements in from pinned memory on a
     stream of their own (backward's re-fetch of the next chunk's working copy). CUDA only."""
-    from protrain_fx.runtime.cpu_adam import OptimizerWorker
-
     parts = list(parts) or [n]
     if sum(parts) != n or min(parts) <= 0:
         raise ValueError(f"device_step_spans: parts must be positive sizes summing to n={n}, got sum {sum(parts)}")
@@ -211,11 +213,6 @@ def _step_rig(names: list[list[str]], parts: list[int], n: int, priority: int) -
     """The measured chunks as the runtime holds them: one chunk of ``n`` fp32 parameters of sizes
     ``parts`` per row of ``names`` in a pinned store with bf16 working copies, its CPU optimizer and
     the device steps through it (timing each step). Returns ``(store, adam, steps)``."""
-    from protrain_fx.chunks import ParamInfo, pack
-    from protrain_fx.runtime.chunk_store import ChunkStore
-    from protrain_fx.runtime.cpu_adam import ChunkAdamW
-    from protrain_fx.runtime.device_adam import DeviceAdamW
-
     params = {w: torch.nn.Parameter(torch.zeros(size, dtype=torch.float32))
               for ws in names for w, size in zip(ws, parts)}
     layout = pack([ParamInfo((w,), 4 * size, f"blocks.{i}", i) for i, ws in enumerate(names)

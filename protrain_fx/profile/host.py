@@ -16,7 +16,10 @@ import time
 import torch
 
 from protrain_fx import progress
+from protrain_fx.chunks import ParamInfo, pack
 from protrain_fx.profile.load import _COPY_LOAD_BYTES, _CopyLoad, _launch_until
+from protrain_fx.runtime.chunk_store import ChunkStore
+from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
 
 #: Default parameters of the timed optimizer steps (``measure_machine``'s ``adam_params``).
 ADAM_PARAMS = 16 * 2**20
@@ -166,10 +169,6 @@ def _chunk_adam_params_per_s(
     after a warm-up (training pays every step, not the best one). ``chunks``: distinct chunks in the
     store, stepped in turn (training steps each once per step, never one twice in a row);
     ``rates``: a list that gets each timed step's parameters per second."""
-    from protrain_fx.chunks import ParamInfo, pack
-    from protrain_fx.runtime.chunk_store import ChunkStore
-    from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
-
     params = {f"w{c}": torch.nn.Parameter(torch.zeros(n, dtype=torch.float32)) for c in range(chunks)}
     layout = pack([ParamInfo((w,), 4 * n, f"blocks.{c}", c) for c, w in enumerate(params)], 4 * n)
     store = ChunkStore(layout, params, compute_dtype=torch.bfloat16 if cuda else None, pin_memory=cuda)

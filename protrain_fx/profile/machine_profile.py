@@ -11,8 +11,8 @@ measuring; ``refresh=True`` measures again. Rates are bytes or parameters per se
 from __future__ import annotations
 
 import hashlib
-import logging
 import json
+import logging
 import os
 import statistics
 import time
@@ -36,11 +36,11 @@ from protrain_fx.profile.cache import (
 )
 from protrain_fx.profile.device import (
     COPY_BYTES,
-    card_rates,
     DEVICE_STEP_PARAMS,
     LAYOUT_STEP_CHUNKS,
     _cuda_copy_rates,
     _device_step_bytes_per_s,
+    card_rates,
     device_step_spans,
     layout_key,
 )
@@ -53,6 +53,7 @@ from protrain_fx.profile.host import (
     wait_for_quiet_cpus,
 )
 from protrain_fx.profile.ops import compute_load, distinct_calls
+from protrain_fx.runtime.host_memory import available_host_bytes
 from protrain_fx.search import problem
 
 log = logging.getLogger("protrain_fx")
@@ -309,7 +310,6 @@ def device_step_rate(
     got = rates.get(key)
     if not refresh and isinstance(got, dict) and (rate := _median_rate([got.get("device_step_bytes_per_s")])):
         return rate
-    from protrain_fx.runtime.host_memory import available_host_bytes
 
     n = sum(parts)
     need = (LAYOUT_STEP_CHUNKS + 1) * n * 18  # fp32 master and moments, working copy, gradient

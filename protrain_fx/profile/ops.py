@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import flop_registry
 
 from protrain_fx import meta, progress
+from protrain_fx.profile.cache import _write_json, cache_path, device_name
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,6 @@ def ops_cache_path(
     """The JSON file of ``device``'s op times: ``ops-<device name>-torch<version>.json`` next to the
     machine profile (``profile/cache.cache_path``); ``ops-prefilled-...`` for times taken with the device
     kept busy (:func:`time_node`'s ``prefill``), which are not the same readings."""
-    from protrain_fx.profile.cache import cache_path
-
     machine_file = cache_path(device, cache)
     prefix = "ops-prefilled-" if prefill else "ops-"
     return machine_file.with_name(prefix + machine_file.name.removeprefix("machine-"))
@@ -143,7 +142,6 @@ def measure_op_times(
     missing = [sig for sig in first if sig not in known]
     if not missing:
         return known
-    from protrain_fx.profile.cache import device_name
 
     progress.note(f"protrain_fx: timing {len(missing)} matrix/attention ops on {device_name(device)} "
                   f"(once, cached in {path})")
@@ -338,8 +336,6 @@ def _read(path: Path) -> dict[str, float]:
 
 
 def _write(path: Path, times: dict[str, float], device: torch.device) -> None:
-    from protrain_fx.profile.cache import _write_json, device_name
-
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_json(path, {
         "version": CACHE_VERSION,

@@ -18,14 +18,15 @@ before the switch stay as they are; later ones expand.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from protrain_fx import settings
 
 log = logging.getLogger("protrain_fx")
 
 #: The environment variables through which PyTorch reads the allocator's configuration.
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+ALLOC_CONF_VARS = settings.ALLOC_CONF
 
 #: Process-wide, as the allocator setting it records: ``state.reset()`` leaves it, the allocator stays switched.
 _switched = False
@@ -33,7 +34,7 @@ _switched = False
 
 def user_chose_segments() -> bool:
     """Whether the environment already says ``expandable_segments`` (either way)."""
-    return any("expandable_segments" in os.environ.get(name, "") for name in ALLOC_CONF_VARS)
+    return "expandable_segments" in settings.allocator_conf()
 
 
 def expandable_segments(device: torch.device | str | None) -> bool:

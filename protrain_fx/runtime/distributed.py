@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from protrain_fx import settings
+
 T = TypeVar("T")
 
 
@@ -61,8 +63,7 @@ def current() -> Group | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world, rank = dist.get_world_size(), dist.get_rank()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(local_world, 1)))
+    local_world, local_rank = settings.local_ranks(world, rank)
     return Group(world, rank, local_rank, local_world, str(dist.get_backend()))
 
 

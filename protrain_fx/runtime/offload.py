@@ -1,4 +1,5 @@
-"""``protrain_fx.offload(model, optimizer, ...)``: train a model whose parameters do not fit the GPU.
+"""The handle behind ``protrain_fx.offload(model, optimizer, ...)`` (``protrain_fx/api.py``): train a
+model whose parameters do not fit the GPU.
 
     handle = protrain_fx.offload(model, optimizer, device="cuda")   # before torch.compile
     compiled = torch.compile(model, backend="protrain", options={"memory_budget": "24GiB"})
@@ -22,8 +23,8 @@ import gc
 import logging
 import re
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,13 +39,11 @@ from protrain_fx.chunks import (
     pack,
 )
 from protrain_fx.errors import UnsupportedError
-from protrain_fx.integrations.checkpointing import library_checkpointing_off
-from protrain_fx.integrations.loss_type import name_default_loss_type
 from protrain_fx.runtime import chunk_ops, distributed, shard
 from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.runtime.buffer_pool import ChunkBufferPool
 from protrain_fx.runtime.checkpoint import Checkpoints, install_state_hooks
-from protrain_fx.runtime.chunk_store import GRAD_POOL, ChunkStore
+from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.runtime.clipping import (
     HeldNorms,
     clip_grad_norm,
@@ -55,7 +54,11 @@ from protrain_fx.runtime.device_adam import DeviceAdamW
 from protrain_fx.runtime.grad_sync import GradAverager
 from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
 from protrain_fx.runtime.landing import Landing
-from protrain_fx.runtime.offload_checks import AUTO, check_hand_counts, checked_settings, checked_sizes
+from protrain_fx.runtime.offload_options import (
+    OffloadOptions,
+    check_hand_counts,
+    checked_model,
+)
 from protrain_fx.runtime.shells import (
     empty_shell,
     guard_shells,
@@ -75,65 +78,42 @@ _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 class OffloadHandle(Checkpoints, Landing):
     """The state behind one offloaded model (see the module docstring)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        n_persist: int | Literal["auto"] = AUTO,
-        n_buffer: int | Literal["auto"] = AUTO,
-        device: torch.device | str,
-        chunk_bytes: int | None = None,
-        compute_dtype: torch.dtype | None = None,
-        available_host_bytes: int | None = None,
-        init: Callable[[str, torch.Tensor], None] | Literal["model"] | None = None,
-        n_gpu_optim: int | Literal["auto"] | None = None,
-        n_lean: int | Literal["auto"] = "auto",
-        grad_pool: int = GRAD_POOL,
-        grad_clipping: bool | None = None,
-    ) -> None:
-        self.device = torch.device(device)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: OffloadOptions) -> None:
+        assert options.init != "model", "init='model' is resolved to a function before the handle (protrain_fx/api.py)"
+        #: ``offload()``'s settings, checked (:class:`~protrain_fx.runtime.offload_options.OffloadOptions`).
+        self.options = options
+        self.device = options.device
         #: The process group when data-parallel (more than one rank), else ``None``.
         self.group = distributed.check_device(self.device)
-        named, init = checked_settings(model, optimizer, self.device, (n_persist, n_buffer, n_gpu_optim),
-                                       compute_dtype, grad_clipping, init)
-        chunk_bytes = checked_sizes(chunk_bytes, n_lean, grad_pool)
-        auto = n_persist == AUTO
-        self.layout = _layout(named, chunk_bytes, self.group)
+        named = checked_model(model, optimizer, options)
+        auto = options.automatic
+        self.layout = _layout(named, options.chunk_bytes, self.group)
         distributed.agree({
-            "counts (n_persist, n_buffer, n_gpu_optim, n_lean)": (n_persist, n_buffer, n_gpu_optim, n_lean),
-            "chunk_bytes": (chunk_bytes, self.layout.chunk_bytes),
-            "compute_dtype": str(compute_dtype),
+            "counts (n_persist, n_buffer, n_gpu_optim, n_lean)": (
+                options.n_persist, options.n_buffer, options.n_gpu_optim, options.n_lean),
+            "chunk_bytes": (options.chunk_bytes, self.layout.chunk_bytes),
+            "compute_dtype": str(options.compute_dtype),
             "model (parameter names, shapes, dtypes)": distributed.fingerprint(named),
-            "grad_clipping, grad_pool": (grad_clipping, grad_pool),
+            "grad_clipping, grad_pool": (options.grad_clipping, options.grad_pool),
         }, "protrain_fx.offload(...)")
         if not auto and self.group is None:  # data-parallel: every chunk on the device is a use of its own
-            check_hand_counts(self.layout, n_persist)
-        if self.group is not None and available_host_bytes is None:
-            available_host_bytes = shard.node_share(self.group)
+            check_hand_counts(self.layout, options.n_persist)
+        if self.group is not None and options.available_host_bytes is None:
+            self.options = options = options.replace(available_host_bytes=shard.node_share(self.group))
         self.optimizer = optimizer
         self._named = named
         #: Parameters frozen at offload: the store keeps no optimizer state for them.
         self._frozen = frozenset(name for name, p in named.items() if not p.requires_grad)
-        self._settings = {
-            "compute_dtype": compute_dtype,
-            "available_host_bytes": available_host_bytes,
-            "init": init,
-            "n_lean": n_lean,
-            "grad_pool": grad_pool,
-        }
         expandable_segments(self.device)  # before the chunks' buffers are allocated
         self._init_placement()
-        self._init_step_state(grad_clipping)
+        self._init_step_state(options.grad_clipping)
         if auto:
             self._defer()
-        else:
-            self._build(n_persist, n_buffer, n_gpu_optim or 0)  # (refused counts raise before anything moves)
+        else:  # (refused counts raise before anything moves)
+            self._build(options.n_persist, options.n_buffer, options.n_gpu_optim or 0)
         # Only once the chunks are placed (or deferred) do the model and the optimizer get their hooks:
         # a refused offload(...) leaves both as they were.
         self._attach(model, optimizer)
-        library_checkpointing_off(model, "offload")  # before Dynamo traces it: the backend plans recompute
-        name_default_loss_type(model)  # a Hugging Face loss lookup that warns would break the graph
         # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
         # with the way out, before the first op reads one; so is a module of the model that a frame
         # Dynamo gave up on runs eagerly inside the compiled call.
@@ -234,7 +214,7 @@ class OffloadHandle(Checkpoints, Landing):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of the chunk buffers the graphs read (``compute_dtype``, else the parameters')."""
-        return self._settings["compute_dtype"] or self.param_dtype
+        return self.options.compute_dtype or self.param_dtype
 
     @property
     def configured(self) -> bool:
@@ -328,19 +308,19 @@ class OffloadHandle(Checkpoints, Landing):
             self.layout.chunk_bytes, tuple(Chunk(i, c.slots) for i, c in enumerate(offloaded))
         )
         host_names = {n for c in offloaded for s in c.slots for n in s.param.names}
-        settings = self._settings
-        n_lean = settings["n_lean"]
+        options = self.options
+        n_lean = options.n_lean
         if self._sources is not None and n_lean != "auto":  # counts chosen by the backend: at most all lean
             n_lean = min(n_lean, len(offloaded))  # as lean_counts() told the cost model
         self.store = shard.store_on_every_rank(self.group, lambda: ChunkStore(
             host_layout,
             {n: source(n) for n in named if n in host_names},
-            compute_dtype=settings["compute_dtype"],
+            compute_dtype=options.compute_dtype,
             pin_memory=self.device.type == "cuda",
-            available_bytes=settings["available_host_bytes"],
-            init=settings["init"],
+            available_bytes=options.available_host_bytes,
+            init=options.init,
             n_lean=n_lean,
-            grad_pool=settings["grad_pool"],
+            grad_pool=options.grad_pool,
             shard=(self.group.rank, self.group.world_size) if self.group is not None else None,
             fill=fill,  # (counts by hand: filled from the parameters before they become shells below)
         )) if offloaded else None
@@ -370,7 +350,7 @@ class OffloadHandle(Checkpoints, Landing):
             elif src.is_meta:  # a persistent parameter of a meta model: materialised on the device
                 value = torch.empty(src.shape, dtype=src.dtype, device=self.device)
                 with torch.no_grad():
-                    settings["init"](name, value)
+                    options.init(name, value)
                 set_data(p, value)
             elif src is not p or p.device != self.device:
                 set_data(p, src.detach().to(self.device))
@@ -533,11 +513,11 @@ class OffloadHandle(Checkpoints, Landing):
         make lean (its rule, ``runtime/chunk_store.auto_lean``, for the host memory available now;
         ``n_lean=K``: ``K``, or every offloaded chunk when fewer are offloaded). For the cost model,
         before anything is placed."""
-        chunks, settings = self.layout.chunks, self._settings
-        n_lean = settings["n_lean"]
+        chunks, options = self.layout.chunks, self.options
+        n_lean = options.n_lean
         if n_lean != "auto":
             return tuple(min(n_lean, len(chunks) - p) for p in range(len(chunks) + 1))
-        available = settings["available_host_bytes"]
+        available = options.available_host_bytes
         if available is None:
             available = available_host_bytes()
         itemsize = self.param_dtype.itemsize
@@ -545,7 +525,7 @@ class OffloadHandle(Checkpoints, Landing):
         trainable = [any(self._named[s.param.names[0]].requires_grad for s in c.slots) for c in chunks]
         compute = self.compute_dtype.itemsize
         return tuple(
-            auto_lean(numel, trainable[p:], compute, available, settings["grad_pool"]) for p in range(len(chunks) + 1)
+            auto_lean(numel, trainable[p:], compute, available, options.grad_pool) for p in range(len(chunks) + 1)
         )
 
     def close(self) -> None:
@@ -561,76 +541,6 @@ class OffloadHandle(Checkpoints, Landing):
         if self.grad_sync is not None:
             self.grad_sync.close()
         chunk_ops.unregister_deferred(self)
-
-def offload(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    n_persist: int | Literal["auto"] = AUTO,
-    n_buffer: int | Literal["auto"] = AUTO,
-    device: torch.device | str = "cuda",
-    chunk_bytes: int | None = None,
-    compute_dtype: torch.dtype | None = None,
-    available_host_bytes: int | None = None,
-    init: Callable[[str, torch.Tensor], None] | Literal["model"] | None = None,
-    n_gpu_optim: int | Literal["auto"] | None = None,
-    n_lean: int | Literal["auto"] = "auto",
-    grad_pool: int = GRAD_POOL,
-    grad_clipping: bool | None = None,
-) -> OffloadHandle:
-    """Put ``model``'s parameters into chunks (see the module docstring); call before ``torch.compile``.
-
-    ``n_persist``, ``n_buffer`` and ``n_gpu_optim`` left out (``"auto"``): the backend chooses them,
-    with the activation plan, when it compiles the model's first training graph: the fastest counts
-    whose predicted peak fits the ``memory_budget`` option (or, on a CUDA device without one, what
-    the process can reach there; ``planner/offload.py``). Until then every parameter is a
-    device tensor without bytes and its values wait in host memory (or on ``meta``, for ``init``).
-    Given by hand: ``n_persist`` and ``n_buffer`` together (``n_gpu_optim`` then defaults to 0).
-
-    A model built on the ``meta`` device is materialised straight into the chunks: ``init(name,
-    tensor)`` fills each parameter (first of its names when tied) in place, in the host chunk for
-    offloaded ones, on ``device`` for persistent ones. Host memory then peaks at the chunk store,
-    never at a whole second copy of the model. ``init="model"``: the model's own initialisation
-    (a Hugging Face model's ``_init_weights``, else each module's ``reset_parameters()``), its
-    ``meta`` buffers (rotary ``inv_freq``) recomputed on ``device``
-    (:mod:`protrain_fx.integrations.model_init`).
-
-    ``n_gpu_optim``: the first that many offloaded chunks (the last of backward, the first of the
-    next forward) are stepped on the device instead of the CPU, their fp32 states streamed through
-    it (``runtime/device_adam.py``): the CPU steps fewer chunks and forward waits less.
-
-    ``n_lean``: the last that many offloaded chunks keep no compute-dtype copy on the host (12
-    instead of 14 bytes per parameter; the device fetches their fp32 master, twice the bytes) and
-    land their gradients in ``grad_pool`` shared host buffers. ``"auto"`` (default): none when the
-    store fits the host with 8 GiB to spare, else the fewest that fit (``handle.n_lean`` says how
-    many); a host too small even then is refused with the bytes needed.
-
-    ``grad_clipping``: whether the training loop calls ``torch.nn.utils.clip_grad_norm_`` (which
-    then clips over every chunk: :meth:`OffloadHandle.clip_grad_norm_`). The offloaded chunks'
-    steps then wait for the end of backward instead of overlapping it. ``None`` (default): learned
-    at the first optimizer step, which waits; ``True``: always wait (a loop that starts clipping
-    later); ``False``: never wait, and a clip raises.
-
-    The model gets a ``forward`` of its own (:func:`own_forward_code`): a second model of the same
-    class offloaded in the process (a notebook cell run again) is compiled for its own chunks."""
-    handle = OffloadHandle(
-        model,
-        optimizer,
-        n_persist=n_persist,
-        n_buffer=n_buffer,
-        device=device,
-        chunk_bytes=chunk_bytes,
-        compute_dtype=compute_dtype,
-        available_host_bytes=available_host_bytes,
-        init=init,
-        n_gpu_optim=n_gpu_optim,
-        n_lean=n_lean,
-        grad_pool=grad_pool,
-        grad_clipping=grad_clipping,
-    )
-    own_forward_code(model)
-    return handle
-
 
 def own_forward_code(model: nn.Module) -> None:
     """Bind to ``model`` a copy of its ``forward`` with a code object of its own. Dynamo keys compiled

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "protrain_fx"
 
 #: Layer -> layers it must not import (a module's layer is its folder, or its own name at the top).
 FORBIDDEN = {
-    "runtime": {"passes", "planner", "search", "profile", "analysis", "inspect", "backend", "capture"},
+    "runtime": {"passes", "planner", "search", "profile", "analysis", "inspect", "backend", "capture", "integrations",
+                "api"},
     "analysis": {"planner", "passes", "profile", "inspect", "backend", "runtime"},
     "search": {"analysis", "planner", "passes", "profile", "inspect", "backend", "capture", "runtime"},
     "profile": {"planner", "passes", "inspect", "backend", "capture"},
@@ -24,6 +25,8 @@ FORBIDDEN = {
                  "state", "config", "errors", "plan", "meta", "machine", "chunks", "integrations"},
     "state": {"analysis", "planner", "passes", "profile", "search", "inspect", "backend", "runtime", "capture"},
 }
+for _forbidden in FORBIDDEN.values():  # api.py (offload()) sits above every layer: only the root imports it
+    _forbidden.add("api")
 
 
 def _modules() -> dict[str, Path]:
@@ -36,7 +39,9 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the package modules it imports anywhere in its source."""
+    """Module -> the package modules it imports anywhere in its source. ``from protrain_fx import X``
+    is an edge to the submodule ``X`` where there is one, else to the package root (which must then
+    have run far enough to define ``X``: the hidden cycle of a root that imports its users)."""
     edges: dict[str, set[str]] = {m: set() for m in modules}
     for m, f in modules.items():
         package = m if f.name == "__init__.py" else m.rsplit(".", 1)[0]
@@ -49,13 +54,35 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
                 if node.level:
                     parts = package.split(".")
                     base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             for name in names:
                 while name and name not in modules:
                     name = name.rsplit(".", 1)[0] if "." in name else ""
-                if name and name != m and name != "protrain_fx":
+                if name and name != m:
                     edges[m].add(name)
     return edges
+
+
+def _imports_inside_functions() -> list[tuple[str, int, str]]:
+    """(file, line, the line and the one above) of every package import made inside a function."""
+    found = []
+    for f in sorted(PACKAGE.rglob("*.py")):
+        lines = f.read_text().splitlines()
+        tree = ast.parse(f.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                ours = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("protrain_fx"))) \
+                    or (isinstance(node, ast.Import) and any(a.name.startswith("protrain_fx") for a in node.names))
+                if ours:
+                    # the comment above a group of imports covers the group; else one on the line
+                    above = node.lineno - 2
+                    while above > 0 and lines[above].strip().startswith(("from ", "import ")):
+                        above -= 1
+                    found.append((str(f.relative_to(PACKAGE.parent)), node.lineno,
+                                  lines[above] + "\n" + "\n".join(lines[node.lineno - 1:node.end_lineno])))
+    return found
 
 
 def _layer(module: str) -> str:
@@ -83,6 +110,15 @@ def test_no_import_cycle() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_imports_inside_functions_are_few_and_each_says_why() -> None:
+    """An import inside a function hides a dependency from the module's head; the few left (an
+    optional package's integration, the package root kept light) carry their reason beside them."""
+    inside = _imports_inside_functions()
+    assert len(inside) <= 10, "imports inside functions: " + ", ".join(f"{f}:{n}" for f, n, _ in inside)
+    silent = [f"{f}:{n}" for f, n, text in inside if "#" not in text]
+    assert not silent, "imports inside functions without their reason beside them: " + ", ".join(silent)
+
+
 def test_imports_follow_the_data_flow() -> None:
     edges = _imports(_modules())
     wrong = [
@@ -105,3 +141,18 @@ def test_the_cost_model_and_the_search_import_neither_torch_nor_fx() -> None:
 def test_no_module_is_over_700_lines() -> None:
     long = {f.name: n for f in PACKAGE.rglob("*.py") if (n := len(f.read_text().splitlines())) > 700}
     assert not long, long
+
+
+def test_the_environment_is_read_in_the_settings_module_only() -> None:
+    """Every environment variable the package reads is read in ``settings.py`` (one place to find
+    them, one API for tests to change them), which imports nothing of the package."""
+    reads = []
+    for f in sorted(PACKAGE.rglob("*.py")):
+        if f == PACKAGE / "settings.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv")
+                    and isinstance(node.value, ast.Name) and node.value.id == "os"):
+                reads.append(f"{f.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not reads, "the environment read outside settings.py: " + ", ".join(reads)
+    assert not _imports(_modules())["protrain_fx.settings"]

@@ -733,6 +733,25 @@ def test_auto_makes_the_fewest_last_chunks_lean_that_fit_the_host():
                             device="cpu", chunk_bytes=CHUNK, n_lean=999)
 
 
+def test_the_settings_are_one_options_object_checked_when_made():
+    """offload()'s keywords are the fields of OffloadOptions: an object made once serves several calls,
+    keywords beside it replace its fields, an unknown keyword names the accepted ones, and a bad value
+    is refused when the object is made, before any model is touched."""
+    from protrain_fx.api import OffloadOptions
+
+    with pytest.raises(ValueError, match="grad_pool must be at least 1, got 0"):
+        OffloadOptions(device="cpu", grad_pool=0)
+    options = OffloadOptions(n_persist=1, n_buffer=2, device="cpu", chunk_bytes="64KiB")
+    assert options.chunk_bytes == CHUNK and options.device == torch.device("cpu") and not options.automatic
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match=r"'n_persit'.*n_persist, n_buffer, device"):
+        protrain_fx.offload(model, opt, options, n_persit=2)
+    handle = protrain_fx.offload(model, opt, options, n_persist=0)
+    assert handle.options == options.replace(n_persist=0) and handle.n_persist == 0 and handle.n_buffer == 2
+    handle.close()
+
+
 def test_a_refused_offload_leaves_the_model_and_optimizer_as_they_were():
     """Counts refused by hand (found only once the layout is known) leave no hook behind: the model
     and optimizer then offload, save and step as if the refused call had not been made."""
