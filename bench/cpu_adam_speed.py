@@ -1,4 +1,4 @@
-"""CPU optimizer throughput of a host chunk (``protrain_fx.runtime.cpu_adam``) against torch's own
+"""CPU optimizer throughput of a host chunk (``protrain_fx.runtime.optim.cpu_adam``) against torch's own
 fused CPU AdamW on plain fp32 parameters of the same size: parameters per second, per slice size.
 
     python bench/cpu_adam_speed.py --params 200e6 --out OUT   # prints a table, writes OUT/cpu_adam.json
@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from protrain_fx.chunks import ParamInfo, pack  # noqa: E402
-from protrain_fx.runtime.chunk_store import ChunkStore  # noqa: E402
-from protrain_fx.runtime.cpu_adam import ChunkAdamW  # noqa: E402
+from protrain_fx.runtime.store.chunk_store import ChunkStore  # noqa: E402
+from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW  # noqa: E402
 
 
 def best_rate(fn, n: int, repeats: int, setup=lambda: None) -> float:

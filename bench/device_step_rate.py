@@ -1,10 +1,10 @@
-"""How fast offloaded chunks' optimizer steps stream through the GPU (``runtime/device_adam.py``),
+"""How fast offloaded chunks' optimizer steps stream through the GPU (``runtime/optim/device_adam.py``),
 against the copy rates the cost model builds them from. GPU only.
 
     python bench/device_step_rate.py [--params 226M] [--chunks 3] [--out FILE.json]
 
 Steps ``--chunks`` chunks of ``--params`` fp32 parameters (bf16 working copies, pinned store) one
-after another through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW`, as backward issues
+after another through :class:`~protrain_fx.runtime.optim.device_adam.DeviceAdamW`, as backward issues
 them, and times them from the first copy in to the last copy out: the profiler's own measurement
 (``profile.device.device_step_spans``), in each of these scenarios:
 

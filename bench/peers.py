@@ -502,7 +502,7 @@ def _build_offload(spec: str, size: str, device: str, accumulate: int = 1) -> tu
                                    host_bytes_per_param=handle.host_bytes_per_param())
         worker, device_adam = handle.worker, handle.device_adam
         if events and device_adam is not None and device_adam.timing is None:
-            device_adam.timing = []  # time each device step (runtime/device_adam.py)
+            device_adam.timing = []  # time each device step (runtime/optim/device_adam.py)
         if not events and device_adam is not None:
             device_adam.timing = None
         if events:
@@ -527,7 +527,7 @@ def _build_offload(spec: str, size: str, device: str, accumulate: int = 1) -> tu
                 "backward_s": events[1].elapsed_time(events[2]) / 1e3,
                 "gpu_optimizer_s": events[2].elapsed_time(events[3]) / 1e3,
                 "cpu_optimizer_busy_s": busy - last_busy[0],  # steps run since the last call's end
-                # backward's thread waiting for GPU optimizer steps in flight (runtime/device_adam.py)
+                # backward's thread waiting for GPU optimizer steps in flight (runtime/optim/device_adam.py)
                 "device_optimizer_wait_s": (device_adam.wait_s if device_adam else 0.0) - last_wait[0],
                 # backward's thread waiting for a lean chunk's gradient landing buffer
                 "landing_wait_s": handle.landing_wait_s - last_landing[0],

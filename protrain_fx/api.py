@@ -1,5 +1,5 @@
 """The user's calls that join the layers: :func:`offload` puts a model's parameters into chunks
-(the runtime's :class:`~protrain_fx.runtime.offload.OffloadHandle`) and adapts the model to being
+(the runtime's :class:`~protrain_fx.runtime.offload.handle.OffloadHandle`) and adapts the model to being
 compiled by the backend with what the integrations know of its library (its own initialisation,
 a library's activation checkpointing turned off, a Hugging Face loss lookup named). The runtime
 imports no integration: this module is where the two meet.
@@ -16,8 +16,8 @@ from torch import nn
 from protrain_fx.integrations.checkpointing import library_checkpointing_off
 from protrain_fx.integrations.loss_type import name_default_loss_type
 from protrain_fx.integrations.model_init import model_init
-from protrain_fx.runtime.offload import OffloadHandle, own_forward_code
-from protrain_fx.runtime.offload_options import OffloadOptions, checked_model
+from protrain_fx.runtime.offload.handle import OffloadHandle, own_forward_code
+from protrain_fx.runtime.offload.options import OffloadOptions, checked_model
 
 __all__ = ["OffloadOptions", "offload"]
 
@@ -27,7 +27,7 @@ KEYWORDS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
 
 def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: OffloadOptions | None = None,
             **keywords: Any) -> OffloadHandle:
-    """Put ``model``'s parameters into chunks (:mod:`protrain_fx.runtime.offload`); call before
+    """Put ``model``'s parameters into chunks (:mod:`protrain_fx.runtime.offload.handle`); call before
     ``torch.compile``. The settings are keywords, or one :class:`OffloadOptions` (keywords given
     beside it replace its fields); each is checked before anything moves.
 
@@ -48,7 +48,7 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: Offload
 
     ``n_gpu_optim``: the first that many offloaded chunks (the last of backward, the first of the
     next forward) are stepped on the device instead of the CPU, their fp32 states streamed through
-    it (``runtime/device_adam.py``): the CPU steps fewer chunks and forward waits less.
+    it (``runtime/optim/device_adam.py``): the CPU steps fewer chunks and forward waits less.
 
     ``n_lean``: the last that many offloaded chunks keep no compute-dtype copy on the host (12
     instead of 14 bytes per parameter; the device fetches their fp32 master, twice the bytes) and

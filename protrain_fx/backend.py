@@ -59,7 +59,8 @@ from protrain_fx.inspect import structured
 from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
 from protrain_fx.planner.plan_cache import judgments, plan_key, reuse_or_choose
 from protrain_fx.profile.machine_profile import card_machine
-from protrain_fx.runtime import chunk_ops, distributed
+from protrain_fx.runtime.offload import chunk_ops
+from protrain_fx.runtime.parallel import distributed
 from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.state import STATE
 

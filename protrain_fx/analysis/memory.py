@@ -272,9 +272,9 @@ def chunk_pool_bytes(step: StepGraphs) -> dict[int, int]:
     for hid in sorted({n.args[0] for n in _gather_nodes(step)}):
         facts = step.offload[hid]
         out[hid] = facts.pool_bytes
-        if facts.fetch_staging_bytes:  # lean chunks' fp32 fetches (runtime/buffer_pool.py)
+        if facts.fetch_staging_bytes:  # lean chunks' fp32 fetches (runtime/store/buffer_pool.py)
             out[hid] += _round(facts.fetch_staging_bytes, granule)
-        if facts.device_step_staging_bytes:  # the device steps' staging slices (runtime/device_adam.py)
+        if facts.device_step_staging_bytes:  # the device steps' staging slices (runtime/optim/device_adam.py)
             out[hid] += _round(facts.device_step_staging_bytes, granule)
     return out
 

@@ -103,7 +103,7 @@ class ProTrainTrainer(transformers.Trainer):
         self._offload_kwargs: dict[str, Any] | None = (
             dict(offload) if isinstance(offload, Mapping) else {} if offload else None
         )
-        #: The :class:`~protrain_fx.runtime.offload.OffloadHandle` once the optimizer is built (offload only).
+        #: The :class:`~protrain_fx.runtime.offload.handle.OffloadHandle` once the optimizer is built (offload only).
         self.handle = None
         #: The backend's plan (a :class:`~protrain_fx.inspect.report.StepReport`) after the first training step.
         self.plan_report = None

@@ -1,7 +1,7 @@
 """Chunk rewrite: graphs read host-stored parameters from chunk buffers, and hand their gradients back.
 
 Runs on the partitioned graphs when some forward inputs are parameters an offload handle holds
-(``runtime/offload.py``; the model keeps them as device tensors with no bytes). Per chunk and graph:
+(``runtime/offload/handle.py``; the model keeps them as device tensors with no bytes). Per chunk and graph:
 
 * ``chunk_gather`` before the first node that reads one of the chunk's parameters, each parameter
   then a view of the returned flat buffer, made where the parameter is first read (cast to the
@@ -32,7 +32,7 @@ from torch._guards import detect_fake_mode
 from protrain_fx import meta
 from protrain_fx.errors import TooFewBuffers
 from protrain_fx.passes.param_casts import is_dtype_cast
-from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.offload import chunk_ops
 
 _ops = torch.ops.protrain
 

@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx import meta
-from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.offload import chunk_ops
 
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 

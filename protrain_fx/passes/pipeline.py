@@ -39,7 +39,8 @@ from protrain_fx.capture import CapturedGraph, PassRecord
 from protrain_fx.machine import machine_for
 from protrain_fx.passes import annotate, gather, param_casts, swap
 from protrain_fx.plan import Plan
-from protrain_fx.runtime import chunk_ops, device_adam
+from protrain_fx.runtime.offload import chunk_ops
+from protrain_fx.runtime.optim import device_adam
 
 log = logging.getLogger("protrain_fx")
 

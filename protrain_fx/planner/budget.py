@@ -22,7 +22,7 @@ import torch.fx as fx
 from protrain_fx import meta
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
-from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.offload import chunk_ops
 from protrain_fx.search.search import NoPlanFits
 
 log = logging.getLogger("protrain_fx")

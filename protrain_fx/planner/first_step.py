@@ -37,14 +37,14 @@ from protrain_fx.planner.rates import (
 from protrain_fx.planner.result import AutoPlan, PeakCheck
 from protrain_fx.planner.verify import RAISE_MIN_GAIN
 from protrain_fx.profile import cache as profile_cache
-from protrain_fx.runtime import distributed
+from protrain_fx.runtime.parallel import distributed
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config
 from protrain_fx.state import STATE
 
 log = logging.getLogger("protrain_fx")
 if TYPE_CHECKING:
-    from protrain_fx.runtime.offload import OffloadHandle
+    from protrain_fx.runtime.offload.handle import OffloadHandle
 
 
 #: The clock of those starts (a test drives it).

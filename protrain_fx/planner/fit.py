@@ -33,7 +33,7 @@ from protrain_fx.planner import activations, reserve, result, verify
 from protrain_fx.planner import offload as planner_offload
 from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
 from protrain_fx.planner.reserve import outside_reserve
-from protrain_fx.runtime.host_memory import HostMemoryError
+from protrain_fx.runtime.store.host_memory import HostMemoryError
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import block_plan
 from protrain_fx.search.search import NoPlanFits

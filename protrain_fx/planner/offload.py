@@ -89,15 +89,16 @@ from protrain_fx.profile.machine_profile import (
     device_step_rate,
     measure_machine,
 )
-from protrain_fx.runtime import chunk_ops, distributed
-from protrain_fx.runtime.buffer_pool import FETCH_SLICE_ELEMS
+from protrain_fx.runtime.offload import chunk_ops
+from protrain_fx.runtime.parallel import distributed
+from protrain_fx.runtime.store.buffer_pool import FETCH_SLICE_ELEMS
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.spread import RATE_SPREAD, expected_estimate, steadiest_gpu_optim
 from protrain_fx.search.problem import Config, MachineProfile, Problem, block_plan
 from protrain_fx.search.search import NoPlanFits, SearchResult, search
 
 if TYPE_CHECKING:
-    from protrain_fx.runtime.offload import OffloadHandle
+    from protrain_fx.runtime.offload.handle import OffloadHandle
 
 log = logging.getLogger("protrain_fx")
 
@@ -339,7 +340,7 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
     lean = handle.lean_counts()
     if lean[0]:
         # a lean chunk is fetched from its fp32 master (through an fp32 staging slice on CUDA when the
-        # compute dtype is narrower: runtime/buffer_pool.py)
+        # compute dtype is narrower: runtime/store/buffer_pool.py)
         numel = handle.layout.chunk_bytes // param_size
         staged = device.type == "cuda" and handle.compute_dtype != torch.float32
         problem = dataclasses.replace(

@@ -70,7 +70,7 @@ from protrain_fx.profile.cache import (
     read_json,
     write_json,
 )
-from protrain_fx.runtime import distributed
+from protrain_fx.runtime.parallel import distributed
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config, Problem, block_plan
 from protrain_fx.search.spread import expected_estimate
@@ -78,7 +78,7 @@ from protrain_fx.state import STATE
 from protrain_fx.version import __version__
 
 if TYPE_CHECKING:
-    from protrain_fx.runtime.offload import OffloadHandle
+    from protrain_fx.runtime.offload.handle import OffloadHandle
 
 log = logging.getLogger("protrain_fx")
 

@@ -25,8 +25,8 @@ from protrain_fx.analysis.swappable import swap_candidates
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
 from protrain_fx.profile.ops import measure_op_times, op_signature
-from protrain_fx.runtime import distributed
-from protrain_fx.runtime.device_adam import DEVICE_SLICE_ELEMS, N_SETS
+from protrain_fx.runtime.parallel import distributed
+from protrain_fx.runtime.optim.device_adam import DEVICE_SLICE_ELEMS, N_SETS
 from protrain_fx.search import problem
 
 #: Adam-family optimizers keep two fp32 moments per parameter (the cost model's Adam state); the

@@ -2,7 +2,7 @@
 
 The machine profile (``profile/machine_profile.py``, ``measure_machine``) measures the two rates an
 offloaded step pays on every step with stand-ins for training around them: the CPU step of one chunk
-under copy traffic and kernel launches, and device steps (``runtime/device_adam.py``) beside matrix
+under copy traffic and kernel launches, and device steps (``runtime/optim/device_adam.py``) beside matrix
 products. Training reaches neither exactly: the device steps run slower beside the model's own
 kernels than beside the stand-ins, and the CPU step's rate moves from host to host, enough to put a
 predicted step 10-15% off (``docs/results.md#profiled-rates-against-training``).
@@ -45,7 +45,7 @@ from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Config, Problem
 
 if TYPE_CHECKING:
-    from protrain_fx.runtime.offload import OffloadHandle
+    from protrain_fx.runtime.offload.handle import OffloadHandle
 
 
 #: Training calls of a planned graph whose starts are timed (:func:`watch_first_step`): the step

@@ -1,7 +1,7 @@
 """The collectives of data parallelism, timed at a chunk's size on the default process group and cached.
 
 A sharded fetch ends with an all-gather of the whole chunk and a sharded gradient starts with a
-reduce-scatter of the whole chunk's gradient (``runtime/shard.py``); the cost model prices each as
+reduce-scatter of the whole chunk's gradient (``runtime/parallel/shard.py``); the cost model prices each as
 seconds per chunk (``search.problem.Problem.chunk_all_gather_s`` / ``chunk_reduce_scatter_s``).
 :func:`collective_times` times ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of a chunk
 of the model's size and dtype on the group, as the runtime issues them, and keeps the result in
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from protrain_fx import progress
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.profile.cache import cache_path, read_json, write_json
-from protrain_fx.runtime import distributed
+from protrain_fx.runtime.parallel import distributed
 
 #: Timed rounds of each collective after a warm-up; the median is kept, as training runs them beside
 #: compute and copies and a best-of would read the quiet case.

@@ -25,9 +25,9 @@ from protrain_fx.profile.load import (
     _matmuls_until,
     _sync_until,
 )
-from protrain_fx.runtime.chunk_store import ChunkStore
-from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
-from protrain_fx.runtime.device_adam import DeviceAdamW
+from protrain_fx.runtime.store.chunk_store import ChunkStore
+from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, OptimizerWorker
+from protrain_fx.runtime.optim.device_adam import DeviceAdamW
 
 #: Default bytes of each timed copy (``measure_machine``'s ``copy_bytes``).
 COPY_BYTES = 256 * MiB
@@ -154,7 +154,7 @@ def device_step_spans(
     step_spans: list[float] | None = None, refetch: bool = False,
 ) -> list[float]:
     """Seconds, per round, of ``chunks`` chunks of ``n`` fp32 parameters (bf16 working copies, pinned
-    store) stepped through :class:`~protrain_fx.runtime.device_adam.DeviceAdamW` one after another,
+    store) stepped through :class:`~protrain_fx.runtime.optim.device_adam.DeviceAdamW` one after another,
     as backward issues them: from the first step's first copy in to the last step's last copy out
     (CUDA events), ``repeat`` rounds after a warm-up. Meanwhile, with ``cpu``, the CPU optimizer's
     worker steps another chunk of ``n`` over and over; this thread runs ``beside``: ``"matmul"``

@@ -18,8 +18,8 @@ import torch
 from protrain_fx import progress
 from protrain_fx.chunks import ParamInfo, pack
 from protrain_fx.profile.load import _COPY_LOAD_BYTES, _CopyLoad, _launch_until
-from protrain_fx.runtime.chunk_store import ChunkStore
-from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
+from protrain_fx.runtime.store.chunk_store import ChunkStore
+from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, OptimizerWorker
 
 #: Default parameters of the timed optimizer steps (``measure_machine``'s ``adam_params``).
 ADAM_PARAMS = 16 * 2**20

@@ -53,7 +53,7 @@ from protrain_fx.profile.host import (
     wait_for_quiet_cpus,
 )
 from protrain_fx.profile.ops import compute_load, distinct_calls
-from protrain_fx.runtime.host_memory import available_host_bytes
+from protrain_fx.runtime.store.host_memory import available_host_bytes
 from protrain_fx.search import problem
 
 log = logging.getLogger("protrain_fx")

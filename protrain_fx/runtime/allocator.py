@@ -9,7 +9,7 @@ the capped process runs out of memory with gigabytes reserved but free
 (``docs/results.md#allocator-headroom``). With expandable segments the allocator maps one growing
 segment per stream and frees coalesce, which is PyTorch's own remedy for this fragmentation.
 
-The backend and :func:`~protrain_fx.runtime.offload.offload` switch it on for CUDA work, once per
+The backend and :func:`~protrain_fx.runtime.offload.handle.offload` switch it on for CUDA work, once per
 process, unless the user chose the allocator's configuration (``PYTORCH_CUDA_ALLOC_CONF`` or
 ``PYTORCH_ALLOC_CONF`` naming ``expandable_segments``): an explicit choice is kept. Segments made
 before the switch stay as they are; later ones expand.

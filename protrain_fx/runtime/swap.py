@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-from protrain_fx.runtime.pinned import host_empty
+from protrain_fx.runtime.store.pinned import host_empty
 from protrain_fx.state import STATE
 
 

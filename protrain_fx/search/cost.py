@@ -94,7 +94,7 @@ class CostModel(MemoryModel):
         self.dev_in_bytes = [p.shard_bytes(c.n_params * (4 + p.adam_state_bytes_per_param)) for c in p.chunks]
         self.dev_out_bytes = [x + p.shard_bytes(c.bytes) for x, c in zip(self.dev_in_bytes, p.chunks)]
         self.ag_s, self.rs_s = p.chunk_all_gather_s, p.chunk_reduce_scatter_s  # the collective lane
-        # a persistent chunk's gradient all-reduce (runtime/grad_sync.py): a reduce-scatter and an
+        # a persistent chunk's gradient all-reduce (runtime/parallel/grad_sync.py): a reduce-scatter and an
         # all-gather of its bytes, as the ring algorithm runs it, the measured whole chunk's scaled
         whole = p.buffer_bytes or 1
         self.ar_s = [(self.ag_s + self.rs_s) * c.bytes / whole if c.n_params else 0.0 for c in p.chunks]

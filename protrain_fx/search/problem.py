@@ -33,7 +33,7 @@ class MachineProfile:
     """Rates of the machine. ``duplex_bytes_per_s`` is the total when both copy directions run at once;
     ``gpu_bytes`` is the device's memory (informational: the search takes its budget separately).
     ``device_step_bytes_per_s``: the rate, each way, of an offloaded chunk's optimizer step streamed
-    through the GPU (``runtime/device_adam.py``) as measured beside the CPU optimizer; 0 = not
+    through the GPU (``runtime/optim/device_adam.py``) as measured beside the CPU optimizer; 0 = not
     measured, the shared copy rate (``min(one-way, duplex / 2)``) stands in."""
 
     h2d_bytes_per_s: float
@@ -212,7 +212,7 @@ class Problem:
     lands its gradients; the optimizer steps once, after the last. The cost model prices the whole
     accumulated step (``docs/DESIGN.md#the-cost-model``, "Accumulation"); 1 is one micro-batch a step.
 
-    ``world_size``: ranks of a data-parallel training (``runtime/shard.py``), each holding 1/N of every
+    ``world_size``: ranks of a data-parallel training (``runtime/parallel/shard.py``), each holding 1/N of every
     offloaded chunk: a rank copies 1/N of a chunk each way and steps 1/N of its optimizer work, and
     each fetch ends with an all-gather of the whole chunk (``chunk_all_gather_s`` seconds) and each
     gradient starts with a reduce-scatter of the whole chunk's gradient (``chunk_reduce_scatter_s``),

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx.runtime import distributed
+from protrain_fx.runtime.parallel import distributed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -11,7 +11,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
-from protrain_fx.runtime import distributed
+from protrain_fx.runtime.parallel import distributed
 
 CONFIG = gpt_config("tiny", n_layer=2)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from protrain_fx.runtime import distributed, shard
+from protrain_fx.runtime.parallel import distributed, shard
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import time
 import torch
 
 import protrain_fx
-from protrain_fx.runtime import distributed
-from protrain_fx.runtime.offload import _layout
+from protrain_fx.runtime.parallel import distributed
+from protrain_fx.runtime.offload.handle import _layout
 from tests.distributed import common
 from tests.distributed.ranks import run_ranks
 

@@ -138,6 +138,14 @@ def test_the_cost_model_and_the_search_import_neither_torch_nor_fx() -> None:
             assert not any(n == "torch" or n.startswith("torch.") for n in names), f"{f.name} imports {names}"
 
 
+def test_no_folder_holds_more_than_12_modules() -> None:
+    """A folder is one subsystem a reader takes in at once (``runtime/`` is in rooms for that). The
+    package root, the entry points and the records every layer shares, is not a subsystem."""
+    crowded = {str(d.relative_to(PACKAGE.parent)): n for d in PACKAGE.rglob("*/")
+               if d.is_dir() and (n := len([f for f in d.glob("*.py") if f.name != "__init__.py"])) > 12}
+    assert not crowded, crowded
+
+
 def test_no_module_is_over_700_lines() -> None:
     long = {f.name: n for f in PACKAGE.rglob("*.py") if (n := len(f.read_text().splitlines())) > 700}
     assert not long, long

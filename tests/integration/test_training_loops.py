@@ -555,7 +555,7 @@ def test_torchs_own_clipping_of_an_offloaded_model_is_refused_instead_of_clippin
     """A ``clip_grad_norm_`` imported before ``offload`` (torch's own), ``clip_grads_with_norm_`` with a
     norm from ``get_total_norm`` over ``.grad``, and ``clip_grad_value_`` see only the persistent
     chunks' gradients: refused before any gradient is scaled; the module path still clips exactly."""
-    from protrain_fx.runtime import clipping
+    from protrain_fx.runtime.optim import clipping
 
     model, _, opt, _, handle, compiled = _pair(grad_clipping=True)
     compiled(*_batch(0)).backward()

@@ -138,7 +138,7 @@ def test_budget_too_small_names_a_minimum_that_then_trains():
 
 
 def test_lean_counts_are_what_the_store_makes_at_every_n_persist():
-    from protrain_fx.runtime.host_memory import AUTO_HOST_RESERVE, planned_store_bytes
+    from protrain_fx.runtime.store.host_memory import AUTO_HOST_RESERVE, planned_store_bytes
 
     model = GPT(CONFIG)
     probe = protrain_fx.offload(copy.deepcopy(model), torch.optim.AdamW(model.parameters()), device="cpu",

@@ -220,8 +220,8 @@ def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their
 
 def test_a_chunk_step_counts_its_seconds_and_the_parameters_it_stepped():
     from protrain_fx.chunks import ParamInfo, pack
-    from protrain_fx.runtime.chunk_store import ChunkStore
-    from protrain_fx.runtime.cpu_adam import ChunkAdamW
+    from protrain_fx.runtime.store.chunk_store import ChunkStore
+    from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW
 
     params = {n: torch.nn.Parameter(torch.randn(size)) for n, size in (("a", 300), ("b", 200), ("frozen", 100))}
     params["frozen"].requires_grad_(False)

@@ -63,7 +63,7 @@ def test_problem_from_gpt_record(record, tmp_path):
         assert 0 < b.recompute_chained_s < b.recompute_s
     assert problem.blocks[1].checkpoint_saved_bytes == 2 * 16 * 64 * 4
     # device-step staging of an fp32 model: master, moments, gradient (4 x fp32) and the fp32 copy
-    from protrain_fx.runtime.device_adam import DEVICE_SLICE_ELEMS, N_SETS
+    from protrain_fx.runtime.optim.device_adam import DEVICE_SLICE_ELEMS, N_SETS
 
     assert problem.device_step_bytes == N_SETS * DEVICE_SLICE_ELEMS * (16 + 4)
     # chunks: every chunk used, each block's chunks hold its parameters

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from protrain_fx.chunks import ChunkLayout, dedupe_tied, pack
-from protrain_fx.runtime.buffer_pool import ChunkBufferPool
-from protrain_fx.runtime.chunk_store import ChunkStore
-from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
-from protrain_fx.runtime.host_memory import HostMemoryError, available_host_bytes
+from protrain_fx.runtime.store.buffer_pool import ChunkBufferPool
+from protrain_fx.runtime.store.chunk_store import ChunkStore
+from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, OptimizerWorker
+from protrain_fx.runtime.store.host_memory import HostMemoryError, available_host_bytes
 
 VOCAB, D = 32, 16
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -482,7 +482,7 @@ def test_accumulated_adds_run_on_the_worker_from_two_staging_buffers_and_are_wai
     # two staging buffers; the third landing waits for one, and nothing is added in this thread.
     # The sources are copied at landing (the graph may reuse their memory): overwriting them after
     # does not change the sums, which wait_grad (here through grad_fp32) waits for.
-    from protrain_fx.runtime import grad_adds
+    from protrain_fx.runtime.store import grad_adds
 
     model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
     store = ChunkStore(_layout(model, 64), _named(model), pin_memory=False)
@@ -516,7 +516,7 @@ def test_accumulated_adds_run_on_the_worker_from_two_staging_buffers_and_are_wai
 
 
 def test_a_failed_accumulated_add_is_raised_where_the_gradient_is_waited_for(monkeypatch):
-    from protrain_fx.runtime import grad_adds
+    from protrain_fx.runtime.store import grad_adds
 
     def broken(dsts, srcs):
         raise RuntimeError("no add")
@@ -632,7 +632,7 @@ def test_buffer_pool_refetches_after_a_step_and_fetches_values_while_a_gradient_
 def test_the_worker_leaves_cores_to_the_threads_driving_the_gpu():
     """Its OpenMP team is the process' less two cores (less one on small machines), at least one,
     set on the worker's own thread: the caller's count stays."""
-    from protrain_fx.runtime.cpu_adam import worker_threads
+    from protrain_fx.runtime.optim.cpu_adam import worker_threads
 
     assert [worker_threads(n) for n in (1, 2, 4, 5, 16, 128)] == [1, 1, 3, 3, 14, 126]
     seen = []

@@ -104,8 +104,8 @@ def test_lean_chunks_fetch_the_bits_of_the_working_copy_and_the_analysis_counts_
     # holds), before and after optimizer steps changed the masters. (Whole training runs are not
     # compared bit for bit: the GPU's backward is not deterministic from run to run.)
     from protrain_fx.analysis.memory import chunk_pool_bytes
-    from protrain_fx.runtime import buffer_pool
-    from protrain_fx.runtime import offload as runtime_offload
+    from protrain_fx.runtime.store import buffer_pool
+    from protrain_fx.runtime.offload import handle as runtime_offload
 
     monkeypatch.setattr(buffer_pool, "FETCH_SLICE_ELEMS", 10_000)
     n_chunks = len(runtime_offload._layout(dict(GPT(CONFIG).named_parameters(remove_duplicate=False)), CHUNK).chunks)

@@ -132,7 +132,7 @@ def test_a_cpu_step_that_runs_after_the_scheduler_keeps_its_own_steps_learning_r
     # they read the scheduler's next rate: the loss differed from the second step on).
     import time
 
-    from protrain_fx.runtime import cpu_adam
+    from protrain_fx.runtime.optim import cpu_adam
 
     step_chunk = cpu_adam.ChunkAdamW.step_chunk
 
@@ -176,7 +176,7 @@ def test_training_equals_eager_adamw(n_persist, n_buffer):
 
 @pytest.mark.parametrize(("n_persist", "n_gpu_optim", "slice_elems"), [(0, 1, None), (1, 3, 1000), (0, 99, 64)])
 def test_chunks_stepped_on_the_device_train_exactly_like_eager_adamw(n_persist, n_gpu_optim, slice_elems):
-    # The device step (runtime/device_adam.py) on a CPU "device": states copied out to staging
+    # The device step (runtime/optim/device_adam.py) on a CPU "device": states copied out to staging
     # slices, stepped there, copied back -- the same bits as eager, in slices smaller than a
     # parameter (1000 -> 960 on the kernel's grid; 64: the smallest) or one slice a chunk.
     n_chunks = len(_setup(0, 2)[4].layout.chunks)
@@ -237,7 +237,7 @@ def test_memory_analysis_counts_the_device_steps_in_flight():
     # MAX_IN_FLIGHT steps run at once (make_room), and the analysis counts exactly that: each buffer
     # until just before the one MAX_IN_FLIGHT device chunks later is made.
     from protrain_fx.analysis.memory import grad_staging
-    from protrain_fx.runtime.device_adam import MAX_IN_FLIGHT
+    from protrain_fx.runtime.optim.device_adam import MAX_IN_FLIGHT
 
     _, _, _, _, handle, compiled = _setup(0, 2, n_gpu_optim=4)
     compiled(*_batch(0)).backward()
@@ -306,7 +306,7 @@ def test_gradient_accumulation_equals_the_summed_gradients(settings, monkeypatch
     import threading
     import time
 
-    from protrain_fx.runtime import grad_adds
+    from protrain_fx.runtime.store import grad_adds
 
     settings = dict(settings)
     clip, n_lean = settings.pop("clip", None), settings.pop("n_lean")
@@ -406,7 +406,7 @@ def test_inductor_codegen_trains_like_eager():
 
 def test_inductor_never_reads_a_shells_data_when_it_checks_input_alignment(monkeypatch):
     """On a GPU, Inductor checks the alignment of every graph input it cannot prove aligned, at every
-    call, by its data pointer; a shell's data pointer raises (``runtime/shells.py``). The shells are
+    call, by its data pointer; a shell's data pointer raises (``runtime/offload/shells.py``). The shells are
     parameters, static inputs Inductor proves aligned at compile time, so they are never checked:
     here CPU inputs are checked as GPU ones would be, and training runs."""
     from torch._inductor import compile_fx
@@ -701,7 +701,7 @@ def test_lean_chunks_with_bf16_compute_give_the_working_copys_bits():
 
 
 def test_auto_makes_the_fewest_last_chunks_lean_that_fit_the_host():
-    from protrain_fx.runtime.host_memory import AUTO_HOST_RESERVE, HostMemoryError
+    from protrain_fx.runtime.store.host_memory import AUTO_HOST_RESERVE, HostMemoryError
 
     def handle_with(available, n_lean="auto"):
         torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""Exact-size page-locked host memory (``runtime/pinned.py``): the chunk store's and swap's buffers."""
+"""Exact-size page-locked host memory (``runtime/store/pinned.py``): the chunk store's and swap's buffers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from protrain_fx.runtime.pinned import empty_pinned, host_empty
+from protrain_fx.runtime.store.pinned import empty_pinned, host_empty
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -1,4 +1,4 @@
-"""The loop's own checkpoint calls on an offloaded model (``runtime/checkpoint.py``'s state hooks):
+"""The loop's own checkpoint calls on an offloaded model (``runtime/offload/state_dict.py``'s state hooks):
 ``torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})`` and the restart's
 ``model.load_state_dict(...)`` / ``optimizer.load_state_dict(...)`` work as on a plain model. Without
 the hooks the saved offloaded parameters were shells of 0 bytes (a file that does not load back), the

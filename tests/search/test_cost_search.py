@@ -495,7 +495,7 @@ def test_device_steps_win_when_the_cpu_is_slow_and_lose_when_the_link_is():
 
 
 def test_device_step_bookkeeping_agrees_with_the_runtime() -> None:
-    from protrain_fx.runtime.device_adam import MAX_IN_FLIGHT
+    from protrain_fx.runtime.optim.device_adam import MAX_IN_FLIGHT
     from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT
 
     assert DEVICE_STEPS_IN_FLIGHT == MAX_IN_FLIGHT

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 
 import torch
 
-from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot
-from protrain_fx.runtime.cpu_adam import ChunkAdamW, slice_batches
+from protrain_fx.runtime.store.chunk_store import ChunkStore, ParamSlot
+from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, slice_batches
 
 #: Elements per staging slice on a GPU: 3 sets x 8M x 18 bytes (fp32 master, moments, gradient and
 #: the compute-dtype working copy) = 432 MiB of device memory, 96 MiB in per slice -- about 2 ms at

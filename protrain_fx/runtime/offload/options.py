@@ -19,9 +19,9 @@ from torch import nn
 
 from protrain_fx.chunks import ChunkLayout
 from protrain_fx.config import parse_bytes
-from protrain_fx.runtime.chunk_store import GRAD_POOL
-from protrain_fx.runtime.cpu_adam import check_optimizer
-from protrain_fx.runtime.shells import check_not_offloaded
+from protrain_fx.runtime.store.chunk_store import GRAD_POOL
+from protrain_fx.runtime.optim.cpu_adam import check_optimizer
+from protrain_fx.runtime.offload.shells import check_not_offloaded
 
 #: ``offload(..., n_persist=AUTO, n_buffer=AUTO)``: the backend chooses the counts.
 AUTO = "auto"

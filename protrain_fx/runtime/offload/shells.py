@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from protrain_fx.errors import UnsupportedError
-from protrain_fx.runtime import chunk_ops
+from protrain_fx.runtime.offload import chunk_ops
 
 
 def set_data(p: torch.Tensor, value: torch.Tensor) -> None:

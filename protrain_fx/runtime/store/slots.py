@@ -1,6 +1,6 @@
 """The slots of a chunk store: where each stored parameter (or piece of one) lives in its chunk.
 
-Plain data and pure functions over the chunk layout (``chunks.py``); ``runtime/chunk_store.py``
+Plain data and pure functions over the chunk layout (``chunks.py``); ``runtime/store/chunk_store.py``
 allocates buffers for them.
 """
 

@@ -39,27 +39,28 @@ from protrain_fx.chunks import (
     pack,
 )
 from protrain_fx.errors import UnsupportedError
-from protrain_fx.runtime import chunk_ops, distributed, shard
+from protrain_fx.runtime.offload import chunk_ops
+from protrain_fx.runtime.parallel import distributed, shard
 from protrain_fx.runtime.allocator import expandable_segments
-from protrain_fx.runtime.buffer_pool import ChunkBufferPool
-from protrain_fx.runtime.checkpoint import Checkpoints, install_state_hooks
-from protrain_fx.runtime.chunk_store import ChunkStore
-from protrain_fx.runtime.clipping import (
+from protrain_fx.runtime.store.buffer_pool import ChunkBufferPool
+from protrain_fx.runtime.offload.state_dict import StateDicts, install_state_hooks
+from protrain_fx.runtime.store.chunk_store import ChunkStore
+from protrain_fx.runtime.optim.clipping import (
     HeldNorms,
     clip_grad_norm,
     install_clip_dispatch,
 )
-from protrain_fx.runtime.cpu_adam import ChunkAdamW, OptimizerWorker
-from protrain_fx.runtime.device_adam import DeviceAdamW
-from protrain_fx.runtime.grad_sync import GradAverager
-from protrain_fx.runtime.host_memory import auto_lean, available_host_bytes
-from protrain_fx.runtime.landing import Landing
-from protrain_fx.runtime.offload_options import (
+from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, OptimizerWorker
+from protrain_fx.runtime.optim.device_adam import DeviceAdamW
+from protrain_fx.runtime.parallel.grad_sync import GradAverager
+from protrain_fx.runtime.store.host_memory import auto_lean, available_host_bytes
+from protrain_fx.runtime.offload.landing import Landing
+from protrain_fx.runtime.offload.options import (
     OffloadOptions,
     check_hand_counts,
     checked_model,
 )
-from protrain_fx.runtime.shells import (
+from protrain_fx.runtime.offload.shells import (
     empty_shell,
     guard_shells,
     install_shell_repr,
@@ -75,12 +76,12 @@ log = logging.getLogger("protrain_fx")
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 
-class OffloadHandle(Checkpoints, Landing):
+class OffloadHandle(StateDicts, Landing):
     """The state behind one offloaded model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: OffloadOptions) -> None:
         assert options.init != "model", "init='model' is resolved to a function before the handle (protrain_fx/api.py)"
-        #: ``offload()``'s settings, checked (:class:`~protrain_fx.runtime.offload_options.OffloadOptions`).
+        #: ``offload()``'s settings, checked (:class:`~protrain_fx.runtime.offload.options.OffloadOptions`).
         self.options = options
         self.device = options.device
         #: The process group when data-parallel (more than one rank), else ``None``.
@@ -496,7 +497,7 @@ class OffloadHandle(Checkpoints, Landing):
         foreach: bool | None = None,
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every chunk of this model, offloaded ones included
-        (:func:`protrain_fx.runtime.clipping.clip_grad_norm`, where the holding of chunk steps is told)."""
+        (:func:`protrain_fx.runtime.optim.clipping.clip_grad_norm`, where the holding of chunk steps is told)."""
         return clip_grad_norm(self, parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def host_bytes_per_param(self) -> float:

@@ -31,7 +31,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from protrain_fx.runtime.pinned import host_empty
+from protrain_fx.runtime.store.pinned import host_empty
 
 __all__ = ["STAGING_BUFFERS", "PendingAdds"]
 

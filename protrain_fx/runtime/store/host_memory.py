@@ -47,7 +47,7 @@ def planned_store_bytes(
     """Host bytes of a store of ``len(trainable)`` chunks of ``chunk_numel`` elements (``trainable``:
     which hold a trainable parameter, so Adam moments), compute dtype of ``itemsize`` bytes, the last
     ``n_lean`` chunks lean, with ``min(grad_pool, n_lean)`` landing buffers and the scratch: what
-    :meth:`ChunkStore.host_bytes` reaches (``runtime/chunk_store.py``'s buffer table)."""
+    :meth:`ChunkStore.host_bytes` reaches (``runtime/store/chunk_store.py``'s buffer table)."""
     per_chunk = sum(4 + (8 if t else 0) for t in trainable) + itemsize * (len(trainable) - n_lean)
     scratch = 4 if itemsize != 4 and any(trainable) else 0
     landing = itemsize * min(grad_pool, n_lean)

@@ -1,6 +1,6 @@
 """CPU Adam(W) for offloaded chunks, driven by the user's own ``torch.optim.AdamW``.
 
-:class:`ChunkAdamW` binds a :class:`~protrain_fx.runtime.chunk_store.ChunkStore` to the optimizer
+:class:`ChunkAdamW` binds a :class:`~protrain_fx.runtime.store.chunk_store.ChunkStore` to the optimizer
 the user built on the model's parameters. The user's optimizer stays the source of truth for the
 hyper-parameters: a chunk step takes ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``maximize``
 from its ``param_groups`` when it is queued (:meth:`ChunkAdamW.hyper`, in the thread that queues
@@ -30,9 +30,9 @@ from typing import Any, Self
 
 import torch
 
-from protrain_fx.runtime import distributed
-from protrain_fx.runtime import shard
-from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot, piece_of
+from protrain_fx.runtime.parallel import distributed
+from protrain_fx.runtime.parallel import shard
+from protrain_fx.runtime.store.chunk_store import ChunkStore, ParamSlot, piece_of
 
 #: The clock of ``ChunkAdamW.computed`` (bound once: a test driving ``time.perf_counter`` to time
 #: the worker's steps does not drive this one).
@@ -340,7 +340,7 @@ class OptimizerWorker:
 
     def run(self, job: Callable[[], None]) -> Future[None]:
         """Queue ``job()`` on the worker's thread, after the steps queued so far and before those
-        queued later (the store's accumulated adds: ``runtime/grad_adds.py``). Its failure is its
+        queued later (the store's accumulated adds: ``runtime/store/grad_adds.py``). Its failure is its
         future's, for whoever waits on it."""
         return self._executor.submit(job)
 

@@ -1,7 +1,8 @@
-"""Checkpoints of an offloaded model: its parameters and optimizer state as ordinary full tensors.
+"""The state dicts of an offloaded model (what a training checkpoint saves): its parameters and
+optimizer state as ordinary full tensors.
 
-:class:`Checkpoints` is the part of ``OffloadHandle`` that saves and loads. Data-parallel (chunks
-sharded over the ranks: ``runtime/shard.py``), ``state_dict`` and ``optimizer_state_dict`` gather
+:class:`StateDicts` is the part of ``OffloadHandle`` that saves and loads. Data-parallel (chunks
+sharded over the ranks: ``runtime/parallel/shard.py``), ``state_dict`` and ``optimizer_state_dict`` gather
 every rank's pieces, so each rank gets the whole checkpoint (every rank must call them: they are
 collectives; save from rank 0), and loading slices a whole checkpoint to each rank's pieces: a
 checkpoint saved at N ranks loads at M ranks, or into a plain model and AdamW.
@@ -31,11 +32,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from protrain_fx.errors import UnsupportedError
-from protrain_fx.runtime import shard
-from protrain_fx.runtime.shells import hollow
+from protrain_fx.runtime.parallel import shard
+from protrain_fx.runtime.offload.shells import hollow
 
 
-class Checkpoints:
+class StateDicts:
     """Saving and loading for ``OffloadHandle`` (which holds ``store``, ``adam``, ``optimizer``,
     ``group`` and the values kept aside before the chunks are placed)."""
 
@@ -163,7 +164,7 @@ class Checkpoints:
 
 
 def install_state_hooks(
-    handle: Checkpoints, model: nn.Module, optimizer: torch.optim.Optimizer
+    handle: StateDicts, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> list[RemovableHandle]:
     """Hooks that make the loop's own ``state_dict`` / ``load_state_dict`` calls of ``model`` (each
     module owning parameters) and ``optimizer`` read and write the offloaded values (module
@@ -173,7 +174,7 @@ def install_state_hooks(
         first_name.setdefault(id(p), name)
     taken: dict[int, list[str]] = {}  # module -> the keys its load pre-hook took from the state dict
     # The model's hooks hold the handle weakly: the model does not keep it (and its chunk store) alive;
-    # the optimizer, which holds it, does (runtime/chunk_ops.py: a compile refuses an orphaned model).
+    # the optimizer, which holds it, does (runtime/offload/chunk_ops.py: a compile refuses an orphaned model).
     ref = weakref.ref(handle)
     hooks = []
     for module in model.modules():
@@ -190,7 +191,7 @@ def install_state_hooks(
     return hooks
 
 
-def _alive(ref: weakref.ref) -> Checkpoints:
+def _alive(ref: weakref.ref) -> StateDicts:
     handle = ref()
     if handle is None:
         raise UnsupportedError(
@@ -236,7 +237,7 @@ def _not_missing(taken: dict[int, list[str]], module: nn.Module, incompatible_ke
             incompatible_keys.missing_keys.remove(key)
 
 
-def _optimizer_state(handle: Checkpoints, optimizer: torch.optim.Optimizer,
+def _optimizer_state(handle: StateDicts, optimizer: torch.optim.Optimizer,
                      state_dict: dict[str, Any]) -> dict[str, Any] | None:
     if handle._own_calls:
         return None
@@ -249,7 +250,7 @@ def _optimizer_state(handle: Checkpoints, optimizer: torch.optim.Optimizer,
     return handle.optimizer_state_dict()
 
 
-def _load_optimizer_state(handle: Checkpoints, optimizer: torch.optim.Optimizer,
+def _load_optimizer_state(handle: StateDicts, optimizer: torch.optim.Optimizer,
                           state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
     """Load pre-hook: the offloaded chunks' moments go to the store (kept aside until the chunks are
     placed); what torch then loads is the rest, hyper-parameters included."""

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from protrain_fx.errors import UnsupportedError
-from protrain_fx.runtime import chunk_ops
-from protrain_fx.runtime.chunk_store import ChunkStore
+from protrain_fx.runtime.offload import chunk_ops
+from protrain_fx.runtime.store.chunk_store import ChunkStore
 
 
 class HeldNorms:

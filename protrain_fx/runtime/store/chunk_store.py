@@ -17,7 +17,7 @@ The store lives as long as its offload handle. On CUDA, gradients arrive on a si
 event (:meth:`ChunkStore.wait_grad`), and device reads of a buffer are noted
 (:meth:`ChunkStore.note_host_read`) so that no host write overtakes a copy in flight. A gradient
 added to one the chunk holds (micro-batches) is staged and added on the CPU optimizer's worker
-thread (``runtime/grad_adds.py``); :meth:`ChunkStore.wait_grad` waits for those adds too.
+thread (``runtime/store/grad_adds.py``); :meth:`ChunkStore.wait_grad` waits for those adds too.
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ from typing import Literal
 import torch
 
 from protrain_fx.chunks import ChunkLayout
-from protrain_fx.runtime.host_memory import (
+from protrain_fx.runtime.store.host_memory import (
     GiB,
     auto_lean,
     available_host_bytes,
     check_host_memory,
     planned_store_bytes,
 )
-from protrain_fx.runtime.grad_adds import PendingAdds
-from protrain_fx.runtime.pinned import host_empty, host_zeros
-from protrain_fx.runtime.slots import ParamSlot, _layout_itemsize, _pieces, _slot_view, _slots, piece_of
+from protrain_fx.runtime.store.grad_adds import PendingAdds
+from protrain_fx.runtime.store.pinned import host_empty, host_zeros
+from protrain_fx.runtime.store.slots import ParamSlot, _layout_itemsize, _pieces, _slot_view, _slots, piece_of
 
 __all__ = ["GRAD_POOL", "BufferKind", "ChunkStore", "ParamSlot", "piece_of"]
 
@@ -62,7 +62,7 @@ class ChunkStore:
     ``n_lean``: how many chunks, counted from the last, are lean (no working copy; see the module
     docstring), or ``"auto"``: the fewest that fit. ``grad_pool``: landing buffers of the lean chunks.
     ``shard=(rank, world_size)``: the store holds only that rank's equal part of every chunk (its
-    buffers, slots and optimizer state; ``runtime/shard.py`` gathers and scatters the rest).
+    buffers, slots and optimizer state; ``runtime/parallel/shard.py`` gathers and scatters the rest).
     ``fill=False``: nothing is allocated until :meth:`fill` (the layout and the host check are done).
     """
 
@@ -603,7 +603,7 @@ class ChunkStore:
         self.wait_grad(chunk_id)
         self.wait_writes(chunk_id)
 
-    # ---- device steps (``runtime/device_adam.py``) -------------------------------------------
+    # ---- device steps (``runtime/optim/device_adam.py``) -------------------------------------------
 
     def note_host_write(self, chunk_id: int, event: torch.cuda.Event | None) -> None:
         """Copies from the device into the chunk's host buffers end at ``event``: fetches wait for

@@ -1,5 +1,5 @@
 """Custom ops the parameter-chunk rewrite inserts, and the registry that connects them to the
-offload handles (``runtime/offload.py``) they serve.
+offload handles (``runtime/offload/handle.py``) they serve.
 
 * ``protrain::chunk_gather(handle, chunk, span)`` → the chunk's flat device buffer (fetched from the
   host store into one of the pool's ``n_buffer`` buffers if it is not resident; waits for the

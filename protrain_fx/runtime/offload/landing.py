@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from protrain_fx.errors import UnsupportedError
-from protrain_fx.runtime import shard
+from protrain_fx.runtime.parallel import shard
 
 
 class Landing:

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from protrain_fx.runtime import distributed
-from protrain_fx.runtime.chunk_store import ChunkStore, ParamSlot
-from protrain_fx.runtime.host_memory import HostMemoryError, available_host_bytes
+from protrain_fx.runtime.parallel import distributed
+from protrain_fx.runtime.store.chunk_store import ChunkStore, ParamSlot
+from protrain_fx.runtime.store.host_memory import HostMemoryError, available_host_bytes
 
 
 def local_part(store: ChunkStore, whole: torch.Tensor) -> torch.Tensor:

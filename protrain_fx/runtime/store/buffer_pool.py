@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-from protrain_fx.runtime import shard
-from protrain_fx.runtime.chunk_store import ChunkStore
-from protrain_fx.runtime.pinned import host_empty
+from protrain_fx.runtime.parallel import shard
+from protrain_fx.runtime.store.chunk_store import ChunkStore
+from protrain_fx.runtime.store.pinned import host_empty
 
 #: Elements per slice of a lean chunk's fp32 fetch: 64 MiB of staging, about 1.2 ms at the link's
 #: 55 GB/s, so the cast between two slices is noise.
@@ -179,7 +179,7 @@ class ChunkBufferPool:
     def _fetch(self, chunk_id: int, i: int) -> None:
         source = self.store.params_for_fetch(chunk_id, lambda: self._staging_buffer(i))
         whole = self._buffers[i]
-        sharded = self.store.shard[1] > 1  # the local part copied in, then all-gathered (runtime/shard.py)
+        sharded = self.store.shard[1] > 1  # the local part copied in, then all-gathered (runtime/parallel/shard.py)
         dst = shard.local_part(self.store, whole) if sharded else whole
         if self._cuda:
             if self._freed[i] is not None:
