@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from protrain_fx import progress
 from protrain_fx.analysis.blocks import block_at_end
 from protrain_fx.analysis.memory import StepGraphs
-from protrain_fx.capture import CapturedGraph, new_record
+from protrain_fx.capture import Budget, CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.errors import UnsupportedError, surfaced
 from protrain_fx.passes.pipeline import (
@@ -388,7 +388,7 @@ def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:
             "protrain_fx: a plan by hand, but offload(...) left its counts to the backend, which chooses them "
             f"with the activation plan; leave the plan out, or {fix}"
         )
-    if config.memory_budget_bytes is None:
+    if record.budget is None:
         raise ValueError(
             "protrain_fx: offload(...) without n_persist / n_buffer needs a memory budget to choose them: pass "
             f"options={{'memory_budget': ...}} (a CUDA device gives its own when none is given), or {fix}"
@@ -473,6 +473,8 @@ def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequ
         )
     progress.end("capture")  # AOTAutograd has traced the graph
     record.inference, record.plan = graph, record.config.plan
+    if record.config.memory_budget_bytes is not None:  # checked as given: nothing is planned
+        record.budget = Budget(record.config.memory_budget_bytes, "user")
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     # AOTAutograd hands fake inputs to the compiler; the Dynamo graph's real inputs, in the same
     # order, say which are parameters.

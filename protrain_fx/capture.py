@@ -52,6 +52,18 @@ class GraphBreak:
         return f"{self.reason}{where}{inside}"
 
 
+@dataclass(frozen=True)
+class Budget:
+    """The memory budget a step is planned and checked for, apart from the user's options
+    (``planner.budget.resolve_budget``): ``bytes``, and where they came from: ``"user"``
+    (``memory_budget``, lowered to what the process can reach on a CUDA device when above it) or
+    ``"device"`` (none given: what the process could reach on the step's CUDA device when it was
+    compiled)."""
+
+    bytes: int
+    source: str = "user"
+
+
 @dataclass
 class CapturedGraph:
     """Everything known about one Dynamo graph that went through the backend."""
@@ -102,15 +114,19 @@ class CapturedGraph:
     #: ``capture``, ``planning``, ``ops``, ``machine``, ``search``, ``offload counts``, ``trial
     #: lowerings``, ``codegen``); a phase inside another counts only for itself, so they never overlap.
     phases: dict[str, float] = field(default_factory=dict)
-    #: Where ``config.memory_budget_bytes`` came from: ``"user"`` (``memory_budget``), ``"device"``
-    #: (none given: what the process could reach on the step's CUDA device when it was compiled,
-    #: ``planner.budget.resolve_budget``) or ``None`` (no budget).
-    budget_source: str | None = None
+    #: The budget the step is planned and checked for (:class:`Budget`); ``None``: none. The user's
+    #: option stays in ``config.memory_budget_bytes``.
+    budget: Budget | None = None
     #: The code object whose Dynamo cache holds this graph (the frame Dynamo was compiling, or the
     #: resume function after a graph break): removing it from the cache makes the next call compile
     #: the graph again (``planner.first_step.record_first_step`` after a measured miss). ``None`` when the
     #: backend was called outside Dynamo.
     dynamo_code: types.CodeType | None = None
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """:attr:`budget`'s bytes, ``None`` without a budget."""
+        return self.budget.bytes if self.budget is not None else None
 
     @property
     def has_backward(self) -> bool:

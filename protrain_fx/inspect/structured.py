@@ -62,7 +62,7 @@ def plan_json(record: CapturedGraph) -> dict[str, Any]:
     checkpointed, predicted step and peak, the trials run and kept (none for a graph without a plan)."""
     auto = record.auto_plan
     if auto is None:
-        return {"graph": record.index, "plan": None, "budget_bytes": record.config.memory_budget_bytes}
+        return {"graph": record.index, "plan": None, "budget_bytes": record.budget_bytes}
     return {
         "graph": record.index,
         "how": auto.how,

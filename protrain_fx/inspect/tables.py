@@ -57,7 +57,7 @@ def block_table(graph: CapturedGraph, seconds: Mapping[str, float] | None = None
         fmt(tuple("-" * w for w in widths)),
         *[fmt(r) for r in rows],
     ]
-    budget = graph.config.memory_budget_bytes
+    budget = graph.budget_bytes
     if budget is not None:
         verdict = {
             "fits": "fits",
@@ -65,7 +65,7 @@ def block_table(graph: CapturedGraph, seconds: Mapping[str, float] | None = None
             "over": "DOES NOT FIT (" + ("choose a plan with options={'plan': ...})" if graph.blocks and graph.blocks.labels
                                        else "no repeated layers to checkpoint or swap: offload the parameters)"),
         }[budget_verdict(memory.peak_bytes, budget)]
-        source = " (what this process can reach on the device)" if graph.budget_source == "device" else ""
+        source = " (what this process can reach on the device)" if graph.budget and graph.budget.source == "device" else ""
         lines.insert(1, f"  budget {human_bytes(budget)}{source}: {verdict}")
         auto = getattr(graph, "auto_plan", None)
         if auto is not None:

@@ -172,7 +172,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
     :class:`~protrain_fx.search.search.NoPlanFits` when nothing fits.
     """
     started = time.perf_counter()
-    budget = record.config.memory_budget_bytes
+    budget = record.budget_bytes
     assert budget is not None
     trial(None)
     assert record.memory is not None
@@ -277,7 +277,7 @@ def chosen(
         config=config,
         estimate=est,
         problem=model.problem,
-        budget_bytes=record.config.memory_budget_bytes,
+        budget_bytes=record.budget_bytes,
         allocated_cap_bytes=cap,
         predicted_peak_bytes=est.peak_bytes,
         analysed_peak_bytes=analysed,
@@ -286,7 +286,7 @@ def chosen(
         how=how,
         search=found,
         trials=trials,
-        budget_source=record.budget_source or "user",
+        budget_source=record.budget.source if record.budget is not None else "user",
         reserve_bytes=reserve[0],
         reserve_source=reserve[1],
         returned=tuple(returned_outputs(record)),

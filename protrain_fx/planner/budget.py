@@ -11,7 +11,6 @@ same rule says "fits" in the plan table, the report and the refusal's minimum bu
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from fractions import Fraction
@@ -21,7 +20,7 @@ import torch.fx as fx
 
 from protrain_fx import meta
 from protrain_fx.analysis.readable import human_bytes
-from protrain_fx.capture import CapturedGraph
+from protrain_fx.capture import Budget, CapturedGraph
 from protrain_fx.runtime.offload import chunk_ops
 from protrain_fx.search.search import NoPlanFits
 
@@ -46,7 +45,7 @@ def wants_auto_plan(record: CapturedGraph, *, budget_needed: bool = True) -> boo
     same without the budget (``protrain_fx.what_fits`` also answers without one)."""
     config = record.config
     return (
-        (config.memory_budget_bytes is not None or not budget_needed)
+        (record.budget is not None or config.memory_budget_bytes is not None or not budget_needed)
         and config.auto_plan
         and config.plan is None
         and not reads_hand_offloaded(record)
@@ -84,15 +83,15 @@ def graph_device(gm: fx.GraphModule) -> torch.device:
 
 
 def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
-    """Say where the step's budget comes from (``record.budget_source``), before partitioning: the
-    user's ``memory_budget`` (``"user"``), else, when the backend would choose the plan (``auto_plan``
-    on, no plan by hand, nothing offloaded), :func:`device_budget_bytes` of the device the step runs
-    on (``"device"``; ``record.config`` then carries it as ``memory_budget_bytes``), else none. A
+    """Say what the step's budget is and where it comes from (``record.budget``), before
+    partitioning: the user's ``memory_budget`` (``"user"``), else, when the backend would choose the
+    plan (``auto_plan`` on, no plan by hand, nothing offloaded), :func:`device_budget_bytes` of the
+    device the step runs on (``"device"``), else none (``record.config`` stays as given). A
     ``memory_budget`` above what the process can reach on a CUDA device is lowered to that, with a
     warning: a plan that fits the larger number would run out of memory there."""
     config = record.config
     if config.memory_budget_bytes is not None:
-        record.budget_source = "user"
+        record.budget = Budget(config.memory_budget_bytes, "user")
         if not config.auto_plan or config.plan is not None:  # a budget only checked: as given
             return
         device = graph_device(joint)
@@ -104,14 +103,13 @@ def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
                 config.memory_budget_bytes, config.memory_budget_bytes / 2**30, device, reachable, reachable / 2**30,
                 record.index,
             )
-            record.config = dataclasses.replace(config, memory_budget_bytes=reachable)
+            record.budget = Budget(reachable, "user")
         return
     if not config.auto_plan or config.plan is not None or reads_hand_offloaded(record):
         return
     budget = device_budget_bytes(graph_device(joint))
     if budget is not None:
-        record.config = dataclasses.replace(config, memory_budget_bytes=budget)
-        record.budget_source = "device"
+        record.budget = Budget(budget, "device")
 
 
 #: The caching allocator reserves more than the tensors it holds (block rounding, fragmentation);
@@ -171,11 +169,11 @@ def check_budget(record: CapturedGraph) -> None:
     :class:`~protrain_fx.search.search.NoPlanFits` naming the smallest budget for it instead: a plan
     said to fit that does not is refused before it runs (Inductor's allocation plan can peak above
     the graph-level analysis that judged it, ``verify="graph"``)."""
-    budget, memory = record.config.memory_budget_bytes, record.memory
+    budget, memory = record.budget_bytes, record.memory
     if memory is None:
         return
     what = "its memory budget"
-    if getattr(record, "budget_source", None) == "device":
+    if record.budget is not None and record.budget.source == "device":
         what = f"the memory this process can reach on {memory.device}"
     if budget is None:
         budget = device_limit_bytes(memory.device)
@@ -186,7 +184,7 @@ def check_budget(record: CapturedGraph) -> None:
     if verdict == "fits":
         return
     auto = getattr(record, "auto_plan", None)
-    if verdict == "over" and record.config.memory_budget_bytes is not None and wants_auto_plan(record):
+    if verdict == "over" and record.budget is not None and wants_auto_plan(record):
         reserve = auto.reserve_bytes if auto is not None else 0
         minimum = budget_for_peak(memory.peak_bytes + reserve)
         judged = ("; the plan was judged by the graph-level analysis, under it: options={'verify': 'inductor'} judges "

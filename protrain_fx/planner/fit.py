@@ -20,14 +20,13 @@ refused.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from protrain_fx.analysis.readable import human_bytes
-from protrain_fx.capture import CapturedGraph, captured_graphs, forget_records_after
+from protrain_fx.capture import Budget, CapturedGraph, captured_graphs, forget_records_after
 from protrain_fx.plan import Plan
 from protrain_fx.planner import activations, reserve, result, verify
 from protrain_fx.planner import offload as planner_offload
@@ -127,8 +126,8 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None], kept: di
     """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would
     (``kept``: the graph's judgments kept, ``planner/judged.py``), find the smallest budget, and stop
     the compile with the report."""
-    given = record.config.memory_budget_bytes
-    record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
+    given, source = record.budget_bytes, record.budget.source if record.budget is not None else None
+    record.budget = Budget(given or UNBOUNDED, source or "user")  # planned as if unbounded when none
     chosen: result.AutoPlan | None = None
     try:
         chosen = activations.choose_plan(record, trial, kept)
@@ -160,7 +159,7 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None], kept: di
         FitReport(
             graph=record.index,
             budget_bytes=given,
-            budget_source=record.budget_source if given is not None else None,
+            budget_source=source,
             fits=fits,
             plan=chosen.plan if chosen is not None else (Plan(blocks={}) if fits else None),
             predicted_peak_bytes=chosen.analysed_peak_bytes if chosen is not None else record.memory.peak_bytes,
@@ -183,10 +182,9 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
     fit: it can fall below the analysis', on small chunks and on swaps, or far above it). Then
     nothing stays placed (``handle.unplace()``) and the compile stops with the report. ``kept``: the
     graph's judgments kept (``planner/judged.py``)."""
-    given = record.config.memory_budget_bytes
+    given, source = record.budget_bytes, record.budget.source if record.budget is not None else None
     trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
-    # after the trial, which puts the user's options back: choose_offload reads the budget first thing
-    record.config = dataclasses.replace(record.config, memory_budget_bytes=given or UNBOUNDED)
+    record.budget = Budget(given or UNBOUNDED, source or "user")  # planned as if unbounded when none
     assert record.memory is not None
     model = planner_offload.offload_cost_model(record, handle, "what_fits cannot choose its offload counts")
     problem = model.problem
@@ -227,7 +225,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | N
         FitReport(
             graph=record.index,
             budget_bytes=given,
-            budget_source=record.budget_source if given is not None else None,
+            budget_source=source,
             fits=chosen is not None,
             plan=plan,
             predicted_peak_bytes=chosen.analysed_peak_bytes if chosen is not None else None,

@@ -139,7 +139,7 @@ def choose_for_placed(
     nothing to plan, and the backend checks its peak against the budget as it is. ``kept``: the
     judgments of this graph kept from earlier compiles (``planner/judged.py``), added to."""
     started = time.perf_counter()
-    budget = record.config.memory_budget_bytes
+    budget = record.budget_bytes
     assert budget is not None
     trial(None)
     if record.blocks is None or not record.blocks.labels:
@@ -500,7 +500,7 @@ def choose_offload(
     cost model of the step, when the caller made it after ``trial(None)``. ``kept``: the judgments
     of this graph kept from earlier compiles (``planner/judged.py``), added to."""
     started = time.perf_counter()
-    budget = record.config.memory_budget_bytes
+    budget = record.budget_bytes
     assert budget is not None  # the backend refuses the compile before (backend._check_automatic_offload)
     t0 = time.perf_counter()
     if model is None:

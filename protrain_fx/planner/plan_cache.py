@@ -155,8 +155,8 @@ def plan_key(
     config = record.config
     parts: dict[str, Any] = {
         "graph": graph_digest(joint),
-        "budget_bytes": config.memory_budget_bytes,
-        "budget_source": record.budget_source or "user",
+        "budget_bytes": record.budget_bytes,
+        "budget_source": record.budget.source if record.budget is not None else "user",
         "devices": [device_name(d) for d in devices],
         "torch": torch.__version__,
         "protrain_fx": __version__,

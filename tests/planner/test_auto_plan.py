@@ -160,7 +160,7 @@ def test_budget_the_step_fits_keeps_no_plan(no_plan, logged, monkeypatch):
     budget = budget_for_peak(no_plan["peak"])
     record, exact = _compile_and_step(budget, steps=1)
     assert exact and asked == [torch.device("cpu")]
-    assert record.budget_source == record.auto_plan.budget_source == "user"
+    assert record.budget.source == record.auto_plan.budget_source == "user"
     assert "(memory_budget)" in record.auto_plan.table()
     auto = record.auto_plan
     assert isinstance(auto, AutoPlan) and auto.how == "fits as is"
@@ -382,8 +382,9 @@ def test_device_budget_below_the_peak_chooses_a_plan(no_plan, monkeypatch):
     record, exact = _compile_and_step(None, steps=1)
     assert exact and asked == [torch.device("cpu")]
     auto = record.auto_plan
-    assert auto.how == "searched" and auto.budget_source == record.budget_source == "device"
-    assert auto.budget_bytes == record.config.memory_budget_bytes == budget
+    assert auto.how == "searched" and auto.budget_source == record.budget.source == "device"
+    assert auto.budget_bytes == record.budget.bytes == budget
+    assert record.config.memory_budget_bytes is None  # the user's options stay as given
     assert record.memory.peak_bytes <= auto.allocated_cap_bytes == allocated_cap_bytes(budget)
     assert "(reachable on the device)" in auto.table()
     assert "what this process can reach on the device" in protrain_fx.step_report().block_table()
@@ -394,8 +395,9 @@ def test_a_budget_above_what_the_device_has_is_planned_for_the_device(no_plan, m
     device_budget = budget_for_peak(no_plan["peak"]) - 1
     _device_budget(monkeypatch, device_budget)
     record, exact = _compile_and_step(10 * device_budget, steps=1)
-    assert exact and record.budget_source == "user"
+    assert exact and record.budget.source == "user"
     assert record.auto_plan.budget_bytes == device_budget and record.auto_plan.how == "searched"
+    assert record.budget.bytes == device_budget and record.config.memory_budget_bytes == 10 * device_budget
     assert any("more than this process can reach" in r.getMessage() and r.levelno == logging.WARNING for r in logged)
 
 

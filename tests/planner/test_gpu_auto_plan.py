@@ -67,7 +67,7 @@ def _run(options, steps=3, config=CONFIG):
 def test_no_options_plans_for_the_device_and_measures_the_first_step():
     losses, eager, record = _run(None)
     auto = record.auto_plan
-    assert auto is not None and auto.budget_source == record.budget_source == "device"
+    assert auto is not None and auto.budget_source == record.budget.source == "device"
     assert auto.how == "fits as is"
     assert not auto.plan.blocks_with("checkpoint") and not auto.plan.blocks_with("swap")
     _free, total = torch.cuda.mem_get_info()
