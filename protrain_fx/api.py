@@ -62,8 +62,10 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: Offload
     at the first optimizer step, which waits; ``True``: always wait (a loop that starts clipping
     later); ``False``: never wait, and a clip raises.
 
-    The model gets a ``forward`` of its own (:func:`own_forward_code`): a second model of the same
-    class offloaded in the process (a notebook cell run again) is compiled for its own chunks."""
+    The model and each of its modules get a ``forward`` of their own (:func:`own_forward_code`): a
+    second model of the same class offloaded in the process (a notebook cell run again) is compiled
+    for its own chunks, and so is each block whose ``forward`` Dynamo compiles as a frame of its own
+    (a graph break inside the blocks): a graph laid out for one block's chunks never runs another's."""
     unknown = sorted(set(keywords) - set(KEYWORDS))
     if unknown:
         raise TypeError(f"offload() got unexpected keyword(s) {', '.join(map(repr, unknown))}; it takes "
@@ -75,5 +77,6 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: Offload
     handle = OffloadHandle(model, optimizer, options)
     library_checkpointing_off(model, "offload")  # before Dynamo traces it: the backend plans recompute
     name_default_loss_type(model)  # a Hugging Face loss lookup that warns would break the graph
-    own_forward_code(model)
+    for module in model.modules():  # each its own compiled graphs (own_forward_code)
+        own_forward_code(module)
     return handle

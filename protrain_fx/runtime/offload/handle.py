@@ -547,8 +547,10 @@ def own_forward_code(model: nn.Module) -> None:
     """Bind to ``model`` a copy of its ``forward`` with a code object of its own. Dynamo keys compiled
     code by code object and tells the instances of a class apart only by guards, which cannot see
     which chunk store holds a parameter: every offloaded instance gets its own compiled graphs this
-    way (they name their handle's chunks). A ``forward`` that is not a method is left as it is (a
-    graph of another model's chunks then refuses to run: ``chunk_ops.check_shell``)."""
+    way (they name their handle's chunks), and so does every block of one model that Dynamo compiles
+    as a frame of its own (after a graph break inside the blocks; the blocks' parameters sit in other
+    chunks, persistent or not). A ``forward`` that is not a method is left as it is (a graph of other
+    parameters' chunks then refuses to run: ``chunk_ops.check_shell``)."""
     bound = model.forward
     if not isinstance(bound, types.MethodType) or not isinstance(bound.__func__, types.FunctionType):
         return
