@@ -17,7 +17,7 @@ from protrain_fx.integrations.checkpointing import library_checkpointing_off
 from protrain_fx.integrations.loss_type import name_default_loss_type
 from protrain_fx.integrations.model_init import model_init
 from protrain_fx.runtime.offload.handle import OffloadHandle, own_forward_code
-from protrain_fx.runtime.offload.options import OffloadOptions, checked_model
+from protrain_fx.runtime.offload.options import OffloadOptions
 
 __all__ = ["OffloadOptions", "offload"]
 
@@ -71,10 +71,8 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: Offload
         raise TypeError(f"offload() got unexpected keyword(s) {', '.join(map(repr, unknown))}; it takes "
                         f"{', '.join(KEYWORDS)}")
     options = OffloadOptions(**keywords) if options is None else options.replace(**keywords)
-    checked_model(model, optimizer, options)  # before init="model" materialises the model's meta buffers
-    if options.init == "model":  # the model's own initialisation; its meta buffers recomputed on the device
-        options = options.replace(init=model_init(model, options.device))
-    handle = OffloadHandle(model, optimizer, options)
+    # init="model": the model's own initialisation, its meta buffers recomputed on the device
+    handle = OffloadHandle(model, optimizer, options, model_init)
     library_checkpointing_off(model, "offload")  # before Dynamo traces it: the backend plans recompute
     name_default_loss_type(model)  # a Hugging Face loss lookup that warns would break the graph
     for module in model.modules():  # each its own compiled graphs (own_forward_code)

@@ -23,7 +23,7 @@ import gc
 import logging
 import re
 import types
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ from protrain_fx.runtime.store.host_memory import auto_lean, available_host_byte
 from protrain_fx.runtime.offload.landing import Landing
 from protrain_fx.runtime.offload.options import (
     OffloadOptions,
+    check_device_present,
     check_hand_counts,
     checked_model,
 )
@@ -79,13 +80,20 @@ _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 class OffloadHandle(StateDicts, Landing):
     """The state behind one offloaded model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: OffloadOptions) -> None:
-        assert options.init != "model", "init='model' is resolved to a function before the handle (protrain_fx/api.py)"
-        #: ``offload()``'s settings, checked (:class:`~protrain_fx.runtime.offload.options.OffloadOptions`).
-        self.options = options
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: OffloadOptions,
+                 model_init: Callable[[nn.Module, torch.device], Callable[[str, torch.Tensor], None]] | None = None,
+                 ) -> None:
+        """``model_init(model, device)``: the function ``init="model"`` stands for (it materialises
+        the model's ``meta`` buffers), called once the device is known to serve."""
         self.device = options.device
         #: The process group when data-parallel (more than one rank), else ``None``.
         self.group = distributed.check_device(self.device)
+        check_device_present(self.device)
+        if options.init == "model":
+            assert model_init is not None, "init='model' needs the caller's model_init (protrain_fx/api.py)"
+            options = options.replace(init=model_init(model, self.device))
+        #: ``offload()``'s settings, checked (:class:`~protrain_fx.runtime.offload.options.OffloadOptions`).
+        self.options = options
         named = checked_model(model, optimizer, options)
         auto = options.automatic
         self.layout = _layout(named, options.chunk_bytes, self.group)

@@ -30,8 +30,9 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class OffloadOptions:
     """``protrain_fx.offload``'s keywords (each documented there), checked when made: ``device`` a
-    ``torch.device``, ``chunk_bytes`` bytes or ``None``. ``init="model"`` is resolved into a
-    function by the caller (``protrain_fx/api.py``) before the handle reads it."""
+    ``torch.device``, ``chunk_bytes`` bytes or ``None``. What depends on the machine (a CUDA device
+    present, the process group) is checked by the handle; ``init="model"`` is resolved there by the
+    function the caller hands it (``protrain_fx/api.py``: the integrations' ``model_init``)."""
 
     n_persist: int | Literal["auto"] = AUTO
     n_buffer: int | Literal["auto"] = AUTO
@@ -46,10 +47,7 @@ class OffloadOptions:
     grad_clipping: bool | None = None
 
     def __post_init__(self) -> None:
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("offload: device='cuda' but this machine has no CUDA device (use device='cpu' to try it)")
-        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "device", torch.device(self.device))
         _check_counts(self.n_persist, self.n_buffer, self.n_gpu_optim)
         if self.compute_dtype == torch.float16:
             raise ValueError(
@@ -98,6 +96,11 @@ def _check_counts(n_persist: Any, n_buffer: Any, n_gpu_optim: Any) -> None:
         )
     if not all(auto) and n_gpu_optim == AUTO:
         raise ValueError("offload: n_gpu_optim='auto' needs n_persist and n_buffer 'auto' too")
+
+
+def check_device_present(device: torch.device) -> None:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("offload: device='cuda' but this machine has no CUDA device (use device='cpu' to try it)")
 
 
 def checked_model(model: nn.Module, optimizer: torch.optim.Optimizer, options: OffloadOptions,
