@@ -139,7 +139,7 @@ def test_without_a_budget_a_peak_over_the_gpus_allowed_memory_warns(monkeypatch,
 
     def record(peak: int, device: str):
         return SimpleNamespace(config=ProtrainConfig(), index=0, memory=SimpleNamespace(peak_bytes=peak, device=device),
-                               blocks=None)
+                               blocks=None, budget=None, budget_bytes=None)
 
     with caplog.at_level(logging.WARNING, logger="protrain_fx"):
         # 6.7B with chunks on the H200: 27.8 GiB predicted under a 24 GiB cap, and it ran out of memory
