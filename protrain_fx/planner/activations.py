@@ -46,7 +46,7 @@ from protrain_fx.planner.verify import (
 )
 from protrain_fx.search import problem
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import Config, Problem, block_plan
+from protrain_fx.search.problem import Counts, Problem, block_plan
 from protrain_fx.search.search import NoPlanFits, SearchResult, search
 from protrain_fx.search.spread import expected_estimate
 
@@ -97,12 +97,12 @@ def search_activation_plan(problem: Problem, budget_bytes: int, *, reserve_bytes
     return search(problem, budget_bytes, reserve_bytes=reserve_bytes, persist_all=True)
 
 
-def least_memory_config(model: CostModel) -> Config:
+def least_memory_config(model: CostModel) -> Counts:
     """The all-persistent config of least predicted peak (the faster one among equals)."""
     return least_memory_configs(model, model.n_chunks, 0)[0]
 
 
-def least_memory_configs(model: CostModel, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> list[Config]:
+def least_memory_configs(model: CostModel, n_persist: int, n_buffer: int, n_gpu_optim: int = 0) -> list[Counts]:
     """The configs tried as the plan of least memory with these chunk counts, in the order tried: the
     activation counts of least predicted peak (the faster among equals), then checkpointing every
     block (no swap), when that is another config.
@@ -119,7 +119,7 @@ def least_memory_configs(model: CostModel, n_persist: int, n_buffer: int, n_gpu_
     low = min(act.values())
     p, b, g = n_persist, n_buffer, n_gpu_optim
     s, c = min((q for q in pairs if act[q] == low), key=lambda q: (model.step_time(p, b, *q, g), q))
-    configs = [Config(p, b, s, c, g), Config(p, b, 0, N, g)]
+    configs = [Counts(p, b, s, c, g), Counts(p, b, 0, N, g)]
     return configs[:1] if configs[0] == configs[1] else configs
 
 
@@ -185,10 +185,10 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
     problem_s = time.perf_counter() - t0
     model = CostModel(problem)
     n = model.n_chunks
-    empty = Config(n, 0, 0, 0)
+    empty = Counts(n, 0, 0, 0)
     empty_est = model.estimate(empty)
 
-    def rewrite(config: Config) -> Config:
+    def rewrite(config: Counts) -> Counts:
         plan = block_plan(problem, config)
         trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
         return config
@@ -200,7 +200,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
     empty_peak = judged_empty.analysed_peak_bytes
     trials: list[Trial] = []
 
-    def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+    def result(config: Counts, how: str, found: SearchResult | None) -> AutoPlan:
         judge.hold(config)  # the record holds the chosen plan's graphs
         plain = verify.tried(trials, empty) or judged_empty  # lowered after all, when confirmed_choice did
         return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
@@ -210,7 +210,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
     if empty_peak <= cap:
         return result(empty, "fits as is", None)
 
-    def run(config: Config) -> Trial:
+    def run(config: Counts) -> Trial:
         t = judge(config)
         trials.append(t)
         return t
@@ -242,7 +242,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
 def chosen(
     record: CapturedGraph,
     model: CostModel,
-    config: Config,
+    config: Counts,
     how: str,
     found: SearchResult | None,
     trials: list[Trial],

@@ -39,7 +39,7 @@ from protrain_fx.planner.verify import RAISE_MIN_GAIN
 from protrain_fx.profile import cache as profile_cache
 from protrain_fx.runtime.parallel import distributed
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import Config
+from protrain_fx.search.problem import Counts
 from protrain_fx.state import STATE
 
 log = logging.getLogger("protrain_fx")
@@ -349,7 +349,7 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
 REPLAN_PAYBACK_STEPS = 10_000
 
 
-def faster_plan_under(auto: AutoPlan, cap: int, compile_s: float = 0.0, index: int = 0) -> Config | None:
+def faster_plan_under(auto: AutoPlan, cap: int, compile_s: float = 0.0, index: int = 0) -> Counts | None:
     """An activation plan for ``auto``'s chunks as placed (its ``n_persist``, ``n_buffer``,
     ``n_gpu_optim``) that the cost model predicts :data:`RAISE_MIN_GAIN` faster than ``auto.config``
     and under ``cap`` (the cost model's peak scaled by its margin over the judged peak of the plan
@@ -370,18 +370,18 @@ def faster_plan_under(auto: AutoPlan, cap: int, compile_s: float = 0.0, index: i
     return None
 
 
-def _faster_plan_under(auto: AutoPlan, cap: int) -> Config | None:
+def _faster_plan_under(auto: AutoPlan, cap: int) -> Counts | None:
     """:func:`faster_plan_under` before the payback check."""
     model = CostModel(auto.problem)
     c, N = auto.config, model.n_blocks
-    empty = Config(c.n_persist, c.n_buffer, 0, 0, c.n_gpu_optim)
+    empty = Counts(c.n_persist, c.n_buffer, 0, 0, c.n_gpu_optim)
     if not auto.offload and c != empty and auto.empty_peak_bytes <= cap:  # judged, not estimated
         return empty
     margin = max(1.0, auto.predicted_peak_bytes / max(1, auto.analysed_peak_bytes))
-    best: tuple[float, Config] | None = None
+    best: tuple[float, Counts] | None = None
     for s in range(N + 1):
         for k in range(N + 1 - s):
-            config = Config(c.n_persist, c.n_buffer, s, k, c.n_gpu_optim)
+            config = Counts(c.n_persist, c.n_buffer, s, k, c.n_gpu_optim)
             estimate = model.estimate(config)
             if estimate.peak_bytes <= cap * margin and (best is None or estimate.step_s < best[0]):
                 best = (estimate.step_s, config)

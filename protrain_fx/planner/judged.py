@@ -34,7 +34,7 @@ from typing import Any
 from protrain_fx import progress
 from protrain_fx.plan import Plan
 from protrain_fx.planner.verify import Trial
-from protrain_fx.search.problem import Config
+from protrain_fx.search.problem import Counts
 from protrain_fx.state import STATE
 
 
@@ -46,7 +46,7 @@ class Judgment:
 
     analysed_peak_bytes: int
     by_inductor: bool
-    applied: Config
+    applied: Counts
 
     def to_list(self) -> list[Any]:
         return [self.analysed_peak_bytes, self.by_inductor, self.applied.to_dict()]
@@ -56,7 +56,7 @@ class Judgment:
         peak, by_inductor, applied = raw
         if not isinstance(peak, int) or isinstance(peak, bool) or not isinstance(by_inductor, bool):
             raise TypeError(f"a judgment is [peak bytes, by Inductor, config], not {raw!r}")
-        return cls(peak, by_inductor, Config.from_dict(applied))
+        return cls(peak, by_inductor, Counts.from_dict(applied))
 
 
 #: Judged graphs kept in this process: judge key -> trial key -> judgment. ``protrain_fx.reset()``
@@ -109,18 +109,18 @@ class Judge:
     ``lower``: whether the next judgments do (module docstring)."""
 
     kept: dict[str, Judgment]
-    key_of: Callable[[Config], str]
-    rewrite: Callable[[Config], Config]
+    key_of: Callable[[Counts], str]
+    rewrite: Callable[[Counts], Counts]
     judge_now: Callable[[bool], tuple[int, bool]]
-    predict: Callable[[Config], int]
-    holding: Config | None = None
+    predict: Callable[[Counts], int]
+    holding: Counts | None = None
     lowered: int = 0
     reused: int = 0
     lowers: bool = False
     lower: bool = True
     analysed: dict[str, Judgment] = field(default_factory=dict)
 
-    def __call__(self, config: Config) -> Trial:
+    def __call__(self, config: Counts) -> Trial:
         """The :class:`Trial` of ``config``: kept, or rewritten (unless the record holds it) and judged."""
         key = self.key_of(config)
         got = self.kept.get(key)
@@ -153,7 +153,7 @@ class Judge:
         return Trial(applied, self.predict(applied), peak, by_inductor,
                      requested=None if applied == config else config)
 
-    def hold(self, config: Config) -> None:
+    def hold(self, config: Counts) -> None:
         """Leave the record with the rewrite of ``config`` (a config as applied): rewritten again
         unless the record holds it."""
         if self.holding != config:

@@ -94,7 +94,7 @@ from protrain_fx.runtime.parallel import distributed
 from protrain_fx.runtime.store.buffer_pool import FETCH_SLICE_ELEMS
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.spread import RATE_SPREAD, expected_estimate, steadiest_gpu_optim
-from protrain_fx.search.problem import Config, MachineProfile, Problem, block_plan
+from protrain_fx.search.problem import Counts, MachineProfile, Problem, block_plan
 from protrain_fx.search.search import NoPlanFits, SearchResult, search
 
 if TYPE_CHECKING:
@@ -150,11 +150,11 @@ def choose_for_placed(
     cap, outside, source = plan_cap(record, budget)
     p, b, g = handle.n_persist, handle.n_buffer, handle.n_gpu_optim
     N = model.n_blocks
-    configs = [Config(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
+    configs = [Counts(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
     empty = configs[0]
     short: list[int] = []  # chunks held at once by plans the placed buffers cannot hold
 
-    def rewrite(config: Config) -> Config:
+    def rewrite(config: Counts) -> Counts:
         plan = block_plan(model.problem, config)
         trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
         return config
@@ -170,7 +170,7 @@ def choose_for_placed(
     empty_peak = judged_empty.analysed_peak_bytes
     trials: list[Trial] = []
 
-    def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+    def result(config: Counts, how: str, found: SearchResult | None) -> AutoPlan:
         judge.hold(config)  # the record holds the chosen plan's graphs
         plain = verify.tried(trials, empty) or judged_empty  # lowered after all, when confirmed_choice did
         return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
@@ -194,7 +194,7 @@ def choose_for_placed(
         _, best, est = min(fitting, key=lambda x: (x[0], x[1]))
         return SearchResult(best, est, len(configs), 0, 0, len(configs), time.perf_counter() - t0)
 
-    def run(config: Config) -> Trial:
+    def run(config: Counts) -> Trial:
         try:
             t = judge(config)
         except ValueError as e:
@@ -380,7 +380,7 @@ def prefer_persistent(problem: Problem, budget: int, reserve: int, *, gpu_optim:
 def steadier_gpu_optim(
     handle: OffloadHandle, model: CostModel, kept: Trial, cap: int, trials: list[Trial],
     spread: Mapping[str, float] = RATE_SPREAD,
-) -> Config:
+) -> Counts:
     """The chosen config ``kept.config`` with the ``n_gpu_optim`` of the least expected step over the
     host rates' spread (``search.spread.steadiest_gpu_optim``), within the memory its judged peak leaves under
     ``cap``; applied to ``handle`` and appended to ``trials`` (the judged peak raised by the static
@@ -403,13 +403,13 @@ def steadier_gpu_optim(
     return steadier
 
 
-def least_memory_config(model: CostModel) -> Config:
+def least_memory_config(model: CostModel) -> Counts:
     """The config of least predicted peak: no persistent chunk, the fewest buffers, no device step,
     the activation counts of least memory (the faster among equals)."""
     return least_memory_candidates(model)[0]
 
 
-def least_memory_candidates(model: CostModel) -> list[Config]:
+def least_memory_candidates(model: CostModel) -> list[Counts]:
     """The configs tried as the plan of least memory: no persistent chunk, the fewest buffers, no
     device step, and the activation counts of ``planner.activations.least_memory_configs`` (the cost model's
     least, then checkpointing every block)."""
@@ -421,9 +421,9 @@ def place_and_rewrite(
     record: CapturedGraph,
     handle: OffloadHandle,
     model: CostModel,
-    config: Config,
+    config: Counts,
     trial: Callable[[Plan | None], None],
-) -> Config:
+) -> Counts:
     """Place ``handle``'s chunks with ``config``'s counts and rewrite and analyse the step with its
     activation plan (``trial``), leaving ``record`` as of it; returns the config applied. A rewrite
     that holds more chunks at once than ``config`` has buffers
@@ -473,7 +473,7 @@ def place_and_analyse(
     record: CapturedGraph,
     handle: OffloadHandle,
     model: CostModel,
-    config: Config,
+    config: Counts,
     trial: Callable[[Plan | None], None],
 ) -> Trial:
     """Place, rewrite and analyse ``config`` (:func:`place_and_rewrite`) and return the :class:`Trial`:
@@ -512,16 +512,16 @@ def choose_offload(
     cap, outside, source = plan_cap(record, budget)
     reserve = budget - cap
     all_on_device_peak = record.memory.peak_bytes
-    everything = Config(model.n_chunks, 0, 0, 0)
+    everything = Counts(model.n_chunks, 0, 0, 0)
     trials: list[Trial] = []  # every placement analysed, in order
     judge = offload_judge(record, handle, model, trial, kept)
 
-    def run(config: Config) -> Trial:
+    def run(config: Counts) -> Trial:
         t = judge(config)
         trials.append(t)
         return t
 
-    def result(config: Config, how: str, found: SearchResult | None) -> AutoPlan:
+    def result(config: Counts, how: str, found: SearchResult | None) -> AutoPlan:
         judge.hold(config)  # the chunks placed and the record rewritten for the chosen config
         spread = RATE_SPREAD if device.type == "cuda" else None  # the CPU device plans with fixed rates
         done = next((t for t in trials if t.config == config), None)

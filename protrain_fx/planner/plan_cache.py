@@ -72,7 +72,7 @@ from protrain_fx.profile.cache import (
 )
 from protrain_fx.runtime.parallel import distributed
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import Config, Problem, block_plan
+from protrain_fx.search.problem import Counts, Problem, block_plan
 from protrain_fx.search.spread import expected_estimate
 from protrain_fx.state import STATE
 from protrain_fx.version import __version__
@@ -380,7 +380,7 @@ def _parse(raw: Any) -> dict[str, Any]:
         raise TypeError(f"an entry is a {type(raw).__name__}, not an object")
     entry = dict(raw)
     entry["plan"] = Plan.from_dict(raw["plan"])
-    entry["config"] = Config.from_dict(raw["config"])
+    entry["config"] = Counts.from_dict(raw["config"])
     entry["problem"] = Problem.from_dict(raw["problem"])
     for name in ("graph_peak_bytes", "budget_bytes", "allocated_cap_bytes", "predicted_peak_bytes",
                  "analysed_peak_bytes", "empty_peak_bytes", "reserve_bytes"):

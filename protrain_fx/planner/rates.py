@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import Config, Problem
+from protrain_fx.search.problem import Counts, Problem
 
 if TYPE_CHECKING:
     from protrain_fx.runtime.offload.handle import OffloadHandle
@@ -134,7 +134,7 @@ class TrainingRates:
         machine = dataclasses.replace(problem.machine, **changes)
         return dataclasses.replace(problem, machine=machine, device_step_s=timed)
 
-    def line(self, problem: Problem, config: Config) -> str:
+    def line(self, problem: Problem, config: Counts) -> str:
         """One log line: the rates against the profile's, and ``config``'s step predicted at them."""
         m, parts = problem.machine, []
         if self.cpu_adam_params_per_s:
@@ -163,7 +163,7 @@ class RateWindow:
         if self._device is not None:
             self._device.window = []
 
-    def close(self, problem: Problem, config: Config) -> TrainingRates:
+    def close(self, problem: Problem, config: Counts) -> TrainingRates:
         """The rates since the window opened; device steps still running are left out. The
         cost model of ``problem`` gives each device-stepped chunk's bytes out (``config``: which
         chunks are lean, with no working copy to write back)."""
@@ -187,7 +187,7 @@ class RateWindow:
                              device_step_s=tuple((k, statistics.median(s)) for k, s in sorted(by_chunk.items())))
 
 
-def alone_rate(model: CostModel, config: Config, seconds: dict[int, float]) -> float:
+def alone_rate(model: CostModel, config: Counts, seconds: dict[int, float]) -> float:
     """The device steps' rate each way without the re-fetches beside them, from ``seconds`` (chunk
     -> the median of its device steps timed in training under ``config``): the bytes they copy out
     over their seconds, each less what the cost model has the backward re-fetches beside it add
@@ -224,8 +224,8 @@ class Replan:
     steps predicted at the measured rates. ``step_check``: the step period measured over the calls
     after the change (:class:`StepCheck`; ``None`` until they ran)."""
 
-    before: Config
-    after: Config
+    before: Counts
+    after: Counts
     predicted_s: float
     before_s: float
     after_s: float
@@ -251,7 +251,7 @@ class Replan:
 
 def replan_gpu_optim(
     problem: Problem,
-    config: Config,
+    config: Counts,
     rates: TrainingRates,
     *,
     predicted_s: float,

@@ -22,7 +22,7 @@ from protrain_fx.planner.reserve import ReturnedOutput
 from protrain_fx.planner.verify import Trial
 from protrain_fx.progress import seconds_line
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import Config, Estimate, Problem
+from protrain_fx.search.problem import Counts, Estimate, Problem
 from protrain_fx.search.search import SearchResult
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class AutoPlan:
     """
 
     plan: Plan
-    config: Config
+    config: Counts
     estimate: Estimate
     problem: Problem
     budget_bytes: int

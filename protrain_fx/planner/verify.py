@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from protrain_fx.capture import CapturedGraph
-from protrain_fx.search.problem import Config
+from protrain_fx.search.problem import Counts
 from protrain_fx.search.search import NoPlanFits, SearchResult
 
 log = logging.getLogger("protrain_fx")
@@ -35,18 +35,18 @@ class Trial:
     the config asked for, when the rewrite needed more chunk buffers than it gave
     (:class:`~protrain_fx.errors.TooFewBuffers`); ``config`` is then the one applied."""
 
-    config: Config
+    config: Counts
     predicted_peak_bytes: int
     analysed_peak_bytes: int
     by_inductor: bool = False
-    requested: Config | None = None
+    requested: Counts | None = None
 
-    def answers(self, config: Config) -> bool:
+    def answers(self, config: Counts) -> bool:
         """Whether this trial is what running ``config`` gives (asked for, or applied)."""
         return config == self.config or config == self.requested
 
 
-def tried(trials: Sequence[Trial], config: Config) -> Trial | None:
+def tried(trials: Sequence[Trial], config: Counts) -> Trial | None:
     """The first of ``trials`` that :meth:`Trial.answers` ``config``."""
     return next((t for t in trials if t.answers(config)), None)
 
@@ -58,7 +58,7 @@ class Judge(Protocol):
     lowers: bool
     lower: bool
 
-    def __call__(self, config: Config) -> Trial: ...
+    def __call__(self, config: Counts) -> Trial: ...
 
 
 def judged_peak(record: CapturedGraph, lower: bool = True) -> tuple[int, bool]:
@@ -85,7 +85,7 @@ def lowers(record: CapturedGraph) -> bool:
     return record.probe_inductor is not None and record.config.verify_for(record.memory.device) == "inductor"
 
 
-def judged_trial(record: CapturedGraph, config: Config, predicted_peak_bytes: int) -> Trial:
+def judged_trial(record: CapturedGraph, config: Counts, predicted_peak_bytes: int) -> Trial:
     """The :class:`Trial` of the plan now in ``record`` (:func:`judged_peak`)."""
     peak, by_inductor = judged_peak(record)
     return Trial(config, predicted_peak_bytes, peak, by_inductor)
@@ -93,11 +93,11 @@ def judged_trial(record: CapturedGraph, config: Config, predicted_peak_bytes: in
 
 def verified_choice(
     search_at: Callable[[int], SearchResult],
-    run: Callable[[Config], Trial],
-    least: Config | Sequence[Config],
+    run: Callable[[Counts], Trial],
+    least: Counts | Sequence[Counts],
     trials: list[Trial],
     cap: int,
-) -> tuple[Config | None, str, SearchResult | None, int, Config]:
+) -> tuple[Counts | None, str, SearchResult | None, int, Counts]:
     """Steps 3 and 4 of ``planner/activations.py``'s module docstring, shared with
     ``planner/offload.py``: ``search_at(lowered)`` searches with the cap lowered by ``lowered``
     bytes (raised when negative), ``run(config)`` applies a config and returns its analysed
@@ -132,7 +132,7 @@ def verified_choice(
             return kept.config, "searched", found, kept.analysed_peak_bytes, kept.config
         lowered += max(1, t.analysed_peak_bytes - t.predicted_peak_bytes)
     judged: list[Trial] = []
-    for config in [least] if isinstance(least, Config) else least:
+    for config in [least] if isinstance(least, Counts) else least:
         done = tried(trials, config) or run(config)
         judged.append(done)
         if done.analysed_peak_bytes <= cap:  # the analysis judges (the cost model's peak is an upper bound of it)
@@ -153,7 +153,7 @@ CONFIRM_ROUNDS = 3
 AS_IS_MARGIN = 0.05
 
 
-def judged_as_is(judge: Judge, empty: Config, cap: int) -> Trial:
+def judged_as_is(judge: Judge, empty: Counts, cap: int) -> Trial:
     """The :class:`Trial` of the step without a plan (``empty``): lowered (``verify="inductor"``) only
     when the graph-level analysis puts it under ``cap`` or within :data:`AS_IS_MARGIN` above it. A
     step gigabytes over the cap is not lowered: a lowering of a large model's step costs a minute
@@ -171,13 +171,13 @@ def judged_as_is(judge: Judge, empty: Config, cap: int) -> Trial:
 
 def confirmed_choice(
     search_at: Callable[[int], SearchResult],
-    run: Callable[[Config], Trial],
-    least: Config | Sequence[Config],
+    run: Callable[[Counts], Trial],
+    least: Counts | Sequence[Counts],
     trials: list[Trial],
     cap: int,
     judge: Judge,
     as_is: Trial | None = None,
-) -> tuple[Config | None, str, SearchResult | None, int, Config]:
+) -> tuple[Counts | None, str, SearchResult | None, int, Counts]:
     """:func:`verified_choice`, lowering (``verify="inductor"``: ``judge.lowers``) only the configs it
     would choose. Each round runs :func:`verified_choice` with ``judge.lower`` off (every trial judged
     by the graph-level analysis, which puts most plans of a step at the byte Inductor's allocation
@@ -256,7 +256,7 @@ RAISE_MIN_GAIN = 0.02
 
 def raised_choice(
     search_at: Callable[[int], SearchResult],
-    run: Callable[[Config], Trial],
+    run: Callable[[Counts], Trial],
     found: SearchResult,
     fitted: Trial,
     trials: list[Trial],

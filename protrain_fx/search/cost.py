@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 
 from protrain_fx.search.memory import _CKPT, MemoryModel
-from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT, Config, Estimate, Problem
+from protrain_fx.search.problem import DEVICE_STEPS_IN_FLIGHT, Counts, Estimate, Problem
 from protrain_fx.search.tables import _PerBuffer, _PerPersist, link_sharing_keys
 _Forward = tuple[list[float], list[float], list[float], float, float, float, float]
 
 
-def estimate(problem: Problem, config: Config) -> Estimate:
+def estimate(problem: Problem, config: Counts) -> Estimate:
     """Predicted step time and peak memory of ``config``. Raises ``ValueError`` for an invalid config."""
     return CostModel(problem).estimate(config)
 
@@ -184,23 +184,23 @@ class CostModel(MemoryModel):
             return range(1)
         return range(self.min_buffers(n_persist), self.n_chunks - n_persist + 1)
 
-    def validate(self, config: Config) -> Config:
+    def validate(self, config: Counts) -> Counts:
         p, b, s, c, g = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint, config.n_gpu_optim
         for name, v in config.to_dict().items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"Config: {name}={v!r} must be an int >= 0")
+                raise ValueError(f"Counts: {name}={v!r} must be an int >= 0")
         if p > self.n_chunks:
-            raise ValueError(f"Config: n_persist={p} exceeds the {self.n_chunks} chunks")
+            raise ValueError(f"Counts: n_persist={p} exceeds the {self.n_chunks} chunks")
         if b not in self.buffer_range(p):
             r = self.buffer_range(p)
-            raise ValueError(f"Config: n_buffer={b} with n_persist={p}; accepted: {r.start}..{r.stop - 1}")
+            raise ValueError(f"Counts: n_buffer={b} with n_persist={p}; accepted: {r.start}..{r.stop - 1}")
         if s + c > self.n_blocks:
-            raise ValueError(f"Config: n_swap + n_checkpoint = {s + c} exceeds the {self.n_blocks} blocks")
+            raise ValueError(f"Counts: n_swap + n_checkpoint = {s + c} exceeds the {self.n_blocks} blocks")
         if p + g > self.n_chunks:
-            raise ValueError(f"Config: n_gpu_optim={g} with n_persist={p}; accepted: 0..{self.n_chunks - p}")
+            raise ValueError(f"Counts: n_gpu_optim={g} with n_persist={p}; accepted: 0..{self.n_chunks - p}")
         return config
 
-    def estimate(self, config: Config) -> Estimate:
+    def estimate(self, config: Counts) -> Estimate:
         self.validate(config)
         p, b, s, c, g = config.n_persist, config.n_buffer, config.n_swap, config.n_checkpoint, config.n_gpu_optim
         return self._simulate(p, b, s, c, g, optimizer=True, detail=True)  # type: ignore[return-value]
@@ -508,7 +508,7 @@ class CostModel(MemoryModel):
             got = self._per_p[(p, g)] = _PerPersist.build(self, p, g)
         return got
 
-    def refetch_beside_steps(self, config: Config) -> list[float]:
+    def refetch_beside_steps(self, config: Counts) -> list[float]:
         """Chunk -> seconds ``config``'s device step of it is lengthened by the backward re-fetches
         beside it (0 for a chunk not stepped on the device, or timed in training): see
         :meth:`_dev_refetch`."""

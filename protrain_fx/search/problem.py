@@ -2,7 +2,7 @@
 
 :class:`Problem` holds per transformer block its times and activation bytes (:class:`BlockProfile`),
 per parameter chunk its size (:class:`ChunkProfile`), the work outside the blocks and the machine's
-rates (:class:`MachineProfile`); :class:`Config` is ProTrain's counts and :class:`Estimate` what
+rates (:class:`MachineProfile`); :class:`Counts` is ProTrain's counts and :class:`Estimate` what
 the cost model predicts for one. Times are seconds, sizes bytes, rates per second. Kept apart from
 the graph: ``planner/problem.py`` extracts a Problem from a captured graph, and nothing here imports
 torch or FX, so a Problem dumped as JSON (:meth:`Problem.dump`) replays in a test with no model.
@@ -387,10 +387,11 @@ class Problem:
 
 
 @dataclass(frozen=True, order=True)
-class Config:
-    """ProTrain's four counts, and ``n_gpu_optim``: the first non-persistent chunks stepped on the GPU
-    (ours; 0 is ProTrain). Not :class:`protrain_fx.plan.Plan`: :func:`block_plan` maps the two
-    activation counts to per-block policies with :func:`protrain_fx.plan.interleaved`."""
+class Counts:
+    """ProTrain's four counts (its "configuration"), and ``n_gpu_optim``: the first non-persistent
+    chunks stepped on the GPU (ours; 0 is ProTrain). Not :class:`protrain_fx.plan.Plan`:
+    :func:`block_plan` maps the two activation counts to per-block policies with
+    :func:`protrain_fx.plan.interleaved`; not the backend's options (:class:`protrain_fx.config.ProtrainConfig`)."""
 
     n_persist: int
     n_buffer: int
@@ -402,7 +403,7 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Config:
+    def from_dict(cls, d: Mapping[str, Any]) -> Counts:
         return cls(**_known(cls, d))
 
 
@@ -434,7 +435,7 @@ class Estimate:
         return dataclasses.asdict(self)
 
 
-def block_plan(problem: Problem, config: Config) -> Plan:
+def block_plan(problem: Problem, config: Counts) -> Plan:
     """The per-block activation plan of ``config``: ProTrain's interleaved layout over the blocks."""
     return interleaved([b.name for b in problem.blocks], config.n_swap, config.n_checkpoint)
 

@@ -1,6 +1,6 @@
 """Exhaustive search over ProTrain's four counts, with pruning that never drops the optimum.
 
-:func:`search` returns the :class:`~protrain_fx.search.problem.Config` with the smallest predicted step time
+:func:`search` returns the :class:`~protrain_fx.search.problem.Counts` with the smallest predicted step time
 whose predicted peak fits ``budget_bytes - reserve_bytes``, over every valid config:
 ``n_persist`` in ``0..n_chunks``; ``n_buffer`` in ``min_buffers(n_persist)..n_chunks - n_persist``
 (0 only when every chunk persists; ``min_buffers`` = the most non-persistent chunks one block uses);
@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import Config, Estimate, Problem
+from protrain_fx.search.problem import Counts, Estimate, Problem
 
 #: ``n_gpu_optim`` values searched per ``n_persist`` before the local refinement (see the module docstring).
 GPU_OPTIM_GRID = 8
@@ -73,7 +73,7 @@ class SearchResult:
     ``bound_evaluations``: simulations run only for a lower bound; ``pruned``: valid configs never
     simulated (over budget or bounded out); ``total``: valid configs; ``seconds``: wall time."""
 
-    best: Config
+    best: Counts
     estimate: Estimate
     evaluated: int
     bound_evaluations: int
@@ -129,7 +129,7 @@ def search(
 
     assert inc.best is not None, "a config fits, so one was evaluated"
     p, b, s_, c, g = inc.best
-    config = Config(p, b, s_, c, g)
+    config = Counts(p, b, s_, c, g)
     est = model.estimate(config)
     assert est.step_s == inc.best_t and est.peak_bytes <= cap_all
     return SearchResult(

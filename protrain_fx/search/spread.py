@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from protrain_fx.search.problem import Config, Estimate, Problem
+from protrain_fx.search.problem import Counts, Estimate, Problem
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.cost import estimate
 
@@ -38,7 +38,7 @@ def rate_scenarios(problem: Problem, spread: Mapping[str, float] = RATE_SPREAD) 
     return [dataclasses.replace(problem, machine=dataclasses.replace(problem.machine, **c)) for c in cases]
 
 
-def expected_estimate(problem: Problem, config: Config, spread: Mapping[str, float] = RATE_SPREAD) -> Estimate:
+def expected_estimate(problem: Problem, config: Counts, spread: Mapping[str, float] = RATE_SPREAD) -> Estimate:
     """:func:`estimate` of ``config`` with its times (step, forward, backward, after backward) the mean
     over :func:`rate_scenarios`: the step to expect when the host rates are known only to ``spread``.
     A step mostly slows by more when a rate falls than it gains when the rate rises (the critical
@@ -59,8 +59,8 @@ def expected_estimate(problem: Problem, config: Config, spread: Mapping[str, flo
 
 
 def steadiest_gpu_optim(
-    problem: Problem, config: Config, *, room_bytes: int, spread: Mapping[str, float] = RATE_SPREAD
-) -> Config:
+    problem: Problem, config: Counts, *, room_bytes: int, spread: Mapping[str, float] = RATE_SPREAD
+) -> Counts:
     """``config`` with the ``n_gpu_optim`` of the least expected step (:func:`expected_estimate`'s mean
     over :func:`rate_scenarios`), its other counts kept; only counts whose static bytes add at most
     ``room_bytes`` to ``config``'s are tried (the memory the plan was judged to leave). Ties keep

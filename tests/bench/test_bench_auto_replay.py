@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import Config
+from protrain_fx.search.problem import Counts
 from tests.search.test_cost_search import make_problem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def _run(problem, config, predicted_s, steps, replan=None):
 
 def test_the_summary_replays_each_recorded_first_plan_and_names_the_means(tmp_path):
     problem = make_problem(5, n_blocks=4)
-    with_steps, without = Config(1, 2, 0, 0, 1), Config(1, 2, 0, 0, 0)
+    with_steps, without = Counts(1, 2, 0, 0, 1), Counts(1, 2, 0, 0, 0)
     model = CostModel(problem)
     now = model.estimate(with_steps).step_s
     runs = [
@@ -55,7 +55,7 @@ def test_phases_tabulates_the_on_device_runs_and_their_spread(tmp_path):
     # --phases: every run that kept every chunk on the device has a well-formed row (offloaded runs are
     # left out), and a size with three plain runs or more a spread line
     problem = make_problem(3)
-    kept = Config(n_persist=len(problem.chunks), n_buffer=0, n_swap=0, n_checkpoint=0)
+    kept = Counts(n_persist=len(problem.chunks), n_buffer=0, n_swap=0, n_checkpoint=0)
     est = CostModel(problem).estimate(kept)
     runs = []
     for scale in (1.0, 1.1, 0.9):
@@ -63,7 +63,7 @@ def test_phases_tabulates_the_on_device_runs_and_their_spread(tmp_path):
         run["size"] = "x"
         run["breakdown"] = [{"forward_s": scale * est.fwd_s, "backward_s": scale * est.bwd_s}] * 3
         runs.append(run)
-    offloaded = _run(problem, Config(0, 2, 0, 0), est.step_s, [est.step_s] * 3)
+    offloaded = _run(problem, Counts(0, 2, 0, 0), est.step_s, [est.step_s] * 3)
     offloaded["breakdown"] = [{"forward_s": est.fwd_s, "backward_s": est.bwd_s}] * 3
     path = tmp_path / "peers.json"
     path.write_text(json.dumps([*runs, offloaded]))
@@ -83,7 +83,7 @@ def test_phases_reprice_a_reread_run_with_the_times_read_after_training(tmp_path
     # an on-device run whose products were read again: each phase's cached sum is replaced by the new one
 
     problem = make_problem(3)
-    config = Config(n_persist=len(problem.chunks), n_buffer=0, n_swap=0, n_checkpoint=0)
+    config = Counts(n_persist=len(problem.chunks), n_buffer=0, n_swap=0, n_checkpoint=0)
     est = CostModel(problem).estimate(config)
     run = _run(problem, config, est.step_s, [0.2, 0.2, 0.2])
     run["breakdown"] = [{"forward_s": 0.05, "backward_s": 0.1}] * 3

@@ -23,7 +23,7 @@ from protrain_fx.planner import first_step, verify
 from protrain_fx.planner import offload as autooffload
 from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import Config, MachineProfile
+from protrain_fx.search.problem import Counts, MachineProfile
 from protrain_fx.search.search import NoPlanFits
 from tests.planner.test_auto_plan import _no_plan_fits
 from tests.runtime.test_offload import (
@@ -573,7 +573,7 @@ def test_steadier_gpu_optim_applies_the_count_of_least_expected_step_and_records
     from protrain_fx.planner.verify import Trial
     from protrain_fx.search.cost import CostModel
     from protrain_fx.search.spread import expected_estimate
-    from protrain_fx.search.problem import Config
+    from protrain_fx.search.problem import Counts
     from tests.search.test_cost_search import make_problem
 
     class Handle:  # what steadier_gpu_optim asks of an OffloadHandle
@@ -587,11 +587,11 @@ def test_steadier_gpu_optim_applies_the_count_of_least_expected_step_and_records
     changed = 0
     for seed in range(8):
         model = CostModel(make_problem(seed, device_step_bytes_per_s=30e9, cpu_adam_params_per_s=2e9))
-        config = Config(0, max(1, model.min_buffers(0)), 0, 0, 0)
+        config = Counts(0, max(1, model.min_buffers(0)), 0, 0, 0)
         kept = Trial(config, model.estimate(config).peak_bytes, 10**9)
         handle, trials = Handle(), [kept]
         got = steadier_gpu_optim(handle, model, kept, cap=10**13, trials=trials, spread=spread)
-        best = min(expected_estimate(model.problem, Config(0, config.n_buffer, 0, 0, g), spread).step_s
+        best = min(expected_estimate(model.problem, Counts(0, config.n_buffer, 0, 0, g), spread).step_s
                    for g in range(model.n_chunks + 1))
         assert expected_estimate(model.problem, got, spread).step_s == pytest.approx(best)
         if got == config:
@@ -631,7 +631,7 @@ def test_a_plan_whose_rewrite_holds_more_chunks_than_its_buffers_is_placed_again
     planner places such a trial again with the buffers it holds; before, the gather pass's
     ValueError reached the user (here as the least-memory plan, the search left out)."""
     def least(model):
-        return [Config(0, model.min_buffers(0), 0, model.n_blocks, 0)]
+        return [Counts(0, model.min_buffers(0), 0, model.n_blocks, 0)]
 
     def no_search(*args, **kwargs):
         raise NoPlanFits("searched plans left out: the least-memory plan is the case", min_budget_bytes=1)

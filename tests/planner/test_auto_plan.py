@@ -761,12 +761,12 @@ def _raise_fixture(outcomes: dict, steps: dict):
     """``search_at`` and ``run`` over plain numbers for :func:`verify.raised_choice`: a cap of 100,
     the search returns config ``"fast"`` when the cap is raised by at least 10, else ``"slow"``;
     ``outcomes`` maps a config's n_persist to (predicted, analysed) peaks; ``steps`` to its step."""
-    from protrain_fx.search.problem import Config, Estimate
+    from protrain_fx.search.problem import Counts, Estimate
     from protrain_fx.search.search import SearchResult
 
     def result(p: int) -> SearchResult:
         est = Estimate(steps[p], outcomes[p][0], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-        return SearchResult(Config(p, 0, 0, 0), est, 1, 0, 0, 1, 0.0)
+        return SearchResult(Counts(p, 0, 0, 0), est, 1, 0, 0, 1, 0.0)
 
     runs: list[int] = []
     trials: list[verify.Trial] = []
@@ -814,14 +814,14 @@ def test_a_raised_config_above_the_cap_is_left_out_and_the_search_runs_again_und
     # the config that fitted (1) was predicted 20 above its analysis: raised by 25, the search finds 3 (predicted
     # 119, analysed over the cap); under 119 (a raise of 18) it finds 2, which fits and is kept. The
     # raise from 2 finds 3 again, tried: done, with 2's graphs in the record.
-    from protrain_fx.search.problem import Config, Estimate
+    from protrain_fx.search.problem import Counts, Estimate
     from protrain_fx.search.search import SearchResult
 
     def fixture(outcomes):
         runs, trials = [], []
 
         def result(p):
-            return SearchResult(Config(p, 0, 0, 0), Estimate(1.0 / p, outcomes[p][0], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+            return SearchResult(Counts(p, 0, 0, 0), Estimate(1.0 / p, outcomes[p][0], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
                                 1, 0, 0, 1, 0.0)
 
         def search_at(lowered):
@@ -851,14 +851,14 @@ def test_after_an_overshoot_the_next_raise_is_where_the_line_through_both_trials
     # One step under it would find 4 (124, 104) and 3 (122, 102), both over, and the raises would run
     # out; the line through (100, 80) and (125, 105) meets the cap at a predicted 120, where the
     # search finds 2 (120, 100), which fits.
-    from protrain_fx.search.problem import Config, Estimate
+    from protrain_fx.search.problem import Counts, Estimate
     from protrain_fx.search.search import SearchResult
 
     outcomes = {1: (100, 80), 2: (120, 100), 3: (122, 102), 4: (124, 104), 5: (125, 105)}
     runs, trials = [], []
 
     def result(p):
-        return SearchResult(Config(p, 0, 0, 0), Estimate(1.0 / p, outcomes[p][0], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+        return SearchResult(Counts(p, 0, 0, 0), Estimate(1.0 / p, outcomes[p][0], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
                             1, 0, 0, 1, 0.0)
 
     def search_at(lowered):  # the fastest config predicted at most 100 - lowered
@@ -873,11 +873,11 @@ def test_after_an_overshoot_the_next_raise_is_where_the_line_through_both_trials
     kept = verify.raised_choice(search_at, run, first, run(first.best), trials, 100)
     assert kept.best.n_persist == 2 and runs == [1, 5, 2]
     # the line alone: never at or above the overshooting config's own prediction
-    fitted, over = verify.Trial(Config(1, 0, 0, 0), 100, 80), verify.Trial(Config(5, 0, 0, 0), 125, 105)
+    fitted, over = verify.Trial(Counts(1, 0, 0, 0), 100, 80), verify.Trial(Counts(5, 0, 0, 0), 125, 105)
     assert verify.lowered_raise(fitted, over, 100) == 20
-    just_over = verify.Trial(Config(5, 0, 0, 0), 125, 101)  # the line meets the cap at 100 + 20 * 25 / 21
+    just_over = verify.Trial(Counts(5, 0, 0, 0), 125, 101)  # the line meets the cap at 100 + 20 * 25 / 21
     assert verify.lowered_raise(fitted, just_over, 100) == 23
-    lower = verify.Trial(Config(5, 0, 0, 0), 99, 101)  # predicted under the fitted config: no line, and no raise
+    lower = verify.Trial(Counts(5, 0, 0, 0), 99, 101)  # predicted under the fitted config: no line, and no raise
     assert verify.lowered_raise(fitted, lower, 100) == -2
 
 

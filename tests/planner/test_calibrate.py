@@ -175,11 +175,11 @@ class _DeviceSteps:
 
 def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their_own_chunk():
     from protrain_fx.search.cost import CostModel
-    from protrain_fx.search.problem import Config
+    from protrain_fx.search.problem import Counts
     from tests.search.test_cost_search import make_problem
 
     problem = make_problem(3, n_blocks=4)
-    config = Config(n_persist=2, n_buffer=2, n_swap=0, n_checkpoint=0, n_gpu_optim=2)
+    config = Counts(n_persist=2, n_buffer=2, n_swap=0, n_checkpoint=0, n_gpu_optim=2)
     model = CostModel(problem)
     handle = _Handle()
     handle.device_adam = _DeviceSteps()
@@ -283,7 +283,7 @@ def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_pa
 def test_a_cpu_slower_in_training_moves_chunks_to_device_steps_and_only_when_it_pays():
     from protrain_fx.planner.rates import REPLAN_MIN_GAIN, replan_gpu_optim
     from protrain_fx.search.cost import CostModel
-    from protrain_fx.search.problem import Config
+    from protrain_fx.search.problem import Counts
     from tests.search.test_cost_search import make_problem
 
     # Profiled: a fast CPU, so the plan steps every offloaded chunk there (n_gpu_optim = 0).
@@ -291,14 +291,14 @@ def test_a_cpu_slower_in_training_moves_chunks_to_device_steps_and_only_when_it_
                            duplex_bytes_per_s=100e9)
     model = CostModel(problem)
     n, b = model.n_chunks, model.buffer_range(1).start
-    config = Config(1, b, 0, 0, 0)
+    config = Counts(1, b, 0, 0, 0)
     room = model.static_bytes(1, b, 1) - model.static_bytes(1, b, 0)  # what any device step adds
     slow = TrainingRates(cpu_params=10**9, cpu_s=5.0)  # training reached 0.2 G params/s
     replan = replan_gpu_optim(problem, config, slow, predicted_s=0.123, room_bytes=room)
     at_rates = CostModel(slow.priced(problem))
     assert replan is not None and replan.before == config and replan.predicted_s == 0.123
     g = replan.after.n_gpu_optim
-    assert replan.after == Config(1, b, 0, 0, g) and g > 0
+    assert replan.after == Counts(1, b, 0, 0, g) and g > 0
     assert replan.before_s == at_rates.step_time(1, b, 0, 0, 0)
     assert replan.after_s == min(at_rates.step_time(1, b, 0, 0, k) for k in range(n))  # the fastest count
     assert replan.after_s < replan.before_s * (1 - REPLAN_MIN_GAIN)
@@ -313,7 +313,7 @@ def test_a_cpu_slower_in_training_moves_chunks_to_device_steps_and_only_when_it_
     assert replan_gpu_optim(problem, config, slow, predicted_s=0.1, room_bytes=room, min_gain=gain + 1e-9) is None
     assert replan_gpu_optim(problem, config, slow, predicted_s=0.123, room_bytes=room, min_gain=gain - 1e-9) == replan
     # From device steps already running, back to fewer ones when the CPU is faster than profiled.
-    many = Config(1, b, 0, 0, n - 1)
+    many = Counts(1, b, 0, 0, n - 1)
     fast_cpu = make_problem(9, n_blocks=4, cpu_adam_params_per_s=0.2e9, h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9,
                             duplex_bytes_per_s=3e9)
     back = replan_gpu_optim(fast_cpu, many, TrainingRates(cpu_params=50 * 10**9, cpu_s=1.0), predicted_s=1.0,

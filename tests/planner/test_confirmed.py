@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from protrain_fx.planner import verify
 from protrain_fx.planner.judged import Judge
-from protrain_fx.search.problem import Config
+from protrain_fx.search.problem import Counts
 from protrain_fx.search.search import NoPlanFits, SearchResult
 
 #: n_checkpoint -> (the cost model's peak, the graph-level analysis' peak, Inductor's plan's peak):
@@ -17,8 +17,8 @@ PEAKS = {k: (100 - 10 * k, 95 - 10 * k, 95 - 10 * k + (8 if k == 1 else 0)) for 
 CAP = 85
 
 
-def _config(k: int) -> Config:
-    return Config(1, 0, 0, k)
+def _config(k: int) -> Counts:
+    return Counts(1, 0, 0, k)
 
 
 def _search_at(lowered: int) -> SearchResult:
@@ -44,10 +44,10 @@ def _judge(lowers: bool) -> tuple[Judge, list[tuple[int, bool]]]:
     return judge, runs
 
 
-def _choose(judge: Judge) -> tuple[Config | None, list[verify.Trial]]:
+def _choose(judge: Judge) -> tuple[Counts | None, list[verify.Trial]]:
     trials: list[verify.Trial] = []
 
-    def run(config: Config) -> verify.Trial:
+    def run(config: Counts) -> verify.Trial:
         t = judge(config)
         trials.append(t)
         return t
@@ -72,7 +72,7 @@ def test_every_trial_is_lowered_and_chooses_the_same_when_lowering_is_all_there_
     judge, runs = _judge(lowers=True)
     lowered_only: list[verify.Trial] = []
 
-    def run(config: Config) -> verify.Trial:
+    def run(config: Counts) -> verify.Trial:
         t = judge(config)
         lowered_only.append(t)
         return t

@@ -83,9 +83,9 @@ def test_problem_from_gpt_record(record, tmp_path):
     problem.dump(tmp_path / "p.json")
     assert search_problem.Problem.load(tmp_path / "p.json") == problem
     # the search runs on it
-    est = cost.estimate(problem, search_problem.Config(len(problem.chunks), 0, 0, 0))
+    est = cost.estimate(problem, search_problem.Counts(len(problem.chunks), 0, 0, 0))
     result = search.search(problem, est.peak_bytes)
-    assert isinstance(result.best, search_problem.Config)
+    assert isinstance(result.best, search_problem.Counts)
     assert result.estimate.peak_bytes <= est.peak_bytes
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import BlockProfile, ChunkProfile, Config, MachineProfile, Problem
+from protrain_fx.search.problem import BlockProfile, ChunkProfile, Counts, MachineProfile, Problem
 from protrain_fx.search.search import search
 from tests.search.test_cost_search import brute_force, budgets, make_problem
 
@@ -35,7 +35,7 @@ def two_blocks(accumulation: int = 1) -> Problem:
 
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_an_accumulated_step_is_k_micro_batches_and_one_optimizer_step(k: int) -> None:
-    """Config (1, 1, 0, 0): chunk 0 stays on the device, chunk 1 goes through the one buffer.
+    """Counts (1, 1, 0, 0): chunk 0 stays on the device, chunk 1 goes through the one buffer.
 
     One micro-batch, by hand: forward, block a (0-10 ms) beside chunk 1's fetch (0-10), block b
     (10-20); backward, block b (20-40; chunk 1 is still in its buffer), its gradient to the host
@@ -45,7 +45,7 @@ def test_an_accumulated_step_is_k_micro_batches_and_one_optimizer_step(k: int) -
     the step ends at 100 ms, 40 ms after the micro-batch would have; GPU Adam of chunk 0 (0.05 ms)
     runs after backward (60.05), within that."""
     model = CostModel(two_blocks(k))
-    e = model.estimate(Config(1, 1, 0, 0))
+    e = model.estimate(Counts(1, 1, 0, 0))
     micro, optimizer = 60 * ms, 40 * ms
     assert model.micro_batch_time(1, 1, 0, 0) == pytest.approx(micro)
     assert e.step_s == pytest.approx(k * micro + optimizer)
@@ -56,7 +56,7 @@ def test_an_accumulated_step_is_k_micro_batches_and_one_optimizer_step(k: int) -
     assert e.cpu_adam_s == pytest.approx(50 * ms)  # once a step
     # every chunk on the device: 30 ms forward + 60 ms backward with block b rerun (10 ms), and
     # GPU Adam of both chunks (0.1 ms) once
-    e = model.estimate(Config(2, 0, 0, 1))
+    e = model.estimate(Counts(2, 0, 0, 1))
     assert e.step_s == pytest.approx(k * 70 * ms + 0.1 * ms) and e.recompute_s == pytest.approx(k * 10 * ms)
 
 
@@ -96,7 +96,7 @@ def test_device_steps_keep_their_memory_and_move_nothing_under_accumulation() ->
     (``OffloadHandle.land_grads``): ``n_gpu_optim`` prices as 0 and still holds its staging."""
     problem = dataclasses.replace(make_problem(3, n_blocks=3), accumulation=4)
     model = CostModel(problem)
-    with_steps, without = model.estimate(Config(0, 3, 0, 0, 2)), model.estimate(Config(0, 3, 0, 0, 0))
+    with_steps, without = model.estimate(Counts(0, 3, 0, 0, 2)), model.estimate(Counts(0, 3, 0, 0, 0))
     assert with_steps.step_s == without.step_s and with_steps.device_steps == 0
     assert with_steps.peak_bytes == without.peak_bytes + model.device_step_bytes
 

@@ -21,7 +21,7 @@ from protrain_fx.search.spread import expected_estimate, rate_scenarios, steadie
 from protrain_fx.search.problem import (
     BlockProfile,
     ChunkProfile,
-    Config,
+    Counts,
     MachineProfile,
     Problem,
     block_plan,
@@ -95,19 +95,19 @@ def all_configs(problem: Problem, *, gpu_optim: bool = False):
             for g in range(n - p + 1) if gpu_optim else (0,):
                 for s in range(N + 1):
                     for c in range(N + 1 - s):
-                        yield Config(p, b, s, c, g)
+                        yield Counts(p, b, s, c, g)
 
 
-def brute_force(problem: Problem, *, gpu_optim: bool = False) -> list[tuple[Config, float, int]]:
+def brute_force(problem: Problem, *, gpu_optim: bool = False) -> list[tuple[Counts, float, int]]:
     model = CostModel(problem)
     return [(cfg, (e := model.estimate(cfg)).step_s, e.peak_bytes) for cfg in all_configs(problem, gpu_optim=gpu_optim)]
 
 
-def best_under(table: list[tuple[Config, float, int]], cap: int) -> float:
+def best_under(table: list[tuple[Counts, float, int]], cap: int) -> float:
     return min((t for _, t, peak in table if peak <= cap), default=math.inf)
 
 
-def budgets(table: list[tuple[Config, float, int]], k: int) -> list[int]:
+def budgets(table: list[tuple[Counts, float, int]], k: int) -> list[int]:
     """``k`` budgets from the smallest peak to the largest (both ends included)."""
     lo, hi = min(p for *_, p in table), max(p for *_, p in table)
     return [lo + (hi - lo) * i // (k - 1) for i in range(k)]
@@ -169,7 +169,7 @@ def test_more_budget_never_gives_a_slower_plan() -> None:
 def test_huge_budget_keeps_everything_persistent_without_swap_or_checkpoint() -> None:
     problem = make_problem(7, n_blocks=6, gpu_adam_params_per_s=math.inf, cpu_adam_params_per_s=1e8)
     got = search(problem, 2**50)
-    assert got.best == Config(len(problem.chunks), 0, 0, 0)
+    assert got.best == Counts(len(problem.chunks), 0, 0, 0)
     e = got.estimate
     assert e.h2d_bytes == e.d2h_bytes == 0 and e.recompute_s == 0
     assert e.step_s == pytest.approx(e.compute_s, rel=1e-12)
@@ -303,7 +303,7 @@ def test_memory_walk_by_hand() -> None:
     # persistent chunk: working copy + grad (64 + 64 MiB) + fp32 master and two moments (12 B/param).
     assert problem.persistent_bytes(0) == 128 * MiB + 12 * 32 * MiB
     assert model.static_bytes(1, 1) == 7 * MiB + problem.persistent_bytes(0) + 64 * MiB
-    e = estimate(problem, Config(2, 0, 0, 0))
+    e = estimate(problem, Counts(2, 0, 0, 0))
     assert e.step_s == pytest.approx(6 * ms + 2 * 32 * MiB / 1e11)
 
 
@@ -376,7 +376,7 @@ def test_policies_follow_interleaved() -> None:
             if s + c <= len(labels):
                 plan = interleaved(labels, s, c)
                 assert model.policies(s, c) == tuple(codes[plan.policy(x)] for x in labels)
-                assert block_plan(problem, Config(len(problem.chunks), 0, s, c)) == plan
+                assert block_plan(problem, Counts(len(problem.chunks), 0, s, c)) == plan
 
 
 def test_a_checkpointed_block_before_another_reruns_its_chained_recompute() -> None:
@@ -393,9 +393,9 @@ def test_a_checkpointed_block_before_another_reruns_its_chained_recompute() -> N
     expected = {4: (2, 2, 2, 3), 3: (2, 2, 3, 0), 2: (3, 0, 3, 0), 1: (3, 0, 0, 0), 0: (0, 0, 0, 0)}
     for c, per_block in expected.items():
         assert model.recomputes(0, c) == pytest.approx(tuple(x * ms for x in per_block)), c
-        e = model.estimate(Config(1, 0, 0, c))
+        e = model.estimate(Counts(1, 0, 0, c))
         assert e.recompute_s == pytest.approx(sum(per_block) * ms)
-        assert e.bwd_s == pytest.approx(model.estimate(Config(1, 0, 0, 0)).bwd_s + sum(per_block) * ms)
+        assert e.bwd_s == pytest.approx(model.estimate(Counts(1, 0, 0, 0)).bwd_s + sum(per_block) * ms)
     # with one swapped block the layout starts after it: [swap][ckpt][ckpt][ckpt]
     assert model.recomputes(1, 3) == pytest.approx((0, 2 * ms, 2 * ms, 3 * ms))
     # a dump without the chained field prices it as the alone one
@@ -408,12 +408,12 @@ def test_invalid_configs_are_refused() -> None:
     problem = make_problem(1, n_blocks=3, chunks_per_block=(2, 2))
     n = len(problem.chunks)
     for bad, match in [
-        (Config(n, 1, 0, 0), "n_buffer=1"),
-        (Config(0, 0, 0, 0), "n_buffer=0"),
-        (Config(0, 1, 0, 0), "n_buffer=1"),  # a block uses two non-persistent chunks at once
-        (Config(n + 1, 0, 0, 0), "n_persist"),
-        (Config(n, 0, 2, 2), "exceeds the 3 blocks"),
-        (Config(n, 0, -1, 0), "n_swap"),
+        (Counts(n, 1, 0, 0), "n_buffer=1"),
+        (Counts(0, 0, 0, 0), "n_buffer=0"),
+        (Counts(0, 1, 0, 0), "n_buffer=1"),  # a block uses two non-persistent chunks at once
+        (Counts(n + 1, 0, 0, 0), "n_persist"),
+        (Counts(n, 0, 2, 2), "exceeds the 3 blocks"),
+        (Counts(n, 0, -1, 0), "n_swap"),
     ]:
         with pytest.raises(ValueError, match=match):
             estimate(problem, bad)
@@ -433,7 +433,7 @@ def test_dumped_problem_replays_to_identical_estimates(tmp_path) -> None:
         a, b = CostModel(problem), CostModel(loaded)
         for cfg in all_configs(problem):
             assert a.estimate(cfg) == b.estimate(cfg)
-            assert Config.from_dict(cfg.to_dict()) == cfg
+            assert Counts.from_dict(cfg.to_dict()) == cfg
         budget = budgets(brute_force(problem), 3)[1]
         assert search(loaded, budget).estimate == search(problem, budget).estimate
 
@@ -448,7 +448,7 @@ def test_problem_json_refuses_unknown_keys_and_versions() -> None:
         Problem.from_dict({**d, "blocks": d["blocks"][:0], "outside_chunk_ids": [0], "chunks": d["chunks"][:2]})
 
 
-def astuple(cfg: Config) -> tuple[int, int, int, int, int]:
+def astuple(cfg: Counts) -> tuple[int, int, int, int, int]:
     return (cfg.n_persist, cfg.n_buffer, cfg.n_swap, cfg.n_checkpoint, cfg.n_gpu_optim)
 
 
@@ -485,11 +485,11 @@ def test_device_steps_win_when_the_cpu_is_slow_and_lose_when_the_link_is():
         b = model.buffer_range(0).start
         none, every = model.step_time(0, b, 0, 0, 0), model.step_time(0, b, 0, 0, n)
         assert (every < none) == wins, (none, every)
-        e = model.estimate(Config(0, b, 0, 0, n))
+        e = model.estimate(Counts(0, b, 0, 0, n))
         assert e.device_steps == n and e.cpu_adam_s == 0
         # master and moments in, the same and the working copy out, per chunk
         per_param = 4 + problem.adam_state_bytes_per_param
-        assert e.h2d_bytes - model.estimate(Config(0, b, 0, 0)).h2d_bytes == per_param * sum(
+        assert e.h2d_bytes - model.estimate(Counts(0, b, 0, 0)).h2d_bytes == per_param * sum(
             c.n_params for c in problem.chunks)
         assert e.static_bytes == model.static_bytes(0, b) + problem.device_step_bytes + 2 * problem.buffer_bytes
 
@@ -604,8 +604,8 @@ def test_a_device_step_does_not_hold_up_backwards_refetches() -> None:
 
         slow, instant = with_rate(1e6), with_rate(math.inf)
         b = slow.min_buffers(0)  # the fewest buffers: every run re-fetched that can be
-        refetched = slow.estimate(Config(0, b, 0, 0)).h2d_bytes > sum(c.bytes for c in problem.chunks)
-        e_slow, e_fast = slow.estimate(Config(0, b, 0, 0, 1)), instant.estimate(Config(0, b, 0, 0, 1))
+        refetched = slow.estimate(Counts(0, b, 0, 0)).h2d_bytes > sum(c.bytes for c in problem.chunks)
+        e_slow, e_fast = slow.estimate(Counts(0, b, 0, 0, 1)), instant.estimate(Counts(0, b, 0, 0, 1))
         assert e_slow.bwd_s == pytest.approx(e_fast.bwd_s, rel=1e-12), seed
         # the step still waits for the update before the next forward uses the chunk
         assert e_slow.step_s > e_fast.step_s + slow.dev_out_s[0] / 2
@@ -637,7 +637,7 @@ def test_a_swap_in_beside_a_device_step_stalls_that_step() -> None:
         # both blocks' swap-ins (block 1's issued at 2.5 ms) overlap it when long; n_swap=1 swaps block 0
         assert model._pp(1, 2).dev_swap_in == ([[], [], [(0, swap_in), (1, swap_in)]] if stalled else [[], [], []])
         assert model._pp(1, 0).dev_swap_in == [[], [], []]  # no device steps, nothing stalls
-        with_swap, without = model.estimate(Config(1, 2, 1, 0, 2)), model.estimate(Config(1, 2, 0, 0, 2))
+        with_swap, without = model.estimate(Counts(1, 2, 1, 0, 2)), model.estimate(Counts(1, 2, 0, 0, 2))
         # The device steps end the step (chunk 1's update, then its fetch, before the next forward
         # uses it). Chunk 2's copies in, 20.1 ms, take 30.6 with the swap-in: 3.8 ms past its copies
         # out (26.8), which chunk 1's step, queued behind, inherits. A short swap-in stalls nothing.
@@ -672,19 +672,19 @@ def test_a_refetch_beside_a_device_step_lengthens_that_step() -> None:
     # 3's step. Chunks 2's and 3's are over before the first step is issued (their blocks' backward
     # waits for them). With 4 buffers nothing is re-fetched.
     for b, added in ((1, fetch), (2, fetch), (3, fetch), (4, 0.0)):
-        assert model.refetch_beside_steps(Config(1, b, 0, 0, 3)) == [0.0, 0.0, 0.0, added, 0.0]
-    assert model.refetch_beside_steps(Config(1, 1, 0, 0, 0)) == [0.0] * 5  # no device steps
+        assert model.refetch_beside_steps(Counts(1, b, 0, 0, 3)) == [0.0, 0.0, 0.0, added, 0.0]
+    assert model.refetch_beside_steps(Counts(1, 1, 0, 0, 0)) == [0.0] * 5  # no device steps
     # The steps end the step (chunk 1's update, then its fetch, before the next forward uses it), so
     # the step is longer by the re-fetch. Chunk 3 timed in training at its priced seconds: the
     # re-fetch is in them, nothing is added.
     timed = CostModel(dataclasses.replace(problem, device_step_s=((3, model.dev_out_s[3]),)))
-    assert timed.refetch_beside_steps(Config(1, 3, 0, 0, 3)) == [0.0] * 5
+    assert timed.refetch_beside_steps(Counts(1, 3, 0, 0, 3)) == [0.0] * 5
     assert model.step_time(1, 3, 0, 0, 3) - timed.step_time(1, 3, 0, 0, 3) == pytest.approx(fetch, rel=1e-9)
     assert model.step_time(1, 4, 0, 0, 3) == pytest.approx(timed.step_time(1, 4, 0, 0, 3), rel=1e-12)
     # the window's rate without the re-fetches: chunk 3 measured with one beside it reads at the rate
     out = model.dev_out_bytes
     seconds = {3: model.dev_out_s[3] + fetch, 2: model.dev_out_s[2], 1: model.dev_out_s[1]}
-    assert alone_rate(model, Config(1, 3, 0, 0, 3), seconds) == pytest.approx(10e9)
+    assert alone_rate(model, Counts(1, 3, 0, 0, 3), seconds) == pytest.approx(10e9)
     assert sum(out[k] for k in seconds) / sum(seconds.values()) < 0.95 * 10e9  # the spans' own rate: lower
 
 
@@ -705,15 +705,15 @@ def test_the_forward_waits_for_its_offloads() -> None:
     model = CostModel(problem)
     fetch = model.h_d1[0]
     assert model.so_d1[0] > 0.2 * ms
-    assert model.estimate(Config(1, 2, 1, 0)).fwd_s == pytest.approx(fetch + 1 * ms + model.so_d1[0], rel=1e-9)
-    assert model.estimate(Config(1, 2, 0, 0)).fwd_s == pytest.approx(fetch + 1.2 * ms, rel=1e-9)  # nothing to wait for
+    assert model.estimate(Counts(1, 2, 1, 0)).fwd_s == pytest.approx(fetch + 1 * ms + model.so_d1[0], rel=1e-9)
+    assert model.estimate(Counts(1, 2, 0, 0)).fwd_s == pytest.approx(fetch + 1.2 * ms, rel=1e-9)  # nothing to wait for
 
 
 def test_invalid_device_step_counts_are_refused() -> None:
     problem = make_problem(3, n_blocks=3)
     n = len(problem.chunks)
     with pytest.raises(ValueError, match=rf"n_gpu_optim={n} with n_persist=1; accepted: 0..{n - 1}"):
-        estimate(problem, Config(1, CostModel(problem).buffer_range(1).start, 0, 0, n))
+        estimate(problem, Counts(1, CostModel(problem).buffer_range(1).start, 0, 0, n))
 
 
 # --------------------------------------------------------------------------- lean chunks
@@ -739,7 +739,7 @@ def test_lean_chunks_fetch_their_master_and_add_the_staging() -> None:
     assert [model.lean_from(p) for p in (0, 1, 2, 3)] == [n - 3, n - 2, n - 1, n]
     for p in (0, 1, 2, 3):
         b = base.buffer_range(p).start
-        e0, e = base.estimate(Config(p, b, 0, 0)), model.estimate(Config(p, b, 0, 0))
+        e0, e = base.estimate(Counts(p, b, 0, 0)), model.estimate(Counts(p, b, 0, 0))
         extra = sum(c.bytes for c in problem.chunks[model.lean_from(p):])  # each lean chunk is fetched at least once
         if p < 3:
             assert e.h2d_bytes >= e0.h2d_bytes + extra and e.step_s > e0.step_s, p
@@ -749,7 +749,7 @@ def test_lean_chunks_fetch_their_master_and_add_the_staging() -> None:
     # the device step of a lean chunk copies no working copy out
     g = n
     b = base.buffer_range(0).start
-    e0, e = base.estimate(Config(0, b, 0, 0, g)), model.estimate(Config(0, b, 0, 0, g))
+    e0, e = base.estimate(Counts(0, b, 0, 0, g)), model.estimate(Counts(0, b, 0, 0, g))
     assert e0.d2h_bytes - e.d2h_bytes == sum(c.bytes for c in problem.chunks[n - 3:])
 
 
@@ -779,7 +779,7 @@ def test_lean_problems_replay_and_are_checked(tmp_path) -> None:
     problem.dump(path)
     again = Problem.load(path)
     assert again == problem
-    cfg = Config(0, CostModel(problem).buffer_range(0).start, 1, 1)
+    cfg = Counts(0, CostModel(problem).buffer_range(0).start, 1, 1)
     assert estimate(again, cfg) == estimate(problem, cfg)
     d = problem.to_dict()  # a dump from before lean chunks were modelled: none is lean
     d.pop("lean_chunks"), d.pop("lean_staging_bytes")
@@ -840,7 +840,7 @@ def test_steadiest_gpu_optim_is_the_count_of_least_mean_step_within_the_room(see
     for p in (0, n // 2):
         b = max(1, model.min_buffers(p))
         for g0 in (0, 1, n - p):
-            config = Config(p, b, 1, 1, g0)
+            config = Counts(p, b, 1, 1, g0)
             for room in (0, 10**12):
                 got = steadiest_gpu_optim(problem, config, room_bytes=room, spread=spread)
                 here = model.static_bytes(p, b, g0)
@@ -850,5 +850,5 @@ def test_steadiest_gpu_optim_is_the_count_of_least_mean_step_within_the_room(see
                 assert got.n_gpu_optim in allowed
                 assert mean[got.n_gpu_optim] == pytest.approx(min(mean.values()))
                 assert dataclasses.replace(got, n_gpu_optim=g0) == config  # only the count moves
-    everything = Config(n, 0, 0, 0)
+    everything = Counts(n, 0, 0, 0)
     assert steadiest_gpu_optim(problem, everything, room_bytes=10**12) == everything

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from protrain_fx.search.cost import CostModel
-from protrain_fx.search.problem import BlockProfile, ChunkProfile, Config, MachineProfile, Problem
+from protrain_fx.search.problem import BlockProfile, ChunkProfile, Counts, MachineProfile, Problem
 from protrain_fx.search.search import search
 from tests.search.test_cost_search import all_configs, brute_force, budgets, make_problem
 
@@ -41,7 +41,7 @@ def two_blocks(world_size: int = 1, collective_s: float = 0.0) -> Problem:
 
 
 def test_with_free_collectives_two_ranks_halve_the_copy_and_optimizer_lanes() -> None:
-    """Config (0, 2, 0, 0): both chunks through two buffers, stepped on the CPU. With c the copy of a
+    """Counts (0, 2, 0, 0): both chunks through two buffers, stepped on the CPU. With c the copy of a
     rank's part of a chunk (each way) and a its CPU step, by hand: forward fetches chunk a (ends at
     c) and b (2c); block a runs c..c+1, block b c+1..c+2. Backward: both chunks still resident; block
     b's backward ends at c+4, its gradient lands at c+4+c, its step ends at 2c+4+a; block a's ends
@@ -49,7 +49,7 @@ def test_with_free_collectives_two_ranks_halve_the_copy_and_optimizer_lanes() ->
     needs chunk a at 0 on the reference timeline, fetched in c: the step is 3c + 6 + a.
     One rank: c = 0.2 ms, a = 2 ms: 8.6 ms. Two ranks: c = 0.1, a = 1: 7.3 ms, the 2.6 ms beside
     the 6 ms of compute halved. A rank's link bytes and CPU seconds halve too."""
-    config = Config(0, 2, 0, 0)
+    config = Counts(0, 2, 0, 0)
     one = CostModel(two_blocks()).estimate(config)
     two = CostModel(two_blocks(world_size=2)).estimate(config)
     assert one.step_s == pytest.approx(8.6 * ms, rel=1e-12)
@@ -77,9 +77,9 @@ def test_collectives_run_on_their_own_lane_after_each_copy() -> None:
     (2, 0, 0, 0): backward b 2..4, its chunk's all-reduce 4..44; a 4..6, its all-reduce 44..84;
     then two GPU Adam steps: 104 ms."""
     model = CostModel(two_blocks(world_size=2, collective_s=20 * ms))
-    assert model.estimate(Config(0, 2, 0, 0)).step_s == pytest.approx(104.3 * ms, rel=1e-12)
-    assert model.estimate(Config(1, 1, 0, 0)).step_s == pytest.approx(93.1 * ms, rel=1e-12)
-    assert model.estimate(Config(2, 0, 0, 0)).step_s == pytest.approx(104 * ms, rel=1e-12)
+    assert model.estimate(Counts(0, 2, 0, 0)).step_s == pytest.approx(104.3 * ms, rel=1e-12)
+    assert model.estimate(Counts(1, 1, 0, 0)).step_s == pytest.approx(93.1 * ms, rel=1e-12)
+    assert model.estimate(Counts(2, 0, 0, 0)).step_s == pytest.approx(104 * ms, rel=1e-12)
 
 
 def test_a_persistent_chunk_s_all_reduce_hides_behind_backward_but_the_last() -> None:
@@ -87,11 +87,11 @@ def test_a_persistent_chunk_s_all_reduce_hides_behind_backward_but_the_last() ->
     backward (4..6); chunk a's, the last, 6..6.2 is exposed: 6.2 ms and two GPU Adam steps, 26.2 ms
     (one rank: 26). A micro-batch that accumulates reduces nothing: 6 ms of compute."""
     fast = CostModel(two_blocks(world_size=2, collective_s=0.1 * ms))
-    assert fast.estimate(Config(2, 0, 0, 0)).step_s == pytest.approx(26.2 * ms, rel=1e-12)
-    assert CostModel(two_blocks()).estimate(Config(2, 0, 0, 0)).step_s == pytest.approx(26 * ms, rel=1e-12)
+    assert fast.estimate(Counts(2, 0, 0, 0)).step_s == pytest.approx(26.2 * ms, rel=1e-12)
+    assert CostModel(two_blocks()).estimate(Counts(2, 0, 0, 0)).step_s == pytest.approx(26 * ms, rel=1e-12)
     accumulated = CostModel(dataclasses.replace(two_blocks(world_size=2, collective_s=20 * ms), accumulation=2))
     assert accumulated.micro_batch_time(2, 0, 0, 0) == pytest.approx(6 * ms, rel=1e-12)
-    assert accumulated.estimate(Config(2, 0, 0, 0)).step_s == pytest.approx(110 * ms, rel=1e-12)
+    assert accumulated.estimate(Counts(2, 0, 0, 0)).step_s == pytest.approx(110 * ms, rel=1e-12)
 
 
 def test_slow_collectives_keep_more_chunks_persistent() -> None:
@@ -114,7 +114,7 @@ def test_device_steps_wait_for_the_reduce_scatter_and_move_a_rank_s_part() -> No
     start there and end at 83.8; the next forward needs chunk a at 0, fetched in 20.1: 103.9 ms.
     Chunk b's CPU step (ends 64.2) and its fetch (needed at 1 ms) give 83.3: below."""
     problem = two_blocks(world_size=2, collective_s=20 * ms)
-    e = CostModel(problem).estimate(Config(0, 2, 0, 0, 1))
+    e = CostModel(problem).estimate(Counts(0, 2, 0, 0, 1))
     assert e.step_s == pytest.approx(103.9 * ms, rel=1e-12)
     assert e.h2d_bytes == 2 * MB + 6 * MB  # two fetched parts, one device step's states in
     assert e.d2h_bytes == 1 * MB + 7 * MB  # chunk b's gradient part, the device step's states out
