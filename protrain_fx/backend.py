@@ -58,6 +58,7 @@ from protrain_fx.planner.offload import (
 from protrain_fx.inspect import structured
 from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
 from protrain_fx.planner.plan_cache import judgments, plan_key, reuse_or_choose
+from protrain_fx.planner.verify import Rewrite
 from protrain_fx.profile.machine_profile import card_machine
 from protrain_fx.runtime.offload import chunk_ops
 from protrain_fx.runtime.parallel import distributed
@@ -316,9 +317,12 @@ class _Partitioner(CustomPartitionerFn):
         user_config = record.config
         graphs: list[tuple[fx.GraphModule, fx.GraphModule]] = []
 
-        def trial(plan: Plan | None) -> None:
+        def trial(plan: Plan | None) -> Rewrite:
+            applied = plan if plan is not None and plan.rewrites() else None
             record.swapped = []
-            graphs[:] = [partition(_copy_graph_module(joint), plan, check=False)]
+            graphs[:] = [partition(_copy_graph_module(joint), applied, check=False)]
+            assert record.memory is not None
+            return Rewrite(applied, record.memory)
 
         # The planner's trials, timed as one phase (planner/judged.py counts the trials judged); a plan
         # from the plan cache is applied with the plain trial (no trial lowering: its time is the planning's).

@@ -84,6 +84,10 @@ class Plan:
         """The policy of block ``label``: ``"none"`` when the plan does not list it."""
         return self.blocks.get(label, "none")
 
+    def rewrites(self) -> bool:
+        """Whether the plan swaps or checkpoints a block (one that does neither runs the step as is)."""
+        return bool(self.blocks_with("swap") or self.blocks_with("checkpoint"))
+
     def blocks_with(self, policy: BlockPolicy) -> tuple[str, ...]:
         """The listed blocks whose policy is ``policy``, in the plan's order.
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -29,7 +28,6 @@ from protrain_fx import progress
 from protrain_fx.analysis.params import parameter_infos
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
-from protrain_fx.plan import Plan
 from protrain_fx.planner.budget import ALLOCATOR_HEADROOM, budget_for_peak
 from protrain_fx.planner.judged import Judge, Judgment, trial_key
 from protrain_fx.planner.problem import (
@@ -160,12 +158,13 @@ def warn_at_recompile_limit(record: CapturedGraph) -> None:
     )
 
 
-def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
+def choose_plan(record: CapturedGraph, trial: verify.TrialFn,
                 kept: dict[str, Judgment] | None = None) -> AutoPlan | None:
     """Choose, apply and verify the activation plan of ``record`` (module docstring, steps 1-5).
 
     ``trial(plan)`` partitions the step with ``plan`` (``None``: no plan) and runs the passes on it,
-    leaving ``record``'s graphs and ``record.memory`` as of that plan; on return the record holds the
+    leaving ``record``'s graphs and ``record.memory`` as of that plan, and returns that rewrite
+    (:class:`~protrain_fx.planner.verify.Rewrite`: the plan applied, its analysis); on return the record holds the
     chosen plan's graphs. ``kept``: the judgments of this graph kept from earlier compiles
     (``planner/judged.py``), added to. Returns ``None`` for a step without transformer blocks
     (nothing to plan; the record holds it as it is). Raises
@@ -190,7 +189,7 @@ def choose_plan(record: CapturedGraph, trial: Callable[[Plan | None], None],
 
     def rewrite(config: Counts) -> Counts:
         plan = block_plan(problem, config)
-        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        trial(plan)
         return config
 
     judge = Judge({} if kept is None else kept, lambda c: trial_key(block_plan(problem, c)), rewrite,

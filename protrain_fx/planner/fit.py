@@ -21,7 +21,7 @@ refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -122,7 +122,7 @@ class _Answered(BaseException):
         self.report = report
 
 
-def answer(record: CapturedGraph, trial: Callable[[Plan | None], None], kept: dict | None = None) -> None:
+def answer(record: CapturedGraph, trial: verify.TrialFn, kept: dict | None = None) -> None:
     """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would
     (``kept``: the graph's judgments kept, ``planner/judged.py``), find the smallest budget, and stop
     the compile with the report."""
@@ -144,7 +144,7 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None], kept: di
         lowest: tuple[int, Plan] | None = None
         for config in activations.least_memory_configs(model, model.n_chunks, 0):
             plan = block_plan(chosen.problem, config)
-            trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+            trial(plan)
             judged, _ = verify.judged_peak(record)  # as training judges it (option verify), and it alone
             if lowest is None or judged < lowest[0]:
                 lowest = (judged, plan)
@@ -171,7 +171,7 @@ def answer(record: CapturedGraph, trial: Callable[[Plan | None], None], kept: di
     )
 
 
-def answer_offload(record: CapturedGraph, handle: Any, trial: Callable[[Plan | None], None],
+def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
                    kept: dict | None = None) -> None:
     """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
     the training compile would choose under the budget (``planner.offload.choose_offload``, which

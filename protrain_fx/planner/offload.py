@@ -52,7 +52,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -61,7 +61,6 @@ from protrain_fx import progress
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.errors import UnsupportedError, too_few_buffers
 from protrain_fx.machine import machine_for
-from protrain_fx.plan import Plan
 from protrain_fx.planner.activations import (
     chosen,
     least_memory_configs,
@@ -128,7 +127,7 @@ def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
 
 
 def choose_for_placed(
-    record: CapturedGraph, handle: OffloadHandle, trial: Callable[[Plan | None], None],
+    record: CapturedGraph, handle: OffloadHandle, trial: verify.TrialFn,
     kept: dict[str, Judgment] | None = None,
 ) -> AutoPlan | None:
     """The activation plan of a later graph (another input shape) of a model whose chunk counts the
@@ -156,7 +155,7 @@ def choose_for_placed(
 
     def rewrite(config: Counts) -> Counts:
         plan = block_plan(model.problem, config)
-        trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+        trial(plan)
         return config
 
     def judge_now(lower: bool) -> tuple[int, bool]:
@@ -422,7 +421,7 @@ def place_and_rewrite(
     handle: OffloadHandle,
     model: CostModel,
     config: Counts,
-    trial: Callable[[Plan | None], None],
+    trial: verify.TrialFn,
 ) -> Counts:
     """Place ``handle``'s chunks with ``config``'s counts and rewrite and analyse the step with its
     activation plan (``trial``), leaving ``record`` as of it; returns the config applied. A rewrite
@@ -436,7 +435,7 @@ def place_and_rewrite(
             handle.configure(applied.n_persist, applied.n_buffer, applied.n_gpu_optim, fill=False)
         plan = block_plan(model.problem, applied)
         try:
-            trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+            trial(plan)
         except ValueError as e:
             short = too_few_buffers(e)
             if short is None or short.needed <= applied.n_buffer or short.needed > model.n_chunks - applied.n_persist:
@@ -452,7 +451,7 @@ def offload_judge(
     record: CapturedGraph,
     handle: OffloadHandle,
     model: CostModel,
-    trial: Callable[[Plan | None], None],
+    trial: verify.TrialFn,
     kept: dict[str, Judgment] | None,
 ) -> Judge:
     """The :class:`~protrain_fx.planner.judged.Judge` of ``handle``'s placements: each config placed
@@ -474,7 +473,7 @@ def place_and_analyse(
     handle: OffloadHandle,
     model: CostModel,
     config: Counts,
-    trial: Callable[[Plan | None], None],
+    trial: verify.TrialFn,
 ) -> Trial:
     """Place, rewrite and analyse ``config`` (:func:`place_and_rewrite`) and return the :class:`Trial`:
     the cost model's peak and the analysis' (``planner.verify.judged_peak``: or Inductor's plan's,
@@ -487,7 +486,7 @@ def place_and_analyse(
 def choose_offload(
     record: CapturedGraph,
     handle: OffloadHandle,
-    trial: Callable[[Plan | None], None],
+    trial: verify.TrialFn,
     *,
     final: bool = True,
     model: CostModel | None = None,

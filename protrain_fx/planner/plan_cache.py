@@ -61,6 +61,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from protrain_fx import progress, settings
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.plan import Plan
+from protrain_fx.planner import verify
 from protrain_fx.planner.judged import Judgment, judge_key, kept_for
 from protrain_fx.planner.reserve import returned_outputs
 from protrain_fx.planner.result import AutoPlan
@@ -109,7 +110,7 @@ class PlanKey:
 def reuse_or_choose(
     record: CapturedGraph,
     key: PlanKey,
-    trial: Callable[[Plan | None], None],
+    trial: verify.TrialFn,
     choose: Callable[[], AutoPlan | None],
     handle: OffloadHandle | None = None,
 ) -> AutoPlan | None:
@@ -178,7 +179,7 @@ def plan_key(
 
 
 def reuse(
-    record: CapturedGraph, key: PlanKey, trial: Callable[[Plan | None], None], handle: OffloadHandle | None = None
+    record: CapturedGraph, key: PlanKey, trial: verify.TrialFn, handle: OffloadHandle | None = None
 ) -> AutoPlan | None:
     """Apply the entry of ``key`` to ``record`` (module docstring, "a hit") and return its
     :class:`AutoPlan`; ``None`` when there is none or it is refused (the planner chooses then)."""
@@ -197,7 +198,7 @@ def reuse(
     if handle is not None:  # timed apart from the rest of the hit (the rewrite and its analysis)
         with unset_fake_temporarily(), progress.phase("place", "placing the chunks"):  # (out of the compile's fake mode)
             handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim, fill=False)
-    trial(plan if plan.blocks_with("swap") or plan.blocks_with("checkpoint") else None)
+    trial(plan)
     assert record.memory is not None
     peak = record.memory.peak_bytes
     measured = STATE.measured_outside.get(record.memory.device, 0)

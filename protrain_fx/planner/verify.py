@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from protrain_fx.analysis.memory import MemoryAnalysis
 from protrain_fx.capture import CapturedGraph
+from protrain_fx.plan import Plan
 from protrain_fx.search.problem import Counts
 from protrain_fx.search.search import NoPlanFits, SearchResult
 
@@ -26,6 +28,21 @@ log = logging.getLogger("protrain_fx")
 
 #: Searches after a rewritten step analysed above the cap, before the least-memory config is tried.
 MAX_SEARCHES = 3
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """What the backend's ``trial(plan)`` hands back: the step partitioned and rewritten with
+    ``plan`` (``None``: none; a plan that neither swaps nor checkpoints a block is applied as none)
+    and analysed. ``memory``: the graph-level memory analysis of the graphs it left in the record
+    (``analysis.memory.MemoryAnalysis``), which hold them until the next trial."""
+
+    plan: Plan | None
+    memory: MemoryAnalysis
+
+
+#: The backend's ``trial(plan)`` (``backend.py``): one rewrite of the step per call.
+TrialFn = Callable[[Plan | None], Rewrite]
 
 
 @dataclass(frozen=True)
