@@ -1,8 +1,8 @@
 """The prediction check: replay the automatic plans of benchmark runs against what was measured (no GPU).
 
     python bench/auto_replay.py OUT/cap24/peers.json ...          # per run, per phase and per rate
-    python bench/auto_replay.py --summary docs/raw/session2[456]_call*_peers.json   # one line per run
-    python bench/auto_replay.py --phases docs/raw/session2[456]_call*_peers.json    # the compute estimate
+    python bench/auto_replay.py --summary docs/raw/b24_matrix_*.json         # one line per run
+    python bench/auto_replay.py --phases docs/raw/b24_{auto,matrix}_*.json   # the compute estimate
 
 For each ``protrain_offload[auto]`` run in the given ``bench/peers.py`` JSON files: the cost model's
 step (replayed from the run's dumped ``Problem``) against the measured median step, per phase
@@ -50,7 +50,7 @@ from protrain_fx.planner.offload import prefer_persistent  # noqa: E402
 from protrain_fx.planner.verify import widened  # noqa: E402
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.spread import expected_estimate
-from protrain_fx.search.problem import Config, Problem
+from protrain_fx.search.problem import Counts, Problem
 
 
 def main() -> None:
@@ -81,7 +81,7 @@ def main() -> None:
             ap = r.get("auto_plan")
             if not ap or not r.get("breakdown") or not r.get("step_s"):
                 continue
-            problem, config = Problem.from_dict(ap["problem"]), Config.from_dict(ap["config"])
+            problem, config = Problem.from_dict(ap["problem"]), Counts.from_dict(ap["config"])
             if args.recompute_factor is not None:
                 k = args.recompute_factor
                 kc = k if args.chained_factor is None else args.chained_factor
@@ -100,7 +100,7 @@ def main() -> None:
                 after = r["step_times_s"][first - 3 : last - 3]  # calls first .. last - 1 (a revert starts at last)
                 step = statistics.median(before)
                 steps = steps[: len(before)]
-                c0, c1 = Config.from_dict(replan["before"]), Config.from_dict(replan["after"])
+                c0, c1 = Counts.from_dict(replan["before"]), Counts.from_dict(replan["after"])
                 measured = f"{replan['measured_after_s'] * 1e3:.0f} ms" if replan["measured_after_s"] else "not timed"
                 print(f"{Path(f).name} {r['size']} cap {r['cap_gib']:g} GiB: re-planned at the training rates, n_gpu_optim "
                       f"{c0.n_gpu_optim} -> {c1.n_gpu_optim}: predicted {replan['after_s'] * 1e3:.0f} ms (the first plan "
@@ -190,7 +190,7 @@ def summary(files: list[str]) -> None:
             ap = r.get("auto_plan")
             if not ap or not r.get("step_s") or not ap.get("problem"):
                 continue
-            problem, config = Problem.from_dict(ap["problem"]), Config.from_dict(ap["config"])
+            problem, config = Problem.from_dict(ap["problem"]), Counts.from_dict(ap["config"])
             replan = ap.get("replan")
             step = (statistics.median(r["step_times_s"][: (replan["calls"] or (9, 14))[0] - 4])
                     if replan else r["step_s"])
@@ -220,7 +220,7 @@ def phase_rows(files: list[str]) -> list[dict]:
             ap = r.get("auto_plan")
             if not ap or not r.get("breakdown") or not r.get("step_s"):
                 continue
-            problem, config = Problem.from_dict(ap["problem"]), Config.from_dict(ap["config"])
+            problem, config = Problem.from_dict(ap["problem"]), Counts.from_dict(ap["config"])
             if config.n_persist < len(problem.chunks):
                 continue
             est = CostModel(problem).estimate(config)
