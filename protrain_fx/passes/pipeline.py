@@ -10,7 +10,9 @@ A compile runs three lists, each at its own point of AOTAutograd's work:
 Every pass is one function ``name(ctx: PassContext) -> str | None`` whose name is its key: it reads
 the graphs and what it needs from ``ctx`` (the record being compiled, and the plan this compile
 runs, handed in as an argument), rewrites or analyses them in place, and returns a one-line summary
-(``None``: nothing to do here). The runner (:func:`run_passes`) times each pass, logs its line,
+(``None``: nothing to do here). Each declares what it reads and writes (:func:`contract`), and the
+three lists are checked against those declarations when the package loads (:func:`check_schedule`):
+the order is data, not a comment. The runner (:func:`run_passes`) times each pass, logs its line,
 keeps a :class:`~protrain_fx.capture.PassRecord`, names the pass and the one before it in any
 error, and dumps the graphs after each pass when ``PROTRAIN_DUMP_DIR`` is set
 (``<dir>/graph<N>/<NN>_<pass>_<forward|backward>.txt``).
@@ -66,9 +68,35 @@ class PassContext:
 Pass = Callable[[PassContext], "str | None"]
 
 
+def contract(*, reads: tuple[str, ...] = (), writes: tuple[str, ...] = ()) -> Callable[[Pass], Pass]:
+    """What a pass reads and writes: record fields (``forward``, ``blocks``, ``memory``...) and the
+    states of the graphs a rewrite leaves (``graphs:gathered``). :func:`check_schedule` holds each
+    list of passes to it: nothing is read before a pass (or the stage) provides it."""
+
+    def mark(fn: Pass) -> Pass:
+        fn.reads, fn.writes = frozenset(reads), frozenset(writes)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def check_schedule(passes: Sequence[Pass], given: frozenset[str], name: str) -> frozenset[str]:
+    """Raise when a pass of ``passes`` reads what neither ``given`` (what the stage starts from) nor
+    an earlier pass provides; what the list provides at its end, with ``given``."""
+    have = set(given)
+    for fn in passes:
+        missing = sorted(fn.reads - have)  # type: ignore[attr-defined]
+        if missing:
+            raise RuntimeError(f"{name}: {fn.__name__} reads {', '.join(missing)}, which no pass before it provides "
+                               f"(the order: {', '.join(f.__name__ for f in passes)})")
+        have |= fn.writes  # type: ignore[attr-defined]
+    return frozenset(have)
+
+
 # ---------------------------------------------------------------------------- the passes
 
 
+@contract(reads=("joint",), writes=("joint:casts recomputed",))
 def recompute_param_casts(ctx: PassContext) -> str | None:
     """An offloaded model's parameter casts (and views of them) recomputed in backward, so the
     forward saves no bf16 copy of a weight (``passes/param_casts.py``)."""
@@ -79,6 +107,7 @@ def recompute_param_casts(ctx: PassContext) -> str | None:
     return f"{n} parameter casts and views of them recomputed in backward"
 
 
+@contract(reads=("joint", "joint:casts recomputed"), writes=("joint:tagged",))
 def annotate_plan(ctx: PassContext) -> str | None:
     """The plan's recompute / save tags on the joint graph (``passes/annotate.py``)."""
     plan, record = ctx.plan, ctx.record
@@ -90,6 +119,7 @@ def annotate_plan(ctx: PassContext) -> str | None:
             f"{len(plan.tensors)} per-tensor override(s))")
 
 
+@contract(reads=("forward", "backward"), writes=("blocks",))
 def attribute_blocks(ctx: PassContext) -> str:
     """Block and phase of every node (``analysis/blocks.py``): every later pass reads ``meta.BLOCK``."""
     record = ctx.record
@@ -98,6 +128,7 @@ def attribute_blocks(ctx: PassContext) -> str:
     return f"{len(info.labels)} blocks of {info.layer_class or '-'} under {info.container or '-'}"
 
 
+@contract(reads=("forward", "backward", "blocks"), writes=("gathered", "graphs:gathered"))
 def gather_chunks(ctx: PassContext) -> str | None:
     """Offloaded parameters read from chunk buffers, their gradients handed to the chunk store
     (``passes/gather.py``); an inference graph (no_grad, eval) reads offloaded chunks too."""
@@ -109,6 +140,7 @@ def gather_chunks(ctx: PassContext) -> str | None:
     return f"{len(record.gathered)} chunk gathers (offloaded parameters read from chunk buffers)"
 
 
+@contract(reads=("forward", "backward", "step", "blocks", "graphs:gathered"), writes=("swapped", "graphs:swapped"))
 def swap_activations(ctx: PassContext) -> str | None:
     """Saved values of swapped blocks to host memory and back (``passes/swap.py``); rewrites both
     graphs, so it runs before the memory analysis."""
@@ -124,6 +156,7 @@ def swap_activations(ctx: PassContext) -> str | None:
             "offloaded to host memory and reloaded for backward")
 
 
+@contract(reads=("step", "blocks", "graphs:gathered", "graphs:swapped"), writes=("memory",))
 def analyze_memory(ctx: PassContext) -> str | None:
     """Liveness, timeline and peak of the whole step (``analysis/memory.py``), with what it counts of
     the offload handles the graphs gather from handed over as data."""
@@ -138,6 +171,7 @@ def analyze_memory(ctx: PassContext) -> str | None:
             f"saved {m.saved_activation_bytes / 2**20:.1f} MiB)")
 
 
+@contract(reads=("step", "memory", "inductor_plans"), writes=("memory", "memory_unfused"))
 def analyze_inductor_memory(ctx: PassContext) -> str | None:
     """The same analysis from Inductor's own allocation plans (``analysis/inductor_memory.py``);
     the graph-level one stays in ``record.memory_unfused``."""
@@ -170,20 +204,22 @@ def _offload_facts(step: memory.StepGraphs) -> dict[int, memory.OffloadFacts]:
 
 # ---------------------------------------------------------------------------- the order
 
-#: Before the partitioner, which acts on their tags.
-JOINT_PASSES: tuple[Pass, ...] = (
-    recompute_param_casts,  # before the plan's tags: a checkpointed block's tags win over its casts'
-    annotate_plan,
-)
-#: On the partitioned graphs.
-STEP_PASSES: tuple[Pass, ...] = (
-    attribute_blocks,  # every later pass reads the blocks
-    gather_chunks,  # before the swap: its selection is built and tested on graphs that read chunk buffers
-    swap_activations,  # rewrites both graphs: before the analysis
-    analyze_memory,
-)
+#: Before the partitioner, which acts on their tags. recompute_param_casts first: a checkpointed
+#: block's tags win over its casts'.
+JOINT_PASSES: tuple[Pass, ...] = (recompute_param_casts, annotate_plan)
+#: On the partitioned graphs. gather_chunks before the swap: its selection is built and tested on
+#: graphs that read chunk buffers; the swap rewrites both graphs, so it comes before the analysis.
+STEP_PASSES: tuple[Pass, ...] = (attribute_blocks, gather_chunks, swap_activations, analyze_memory)
 #: Once Inductor has lowered both graphs.
 LOWERED_PASSES: tuple[Pass, ...] = (analyze_inductor_memory,)
+
+# The schedule, checked against the passes' contracts when the package loads. Each stage starts
+# from what the backend hands it: the joint graph; the partitioned graphs (``step``); Inductor's
+# allocation plans of them. A rewrite that is switched off (PROTRAIN_DISABLE_PASSES) leaves its
+# graphs as they were, which is what "rewritten" means for a plan that has nothing for it to do.
+_STEP = check_schedule(STEP_PASSES, frozenset({"forward", "backward", "step"}), "STEP_PASSES")
+check_schedule(JOINT_PASSES, frozenset({"joint"}), "JOINT_PASSES")
+check_schedule(LOWERED_PASSES, _STEP | {"inductor_plans"}, "LOWERED_PASSES")
 #: The passes :data:`DISABLE_ENV` may name.
 REWRITES = frozenset({"recompute_param_casts", "annotate_plan", "gather_chunks", "swap_activations"})
 
