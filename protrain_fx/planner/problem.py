@@ -65,7 +65,7 @@ def problem_from_record(
     optimizer keeps; ``device_step_bytes`` is the device staging of chunks stepped on the GPU;
     ``accumulation`` is the option ``accumulation_steps`` (micro-batches per optimizer step).
 
-    Data-parallel: ``world_size`` is the default process group's (``runtime/distributed.current``)
+    Data-parallel: ``world_size`` is the default process group's (``runtime/parallel/distributed.current``)
     and ``collective_s`` the all-gather and reduce-scatter seconds of one chunk measured on it
     (``profile/collectives.collective_times``; ignored with one rank).
     """

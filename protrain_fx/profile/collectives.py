@@ -11,7 +11,7 @@ measured alike (gloo is just slower).
 
 Every rank calls it at the same point (the planner does, in graph order): the timing is itself a
 collective. Rank 0 decides whether to measure (its cache) and its reading is every rank's
-(``runtime/distributed.from_rank0``), so the ranks price, and decide, alike.
+(``runtime/parallel/distributed.from_rank0``), so the ranks price, and decide, alike.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Device-side measurements: the pinned copy link and offloaded chunks' optimizer steps on the GPU.
 
 :func:`_cuda_copy_rates` times host <-> device copies one way and both ways at once;
-:func:`device_step_spans` steps chunks through ``runtime/device_adam.DeviceAdamW`` as backward
+:func:`device_step_spans` steps chunks through ``runtime/optim/device_adam.DeviceAdamW`` as backward
 issues them, beside a load from :mod:`protrain_fx.profile.load` and the CPU optimizer, and returns
 the spans it timed with CUDA events. Rates are bytes per second each way. Nothing here is cached:
 :mod:`protrain_fx.profile.machine_profile` decides what to measure and keeps the results. CUDA only."""
@@ -136,7 +136,7 @@ def _device_step_bytes_per_s(
     n: int, chunks: int = 3, repeat: int = 3, *, parts: Sequence[int] = (), cpu_rates: list[float] | None = None
 ) -> float:
     """Bytes per second each way of offloaded chunks' optimizer steps streamed through the GPU
-    (``runtime/device_adam.DeviceAdamW``): the bytes a step copies out (fp32 master and moments, the
+    (``runtime/optim/device_adam.DeviceAdamW``): the bytes a step copies out (fp32 master and moments, the
     new working copy: 14 per parameter) over the median span of :func:`device_step_spans` with the
     CPU step and matrix products beside them. On chunks of one large tensor beside stand-in
     products it reads above what training's steps reach; a model's own layout and kernels

@@ -160,7 +160,7 @@ def _chunk_adam_params_per_s(
     cuda: bool, n: int, repeat: int, *, chunks: int = 1, rates: list[float] | None = None
 ) -> float:
     """Parameters per second of the offload runtime's CPU step of one chunk of ``n`` fp32 parameters
-    (``runtime/cpu_adam.ChunkAdamW.step_chunk``: AdamW on the fp32 master, then the chunk's new
+    (``runtime/optim/cpu_adam.ChunkAdamW.step_chunk``: AdamW on the fp32 master, then the chunk's new
     compute-dtype working copy; bf16 and pinned when a GPU will fetch it): what the chunks stepped on
     the CPU cost, measured on the code path that steps them, on the runtime's worker thread (its
     OpenMP team, ``cpu_adam.worker_threads``). On CUDA, as in training, pinned copies run both ways

@@ -268,7 +268,7 @@ def device_step_rate(
     refresh: bool = False,
     repeat: int = 5,
 ) -> float:
-    """Bytes per second each way of device steps (``runtime/device_adam.DeviceAdamW``) of chunks laid
+    """Bytes per second each way of device steps (``runtime/optim/device_adam.DeviceAdamW``) of chunks laid
     out as a model's: ``parts`` are the sizes, in order, of one chunk's parameters. Measured by
     :func:`device_step_spans` on :data:`LAYOUT_STEP_CHUNKS` such chunks, beside the CPU step and
     the model's own compute-bound kernels (``profile/ops.compute_load`` of ``load_nodes``, the

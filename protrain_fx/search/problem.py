@@ -24,7 +24,7 @@ from protrain_fx.plan import Plan, interleaved
 PROBLEM_VERSION = 1
 
 
-#: Device steps in flight at most (``runtime/device_adam.MAX_IN_FLIGHT``; a test checks they agree).
+#: Device steps in flight at most (``runtime/optim/device_adam.MAX_IN_FLIGHT``; a test checks they agree).
 DEVICE_STEPS_IN_FLIGHT = 2
 
 
@@ -189,7 +189,7 @@ class Problem:
 
     ``lean_chunks``: empty (no chunk is ever lean), or per ``n_persist`` in ``0..len(chunks)`` how
     many of the last chunks are lean (the chunk store's rule for the host memory there is,
-    ``runtime/host_memory.auto_lean``), never more than are offloaded and never more with more
+    ``runtime/store/host_memory.auto_lean``), never more than are offloaded and never more with more
     persistent chunks. ``lean_staging_bytes``: device bytes of the fp32 staging lean chunks are
     fetched through (``ChunkBufferPool.staging_bytes``), resident when any chunk is lean.
 

@@ -3,7 +3,7 @@
 AOTAutograd runs the partitioner (and so the planner) with the Python dispatcher on and under its
 fake mode. With the dispatcher on, a thread queueing a gloo collective keeps the GIL, which the
 group's worker thread needs to free the tensors of the collective before: two ranks planning
-together stalled in about a third of runs (``runtime/distributed.outside_compile``). One process
+together stalled in about a third of runs (``runtime/parallel/distributed.outside_compile``). One process
 here: the process group is stood in for, and each collective records the modes it was called in.
 """
 

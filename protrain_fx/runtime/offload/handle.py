@@ -519,7 +519,7 @@ class OffloadHandle(StateDicts, Landing):
 
     def lean_counts(self) -> tuple[int, ...]:
         """Per ``n_persist`` in ``0..`` the layout's chunks, how many offloaded chunks the store would
-        make lean (its rule, ``runtime/chunk_store.auto_lean``, for the host memory available now;
+        make lean (its rule, ``runtime/store/chunk_store.auto_lean``, for the host memory available now;
         ``n_lean=K``: ``K``, or every offloaded chunk when fewer are offloaded). For the cost model,
         before anything is placed."""
         chunks, options = self.layout.chunks, self.options
