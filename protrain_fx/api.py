@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from protrain_fx.capture import captured_graphs
 from protrain_fx.integrations.checkpointing import library_checkpointing_off
 from protrain_fx.integrations.loss_type import name_default_loss_type
 from protrain_fx.integrations.model_init import model_init
@@ -72,9 +73,16 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: Offload
                         f"{', '.join(KEYWORDS)}")
     options = OffloadOptions(**keywords) if options is None else options.replace(**keywords)
     # init="model": the model's own initialisation, its meta buffers recomputed on the device
-    handle = OffloadHandle(model, optimizer, options, model_init)
+    handle = OffloadHandle(model, optimizer, options, model_init, _last_graph_break)
     library_checkpointing_off(model, "offload")  # before Dynamo traces it: the backend plans recompute
     name_default_loss_type(model)  # a Hugging Face loss lookup that warns would break the graph
     for module in model.modules():  # each its own compiled graphs (own_forward_code)
         own_forward_code(module)
     return handle
+
+
+def _last_graph_break() -> str:
+    """The last graph break the backend's graphs ended at, with the user's line, for the refusal of a
+    module an offloaded model ran outside the compiled graphs (``""`` before any)."""
+    breaks = [b for record in captured_graphs() for b in record.breaks]
+    return f"; the last graph break: {breaks[-1].line()}" if breaks else ""

@@ -453,6 +453,9 @@ def test_a_graph_break_inside_the_blocks_of_an_offloaded_model_names_the_break(m
     assert "ran outside the compiled graphs" in message and "graph break" in message, message
     assert "TORCH_LOGS=graph_breaks" in message and "no backward" not in message
     assert "holds no values" in message and "this tensor of 0 bytes" not in message
+    if counts:  # the blocks' graphs ran, each ended at the break: the error names it and the user's line
+        assert "the last graph break: Call to `torch._dynamo.graph_break()` at " in message, message
+        assert "test_auto_offload.py:" in message and "inside block blocks." in message, message
 
 
 #: A longer input shape than the tests' first one (2 x 48 tokens).

@@ -82,9 +82,10 @@ class OffloadHandle(StateDicts, Landing):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: OffloadOptions,
                  model_init: Callable[[nn.Module, torch.device], Callable[[str, torch.Tensor], None]] | None = None,
-                 ) -> None:
+                 explain_breaks: Callable[[], str] = str) -> None:
         """``model_init(model, device)``: the function ``init="model"`` stands for (it materialises
-        the model's ``meta`` buffers), called once the device is known to serve."""
+        the model's ``meta`` buffers), called once the device is known to serve. ``explain_breaks()``:
+        the graph breaks seen so far, for the refusal of a module run outside the compiled graphs."""
         self.device = options.device
         #: The process group when data-parallel (more than one rank), else ``None``.
         self.group = distributed.check_device(self.device)
@@ -127,7 +128,7 @@ class OffloadHandle(StateDicts, Landing):
         # with the way out, before the first op reads one; so is a module of the model that a frame
         # Dynamo gave up on runs eagerly inside the compiled call.
         self._eager_guards = [model.register_forward_pre_hook(refuse_eager_call)] + [
-            module.register_forward_pre_hook(refuse_eager_submodule(name))
+            module.register_forward_pre_hook(refuse_eager_submodule(name, explain_breaks))
             for name, module in model.named_modules(remove_duplicate=True)
             if name and module._parameters
         ]

@@ -89,13 +89,13 @@ def refuse_eager_call(module: nn.Module, args: Any) -> None:
     )
 
 
-def refuse_eager_submodule(name: str) -> Callable[[nn.Module, Any], None]:
+def refuse_eager_submodule(name: str, explain: Callable[[], str] = str) -> Callable[[nn.Module, Any], None]:
     """Forward pre-hook of module ``name`` inside an offloaded model, which owns parameters: when
     Dynamo gives up on a frame around it (a graph break it cannot resume, such as one inside a
     loop, or an input shape past its recompile limit), the frame runs as plain Python inside the
     compiled call, and a shell read there would fail deep in an op. The call is refused instead,
-    naming the module and the way out; a module whose own parameters all hold values (persistent
-    chunks) runs as it is."""
+    naming the module and the way out (``explain()``: what the caller knows of the graph breaks so
+    far, appended); a module whose own parameters all hold values (persistent chunks) runs as it is."""
 
     def hook(module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
@@ -113,7 +113,7 @@ def refuse_eager_submodule(name: str) -> Callable[[nn.Module, Any], None]:
             "remove it; Hugging Face activation checkpointing is one, model.gradient_checkpointing_disable(), "
             "and the backend checkpoints blocks itself when the budget needs it) or for a new input shape past "
             "torch._dynamo.config.recompile_limit (pad the inputs to a few fixed lengths, or raise the limit); "
-            "TORCH_LOGS=graph_breaks,recompiles names which"
+            "TORCH_LOGS=graph_breaks,recompiles names which" + explain()
         )
 
     return hook
