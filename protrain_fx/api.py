@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from protrain_fx.capture import captured_graphs
 from protrain_fx.integrations.checkpointing import library_checkpointing_off
@@ -82,7 +83,14 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: Offload
 
 
 def _last_graph_break() -> str:
-    """The last graph break the backend's graphs ended at, with the user's line, for the refusal of a
-    module an offloaded model ran outside the compiled graphs (``""`` before any)."""
+    """For the refusal of a module an offloaded model ran outside the compiled graphs: the last graph
+    break the backend's graphs ended at, with the user's line; else the frame Dynamo last skipped for a
+    graph break in its loop, as Dynamo's counters name it (no graph of ours is compiled then); else ``""``."""
     breaks = [b for record in captured_graphs() for b in record.breaks]
-    return f"; the last graph break: {breaks[-1].line()}" if breaks else ""
+    if breaks:
+        return f"; the last graph break: {breaks[-1].line()}"
+    skipped = [reason for reason in counters["unimplemented"] if "frame skipped: " in reason]
+    if not skipped:
+        return ""
+    frame = skipped[-1].split("frame skipped: ", 1)[1].split("\n", 1)[0]
+    return f"; Dynamo ran {frame} eagerly for a graph break in its loop ({skipped[-1].splitlines()[0]})"

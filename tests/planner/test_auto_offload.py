@@ -456,6 +456,9 @@ def test_a_graph_break_inside_the_blocks_of_an_offloaded_model_names_the_break(m
     if counts:  # the blocks' graphs ran, each ended at the break: the error names it and the user's line
         assert "the last graph break: Call to `torch._dynamo.graph_break()` at " in message, message
         assert "test_auto_offload.py:" in message and "inside block blocks." in message, message
+    else:  # no graph compiled yet: the frame Dynamo skipped for the break in its loop, and the break
+        assert "Dynamo ran forward (" in message and "gpt.py line" in message, message
+        assert "for a graph break in its loop (Call to `torch._dynamo.graph_break()`)" in message, message
 
 
 #: A longer input shape than the tests' first one (2 x 48 tokens).
