@@ -164,3 +164,13 @@ def test_the_environment_is_read_in_the_settings_module_only() -> None:
                 reads.append(f"{f.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not reads, "the environment read outside settings.py: " + ", ".join(reads)
     assert not _imports(_modules())["protrain_fx.settings"]
+
+
+def test_design_md_names_every_module_with_its_job() -> None:
+    """``docs/DESIGN.md``'s "Every module" section names each module of the package (a new one is
+    added there with its one job)."""
+    design = (PACKAGE.parent / "docs" / "DESIGN.md").read_text()
+    section = design.split("## Every module, and its one job", 1)[1].split("\n## ", 1)[0]
+    missing = sorted(str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py")
+                     if f.name != "__init__.py" and f"`{f.stem}`" not in section)
+    assert not missing, "modules not in DESIGN.md's module list: " + ", ".join(missing)
