@@ -46,6 +46,11 @@ _UNITS = {
 _BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def is_count(value: Any, minimum: int = 0) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``minimum``: what every count option takes."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def parse_bytes(value: Any, *, option: str = "memory_budget") -> int:
     """Turn ``1024``, ``"500MB"``, ``"24GiB"`` or ``"1.5 GiB"`` into a positive number of bytes.
 
@@ -146,7 +151,7 @@ class ProtrainConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name!r}: got {getattr(self, name)!r}; accepted: True or False")
         k = self.accumulation_steps
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if not is_count(k, 1):
             raise ValueError(f"option 'accumulation_steps': got {k!r}; accepted: an int >= 1 (micro-batches per "
                              "optimizer step)")
         if self.machine is not None:

@@ -428,9 +428,9 @@ def test_a_first_graph_cut_off_before_the_blocks_names_the_break():
 def test_a_graph_break_inside_the_blocks_of_an_offloaded_model_names_the_break(monkeypatch, counts):
     """A break inside every block (a ``print`` in real code): Dynamo runs the model's loop over the
     blocks eagerly; the first module it reaches outside the compiled graphs is refused with the way
-    out (issue 48: the error used to say the step had no backward, the break inside the package; with
-    counts by hand, block 0's graph ran again for block 1, whose parameters sit in other chunks, and
-    failed on an offloaded parameter's missing bytes). Each block's frame is its own compiled code."""
+    out and the break, not with a step "without backward" nor an offloaded parameter's missing bytes.
+    Each block's frame is its own compiled code: block 0's graph never runs block 1, whose parameters
+    sit in other chunks."""
     from examples import gpt
 
     block_forward = gpt.Block.forward

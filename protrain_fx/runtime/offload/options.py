@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from protrain_fx.chunks import ChunkLayout
-from protrain_fx.config import parse_bytes
+from protrain_fx.config import is_count, parse_bytes
 from protrain_fx.runtime.store.chunk_store import GRAD_POOL
 from protrain_fx.runtime.optim.cpu_adam import check_optimizer
 from protrain_fx.runtime.offload.shells import check_not_offloaded
@@ -61,10 +61,10 @@ class OffloadOptions:
         if self.init is not None and self.init != "model" and not callable(self.init):
             raise ValueError(f"offload: init must be fn(name, tensor), 'model' or None, got {self.init!r}")
         n_lean = self.n_lean
-        if n_lean != AUTO and (isinstance(n_lean, bool) or not isinstance(n_lean, int) or n_lean < 0):
+        if n_lean != AUTO and not is_count(n_lean):
             raise ValueError(f"offload: n_lean must be 'auto' or a count of chunks (an int >= 0), got {n_lean!r}")
         grad_pool = self.grad_pool
-        if isinstance(grad_pool, bool) or not isinstance(grad_pool, int) or grad_pool < 1:
+        if not is_count(grad_pool, 1):
             raise ValueError(f"offload: grad_pool must be at least 1, got {grad_pool!r} (the host buffers a lean "
                              "chunk's gradient lands in)")
         if self.chunk_bytes is not None:
@@ -81,7 +81,7 @@ class OffloadOptions:
 
 def _check_counts(n_persist: Any, n_buffer: Any, n_gpu_optim: Any) -> None:
     for name, value in (("n_persist", n_persist), ("n_buffer", n_buffer), ("n_gpu_optim", n_gpu_optim)):
-        if value not in (AUTO, None) and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value not in (AUTO, None) and not is_count(value):
             raise ValueError(f"offload: {name} must be a count (an int >= 0) or 'auto', got {value!r}")
     auto = [c == AUTO for c in (n_persist, n_buffer)]
     if any(auto) and not all(auto):
@@ -120,7 +120,7 @@ def checked_model(model: nn.Module, optimizer: torch.optim.Optimizer, options: O
             "initialisation), to materialise them straight into chunks"
         )
     meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
-    if meta_buffers and options.init != "model":
+    if meta_buffers:  # (init="model" has materialised them by now: OffloadHandle resolves it first)
         raise ValueError(
             f"offload: buffer {meta_buffers[0]!r} is on the meta device; materialise buffers before "
             "offload (only parameters are materialised into chunks), or give init='model'"
