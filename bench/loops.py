@@ -42,6 +42,7 @@ Writes ``OUT/loops.json`` (every run, rewritten after each) and prints one line 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -149,6 +150,20 @@ def prediction() -> dict:
                    predicted_step_peak_bytes=record.memory.peak_bytes + outside,
                    step_cap_bytes=auto.step_cap_bytes, config=auto.config.to_dict(), how=auto.how,
                    predicted_step_s=auto.estimate.step_s)
+    return out
+
+
+def step_check(auto) -> dict:
+    """The backend's own step check of a plan: the period measured between training calls against
+    the prediction, and where the period went (``planner.rates.StepPhases``)."""
+    check = auto.step_check
+    out = {"predicted_step_s": auto.estimate.step_s, "fwd_s": auto.estimate.fwd_s, "bwd_s": auto.estimate.bwd_s,
+           "opt_s": auto.estimate.opt_s}
+    if check is not None:
+        out.update(measured_step_s=check.measured_step_s, error_pct=check.error_pct,
+                   predicted_priced_s=check.predicted_priced_s, priced_error_pct=check.priced_error_pct,
+                   with_around_s=check.with_around_s,
+                   phases=None if check.phases is None else dataclasses.asdict(check.phases))
     return out
 
 
@@ -297,6 +312,7 @@ def run_one(run: dict, args) -> dict:
         graphs = [g for g in protrain_fx.captured_graphs() if g.backward is not None]
         result["recompiles"] = max(0, len(graphs) - 1)
         result["plans"] = [g.auto_plan.table(g.index) for g in graphs if g.auto_plan is not None]
+        result["step_checks"] = [step_check(g.auto_plan) for g in graphs if g.auto_plan is not None]
         result["phases"] = [dict(g.phases) for g in protrain_fx.captured_graphs()]
         if handle is not None:
             result["counts"] = {"n_persist": handle.n_persist, "n_buffer": handle.n_buffer,

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
@@ -31,6 +33,7 @@ from protrain_fx.planner.rates import (
     RateWindow,
     Replan,
     StepCheck,
+    StepPhases,
     replan_gpu_optim,
     timed_calls,
 )
@@ -49,6 +52,9 @@ if TYPE_CHECKING:
 
 #: The clock of those starts (a test drives it).
 _clock = time.perf_counter
+
+#: The clock of a step's phases off CUDA (:class:`_Marks`; a test drives it apart from :data:`_clock`).
+_phase_clock = time.perf_counter
 
 
 def memory_counters(device: torch.device) -> tuple[int, int] | None:
@@ -157,6 +163,10 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
     starts: list[float] = []
     first, last = timed_calls(record.config.accumulation_steps)
     after: tuple[int, int] | None = None  # the calls timed after a re-plan
+    # where each timed call's period went (one optimizer step per call: with accumulation a call's
+    # period holds no optimizer step but the last's, and the phases are not split)
+    phases = _PhaseTimer(torch.device(record.memory.device)) if (
+        record.memory is not None and record.config.accumulation_steps == 1) else None
 
     window: list[RateWindow] = []  # the offload runtime's rates over the same calls (planner/rates.py)
     replanned: list[OffloadHandle] = []  # the handle whose n_gpu_optim the rates changed
@@ -166,22 +176,119 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
 
     def call(*args: Any) -> Any:
         nonlocal after
+        timed = False
         if len(starts) < (after or (first, last))[1] and torch.is_grad_enabled():
             starts.append(_clock())
             if len(starts) == first:
                 window.extend(_open_rate_window(record))  # none without offloaded optimizer steps
+            if phases is not None and first <= len(starts) <= last and after is None:
+                timed = len(starts) < last
+                phases.start(last=not timed)
             if len(starts) == last:
                 replanned.extend(w.handle for w in window if _close_rate_window(record, w) is not None)
-                record_step_period(record, intervals(first, last), (first, last))
+                record_step_period(record, intervals(first, last), (first, last),
+                                   phases.close() if phases is not None else None)
                 if replanned:  # the call starting now waits for the switch; time the ones after it
                     after = (last + 1, 2 * last + 1 - first)
             elif after is not None and len(starts) == after[1]:
                 record_replan_period(record, intervals(*after), after, replanned[0])
-        return compiled(*args)
+        out = compiled(*args)
+        if timed:
+            assert phases is not None
+            phases.returned(out)
+        return out
 
     if getattr(compiled, "_boxed_call", False):
         call._boxed_call = True  # type: ignore[attr-defined]
     return call
+
+
+class _Marks:
+    """Points on a step's device timeline: CUDA events recorded on the device's current stream (read
+    without a wait until :meth:`seconds`), or host times off CUDA, where each op runs as it is called."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+
+    def now(self) -> Any:
+        if not self.cuda:
+            return _phase_clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, a: Any, b: Any) -> float:
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+
+
+class _PhaseTimer:
+    """The :class:`~protrain_fx.planner.rates.StepPhases` of the timed training calls of one graph:
+    marks where a call starts, where its forward returns, where the backward reaches its outputs (a
+    hook on them), where that backward ends (a callback queued on the autograd engine), around each
+    ``optimizer.step()`` made on this thread (torch.optim's global step hooks, held from the first
+    timed call to the last), and where the next call starts. :meth:`close` reads them: on CUDA one
+    wait for the device to reach the last call's start, once per plan."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.marks = _Marks(device)
+        self.calls: list[dict[str, Any]] = []
+        self.hooks: list[Any] = []
+        self.thread = threading.get_ident()
+
+    def start(self, last: bool) -> None:
+        """A timed call starts (``last``: the call after the timed ones, whose start ends them)."""
+        self.calls.append({"start": self.marks.now(), "optimizer": []})
+        if not self.hooks and not last:
+            self.hooks = [register_optimizer_step_pre_hook(self._optimizer_mark),
+                          register_optimizer_step_post_hook(self._optimizer_mark)]
+
+    def _optimizer_mark(self, *_: Any) -> None:
+        if self.calls and threading.get_ident() == self.thread and "done" in self.calls[-1]:
+            self.calls[-1]["optimizer"].append(self.marks.now())
+
+    def returned(self, out: Any) -> None:
+        """The timed call's forward returned ``out``; its backward is marked through hooks on it."""
+        call = self.calls[-1]
+        call["returned"] = self.marks.now()
+
+        def done() -> None:
+            call["done"] = self.marks.now()
+
+        def on_grad(_grad: torch.Tensor) -> None:
+            if "grad" not in call:
+                call["grad"] = self.marks.now()
+                torch.autograd.Variable._execution_engine.queue_callback(done)
+
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(on_grad)
+
+    def close(self) -> StepPhases | None:
+        """The median phases of the timed calls (each read against the next call's start), the
+        hooks removed; ``None`` when no timed call ran its backward and returned to the next."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        seconds = self.marks.seconds
+        done: list[StepPhases] = []
+        for call, after in zip(self.calls, self.calls[1:]):
+            if "done" not in call:
+                continue
+            opt = call["optimizer"]
+            optimizer_s = sum(seconds(a, b) for a, b in zip(opt[::2], opt[1::2]))
+            done.append(StepPhases(
+                forward_s=seconds(call["start"], call["returned"]),
+                loss_s=seconds(call["returned"], call["grad"]),
+                backward_s=seconds(call["grad"], call["done"]),
+                optimizer_s=optimizer_s,
+                rest_s=max(0.0, seconds(call["done"], after["start"]) - optimizer_s),
+            ))
+        self.calls = []
+        return StepPhases.median(done) if done else None
 
 
 def _open_rate_window(record: CapturedGraph) -> list[RateWindow]:
@@ -261,15 +368,19 @@ def record_replan_period(
 
 
 def record_step_period(
-    record: CapturedGraph, intervals_s: Sequence[float], calls: tuple[int, int] = STEP_TIMED_CALLS
+    record: CapturedGraph, intervals_s: Sequence[float], calls: tuple[int, int] = STEP_TIMED_CALLS,
+    phases: StepPhases | None = None,
 ) -> StepCheck | None:
     """Stores and logs a :class:`StepCheck` of ``record``'s automatic plan from the measured
-    intervals (seconds between the starts of consecutive training calls ``calls``). ``None`` without intervals."""
+    intervals (seconds between the starts of consecutive training calls ``calls``) and where they
+    went (``phases``). ``None`` without intervals."""
     auto = record.auto_plan
     if auto is None or not intervals_s:
         return None
-    check = StepCheck(predicted_step_s=auto.estimate.step_s, intervals_s=tuple(intervals_s), calls=calls,
-                      calls_per_step=record.config.accumulation_steps)
+    e = auto.estimate
+    check = StepCheck(predicted_step_s=e.step_s, intervals_s=tuple(intervals_s), calls=calls,
+                      calls_per_step=record.config.accumulation_steps, phases=phases,
+                      predicted_priced_s=e.fwd_s + e.bwd_s + e.opt_s)
     auto.step_check = check
     log.info("protrain_fx: graph %d: %s", record.index, check.line())
     return check

@@ -81,6 +81,12 @@ class StepCheck:
     #: The training calls whose starts were timed (1-based, first and last).
     calls: tuple[int, int] = STEP_TIMED_CALLS
     calls_per_step: int = 1
+    #: Where the period went (:class:`StepPhases`, medians over the timed calls), with the cost
+    #: model's share of it; ``None`` where it was not measured (several calls per optimizer step).
+    phases: StepPhases | None = None
+    #: The cost model's seconds for the graph and the optimizer (:attr:`StepPhases.priced_s`): the
+    #: prediction without the accumulated micro-batches (``Estimate.fwd_s + bwd_s + opt_s``).
+    predicted_priced_s: float | None = None
 
     @property
     def measured_step_s(self) -> float:
@@ -93,10 +99,66 @@ class StepCheck:
         """The prediction against the measured period, in % of the measured (positive: predicted slower)."""
         return 100 * (self.predicted_step_s / self.measured_step_s - 1)
 
+    @property
+    def priced_error_pct(self) -> float | None:
+        """The cost model's graph-and-optimizer seconds against the same part of the period measured
+        (:attr:`StepPhases.priced_s`), in %; ``None`` where the phases were not measured."""
+        if self.phases is None or self.predicted_priced_s is None or self.phases.priced_s <= 0:
+            return None
+        return 100 * (self.predicted_priced_s / self.phases.priced_s - 1)
+
+    @property
+    def with_around_s(self) -> float | None:
+        """The predicted step with the user's code around the graph as measured (:attr:`StepPhases.around_s`,
+        which no plan changes): what the next plans of this step are compared with."""
+        return None if self.phases is None else self.predicted_step_s + self.phases.around_s
+
     def line(self) -> str:
         a, b = self.calls
-        return (f"step period measured {self.measured_step_s * 1e3:.1f} ms (median between the starts of training "
+        line = (f"step period measured {self.measured_step_s * 1e3:.1f} ms (median between the starts of training "
                 f"calls {a} to {b}) against {self.predicted_step_s * 1e3:.1f} ms predicted ({self.error_pct:+.1f}%)")
+        if self.phases is not None and (err := self.priced_error_pct) is not None:
+            assert self.predicted_priced_s is not None and (around := self.with_around_s) is not None
+            line += (f"; of it {self.phases.line()}: the graph and the optimizer "
+                     f"{self.phases.priced_s * 1e3:.1f} ms against {self.predicted_priced_s * 1e3:.1f} ms "
+                     f"predicted ({err:+.1f}%), with the code around the graph as measured "
+                     f"{around * 1e3:.1f} ms ({100 * (around / self.measured_step_s - 1):+.1f}%)")
+        return line
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """Where a training call's period went, on the step's device (CUDA events on its stream; host
+    time on the CPU, which runs each op as it is called): the graph's forward (``forward_s``), the
+    user's code on its outputs until the backward reaches the graph (``loss_s``: a loss computed
+    outside the model, and its backward), the graph's backward (``backward_s``), the
+    ``optimizer.step()`` calls before the next training call (``optimizer_s``, timed by torch.optim's
+    global step hooks), and the rest (``rest_s``: clipping, ``zero_grad``, data, a device left idle
+    while the host prepares the next call). The cost model prices the first, the third and the
+    fourth (:attr:`priced_s`); the others are the user's code around the graph (:attr:`around_s`)."""
+
+    forward_s: float
+    loss_s: float
+    backward_s: float
+    optimizer_s: float
+    rest_s: float
+
+    @property
+    def priced_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    @property
+    def around_s(self) -> float:
+        return self.loss_s + self.rest_s
+
+    @classmethod
+    def median(cls, calls: list[StepPhases]) -> StepPhases:
+        """Each phase's median over ``calls`` (one odd call moves none)."""
+        return cls(*(statistics.median(getattr(c, f.name) for c in calls) for f in dataclasses.fields(cls)))
+
+    def line(self) -> str:
+        return (f"forward {self.forward_s * 1e3:.1f} ms, loss {self.loss_s * 1e3:.1f}, backward "
+                f"{self.backward_s * 1e3:.1f}, optimizer {self.optimizer_s * 1e3:.1f}, rest {self.rest_s * 1e3:.1f}")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import math
 
@@ -562,6 +563,48 @@ def test_the_step_period_is_measured_over_training_calls_3_to_8(no_plan, monkeyp
     compiled(*_batch()).backward()  # the ticks are used up: a ninth read would raise StopIteration
 
 
+def test_the_step_period_is_split_into_the_graph_the_code_around_it_and_the_optimizer(no_plan, monkeypatch, logged):
+    """The loss computed outside the model, clipping and an optimizer step per call: each timed call's
+    period is split at its marks (a driven clock, one tick per mark: the call's start, the forward's
+    return, the backward reaching the logits, the backward's end, before and after
+    ``optimizer.step()``, the next call's start) into forward, loss, backward, optimizer and the
+    rest. The cost model's part (forward, backward, optimizer) is set against its prediction, and the
+    step predicted with the code around the graph as measured is in the line."""
+    _device_budget(monkeypatch, 4 * budget_for_peak(no_plan["peak"]))
+    ticks = itertools.count()
+    monkeypatch.setattr(first_step, "_phase_clock", lambda: float(next(ticks)))
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
+    for call in range(8):
+        idx, targets = _batch()
+        logits = compiled(idx)
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            compiled(idx)  # not a training call: no mark
+        (record,) = _train_graphs()
+        if call < 7:
+            assert record.auto_plan.step_check is None, call
+    check = record.auto_plan.step_check
+    assert check.phases == rates.StepPhases(forward_s=1.0, loss_s=1.0, backward_s=1.0, optimizer_s=1.0, rest_s=2.0)
+    e = record.auto_plan.estimate
+    assert check.predicted_priced_s == pytest.approx(e.fwd_s + e.bwd_s + e.opt_s)
+    assert check.priced_error_pct == pytest.approx(100 * (check.predicted_priced_s / 3.0 - 1))
+    assert check.with_around_s == pytest.approx(e.step_s + 3.0)
+    line = check.line()
+    assert "forward 1000.0 ms, loss 1000.0, backward 1000.0, optimizer 1000.0, rest 2000.0" in line
+    assert "the graph and the optimizer 3000.0 ms against" in line
+    assert any("the code around the graph as measured" in r.getMessage() for r in logged)
+    reads = next(ticks)
+    optimizer.step()  # the hooks are removed with the window: no further mark
+    compiled(idx).sum().backward()
+    assert next(ticks) == reads + 1
+
+
 def test_with_accumulation_the_plan_is_for_the_accumulated_step_and_one_step_of_calls_is_timed(
         no_plan, monkeypatch, logged):
     """``accumulation_steps=4``: the problem the plan was chosen on prices four micro-batches and one
@@ -585,6 +628,7 @@ def test_with_accumulation_the_plan_is_for_the_accumulated_step_and_one_step_of_
     assert check.calls == (3, 7) and check.calls_per_step == 4
     assert check.intervals_s == pytest.approx((0.1, 0.1, 0.1, 0.7))
     assert check.measured_step_s == pytest.approx(1.0)
+    assert check.phases is None  # a call's period holds the optimizer step of one call in four: not split
     compiled(*_batch()).backward()  # the ticks are used up: another read would raise StopIteration
     from protrain_fx.config import parse_options
 
