@@ -207,7 +207,8 @@ def confirmed_choice(
       away values the analysis counts, a loss over a large vocabulary say): the next round searches with the cap raised by that difference, and a
       config it finds predicted :data:`RAISE_MIN_GAIN` faster is lowered and kept if it fits; and
       ``as_is`` (the step without a plan, judged by its analysis alone: :func:`judged_as_is`) is
-      lowered, and chosen (``"fits as is"``) if it fits.
+      lowered, and chosen (``"fits as is"``) if it fits, when its analysis less the most a lowering
+      came out under its own lies under ``cap`` (a step gigabytes over it is not lowered for nothing).
     * Under ``cap`` otherwise: kept.
 
     The last config lowered under ``cap`` is returned (its lowering is the one the compile reuses).
@@ -218,6 +219,7 @@ def confirmed_choice(
     shift = 0  # how far the cap of the next round lies under ``cap`` (above, when negative)
     kept: tuple[Trial, str, SearchResult | None] | None = None
     below = False  # a lowering came out under its analysis
+    saved = 0  # the most a lowering came out under its analysis (bytes)
     for _ in range(CONFIRM_ROUNDS):
         start = len(trials)
         judge.lower = False
@@ -239,6 +241,7 @@ def confirmed_choice(
         lowered = run(analysed.requested or config)  # as asked for: the trial says what the rewrite added
         gap = analysed.analysed_peak_bytes - lowered.analysed_peak_bytes
         below |= gap > AS_IS_MARGIN * cap
+        saved = max(saved, gap)
         if lowered.analysed_peak_bytes <= cap:
             kept = (lowered, how, found)
             if gap <= AS_IS_MARGIN * cap:
@@ -251,7 +254,8 @@ def confirmed_choice(
                  "%d: searched again under a lower cap", config, analysed.analysed_peak_bytes,
                  lowered.analysed_peak_bytes, cap)
         shift = max(shift + 1, lowered.analysed_peak_bytes - analysed.analysed_peak_bytes)
-    if below and as_is is not None and not as_is.by_inductor and not tried(trials, as_is.config):
+    if (below and as_is is not None and not as_is.by_inductor and not tried(trials, as_is.config)
+            and as_is.analysed_peak_bytes - saved <= cap):  # only a step the same saving would bring under the cap
         plain = run(as_is.config)
         if plain.analysed_peak_bytes <= cap:
             return plain.config, "fits as is", None, plain.analysed_peak_bytes, plain.config

@@ -95,3 +95,48 @@ def test_a_step_far_over_the_cap_is_not_lowered_to_be_judged_as_it_is():
     assert far.analysed_peak_bytes == 95 and not far.by_inductor and runs == [(0, False)]
     near = verify.judged_as_is(judge, _config(0), 92)  # within the margin: lowered
     assert near.by_inductor and runs[-1] == (0, True)
+
+
+def _below_step(as_is_analysed: int) -> tuple[Counts | None, str, list[tuple[int, bool]]]:
+    """A made-up step whose Inductor plans sit 10 bytes under their analysis (more than
+    ``AS_IS_MARGIN`` of the cap: a loss fused away), with the step as it is analysed at
+    ``as_is_analysed``; the choice and the (n_checkpoint, lowered) of every judgment run."""
+    peaks = {k: (100 - 10 * k, 95 - 10 * k, 85 - 10 * k) for k in range(1, 5)}
+    peaks[0] = (as_is_analysed + 5, as_is_analysed, as_is_analysed - 10)
+    runs: list[tuple[int, bool]] = []
+
+    def judge_now(lower: bool) -> tuple[int, bool]:
+        k = judge.holding.n_checkpoint
+        runs.append((k, lower))
+        return (peaks[k][2], True) if lower else (peaks[k][1], False)
+
+    judge = Judge({}, lambda c: str(c.n_checkpoint), lambda c: c, judge_now, lambda c: peaks[c.n_checkpoint][0],
+                  lowers=True)
+
+    def search_at(lowered: int) -> SearchResult:
+        fitting = [k for k, (predicted, _, _) in peaks.items() if k and predicted <= CAP - lowered]
+        if not fitting:
+            raise NoPlanFits("nothing fits", min_budget_bytes=0)
+        k = min(fitting)
+        return SearchResult(_config(k), SimpleNamespace(step_s=1 + 0.1 * k, peak_bytes=peaks[k][0]), 1, 0, 0, 5, 0.0)
+
+    trials: list[verify.Trial] = []
+
+    def run(config: Counts) -> verify.Trial:
+        t = judge(config)
+        trials.append(t)
+        return t
+
+    as_is = verify.judged_as_is(judge, _config(0), CAP)
+    config, how, *_ = verify.confirmed_choice(search_at, run, [_config(4)], trials, CAP, judge, as_is=as_is)
+    return config, how, runs
+
+
+def test_the_step_as_it_is_is_lowered_only_when_the_saving_seen_would_bring_it_under_the_cap():
+    # analysed at 95, 10 over the cap: the lowerings came out 10 under their analysis, so it is lowered (85: fits)
+    config, how, runs = _below_step(95)
+    assert (config, how) == (_config(0), "fits as is") and (0, True) in runs
+    # analysed at 200: no saving seen brings it under the cap; a lowering of it would be a minute for nothing
+    config, how, runs = _below_step(200)
+    assert config is not None and config.n_checkpoint > 0 and how != "fits as is"
+    assert (0, True) not in runs
