@@ -134,6 +134,15 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
     return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
 
 
+#: The partitioner's settings for a random op a plan recomputes (an attention on CUDA, whose kernels
+#: are tagged random for their dropout, or a dropout): its forward's RNG state is saved and restored
+#: for the recompute either way; the graph-safe form, made for CUDA graphs (which the backend does not
+#: use), is a higher-order op that Inductor's FX graph cache of torch 2.11 refuses, so that every plan
+#: that checkpoints a block on CUDA was lowered from scratch at every compile and launch
+#: (``docs/results.md#time-to-the-first-steps``); the other form is cached.
+RNG_PARTITION = {"graphsafe_rng_functionalization": False}
+
+
 #: Graph breaks users meet in common models, by a phrase of Dynamo's reason, and the usual fix.
 _BREAK_HINTS = {
     # Hugging Face's loss lookup warns that loss_type is unset (GPT-2): the loss leaves the graph.
@@ -289,7 +298,8 @@ class _Partitioner(CustomPartitionerFn):
             record.joint, record.plan = graph, plan
             ctx = PassContext(record, plan, frozenset(parameters), num_fwd_outputs)
             run_passes(JOINT_PASSES, ctx)  # the tags the partitioner acts on
-            forward, backward = min_cut_rematerialization_partition(graph, joint_inputs, **kwargs)
+            with torch._functorch.config.patch(RNG_PARTITION):
+                forward, backward = min_cut_rematerialization_partition(graph, joint_inputs, **kwargs)
             record.forward, record.backward = forward, backward
             record.step = _step_graphs(forward, backward, num_fwd_outputs, set(static))
             run_passes(STEP_PASSES, ctx)

@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.planner.offload import placed_handle
-from protrain_fx.planner.plan_cache import drop_after_miss
+from protrain_fx.planner.plan_cache import drop_after_miss, keep_outside
 from protrain_fx.planner.rates import (
     STEP_TIMED_CALLS,
     RateWindow,
@@ -225,12 +225,20 @@ class _Marks:
         return a.elapsed_time(b) / 1e3
 
 
+#: Marks around ``optimizer.step()`` calls kept per timed call (pre and post: several optimizers).
+MAX_OPTIMIZER_MARKS = 16
+
+#: The phase timer whose optimizer hooks are on (:meth:`_PhaseTimer._hook`).
+_HOOKED: list[_PhaseTimer] = []
+STATE.on_reset(lambda: [timer._unhook() for timer in list(_HOOKED)])
+
+
 class _PhaseTimer:
     """The :class:`~protrain_fx.planner.rates.StepPhases` of the timed training calls of one graph:
     marks where a call starts, where its forward returns, where the backward reaches its outputs (a
     hook on them), where that backward ends (a callback queued on the autograd engine), around each
-    ``optimizer.step()`` made on this thread (torch.optim's global step hooks, held from the first
-    timed call to the last), and where the next call starts. :meth:`close` reads them: on CUDA one
+    ``optimizer.step()`` made on this thread (torch.optim's global step hooks, held from a timed
+    call's backward end to the next call's start), and where the next call starts. :meth:`close` reads them: on CUDA one
     wait for the device to reach the last call's start, once per plan."""
 
     def __init__(self, device: torch.device) -> None:
@@ -241,14 +249,31 @@ class _PhaseTimer:
 
     def start(self, last: bool) -> None:
         """A timed call starts (``last``: the call after the timed ones, whose start ends them)."""
+        self._unhook()
         self.calls.append({"start": self.marks.now(), "optimizer": []})
-        if not self.hooks and not last:
+
+    def _hook(self) -> None:
+        """torch.optim's global step hooks, from a timed call's backward end to the next call's start,
+        for one timer of the process at a time (a timer whose loop stopped there is unhooked by the
+        next, or by ``protrain_fx.reset()``)."""
+        if not self.hooks:
+            for other in list(_HOOKED):
+                other._unhook()
             self.hooks = [register_optimizer_step_pre_hook(self._optimizer_mark),
                           register_optimizer_step_post_hook(self._optimizer_mark)]
+            _HOOKED.append(self)
+
+    def _unhook(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        if self in _HOOKED:
+            _HOOKED.remove(self)
 
     def _optimizer_mark(self, *_: Any) -> None:
-        if self.calls and threading.get_ident() == self.thread and "done" in self.calls[-1]:
-            self.calls[-1]["optimizer"].append(self.marks.now())
+        marks = self.calls[-1]["optimizer"] if self.calls else None
+        if marks is not None and threading.get_ident() == self.thread and len(marks) < MAX_OPTIMIZER_MARKS:
+            marks.append(self.marks.now())
 
     def returned(self, out: Any) -> None:
         """The timed call's forward returned ``out``; its backward is marked through hooks on it."""
@@ -257,6 +282,7 @@ class _PhaseTimer:
 
         def done() -> None:
             call["done"] = self.marks.now()
+            self._hook()
 
         def on_grad(_grad: torch.Tensor) -> None:
             if "grad" not in call:
@@ -270,9 +296,7 @@ class _PhaseTimer:
     def close(self) -> StepPhases | None:
         """The median phases of the timed calls (each read against the next call's start), the
         hooks removed; ``None`` when no timed call ran its backward and returned to the next."""
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
+        self._unhook()
         seconds = self.marks.seconds
         done: list[StepPhases] = []
         for call, after in zip(self.calls, self.calls[1:]):
@@ -422,6 +446,7 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
     device = memory.device
     outside = check.outside_bytes
     STATE.measured_outside[device] = max(STATE.measured_outside.get(device, 0), outside)
+    keep_outside(auto, outside)  # for later launches of this graph (plan_cache.seed_outside)
     if check.over:
         why = (f"the first step peaked at {check.step_peak_bytes} bytes ({human_bytes(check.step_peak_bytes)}), "
                f"{human_bytes(outside)} above the graph's analysed peak of {check.predicted_peak_bytes} bytes "

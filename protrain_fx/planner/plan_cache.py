@@ -30,6 +30,13 @@ that verify the plans: minutes on a large model. :func:`reuse_or_choose` wraps t
   budget) answers the trials judged before from them: it lowers only configs never judged. The first step's peak is measured as for any plan
   (``planner/first_step.py``): a miss there (or a faster plan found from the measured reserve)
   drops the entry, and the graph compiled again is planned and stored anew.
+* **Replaced**: the plan chosen when that graph is compiled again is kept under the dropped entry
+  too (an offloaded model's graph compiled again has its counts placed, a key of its own): the next
+  launch applies it without planning.
+* **Measured reserve** (``"outside"``): what the code around a graph held at a first step, by the
+  graph's structure (:func:`keep_outside`). A later launch plans with it from the start
+  (:func:`seed_outside`), as a later compile of the same process does, and is not planned again
+  after its first step because an estimate of it was off.
 * **Data-parallel**: the key holds the ranks (world size, ranks per node, backend); rank 0's entry
   is every rank's, and one rank's refusal every rank's, so the ranks apply a plan, or search, alike.
 * ``PROTRAIN_PLAN_CACHE=0`` turns it off (nothing read or written). A file that cannot be read or
@@ -37,8 +44,8 @@ that verify the plans: minutes on a large model. :func:`reuse_or_choose` wraps t
 
 What is not in the key: the host memory free now (which chunks an offload makes lean), the
 machine's measured rates (a plan is still valid when they change, only perhaps not the fastest;
-delete the file to plan again) and the room measured for the code around the graph in an earlier
-launch (the entry keeps the reserve it was chosen with).
+delete the file to plan again) and the room measured for the code around the graph (the entry
+keeps the reserve it was chosen with, and is refused when more is measured and it no longer fits).
 """
 
 from __future__ import annotations
@@ -105,6 +112,8 @@ class PlanKey:
     path: Path
     digest: str
     parts: dict[str, Any]
+    #: The device the step is planned for (``"cuda:0"``), whose file ``path`` is.
+    device: str = "cpu"
 
 
 def reuse_or_choose(
@@ -120,6 +129,7 @@ def reuse_or_choose(
     plan); ``handle``: the offload whose counts are chosen."""
     if not enabled():
         return choose()
+    seed_outside(record, key)
     auto = reuse(record, key, trial, handle)
     if auto is not None:
         return auto
@@ -127,6 +137,42 @@ def reuse_or_choose(
     if auto is not None:
         store(record, key, auto)
     return auto
+
+
+def seed_outside(record: CapturedGraph, key: PlanKey) -> int | None:
+    """What the code around ``key``'s graph held at a first step of an earlier launch (kept by
+    :func:`keep_outside`), made this process' measured reserve on the device unless a first step
+    of this process measured one: the plan is chosen with it from the start, not chosen again after
+    a first step (rank 0's file on every rank). The bytes seeded, or ``None``."""
+    if key.device in STATE.measured_outside:
+        return None
+    kept = distributed.from_rank0(_outside(key.path).get(key.parts["graph"]))
+    if not isinstance(kept, int) or isinstance(kept, bool) or kept < 0:
+        return None
+    STATE.measured_outside[key.device] = kept
+    log.info("protrain_fx: graph %d: the code around this graph held %d bytes at a first step of an earlier "
+             "launch (%s): kept under the cap for it", record.index, kept, key.path)
+    return kept
+
+
+def keep_outside(auto: AutoPlan, outside: int) -> None:
+    """Keep ``outside`` (bytes the code around ``auto``'s graph held at its first step) in the plan
+    cache file under the graph's structure, the most measured (a file that cannot be written: a
+    debug line). Nothing when the cache is off or the plan is not kept there."""
+    if not enabled() or not auto.cache_file or not auto.graph_key:
+        return
+    path = Path(auto.cache_file)
+    table = _outside(path)
+    if table.get(auto.graph_key, -1) >= outside:
+        return
+    table.pop(auto.graph_key, None)
+    table[auto.graph_key] = outside  # the newest last
+    while len(table) > MAX_ENTRIES:
+        table.pop(next(iter(table)))
+    try:
+        _write(path, outside=table)
+    except OSError as e:
+        log.debug("protrain_fx: the measured reserve could not be kept in the plan cache %s (%s)", path, e)
 
 
 def judgments(key: PlanKey) -> dict[str, Judgment]:
@@ -175,7 +221,7 @@ def plan_key(
     if placed is not None:  # the counts an earlier graph chose: this plan holds for them only
         parts["placed"] = {**_offload_key(placed), "counts": [placed.n_persist, placed.n_buffer, placed.n_gpu_optim]}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-    return PlanKey(plan_cache_path(device), digest, parts)
+    return PlanKey(plan_cache_path(device), digest, parts, device)
 
 
 def reuse(
@@ -248,6 +294,7 @@ def reuse(
         empty_by_inductor=entry["empty_by_inductor"],
         cache_file=str(key.path),
         cache_key=key.digest,
+        graph_key=key.parts["graph"],
         from_cache=True,
     )
     log.info("protrain_fx: graph %d: plan from the plan cache (%s): n_persist=%d, n_buffer=%d, n_gpu_optim=%d, "
@@ -282,8 +329,13 @@ def store(record: CapturedGraph, key: PlanKey, auto: AutoPlan) -> None:
         "empty_by_inductor": auto.empty_by_inductor,
     }
     plans = _entries(key.path, warn=False)
-    plans.pop(key.digest, None)
-    plans[key.digest] = entry  # the newest last
+    keys = [key]
+    replaced = _REPLACED.pop(key.parts["graph"], None)
+    if replaced is not None and replaced.path == key.path and replaced.digest != key.digest:
+        keys.append(replaced)  # the entry a first step dropped (module docstring, "replaced")
+    for k in keys:
+        plans.pop(k.digest, None)
+        plans[k.digest] = {**entry, "key": k.parts}  # the newest last
     while len(plans) > MAX_ENTRIES:
         plans.pop(next(iter(plans)))
     judged = _judged(key.path)
@@ -293,35 +345,61 @@ def store(record: CapturedGraph, key: PlanKey, auto: AutoPlan) -> None:
     while len(judged) > MAX_ENTRIES:
         judged.pop(next(iter(judged)))
     try:
-        write_json(key.path, {"version": PLAN_CACHE_VERSION, "plans": plans, "judged": judged})
+        _write(key.path, plans=plans, judged=judged)
     except OSError as e:
         log.warning("protrain_fx: graph %d: the plan could not be kept in the plan cache %s (%s)",
                     record.index, key.path, e)
         return
-    auto.cache_file, auto.cache_key = str(key.path), key.digest
-    log.info("protrain_fx: graph %d: plan kept in the plan cache (%s)", record.index, key.path)
+    auto.cache_file, auto.cache_key, auto.graph_key = str(key.path), key.digest, key.parts["graph"]
+    log.info("protrain_fx: graph %d: plan kept in the plan cache (%s)%s", record.index, key.path,
+             "; also under the entry its first compile's plan had" if len(keys) > 1 else "")
 
 
-def drop(path: str | Path, digest: str) -> bool:
-    """Remove the entry ``digest`` from the plan cache ``path``; whether one was there."""
+#: Entries a first step dropped, by their graph's structure: the plan chosen when that graph is
+#: compiled again is kept under them too (module docstring, "replaced"). ``protrain_fx.reset()`` forgets them.
+_REPLACED: dict[str, PlanKey] = {}
+STATE.on_reset(_REPLACED.clear)
+
+
+def _write(path: Path, *, plans: dict[str, Any] | None = None, judged: dict[str, Any] | None = None,
+           outside: dict[str, Any] | None = None) -> None:
+    """Write the plan cache ``path`` with the tables given, the others as the file has them."""
+    write_json(path, {"version": PLAN_CACHE_VERSION,
+                      "plans": _entries(path, warn=False) if plans is None else plans,
+                      "judged": _judged(path) if judged is None else judged,
+                      "outside": _outside(path) if outside is None else outside})
+
+
+def drop(path: str | Path, digest: str) -> dict[str, Any] | None:
+    """Remove the entry ``digest`` from the plan cache ``path``; the entry removed, ``None`` when
+    none was there or the file could not be written."""
     path = Path(path)
     plans = _entries(path, warn=False)
-    if plans.pop(digest, None) is None:
-        return False
+    entry = plans.pop(digest, None)
+    if entry is None:
+        return None
     try:
-        write_json(path, {"version": PLAN_CACHE_VERSION, "plans": plans, "judged": _judged(path)})
+        _write(path, plans=plans)
     except OSError as e:
         log.warning("protrain_fx: the plan cache %s could not be written (%s)", path, e)
-        return False
-    return True
+        return None
+    return entry
 
 
 def drop_after_miss(auto: AutoPlan, index: int, why: str) -> None:
     """After the first step of ``auto`` made its graph compile again (``planner/first_step.py``): its
-    cached entry is dropped, so that the plan chosen again is the one kept."""
-    if auto.cache_key and auto.cache_file and drop(auto.cache_file, auto.cache_key):
-        log.info("protrain_fx: graph %d: the plan's entry in the plan cache (%s) is dropped: %s",
-                 index, auto.cache_file, why)
+    cached entry is dropped, and the plan chosen when the graph is compiled again is kept under it
+    (module docstring, "replaced")."""
+    if not (auto.cache_key and auto.cache_file):
+        return
+    entry = drop(auto.cache_file, auto.cache_key)
+    if entry is None:
+        return
+    parts = entry.get("key")
+    if isinstance(parts, dict) and isinstance(parts.get("graph"), str):
+        _REPLACED[parts["graph"]] = PlanKey(Path(auto.cache_file), auto.cache_key, parts)
+    log.info("protrain_fx: graph %d: the plan's entry in the plan cache (%s) is dropped: %s; the plan chosen "
+             "again takes its place", index, auto.cache_file, why)
 
 
 def graph_digest(gm: fx.GraphModule) -> str:
@@ -373,6 +451,18 @@ def _judged(path: Path) -> dict[str, Any]:
     if data is None or data.get("version") != PLAN_CACHE_VERSION or not isinstance(data.get("judged"), dict):
         return {}
     return data["judged"]
+
+
+def _outside(path: Path) -> dict[str, Any]:
+    """The measured-reserve table of the plan cache ``path`` (graph structure -> bytes the code
+    around it held at a first step; empty: no file, another version, or none there)."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    if data is None or data.get("version") != PLAN_CACHE_VERSION or not isinstance(data.get("outside"), dict):
+        return {}
+    return data["outside"]
 
 
 def _parse(raw: Any) -> dict[str, Any]:

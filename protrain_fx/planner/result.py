@@ -163,6 +163,9 @@ class AutoPlan:
     #: kept), and whether it was read from there instead of chosen (no search, no trial lowerings).
     cache_file: str = ""
     cache_key: str = ""
+    #: The joint graph's structure (``planner.plan_cache.graph_digest``): what the code around it
+    #: measured at a first step is kept under in the plan cache file, for later launches.
+    graph_key: str = ""
     from_cache: bool = False
     #: Seconds of each phase of the compile that chose this plan, measured (``CapturedGraph.phases``,
     #: the same dict: the backward's codegen joins it at the first ``backward()``); empty outside a compile.

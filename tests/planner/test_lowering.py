@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch._inductor.codecache import FxGraphCache
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx import lowering
+from protrain_fx.plan import interleaved
 from protrain_fx.planner.budget import budget_for_peak
 from tests.planner.test_auto_plan import logged  # noqa: F401
 
@@ -73,3 +75,45 @@ def test_a_cache_hit_without_the_plan_kept_lowers_again_to_read_it(logged):  # n
     assert sum("lowered again to read it" in r.getMessage() for r in logged) == 2  # forward and backward
     assert again.memory.peak_bytes == first.memory.peak_bytes
     assert [r for r in logged if r.levelno >= logging.WARNING] == []
+
+
+def test_the_partition_saves_a_recomputed_random_ops_state_in_the_form_inductor_caches(monkeypatch):
+    """The partitioner runs with the graph-safe RNG functionalization off: the higher-order op it
+    makes is refused by Inductor's FX graph cache (a plan that recomputes an attention on CUDA
+    would be lowered from scratch at every compile); the other form is cached."""
+    from protrain_fx import backend
+
+    seen = []
+    partition = backend.min_cut_rematerialization_partition
+
+    def watched(*args, **kwargs):
+        seen.append(torch._functorch.config.graphsafe_rng_functionalization)
+        return partition(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "min_cut_rematerialization_partition", watched)
+    _step({"codegen": "eager", "plan": interleaved(["blocks.0", "blocks.1"], 0, 1)})
+    assert seen and not any(seen)
+    assert torch._functorch.config.graphsafe_rng_functionalization  # torch's own setting left as it was
+    assert not torch._prims.rng_prims.graphsafe_run_with_rng_state.cacheable()  # why: torch 2.11 refuses it
+    assert torch._prims.rng_prims.run_with_rng_state.cacheable()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the attention's RNG state is CUDA's)")
+def test_a_plan_that_recomputes_an_attention_on_cuda_is_served_by_inductors_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    config = gpt_config("tiny", n_layer=2)
+    batch = [t.cuda() for t in random_batch(config, 4, 64, generator=torch.Generator().manual_seed(0))]
+    counts = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        torch.manual_seed(0)
+        model = GPT(config).cuda()
+        before = dict(torch._dynamo.utils.counters["inductor"])
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.compile(model, backend="protrain", options={"plan": interleaved(["blocks.0", "blocks.1"], 0, 1)})(*batch)
+        loss.backward()
+        after = torch._dynamo.utils.counters["inductor"]
+        counts.append({k: after[k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss",
+                                                                "fxgraph_cache_bypass")})
+    assert counts[0]["fxgraph_cache_bypass"] == 0 and counts[1]["fxgraph_cache_hit"] == 2, counts

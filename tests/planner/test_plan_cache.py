@@ -268,3 +268,66 @@ def test_a_later_input_shape_of_an_offloaded_model_reuses_its_plan_for_the_count
     assert first_again.from_cache and later_again.from_cache
     assert later_again.config == later.config and later_again.plan == later.plan
     assert (handle.n_persist, handle.n_buffer, handle.n_gpu_optim) == counts
+
+
+def _driven_first_steps(monkeypatch, peak_of):
+    """First steps measured on the CPU: ``memory_counters`` reads ``(1000, 1000)`` at a forward's
+    start and ``(1000, 1000 + peak_of(record))`` at its backward's end, for the newest training graph."""
+    reads = {"n": 0}
+
+    def counters(device):
+        reads["n"] += 1
+        if reads["n"] % 2:
+            return (1000, 1000)
+        record = _train_graphs()[-1]
+        return (1000, 1000 + peak_of(record))
+
+    monkeypatch.setattr(first_step, "memory_counters", counters)
+    monkeypatch.setattr(first_step, "reset_peak", lambda device: None)
+
+
+def test_the_room_measured_for_the_code_around_the_graph_is_kept_for_later_launches(no_plan, monkeypatch, logged):  # noqa: F811
+    budget = 2 * budget_for_peak(no_plan["peak"])
+    outside = 12345  # held by the code around the graph at the first step, above the graph's peak
+    _driven_first_steps(monkeypatch, lambda r: r.memory.peak_bytes - sum(r.memory.timeline.baseline_bytes.values())
+                        + outside)
+    first, _ = _launch(budget, steps=1)
+    assert first.auto_plan.reserve_source == "" and first.auto_plan.peak_check.outside_bytes == outside
+    monkeypatch.setattr(first_step, "memory_counters", lambda device: None)  # later launches measure nothing
+    again, _ = _launch(budget, steps=1)  # the kept plan, under the cap the measured reserve leaves
+    assert again.auto_plan.from_cache and (again.auto_plan.reserve_bytes, again.auto_plan.reserve_source) == (
+        outside, "measured")
+    other, _ = _launch(budget - 1, steps=1)  # another budget: planned, with the measured reserve from the start
+    assert not other.auto_plan.from_cache
+    assert (other.auto_plan.reserve_bytes, other.auto_plan.reserve_source) == (outside, "measured")
+    assert any("at a first step of an earlier launch" in r.getMessage() for r in logged)
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    off, _ = _launch(budget - 2, steps=1)  # the cache off: nothing read
+    assert off.auto_plan.reserve_source == ""
+
+
+def test_the_plan_chosen_again_after_a_first_step_takes_the_dropped_entrys_place(no_plan):  # noqa: F811
+    """A first step drops its plan's entry (a miss, or a faster plan found); the graph compiled again
+    can have a key of its own (an offloaded model's counts are then placed: ``plan_key``'s "placed"),
+    and the plan it chooses is kept under the dropped entry too, so that the next launch, keyed as
+    the first compile was, applies it without planning."""
+    from protrain_fx.planner import plan_cache
+
+    budget = _tight(no_plan)
+    first, _ = _launch(budget, steps=1)
+    auto = first.auto_plan
+    dropped = auto.cache_key
+    parts = _entries()[dropped]["key"]
+    plan_cache.drop_after_miss(auto, first.index, "a test")
+    assert dropped not in _entries()
+    placed = plan_cache.PlanKey(plan_cache_path("cpu"), "f" * 64, {**parts, "placed": {"counts": [1, 0, 0]}}, "cpu")
+    plan_cache.store(first, placed, auto)  # the graph compiled again, under its own key
+    entries = _entries()
+    assert entries["f" * 64]["key"]["placed"] == {"counts": [1, 0, 0]}
+    assert entries[dropped]["key"] == parts and entries[dropped]["config"] == auto.config.to_dict()
+    again, _ = _launch(budget, steps=1)
+    assert again.auto_plan.from_cache and again.auto_plan.cache_key == dropped
+    plan_cache.store(first, placed, auto)  # once only: a later store keeps its own key alone
+    assert set(_entries()) == {dropped, "f" * 64}
+
+
