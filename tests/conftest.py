@@ -35,8 +35,11 @@ if str(ROOT) not in sys.path:  # ``python -m pytest`` adds the cwd, plain ``pyte
     sys.path.insert(0, str(ROOT))
 
 import protrain_fx  # noqa: E402
+from protrain_fx.backend import register  # noqa: E402
 from protrain_fx.profile import cache as profile_cache  # noqa: E402
 from protrain_fx.search.problem import MachineProfile  # noqa: E402
+
+register()  # backend="protrain" from a checkout that is not installed (the GPU machine runs the suite so)
 
 #: The real one, for the tests of it (``tests/planner/test_calibrate.py``, on their own cache directory).
 NOTE_TRAINING_RATES = profile_cache.note_training_rates
