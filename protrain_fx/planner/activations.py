@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 
 from protrain_fx import progress
 from protrain_fx.analysis.params import parameter_infos
+from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.machine import Machine, machine_for
 from protrain_fx.planner.budget import ALLOCATOR_HEADROOM, budget_for_peak
@@ -47,6 +48,7 @@ from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Counts, Problem, block_plan
 from protrain_fx.search.search import NoPlanFits, SearchResult, search
 from protrain_fx.search.spread import expected_estimate
+from protrain_fx.state import STATE
 
 log = logging.getLogger("protrain_fx")
 
@@ -158,6 +160,26 @@ def warn_at_recompile_limit(record: CapturedGraph) -> None:
     )
 
 
+def least_after_miss(record: CapturedGraph, least: Counts, need: int, cap: int, outside: int, minimum: int,
+                     placed: str = "") -> bool:
+    """Whether ``least`` (the plan of least memory, judged at ``need`` bytes, over ``cap``) is applied
+    instead of refusing the budget: when this graph is compiled again after a first step on its
+    device peaked over its cap (``STATE.reset_after_miss``). That step ran, with a plan of no less
+    memory; training goes on rather than stopping on the measurement, with a warning naming the
+    budget (``minimum``) that plans within the cap and the room measured for the code around the
+    graph (``outside``). ``placed``: the chunk counts the plans were limited to, for the warning."""
+    assert record.memory is not None
+    if not STATE.reset_after_miss.get(record.memory.device):
+        return False
+    log.warning(
+        "protrain_fx: graph %d: after its first step measured %s for the code around the graph, no activation plan%s "
+        "fits the allocated cap of %s: the plan of least memory (n_swap=%d, n_checkpoint=%d) is applied, %s over it, "
+        "as the first step ran with no less; a memory_budget of at least %d bytes (%s) plans within it",
+        record.index, human_bytes(outside), placed, human_bytes(cap), least.n_swap, least.n_checkpoint,
+        human_bytes(need - cap), minimum, human_bytes(minimum))
+    return True
+
+
 def choose_plan(record: CapturedGraph, trial: verify.TrialFn,
                 kept: dict[str, Judgment] | None = None) -> AutoPlan | None:
     """Choose, apply and verify the activation plan of ``record`` (module docstring, steps 1-5).
@@ -227,6 +249,8 @@ def choose_plan(record: CapturedGraph, trial: verify.TrialFn,
         # a lowering can put the step as it is under the cap where its analysis did not (confirmed_choice)
         return result(config, "fits as is" if config == empty else how, None if config == empty else found)
     minimum = budget_for_peak(need + outside)
+    if least_after_miss(record, least, need, cap, outside, minimum):
+        return result(least, "least memory", None)
     raise NoPlanFits(
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
         f"for graph {record.index}: the plan of least memory (n_swap={least.n_swap}, n_checkpoint="

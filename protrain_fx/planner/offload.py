@@ -63,6 +63,7 @@ from protrain_fx.errors import UnsupportedError, too_few_buffers
 from protrain_fx.machine import machine_for
 from protrain_fx.planner.activations import (
     chosen,
+    least_after_miss,
     least_memory_configs,
     machine_profile,
 )
@@ -205,11 +206,15 @@ def choose_for_placed(
         trials.append(t)
         return t
 
-    config, how, found, need, _ = verify.confirmed_choice(
+    config, how, found, need, least = verify.confirmed_choice(
         search_at, run, least_memory_configs(model, p, b, g), trials, cap, judge, as_is=judged_empty)
     if config is not None:
         # a lowering can put the step as it is under the cap where its analysis did not (confirmed_choice)
         return result(config, "fits as is" if config == empty else how, None if config == empty else found)
+    minimum = budget_for_peak(need + outside)
+    if need != UNRUNNABLE and least_after_miss(record, least, need, cap, outside, minimum,
+                                               f" for the chunks as placed (n_persist={p}, n_buffer={b}, n_gpu_optim={g})"):
+        return result(least, "least memory", None)
     if need == UNRUNNABLE:
         raise UnsupportedError(
             f"protrain_fx: graph {record.index} (another input shape) needs an activation plan whose rewritten step "
@@ -217,7 +222,6 @@ def choose_for_placed(
             "compile the largest shape first (the counts are chosen for the first), or give the counts to "
             f"offload(...) by hand with n_buffer >= {min(short)}"
         )
-    minimum = budget_for_peak(need + outside)
     raise NoPlanFits(
         f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) for "
         f"graph {record.index} with the chunks placed at the model's first compile (n_persist={p}, n_buffer={b}, "

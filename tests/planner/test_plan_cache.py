@@ -331,3 +331,58 @@ def test_the_plan_chosen_again_after_a_first_step_takes_the_dropped_entrys_place
     assert set(_entries()) == {dropped, "f" * 64}
 
 
+
+
+def test_an_offloaded_model_trains_on_after_a_miss_that_leaves_no_plan_under_the_cap(gpu_like_machine, monkeypatch,
+                                                                                     logged):
+    """A first step 1% over its cap, at a budget where the counts chosen leave no activation plan
+    under the cap that measured reserve leaves: the graph compiled again applies the plan of least
+    memory (no more than the step that ran), says so and the budget that plans within it, and trains
+    exactly as eager; it does not stop the run."""
+    missed: list = []
+
+    def peak_of(record):
+        start = sum(record.memory.timeline.baseline_bytes.values())
+        if not missed:
+            missed.append(record)
+            return int(record.auto_plan.step_cap_bytes * 1.01) - start
+        return record.memory.peak_bytes - start
+
+    _driven_first_steps(monkeypatch, peak_of)
+    model, reference, opt, ref_opt, handle, compiled = _offload_setup(TIGHT)
+    _train_side_by_side(compiled, reference, opt, ref_opt, 3)
+    _assert_same_params(handle, model, reference)
+    first, again = _train_graphs()
+    assert first.auto_plan.recompile and again.auto_plan.how == "least memory"
+    assert again.auto_plan.analysed_peak_bytes > again.auto_plan.allocated_cap_bytes
+    assert again.auto_plan.config.n_persist == first.auto_plan.config.n_persist
+    warned = [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
+    assert any("the plan of least memory" in w and "plans within it" in w for w in warned), warned
+
+
+def test_a_model_at_its_least_budget_trains_on_after_a_miss(no_plan, monkeypatch, logged):  # noqa: F811
+    """At the least budget a plan fits (what NoPlanFits names for a budget of 1 byte), a first step
+    1% over the cap: the graph compiled again keeps the plan of least memory over the cap, warns, and
+    trains exactly like the launch without the miss."""
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    with pytest.raises(Exception) as refused:
+        torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager", "memory_budget": 1})(*_batch())
+    least = refused.value.min_budget_bytes
+    _, reference_losses = _launch(least, steps=3)
+    missed: list = []
+
+    def peak_of(record):
+        start = sum(record.memory.timeline.baseline_bytes.values())
+        if not missed:
+            missed.append(record)
+            return int(record.auto_plan.step_cap_bytes * 1.01) - start
+        return record.memory.peak_bytes - start
+
+    _driven_first_steps(monkeypatch, peak_of)
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    again, losses = _launch(least, steps=3)
+    assert losses == reference_losses
+    assert missed and missed[0].auto_plan.recompile and again is not missed[0]
+    assert again.auto_plan.how == "least memory" and again.auto_plan.analysed_peak_bytes > again.auto_plan.allocated_cap_bytes
+    assert any("plans within it" in r.getMessage() for r in logged if r.levelno >= logging.WARNING)
