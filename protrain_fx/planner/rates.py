@@ -121,7 +121,7 @@ class StepCheck:
             assert self.predicted_priced_s is not None and (around := self.with_around_s) is not None
             line += (f"; of it {self.phases.line()}: the graph and the optimizer "
                      f"{self.phases.priced_s * 1e3:.1f} ms against {self.predicted_priced_s * 1e3:.1f} ms "
-                     f"predicted ({err:+.1f}%), with the code around the graph as measured "
+                     f"predicted ({err:+.1f}%); the step predicted with the code around the graph as measured: "
                      f"{around * 1e3:.1f} ms ({100 * (around / self.measured_step_s - 1):+.1f}%)")
         return line
 
