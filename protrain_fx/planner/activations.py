@@ -164,19 +164,21 @@ def least_after_miss(record: CapturedGraph, least: Counts, need: int, cap: int, 
                      placed: str = "") -> bool:
     """Whether ``least`` (the plan of least memory, judged at ``need`` bytes, over ``cap``) is applied
     instead of refusing the budget: when this graph is compiled again after a first step on its
-    device peaked over its cap (``STATE.reset_after_miss``). That step ran, with a plan of no less
-    memory; training goes on rather than stopping on the measurement, with a warning naming the
-    budget (``minimum``) that plans within the cap and the room measured for the code around the
-    graph (``outside``). ``placed``: the chunk counts the plans were limited to, for the warning."""
-    assert record.memory is not None
-    if not STATE.reset_after_miss.get(record.memory.device):
+    device peaked over its cap (``STATE.reset_after_miss``) and ``least`` with the room measured for
+    the code around the graph (``outside``) stays within the budget itself, in the allocator's
+    headroom. That step ran, with a plan of no less memory; training goes on rather than stopping at
+    its second step on a near miss, with a warning naming the budget (``minimum``) that plans within
+    the cap. Further over, the budget is refused as for any plan. ``placed``: the chunk counts the
+    plans were limited to, for the warning."""
+    assert record.memory is not None and record.budget_bytes is not None
+    if not STATE.reset_after_miss.get(record.memory.device) or need + outside > record.budget_bytes:
         return False
     log.warning(
         "protrain_fx: graph %d: after its first step measured %s for the code around the graph, no activation plan%s "
-        "fits the allocated cap of %s: the plan of least memory (n_swap=%d, n_checkpoint=%d) is applied, %s over it, "
-        "as the first step ran with no less; a memory_budget of at least %d bytes (%s) plans within it",
-        record.index, human_bytes(outside), placed, human_bytes(cap), least.n_swap, least.n_checkpoint,
-        human_bytes(need - cap), minimum, human_bytes(minimum))
+        "fits the allocated cap of %s: the plan of least memory (n_swap=%d, n_checkpoint=%d) is applied, %s over it "
+        "and within the budget of %s, as the first step ran with no less; a memory_budget of at least %d bytes (%s) "
+        "plans within the cap", record.index, human_bytes(outside), placed, human_bytes(cap), least.n_swap,
+        least.n_checkpoint, human_bytes(need - cap), human_bytes(record.budget_bytes), minimum, human_bytes(minimum))
     return True
 
 

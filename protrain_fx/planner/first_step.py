@@ -182,8 +182,8 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
             if len(starts) == first:
                 window.extend(_open_rate_window(record))  # none without offloaded optimizer steps
             if phases is not None and first <= len(starts) <= last and after is None:
-                timed = len(starts) < last
-                phases.start(last=not timed)
+                timed = len(starts) < last  # the last call's start only ends the one before it
+                phases.start()
             if len(starts) == last:
                 replanned.extend(w.handle for w in window if _close_rate_window(record, w) is not None)
                 record_step_period(record, intervals(first, last), (first, last),
@@ -238,8 +238,8 @@ class _PhaseTimer:
     marks where a call starts, where its forward returns, where the backward reaches its outputs (a
     hook on them), where that backward ends (a callback queued on the autograd engine), around each
     ``optimizer.step()`` made on this thread (torch.optim's global step hooks, held from a timed
-    call's backward end to the next call's start), and where the next call starts. :meth:`close` reads them: on CUDA one
-    wait for the device to reach the last call's start, once per plan."""
+    call's backward end to the next call's start), and where the next call starts. :meth:`close`
+    reads them: on CUDA one wait for the device to reach the last call's start, once per plan."""
 
     def __init__(self, device: torch.device) -> None:
         self.marks = _Marks(device)
@@ -247,8 +247,8 @@ class _PhaseTimer:
         self.hooks: list[Any] = []
         self.thread = threading.get_ident()
 
-    def start(self, last: bool) -> None:
-        """A timed call starts (``last``: the call after the timed ones, whose start ends them)."""
+    def start(self) -> None:
+        """A timed call starts, or the call after the timed ones, whose start ends the last of them."""
         self._unhook()
         self.calls.append({"start": self.marks.now(), "optimizer": []})
 
