@@ -444,25 +444,25 @@ def _entries(path: Path, *, warn: bool = True) -> dict[str, Any]:
 def _judged(path: Path) -> dict[str, Any]:
     """The judgments table of the plan cache ``path`` (judge key -> trial key -> judgment as a list;
     empty: no file, another version, or none there). Errors are :func:`_entries`'s to report."""
-    try:
-        data = read_json(path)
-    except (OSError, ValueError):
-        return {}
-    if data is None or data.get("version") != PLAN_CACHE_VERSION or not isinstance(data.get("judged"), dict):
-        return {}
-    return data["judged"]
+    return _table(path, "judged")
 
 
 def _outside(path: Path) -> dict[str, Any]:
     """The measured-reserve table of the plan cache ``path`` (graph structure -> bytes the code
     around it held at a first step; empty: no file, another version, or none there)."""
+    return _table(path, "outside")
+
+
+def _table(path: Path, name: str) -> dict[str, Any]:
+    """The table ``name`` of the plan cache ``path``; empty when the file is missing, unreadable, of
+    another version, or has no such table."""
     try:
         data = read_json(path)
     except (OSError, ValueError):
         return {}
-    if data is None or data.get("version") != PLAN_CACHE_VERSION or not isinstance(data.get("outside"), dict):
+    if data is None or data.get("version") != PLAN_CACHE_VERSION or not isinstance(data.get(name), dict):
         return {}
-    return data["outside"]
+    return data[name]
 
 
 def _parse(raw: Any) -> dict[str, Any]:

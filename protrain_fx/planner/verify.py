@@ -170,11 +170,9 @@ CONFIRM_ROUNDS = 3
 AS_IS_MARGIN = 0.05
 
 
-#: How far above the cap the step as it is may come out, scaled as the plans lowered came out
-#: against their analysis, and still be lowered by :func:`confirmed_choice`: the step as it is can
-#: keep more values a lowering fuses away than a plan (a tiny GPT with a large vocabulary, in
-#: ``tests/planner/test_auto_plan.py``: scaled so, 1.10x its cap, it fits; a 4.2B offloaded step at
-#: 24 GiB on an H100 scaled so is 1.6x over, and a lowering of it takes a minute).
+#: How far above the cap the step as it is, scaled as the plans' lowerings came out against their
+#: analysis, may be and still be lowered by :func:`confirmed_choice` (it can keep more values a lowering
+#: fuses away than a plan; ``docs/results.md#time-to-the-first-steps``).
 AS_IS_LOWER_MARGIN = 0.25
 
 

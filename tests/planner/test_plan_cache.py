@@ -286,6 +286,22 @@ def _driven_first_steps(monkeypatch, peak_of):
     monkeypatch.setattr(first_step, "reset_peak", lambda device: None)
 
 
+def _first_step_over_its_cap(monkeypatch, over: float = 1.01) -> list:
+    """First steps driven as :func:`_driven_first_steps`: the first graph's at ``over`` times its
+    cap, every later one at its predicted peak. The graphs measured over it (the first), in a list."""
+    missed: list = []
+
+    def peak_of(record):
+        start = sum(record.memory.timeline.baseline_bytes.values())
+        if not missed:
+            missed.append(record)
+            return int(record.auto_plan.step_cap_bytes * over) - start
+        return record.memory.peak_bytes - start
+
+    _driven_first_steps(monkeypatch, peak_of)
+    return missed
+
+
 def test_the_room_measured_for_the_code_around_the_graph_is_kept_for_later_launches(no_plan, monkeypatch, logged):  # noqa: F811
     budget = 2 * budget_for_peak(no_plan["peak"])
     outside = 12345  # held by the code around the graph at the first step, above the graph's peak
@@ -340,16 +356,7 @@ def test_an_offloaded_model_trains_on_after_a_miss_that_leaves_no_plan_under_the
     graph compiled again applies the plan of least memory (no more than the step that ran), says so
     and the budget that plans within the cap, and trains exactly as eager; it does not stop the run.
     Further over the budget is refused (``tests/planner/test_auto_offload.py``)."""
-    missed: list = []
-
-    def peak_of(record):
-        start = sum(record.memory.timeline.baseline_bytes.values())
-        if not missed:
-            missed.append(record)
-            return int(record.auto_plan.step_cap_bytes * 1.01) - start
-        return record.memory.peak_bytes - start
-
-    _driven_first_steps(monkeypatch, peak_of)
+    missed = _first_step_over_its_cap(monkeypatch)
     model, reference, opt, ref_opt, handle, compiled = _offload_setup(TIGHT)
     _train_side_by_side(compiled, reference, opt, ref_opt, 3)
     _assert_same_params(handle, model, reference)
@@ -371,16 +378,7 @@ def test_a_model_at_its_least_budget_trains_on_after_a_miss(no_plan, monkeypatch
         torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager", "memory_budget": 1})(*_batch())
     least = refused.value.min_budget_bytes
     _, reference_losses = _launch(least, steps=3)
-    missed: list = []
-
-    def peak_of(record):
-        start = sum(record.memory.timeline.baseline_bytes.values())
-        if not missed:
-            missed.append(record)
-            return int(record.auto_plan.step_cap_bytes * 1.01) - start
-        return record.memory.peak_bytes - start
-
-    _driven_first_steps(monkeypatch, peak_of)
+    missed = _first_step_over_its_cap(monkeypatch)
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
     again, losses = _launch(least, steps=3)
     assert losses == reference_losses
