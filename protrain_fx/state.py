@@ -10,6 +10,9 @@ first steps and read by later ones:
   (``planner/reserve.py``);
 * ``reset_after_miss``: devices whose next planned graph resets the peak statistics before its
   first step (``planner/first_step.py``);
+* ``faster_plan``: per device and Dynamo code object, the plan a first step ran and the one it found
+  faster with the reserve it measured; the graph compiled again judges that one first
+  (``planner/verify.faster_after_first_step``);
 * ``warned_not_averaged``: whether the warning that nothing averages a data-parallel graph's
   gradients was given (``backend.py``; once a process);
 * what runtime components register with :meth:`ProcessState.on_reset` (the swap ops' pinned host pool).
@@ -44,6 +47,8 @@ class ProcessState:
     measured_outside: dict[str, int] = field(default_factory=dict)
     #: Devices whose next planned graph resets the peak statistics before its first step.
     reset_after_miss: dict[str, bool] = field(default_factory=dict)
+    #: Per ``(device, code)``: ``(config that ran, its how, config predicted faster)`` after a first step.
+    faster_plan: dict[tuple[str, Any], tuple[Any, str, Any]] = field(default_factory=dict)
     #: Whether the once-a-process warning that nothing averages a data-parallel graph was given.
     warned_not_averaged: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -61,6 +66,7 @@ class ProcessState:
             self.break_stacks_seen = 0
             self.measured_outside.clear()
             self.reset_after_miss.clear()
+            self.faster_plan.clear()
             self.warned_not_averaged = False
         for forget in self._on_reset:
             forget()

@@ -230,13 +230,15 @@ def choose_plan(record: CapturedGraph, trial: verify.TrialFn,
                       empty_peak_bytes=plain.analysed_peak_bytes, empty_step_s=empty_est.step_s, problem_s=problem_s,
                       started=started, empty_by_inductor=plain.by_inductor, judge=judge)
 
-    if empty_peak <= cap:
-        return result(empty, "fits as is", None)
-
     def run(config: Counts) -> Trial:
         t = judge(config)
         trials.append(t)
         return t
+
+    if (promised := verify.faster_after_first_step(record, run, judge, cap, judged_empty)) is not None:
+        return result(*promised, None)
+    if empty_peak <= cap:
+        return result(empty, "fits as is", None)
 
     candidates = least_memory_configs(model, n, 0)
 

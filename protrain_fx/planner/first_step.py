@@ -419,7 +419,9 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
     from Dynamo's cache, so that its next call compiles it again with that reserve, when the step
     went over its allocated cap (a warning names the numbers) or when the reserve it was planned
     with was an estimate and, with the measured one, the cost model finds a plan
-    :data:`RAISE_MIN_GAIN` faster (:func:`faster_plan_under`). Returns ``None`` (logged) when the
+    :data:`RAISE_MIN_GAIN` faster (:func:`faster_plan_under`); that plan is judged first by the
+    compile again (``planner.verify.faster_after_first_step``), which keeps the plan that ran when
+    it does not fit. Returns ``None`` (logged) when the
     step did not raise the process' peak, whose value is then unknown."""
     auto, memory = record.auto_plan, record.memory
     assert auto is not None and memory is not None
@@ -466,6 +468,8 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
         return check
     drop_after_miss(auto, record.index, "the first step " + ("missed" if check.over else "found a faster plan"))
     code = record.dynamo_code
+    if code is not None and not check.over:  # the compile again judges the faster plan first
+        STATE.faster_plan[(device, code)] = (auto.config, auto.how, better)
     if code is not None:  # the next call compiles this graph again, with the measured reserve
         from torch._dynamo.eval_frame import remove_from_cache
 

@@ -180,9 +180,6 @@ def choose_for_placed(
                       rate_spread=RATE_SPREAD if torch.device(record.memory.device).type == "cuda" else None,
                       judge=judge)
 
-    if empty_peak <= cap:
-        return result(empty, "fits as is", None)
-
     @progress.timed("search")
     def search_at(lowered: int) -> SearchResult:
         t0 = time.perf_counter()
@@ -206,6 +203,10 @@ def choose_for_placed(
         trials.append(t)
         return t
 
+    if (promised := verify.faster_after_first_step(record, run, judge, cap, judged_empty)) is not None:
+        return result(*promised, None)
+    if empty_peak <= cap:
+        return result(empty, "fits as is", None)
     config, how, found, need, least = verify.confirmed_choice(
         search_at, run, least_memory_configs(model, p, b, g), trials, cap, judge, as_is=judged_empty)
     if config is not None:

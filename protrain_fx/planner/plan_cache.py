@@ -24,7 +24,10 @@ that verify the plans: minutes on a large model. :func:`reuse_or_choose` wraps t
   refused (and the entry dropped, the planner runs) when that analysis is above both the peak
   stored and the cap, and skipped when this process measured more room for the code around the
   graph than the entry kept and the plan's judged peak no longer fits under the cap that leaves (a
-  reserve grown by a few percent keeps a plan that still fits).
+  reserve grown by a few percent keeps a plan that still fits). A plan taken keeps the measured
+  reserve, not its own: its first step plans again only after a miss, not for a faster plan that a
+  reserve measured smaller than the one it kept would allow (that plan is worth a lowering at the
+  launch that measured it, not at every launch after).
 * **Judgments** (``planner/judged.py``): every trial's judged peak of the graph, under a key without
   the budget, beside the plans (``"judged"``). A planner that runs (a miss, a refused entry, another
   budget) answers the trials judged before from them: it lowers only configs never judged. The first step's peak is measured as for any plan
@@ -197,7 +200,7 @@ def plan_key(
 ) -> PlanKey:
     """The key of ``record``'s plan (module docstring)."""
     offload = handle or placed
-    devices = sorted({str(t.device) for t in _tensors_of(joint)} | ({str(offload.device)} if offload else set()))
+    devices = sorted({device_str(t.device) for t in _tensors_of(joint)} | ({device_str(offload.device)} if offload else set()))
     device = next((d for d in devices if d.startswith("cuda")), devices[0] if devices else "cpu")
     config = record.config
     parts: dict[str, Any] = {
@@ -270,22 +273,25 @@ def reuse(
         with unset_fake_temporarily():
             handle.finalize()  # the store gets its values once the entry is taken
     spread = entry["rate_spread"]
-    grown = measured > entry["reserve_bytes"]  # still fits: the cap is the one under the measured reserve
+    # A reserve measured in this process or an earlier launch (seed_outside) replaces the one the plan
+    # kept: the cap is the one under it, and the first step does not plan again because an estimate
+    # of it was off (taking the kept plan is that decision, made without a lowering).
+    known = record.memory.device in STATE.measured_outside
     auto = AutoPlan(
         plan=plan,
         config=config,
         estimate=expected_estimate(problem, config, spread) if spread else CostModel(problem).estimate(config),
         problem=problem,
         budget_bytes=entry["budget_bytes"],
-        allocated_cap_bytes=room if grown else entry["allocated_cap_bytes"],
+        allocated_cap_bytes=room if known else entry["allocated_cap_bytes"],
         predicted_peak_bytes=entry["predicted_peak_bytes"],
         analysed_peak_bytes=entry["analysed_peak_bytes"],
         empty_peak_bytes=entry["empty_peak_bytes"],
         empty_step_s=entry["empty_step_s"],
         how=entry["how"],
         budget_source=entry["budget_source"],
-        reserve_bytes=measured if grown else entry["reserve_bytes"],
-        reserve_source="measured" if grown else entry["reserve_source"],
+        reserve_bytes=measured if known else entry["reserve_bytes"],
+        reserve_source="measured" if known else entry["reserve_source"],
         returned=tuple(returned_outputs(record)),
         rate_spread=spread,
         offload=entry["offload"],
@@ -503,6 +509,15 @@ def _offload_key(handle: OffloadHandle) -> dict[str, Any]:
     if handle.group is not None:  # data-parallel: the plan rests on the ranks' shards and collectives
         key["ranks"] = [handle.group.world_size, handle.group.local_world_size, handle.group.backend]
     return key
+
+
+def device_str(device: torch.device | str) -> str:
+    """``device`` as the memory analysis names it (``"cuda:0"``, not ``"cuda"``: an offload made with
+    ``device="cuda"``), so that the key's device is the one ``STATE.measured_outside`` is kept under."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
 
 
 def _tensors_of(gm: fx.GraphModule) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from protrain_fx.capture import CapturedGraph
 from protrain_fx.plan import Plan
 from protrain_fx.search.problem import Counts
 from protrain_fx.search.search import NoPlanFits, SearchResult
+from protrain_fx.state import STATE
 
 log = logging.getLogger("protrain_fx")
 
@@ -190,6 +191,44 @@ def judged_as_is(judge: Judge, empty: Counts, cap: int) -> Trial:
         if analysed.analysed_peak_bytes > cap * (1 + AS_IS_MARGIN):
             return analysed
     return judge(empty)
+
+
+def faster_after_first_step(record: CapturedGraph, run: Callable[[Counts], Trial], judge: Judge,
+                            cap: int, as_is: Trial) -> tuple[Counts, str] | None:
+    """The choice of a graph compiled again because its first step found a plan predicted faster
+    with the reserve it measured (``planner.first_step.record_first_step`` keeps it in
+    ``STATE.faster_plan``): that plan is judged first, and kept when it fits ``cap``; else the plan
+    that ran stays (judged before, its lowering in Inductor's cache), with a line that says why. A
+    re-plan for speed thus lowers one config at most and never ends on a plan no faster than the
+    one it replaces. Not lowered when its graph-level analysis lies more than
+    :data:`AS_IS_LOWER_MARGIN` above ``cap``. ``(config, how)``, or ``None`` when no such plan waits
+    for ``record`` (or the plan that ran no longer fits): the search runs. ``as_is``: the step
+    without a plan, judged; under ``cap`` it is the choice (no plan is faster)."""
+    assert record.memory is not None
+    promise = STATE.faster_plan.pop((record.memory.device, record.dynamo_code), None)
+    if promise is None:
+        return None
+    if as_is.analysed_peak_bytes <= cap:
+        return as_is.config, "fits as is"
+    ran, ran_how, better = promise
+    analysed = None
+    if judge.lowers:
+        judge.lower = False
+        try:
+            analysed = judge(better)
+        finally:
+            judge.lower = True
+    peak = analysed.analysed_peak_bytes if analysed is not None else None
+    if peak is None or peak <= cap * (1 + AS_IS_LOWER_MARGIN):
+        t = run(better)
+        peak = t.analysed_peak_bytes
+        if peak <= cap and t.config == better:
+            return better, "fits as is" if better.n_swap == better.n_checkpoint == 0 else "searched"
+    log.info("protrain_fx: graph %d: n_swap=%d, n_checkpoint=%d, predicted faster after the first step, peaks at %d "
+             "bytes, over the cap of %d: the plan that ran (n_swap=%d, n_checkpoint=%d) stays", record.index,
+             better.n_swap, better.n_checkpoint, peak, cap, ran.n_swap, ran.n_checkpoint)
+    t = run(ran)
+    return (ran, ran_how) if t.analysed_peak_bytes <= cap and t.config == ran else None
 
 
 def confirmed_choice(

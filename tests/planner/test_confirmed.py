@@ -140,3 +140,52 @@ def test_the_step_as_it_is_is_lowered_only_when_the_saving_seen_would_bring_it_u
     config, how, runs = _below_step(200)
     assert config is not None and config.n_checkpoint > 0 and how != "fits as is"
     assert (0, True) not in runs
+
+
+def _promised(better: int, ran: int = 3, as_is_peak: int = 200, cap: int = CAP):
+    """``faster_after_first_step`` for a graph whose first step ran ``n_checkpoint=ran`` and found
+    ``better`` faster: the choice, the judgments run and the log records."""
+    from protrain_fx.state import STATE
+
+    judge, runs = _judge(lowers=True)
+    record = SimpleNamespace(memory=SimpleNamespace(device="cuda:0"), dynamo_code="code", index=1)
+    STATE.faster_plan[("cuda:0", "code")] = (_config(ran), "searched", _config(better))
+    trials: list[verify.Trial] = []
+
+    def run(config: Counts) -> verify.Trial:
+        t = judge(config)
+        trials.append(t)
+        return t
+
+    as_is = verify.Trial(_config(0), as_is_peak, as_is_peak)
+    try:
+        return verify.faster_after_first_step(record, run, judge, cap, as_is), runs, trials
+    finally:
+        assert ("cuda:0", "code") not in STATE.faster_plan  # taken once
+        STATE.faster_plan.clear()
+
+
+def test_a_replan_for_speed_judges_the_plan_it_was_promised_first_and_keeps_it_when_it_fits():
+    choice, runs, _ = _promised(better=2)  # Inductor's plan of 2 blocks checkpointed: 75, under 85
+    assert choice == (_config(2), "searched")
+    assert runs == [(2, False), (2, True)]  # analysed, then lowered: the search never runs
+
+
+def test_a_replan_for_speed_keeps_the_plan_that_ran_when_the_promised_one_does_not_fit():
+    choice, runs, trials = _promised(better=1)  # Inductor's plan of 1 block checkpointed: 93, over 85
+    assert choice == (_config(3), "searched")
+    assert [(k, lower) for k, lower in runs] == [(1, False), (1, True), (3, True)]
+    assert [t.config for t in trials] == [_config(1), _config(3)]
+
+
+def test_a_promised_plan_far_over_the_cap_is_not_lowered():
+    choice, runs, _ = _promised(better=1, cap=60)  # analysed at 85, over 60 by more than the margin
+    assert runs == [(1, False), (3, True)] and choice is None  # the plan that ran (65) no longer fits: search
+
+
+def test_a_replan_for_speed_takes_the_step_as_it_is_when_it_fits_and_runs_nothing_without_a_promise():
+    choice, runs, _ = _promised(better=2, as_is_peak=80)
+    assert choice == (_config(0), "fits as is") and runs == []
+    judge, runs = _judge(lowers=True)
+    record = SimpleNamespace(memory=SimpleNamespace(device="cuda:0"), dynamo_code="other", index=1)
+    assert verify.faster_after_first_step(record, judge, judge, CAP, verify.Trial(_config(0), 80, 80)) is None

@@ -15,7 +15,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT
-from protrain_fx.planner import first_step, judged, reserve
+from protrain_fx.planner import first_step, judged, reserve, verify
 from protrain_fx.planner.budget import budget_for_peak
 from protrain_fx.state import STATE
 from tests.conftest import use_cache_dir
@@ -99,8 +99,10 @@ def test_the_compile_again_after_the_first_step_judges_no_config_twice(monkeypat
 
 def test_kept_judgments_equal_fresh_ones_and_choose_the_same_plan(monkeypatch):
     """The second compile's choice with judgments kept, against the same compile with none kept: the
-    same plan, and every config's judged peak equal to the byte."""
+    same plan, and every config's judged peak equal to the byte. (Both search: the second compile
+    does not take the plan its first step promised, ``verify.faster_after_first_step``.)"""
     monkeypatch.setattr(reserve, "LARGE_OUTPUT_BYTES", 1024)
+    monkeypatch.setattr(verify, "faster_after_first_step", lambda *args: None)
     budget = _budget_needing_a_plan_before_and_after()
     (_, kept), _ = _train(monkeypatch, budget, steps=2)
     outside = STATE.measured_outside.copy()

@@ -11,6 +11,7 @@ CPU, eager codegen, the tiny GPT of ``tests/planner/test_auto_plan.py`` (activat
 from __future__ import annotations
 
 import json
+import math
 import logging
 
 import pytest
@@ -385,3 +386,52 @@ def test_a_model_at_its_least_budget_trains_on_after_a_miss(no_plan, monkeypatch
     assert missed and missed[0].auto_plan.recompile and again is not missed[0]
     assert again.auto_plan.how == "least memory" and again.auto_plan.analysed_peak_bytes > again.auto_plan.allocated_cap_bytes
     assert any("plans within the cap" in r.getMessage() for r in logged if r.levelno >= logging.WARNING)
+
+
+def test_a_relaunch_keeps_its_plan_under_the_reserve_measured_smaller_than_it_kept(monkeypatch):
+    """The loss outside the graph: the first launch keeps an estimate for it, its first step measures
+    less, and the faster plan that leaves room for is not worth its compile (the payback). The next
+    launch takes the kept plan with the measured reserve (seeded from the cache) and does not plan
+    again after its first step, however cheap that launch's own compile was."""
+    from tests.planner.test_auto_plan import _device_budget, _loss_outside
+    from protrain_fx.planner import reserve
+
+    monkeypatch.setattr(reserve, "LARGE_OUTPUT_BYTES", 1024)  # the tiny GPT's logits count as large
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    torch.manual_seed(0)
+    torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager"})(_batch()[0]).sum().backward()
+    peak = _train_graphs()[0].memory.peak_bytes
+    numel = 4 * 32 * CONFIG.vocab_size
+    _device_budget(monkeypatch, budget_for_peak(peak + 4 * numel))  # as it is, beside 4 bytes a logit only
+    _driven_first_steps(monkeypatch, lambda r: r.memory.peak_bytes + 4 * numel
+                        - sum(r.memory.timeline.baseline_bytes.values()))
+
+    def launch():
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(GPT(CONFIG), backend="protrain", options={"codegen": "eager"})
+        for step in range(2):
+            _loss_outside(compiled, _batch(seed=step)).backward()
+        return _train_graphs()
+
+    (first,) = launch()  # the tiny model's microseconds never repay a compile
+    assert first.auto_plan.reserve_source == "outputs" and first.auto_plan.how == "searched"
+    assert first.auto_plan.peak_check.outside_bytes == 4 * numel and not first.auto_plan.recompile
+    monkeypatch.setattr(first_step, "REPLAN_PAYBACK_STEPS", math.inf)  # any plan found would repay now
+    (again,) = launch()
+    auto = again.auto_plan
+    assert auto.from_cache and auto.config == first.auto_plan.config and not auto.recompile
+    assert (auto.reserve_bytes, auto.reserve_source) == (4 * numel, "measured")
+    assert auto.allocated_cap_bytes == first.auto_plan.allocated_cap_bytes + first.auto_plan.reserve_bytes - 4 * numel
+
+
+def test_the_key_names_a_cuda_device_with_its_index(monkeypatch):
+    """An offload made with ``device="cuda"`` keys its plan under ``cuda:N``, the name the memory
+    analysis (and the measured reserve kept under it) uses."""
+    from protrain_fx.planner import plan_cache
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert plan_cache.device_str("cuda") == plan_cache.device_str(torch.device("cuda")) == "cuda:3"
+    assert plan_cache.device_str("cuda:1") == "cuda:1" and plan_cache.device_str("cpu") == "cpu"
