@@ -13,6 +13,7 @@ nothing is measured (tests replace :func:`memory_counters`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -335,6 +336,11 @@ def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | No
     handle at once (``AutoPlan.replanned``, logged); that :class:`Replan` is returned."""
     auto = record.auto_plan
     assert auto is not None and record.memory is not None
+    if window.handle.grad_clipping is True and not auto.problem.held_steps:  # learned at the first step
+        auto.problem = dataclasses.replace(auto.problem, held_steps=True)
+        log.info("protrain_fx: graph %d: the loop clips: every offloaded chunk's step waits for the norm; step "
+                 "predicted with that %.1f ms (%.1f ms as planned)", record.index,
+                 1e3 * CostModel(auto.problem).estimate(auto.config).step_s, 1e3 * auto.estimate.step_s)
     rates = distributed.from_rank0(window.close(auto.problem, auto.config))  # every rank re-plans alike
     auto.training_rates = rates
     kept = profile_cache.note_training_rates(

@@ -341,6 +341,8 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
         compute_scale=IN_STEP_SCALE if op_times else 1.0,
         collective_s=collective_s,
     )
+    if handle.grad_clipping is True:  # every chunk's step waits for the clip's norm
+        problem = dataclasses.replace(problem, held_steps=True)
     lean = handle.lean_counts()
     if lean[0]:
         # a lean chunk is fetched from its fp32 master (through an fp32 staging slice on CUDA when the

@@ -328,10 +328,15 @@ class CostModel(MemoryModel):
         g_run = g if k == 1 else 0
         P = self._pp(p, g_run if optimizer else 0)
         fdone, ff_dur, so_done, h2d, d2h, fwd_end, coll = self._forward(p, b, s)  # shared by every n_checkpoint
-        bwd_end, adam_done, recompute, _ = self._backward(P, p, b, s, c, g_run, optimizer, fdone, so_done, h2d, d2h,
-                                                          fwd_end, coll)
-        gpu_adam, cpu_adam = (P.gpu_adam_s, P.cpu_adam_s) if optimizer else (0.0, 0.0)
-        step = self._step_end(bwd_end + gpu_adam, cpu_adam, adam_done, ff_dur)
+        if optimizer and self.problem.held_steps and k == 1:
+            bwd_end, adam_done, recompute, gpu_adam, cpu_adam, gpu_end = self._held_backward(
+                p, b, s, c, g_run, fdone, so_done, h2d, d2h, fwd_end, coll)
+            step = self._step_end(gpu_end, 0.0, adam_done, ff_dur)
+        else:
+            bwd_end, adam_done, recompute, _ = self._backward(P, p, b, s, c, g_run, optimizer, fdone, so_done, h2d,
+                                                              d2h, fwd_end, coll)
+            gpu_adam, cpu_adam = (P.gpu_adam_s, P.cpu_adam_s) if optimizer else (0.0, 0.0)
+            step = self._step_end(bwd_end + gpu_adam, cpu_adam, adam_done, ff_dur)
         before = (k - 1) * self.micro_batch_time(p, b, s, c) if k > 1 else 0.0
         if not detail:
             return before + step, fwd_end
@@ -341,6 +346,41 @@ class CostModel(MemoryModel):
         return e if k == 1 else dataclasses.replace(
             e, step_s=before + step, accumulated_s=before, static_bytes=static, peak_bytes=static + e.activation_peak_bytes,
             compute_s=k * e.compute_s, recompute_s=k * e.recompute_s, h2d_bytes=k * e.h2d_bytes, d2h_bytes=k * e.d2h_bytes)
+
+    def _held_backward(
+        self, p: int, b: int, s: int, c: int, g: int, fdone: list[float], so_done: list[float], h2d: float,
+        d2h: float, fwd_end: float, coll: float,
+    ) -> tuple[float, list[tuple[int, float]], float, float, float, float]:
+        """Backward with every offloaded chunk's step held for the clip (:attr:`Problem.held_steps`):
+        each gradient lands on the host, and once the last has (the norm is known) the persistent
+        chunks step on the GPU, the first ``g`` offloaded chunks stream through the device one after
+        another (master, moments and the held gradient in; master, moments and working copy out:
+        the slower direction bounds each) and the CPU steps the rest, both in chunk order. Returns
+        the backward's end, ``(run, when its chunk is updated)``, the recompute seconds, the GPU and
+        CPU optimizer seconds and when the GPU's own optimizer work ends."""
+        P0 = self._pp(p, 0)  # no chunk stepped while backward runs: every gradient lands on the host
+        bwd_end, _, recompute, landed = self._backward(P0, p, b, s, c, 0, False, fdone, so_done, h2d, d2h,
+                                                       fwd_end, coll)
+        norm = bwd_end if bwd_end > landed else landed
+        P = self._pp(p, g)
+        lean_from = self.lean_from(p)
+        dev = cpu = norm
+        adam_done: list[tuple[int, float]] = []
+        for ch in range(p, self.n_chunks):
+            r = self.adam_run.get(ch)
+            if r is None:
+                continue
+            if ch < p + g and ch < lean_from:  # (a lean chunk's held gradient is stepped on the CPU)
+                grad_in = self.problem.chunks[ch].bytes
+                seconds = max(self.dev_in_s[ch] * (self.dev_in_bytes[ch] + grad_in) / max(1, self.dev_in_bytes[ch]),
+                              P.dev_out_s[ch])
+                dev += seconds
+                adam_done.append((r, dev))
+            else:
+                cpu += self.adam_s[ch]
+                adam_done.append((r, cpu))
+        gpu_adam = P.gpu_adam_s
+        return bwd_end, adam_done, recompute, gpu_adam, cpu - norm, norm + gpu_adam
 
     def micro_batch_time(self, p: int, b: int, s: int, c: int) -> float:
         """Seconds of an accumulating micro-batch: no optimizer step, until its GPU work ends and its last gradient

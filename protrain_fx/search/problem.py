@@ -212,6 +212,12 @@ class Problem:
     lands its gradients; the optimizer steps once, after the last. The cost model prices the whole
     accumulated step (``docs/DESIGN.md#the-cost-model``, "Accumulation"); 1 is one micro-batch a step.
 
+    ``held_steps``: the loop clips gradients (``OffloadHandle.grad_clipping``), so every offloaded
+    chunk's step waits for the global norm, known once backward's last gradient has landed: then the
+    device streams the first ``n_gpu_optim`` chunks' held gradients through (``DeviceAdamW.step_held``)
+    while the CPU steps the rest, both in the next forward's chunk order, which waits for each chunk
+    only where it reads it (``docs/DESIGN.md#the-cost-model``, "Held steps").
+
     ``world_size``: ranks of a data-parallel training (``runtime/parallel/shard.py``), each holding 1/N of every
     offloaded chunk: a rank copies 1/N of a chunk each way and steps 1/N of its optimizer work, and
     each fetch ends with an all-gather of the whole chunk (``chunk_all_gather_s`` seconds) and each
@@ -240,6 +246,7 @@ class Problem:
     place_h2d_bytes_per_s: float = 0.0
     copy_margin: float = 1.0
     accumulation: int = 1
+    held_steps: bool = False
     world_size: int = 1
     chunk_all_gather_s: float = 0.0
     chunk_reduce_scatter_s: float = 0.0
@@ -358,6 +365,7 @@ class Problem:
             "place_h2d_bytes_per_s": self.place_h2d_bytes_per_s,
             "copy_margin": self.copy_margin,
             "accumulation": self.accumulation,
+            "held_steps": self.held_steps,
             "world_size": self.world_size,
             "chunk_all_gather_s": self.chunk_all_gather_s,
             "chunk_reduce_scatter_s": self.chunk_reduce_scatter_s,

@@ -20,7 +20,7 @@ from tests.planner.test_auto_offload import (  # (its machine stand-in is that m
     TIGHT,
     _setup,
 )
-from tests.runtime.test_offload import _assert_same_params, _train_side_by_side
+from tests.runtime.test_offload import _assert_same_params, _batch, _train_side_by_side
 
 GRANULE = profile_cache.CHUNK_RATE_GRANULE
 PROFILE = MachineProfile(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_bytes_per_s=40e9,
@@ -388,3 +388,28 @@ def test_training_slower_than_profiled_re_plans_the_running_step_and_times_it_ag
         assert handle.n_gpu_optim == replan.before.n_gpu_optim == 0 and handle.device_adam is None
         assert device.chunk_steps == after
         assert "so undone: n_gpu_optim back to 0" in caplog.text
+
+
+def test_a_clipping_loop_is_priced_with_its_chunk_steps_held_once_the_window_sees_it(tmp_path, monkeypatch, caplog):
+    # The loop clips: from its first step every offloaded chunk's step waits for the norm
+    # (``Problem.held_steps``). The counts were chosen before the first step, priced unheld; the rate
+    # window prices the running plan held, and training stays exact.
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
+    with caplog.at_level(logging.INFO, logger="protrain_fx"):
+        for step in range(STEP_TIMED_CALLS[1] + 1):
+            batch = _batch(step)
+            loss, ref_loss = compiled(*batch), reference(*batch)
+            assert torch.equal(loss, ref_loss), step
+            loss.backward(), ref_loss.backward()
+            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5) for m in (compiled, reference)]
+            assert torch.equal(*norms), step
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+            if step == 0:
+                auto = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1].auto_plan
+                assert auto.offload and not auto.problem.held_steps  # not known at the compile
+    _assert_same_params(handle, model, reference)
+    assert handle.grad_clipping is True and auto.problem.held_steps and auto.training_rates is not None
+    assert "the loop clips: every offloaded chunk's step waits for the norm" in caplog.text

@@ -71,6 +71,29 @@ def test_fp32_training_matches_eager_adamw_on_the_gpu(n_persist, plan_spec, n_gp
     handle.close()
 
 
+def test_clipped_steps_held_for_the_norm_stream_through_the_device_like_eager():
+    # A clipping loop: every chunk's step waits for the norm; at optimizer.step() the first
+    # n_gpu_optim chunks' held gradients stream through the device (DeviceAdamW.step_held) beside
+    # the CPU's steps of the others, in the next forward's order, which waits for each on its stream.
+    model, reference, opt, ref_opt, handle, compiled = _setup(1, 8, n_gpu_optim=2)
+    for step in range(4):
+        loss, ref_loss = compiled(*_batch(step)), reference(*_batch(step))
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        loss.backward()
+        ref_loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(compiled.parameters(), 0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+        assert ref_norm > 0.5, step  # the clip scales every step
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    state = handle.state_dict(model)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(state[name], p.detach().cpu(), rtol=1e-4, atol=3e-5, msg=name)
+    assert handle.grad_clipping is True and handle.device_adam.chunk_steps == 4 * 2
+    handle.close()
+
+
 @pytest.mark.parametrize(("n_gpu_optim", "n_lean"), [(0, 0), (3, 0), (0, 3), (2, 2)])  # 3: every offloaded chunk
 def test_bf16_chunks_train_like_eager_autocast(n_gpu_optim, n_lean):
     model, reference, opt, ref_opt, handle, compiled = _setup(1, 8, compute_dtype=torch.bfloat16,

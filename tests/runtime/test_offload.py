@@ -188,11 +188,11 @@ def test_chunks_stepped_on_the_device_train_exactly_like_eager_adamw(n_persist, 
     ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
     _train_side_by_side(compiled, reference, opt, ref_opt, 3, schedules=(schedule, ref_schedule))
     _assert_same_params(handle, model, reference)
-    # Exactly the first n_gpu_optim offloaded chunks went through the device, once a step after the
-    # first (whose chunk steps wait for the end of backward, to learn whether the loop clips, and
-    # run on the CPU).
-    assert handle.device_adam.chunk_steps == 2 * n_gpu_optim
-    assert handle.worker.steps == 3 * (n_chunks - n_persist - n_gpu_optim) + n_gpu_optim
+    # Exactly the first n_gpu_optim offloaded chunks went through the device, once a step: as their
+    # gradients landed, or at the first (whose chunk steps wait for the end of backward, to learn
+    # whether the loop clips) from the host store.
+    assert handle.device_adam.chunk_steps == 3 * n_gpu_optim
+    assert handle.worker.steps == 3 * (n_chunks - n_persist - n_gpu_optim)
     # Their moments are in the optimizer's state dict like the others'.
     state = handle.optimizer_state_dict()["state"]
     ref_state = ref_opt.state_dict()["state"]
@@ -257,14 +257,17 @@ def test_memory_analysis_counts_the_device_steps_in_flight():
 
 
 def test_device_stepped_chunks_accumulate_resume_and_keep_frozen_parameters():
-    # Accumulated gradients are on the host: those chunks take the CPU path at the step; a frozen
-    # parameter in a device-stepped chunk stays; a checkpoint resumes exactly.
+    # Accumulated gradients are on the host: the CPU steps them as their last micro-batch lands, but
+    # at the first step, held to learn whether the loop clips, the device streams them from there
+    # (not the chunk with a frozen parameter: the CPU path steps it); that parameter stays; a
+    # checkpoint resumes exactly.
     model, reference, opt, ref_opt, handle, compiled = _setup(0, 2, frozen="blocks.0.attn.qkv.weight", n_gpu_optim=3)
     frozen_before = reference.get_parameter("blocks.0.attn.qkv.weight").detach().clone()
+    with_frozen = {c for c in range(3) for s in handle.store.chunk_slots(c) if s.name == "blocks.0.attn.qkv.weight"}
     _train_accumulating(compiled, reference, handle, opt, ref_opt)
-    assert handle.device_adam.chunk_steps == 0  # every chunk held an accumulated gradient
+    assert with_frozen and handle.device_adam.chunk_steps == 3 - len(with_frozen)
     _train_side_by_side(compiled, reference, opt, ref_opt, 2)
-    assert handle.device_adam.chunk_steps == 2 * 3
+    assert handle.device_adam.chunk_steps == 3 - len(with_frozen) + 2 * 3
     _assert_same_params(handle, model, reference)
     assert torch.equal(handle.state_dict(model)["blocks.0.attn.qkv.weight"], frozen_before)
     _assert_resumes_in_a_plain_model(handle, model, compiled, opt, frozen="blocks.0.attn.qkv.weight")
@@ -330,6 +333,22 @@ def test_gradient_accumulation_equals_the_summed_gradients(settings, monkeypatch
     assert store.adds.queued == len(threads) == (1 + 2) * trainable  # k - 1 adds per chunk and step
     assert threading.get_ident() not in threads and len(set(threads)) == 1  # the worker's thread
     assert store.adds.staging_bytes == grad_adds.STAGING_BUFFERS * store.chunk_numel * 4  # the pool, reused
+    handle.close()
+
+
+@pytest.mark.parametrize("grad_clipping", [True, None], ids=["held", "learned"])
+def test_held_chunk_steps_stream_through_the_device_with_the_clip_exactly(grad_clipping):
+    # A clipping loop holds every chunk's step until the norm is known; optimizer.step() then streams
+    # the first n_gpu_optim chunks' held gradients through the device (slices smaller than a
+    # parameter) while the CPU steps the rest: the same bits as eager AdamW after clip_grad_norm_,
+    # with micro-batches too.
+    n_gpu_optim = 3
+    model, reference, opt, ref_opt, handle, compiled = _setup(1, 2, n_gpu_optim=n_gpu_optim, grad_clipping=grad_clipping)
+    handle.device_adam.slice_elems = 1000
+    _train_accumulating(compiled, reference, handle, opt, ref_opt, steps=3, micro=(1, 2, 1), clip=0.05)
+    _assert_same_params(handle, model, reference)
+    assert handle.device_adam.chunk_steps == 3 * n_gpu_optim
+    assert handle.worker.steps == 3 * (handle.store.num_chunks - n_gpu_optim)
     handle.close()
 
 
@@ -582,7 +601,7 @@ def test_device_steps_with_bf16_compute_give_the_host_paths_bits():
 
     host_losses, host_state, host_working, _ = train(0)
     dev_losses, dev_state, dev_working, steps = train(3)
-    assert steps == 6  # 3 chunks on the device at steps 2 and 3 (the first step's wait for the end of backward)
+    assert steps == 9  # 3 chunks on the device at every step (the first from the host store: held to learn the clip)
     assert dev_losses == host_losses
     for name in host_state:
         assert torch.equal(dev_state[name], host_state[name]), name

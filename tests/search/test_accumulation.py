@@ -111,3 +111,20 @@ def test_accumulation_is_validated_and_replays(tmp_path) -> None:
     path = tmp_path / "p.json"
     two_blocks(8).dump(path)
     assert Problem.load(path).accumulation == 8
+
+
+def test_held_steps_wait_for_the_norm_then_step_in_the_next_forwards_order() -> None:
+    """Clipping holds every offloaded chunk's step until backward's last gradient has landed
+    (``Problem.held_steps``). Counts (1, 1, 0, 0), by hand: backward ends at 60 ms (chunk 1's
+    gradient landed at 50); chunk 1's CPU Adam runs 60-110 instead of 50-100, and the next forward
+    reaches block b (10 ms in) once chunk 1 is fetched again: the step ends at 110 ms, 10 later than
+    unheld. Stepped on the device (n_gpu_optim 1): its master and moments (600 MB) and held gradient
+    (100 MB) in, master, moments and working copy out (700 MB), 70 ms each way at 1e10 B/s: updated
+    at 130, the step ends at 130."""
+    held = CostModel(dataclasses.replace(two_blocks(), held_steps=True))
+    assert CostModel(two_blocks()).estimate(Counts(1, 1, 0, 0)).step_s == pytest.approx(100 * ms)
+    e = held.estimate(Counts(1, 1, 0, 0))
+    assert e.step_s == pytest.approx(110 * ms) and e.cpu_adam_s == pytest.approx(50 * ms)
+    assert e.bwd_s + e.fwd_s == pytest.approx(60 * ms)
+    assert held.estimate(Counts(1, 1, 0, 0, 1)).step_s == pytest.approx(130 * ms)
+    assert Problem.from_dict(held.problem.to_dict()).held_steps  # kept with the plan

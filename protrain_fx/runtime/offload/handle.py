@@ -440,12 +440,20 @@ class OffloadHandle(StateDicts, Landing):
 
     def _before_step(self) -> None:
         """``optimizer.step()`` is about to run: the chunks still holding gradients are stepped now
-        (accumulated micro-batches; the first step, held to learn whether the loop clips, which it
-        does not when it steps without clipping first)."""
+        (accumulated micro-batches; a clipped step; the first step, held to learn whether the loop
+        clips, which it does not when it steps without clipping first), in the next forward's order:
+        the first ``n_gpu_optim`` through the device (``DeviceAdamW.step_held``, issued without
+        blocking), the others on the CPU worker."""
         self._check_unfrozen()
         if self._pending and self.grad_clipping is None and not self._clipped:
             self.grad_clipping = False
-        for chunk in sorted(self._pending):  # (clipped: with the clip's scale)
+        for chunk in sorted(self._pending):  # in the next forward's order (clipped: with the clip's scale)
+            if chunk < self.n_gpu_optim and self.device_adam is not None and self.device_adam.can_step_held(chunk):
+                self._pending.discard(chunk)  # the device streams it through, beside the CPU's chunks
+                self._submitted.add(chunk)
+                self._stepped = True
+                self.device_adam.step_held(chunk, self._held_scale)
+                continue
             self._submit(chunk, **({} if self._held_scale is None else {"grad_scale": self._held_scale}))
 
     def drop_held_grads(self) -> None:

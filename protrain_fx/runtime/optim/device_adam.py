@@ -161,7 +161,69 @@ class DeviceAdamW:
         else:
             store.note_host_write(chunk_id, None)
 
-    def _step_slice(self, batch, owner, flat, host, fused, hyper) -> None:
+    def can_step_held(self, chunk_id: int) -> bool:
+        """Whether :meth:`step_held` takes the chunk: a whole chunk (not a shard's part) with a
+        working copy on the host, every parameter of it optimized and holding a gradient there."""
+        store, adam = self.store, self.adam
+        slots = store.chunk_slots(chunk_id)
+        return (store.shard[1] == 1 and not store.is_lean(chunk_id) and len(store.grad_slots(chunk_id)) == len(slots)
+                and all(adam.optimized(s) for s in slots))
+
+    def step_held(self, chunk_id: int, grad_scale: torch.Tensor | None = None) -> None:
+        """One step of a chunk whose gradient the host store holds (a step held for clipping or
+        micro-batches, :meth:`can_step_held`): the gradient streams in beside the master and
+        moments, slice by slice, is multiplied by ``grad_scale`` (a 0-dim fp32 CPU tensor, as
+        ``ChunkAdamW.step_chunk`` multiplies it) and consumed; the new working copy overwrites it
+        on the host. Issued without blocking and without bounding the steps in flight: no device
+        gradient buffer lives until the step ends, and the staging sets are reused in stream order.
+        The next forward's fetch of the chunk waits for its copies back (:meth:`ChunkStore.note_host_write`)."""
+        store, adam = self.store, self.adam
+        slots = list(store.grad_slots(chunk_id))
+        store.wait_grad(chunk_id)  # its landing copies and queued adds, done (the clip read their norms)
+        if self._sets is None:
+            self._sets = [self._new_set() for _ in range(N_SETS)]
+        host = {k: store.flat(k, chunk_id) for k in ("master", "exp_avg", "exp_avg_sq", "working")}
+        grad = store.grad_flat(chunk_id)  # the working buffer: overwritten by the new working copy
+        scale = None
+        if grad_scale is not None:
+            scale = grad_scale.to(self.device, non_blocking=self.cuda) if self.cuda else grad_scale
+        timed = False
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            self._load.wait_stream(current)
+            self._work.wait_stream(current)  # (the scale's copy)
+            if (write := store.pending_write(chunk_id)) is not None:
+                self._load.wait_event(write)  # the chunk's last device step is still writing
+            if (read := store.read_event(chunk_id)) is not None:
+                self._load.wait_event(read)  # a fetch may still be reading the buffer the gradient is in
+            timed = self.timing is not None or self.window is not None
+            if timed:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self._load)
+        else:
+            store.before_host_write(chunk_id)
+        for group in sorted({adam.group_of(s) for s in slots}):
+            members = [s for s in slots if adam.group_of(s) == group]
+            steps = adam.advance(members)
+            fused, hyper = adam.kernel(group)
+            owner = {id(step): s for s, step in zip(members, steps)}
+            for batch in slice_batches(members, steps, self.slice_elems):
+                self._step_slice(batch, owner, None, host, fused, hyper, held=(grad, scale))
+        store.forget_grad(chunk_id)
+        self.chunk_steps += 1
+        if self.cuda:
+            done = torch.cuda.Event(enable_timing=timed)
+            done.record(self._drain)
+            for timed_list in (self.timing, self.window):
+                if timed_list is not None:
+                    timed_list.append((chunk_id, start, done))
+            store.note_host_write(chunk_id, done)
+        else:
+            store.note_host_write(chunk_id, None)
+
+    def _step_slice(self, batch, owner, flat, host, fused, hyper, held=None) -> None:
+        """One slice of a step: its states (and a held gradient, ``held = (host gradient, scale)``)
+        in, the fused update, the states and new working copy out."""
         k = self._next
         self._next = (k + 1) % N_SETS
         st = self._sets[k]
@@ -176,11 +238,21 @@ class DeviceAdamW:
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 for a, b, p, _ in ranges:
                     st[kind][p : p + b - a].copy_(host[kind][a:b], non_blocking=self.cuda)
+            if held is not None:  # fp32 straight to the gradient's set, the compute dtype to the working one
+                into = "grad" if held[0].dtype == torch.float32 else "working"
+                for a, b, p, _ in ranges:
+                    st[into][p : p + b - a].copy_(held[0][a:b], non_blocking=self.cuda)
         if self.cuda:
             work.wait_stream(load)
         with _on(work):
             grads = []
-            for a, b, p, s in ranges:
+            if held is not None:
+                for a, b, p, _ in ranges:
+                    g = st["grad"][p : p + b - a]
+                    grads.append(g if held[0].dtype == torch.float32 else g.copy_(st["working"][p : p + b - a]))
+                if held[1] is not None:  # as ChunkAdamW scales a held gradient (same bits)
+                    torch._foreach_mul_(grads, held[1])
+            for a, b, p, s in ([] if held is not None else ranges):
                 g = flat[s][a - s.offset : b - s.offset]
                 grads.append(g if g.dtype == torch.float32 else st["grad"][p : p + b - a].copy_(g))
             views = {kind: [st[kind][p : p + b - a] for a, b, p, _ in ranges] for kind in ("master", "exp_avg", "exp_avg_sq")}

@@ -555,6 +555,12 @@ class ChunkStore:
         self._grad_slots[chunk_id].clear()
         self._versions[chunk_id] += 1
 
+    def forget_grad(self, chunk_id: int) -> None:
+        """The chunk's held gradient was consumed by a device step that rewrites every slot's working
+        copy (``DeviceAdamW.step_held``): forget it without touching the host buffers, which that
+        step's copies still write (:meth:`note_host_write` bumps the version)."""
+        self._grad_slots[chunk_id].clear()
+
     def _land(self, chunk_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into host ``dst``; from a GPU asynchronously, on a side stream."""
         src = src.detach().reshape(dst.shape)
