@@ -2,7 +2,9 @@
 
 Each run trains in its own process (an OOM in one must not poison the next) on a GPU capped at
 ``--cap-gib`` with ``torch.cuda.set_per_process_memory_fraction``, bf16 autocast, fused AdamW, and
-``memory_budget`` = the cap. Per step: wall time (device synced), the step's peak allocated bytes
+``memory_budget`` = the cap. Per step: wall time (the step's stream synced, as ``loss.item()`` syncs
+it: work the step left on side streams, an offloaded chunk's optimizer step, overlaps the next one as
+in a loop that logs its loss), the step's peak allocated bytes
 (``max_memory_allocated`` from a reset before the forward to the end of ``optimizer.step()``: the
 loss, backward and optimizer included), the loss, and the prediction in force for it (the newest
 training graph's analysed peak plus what the code around the graph holds: measured by the backend
@@ -290,12 +292,12 @@ def run_one(run: dict, args) -> dict:
 
         for step in range(args.steps):
             if cuda:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             loss = train_step()
-            if cuda:
-                torch.cuda.synchronize()
+            if cuda:  # as the loop's loss.item() does: the step's own stream, not the side streams'
+                torch.cuda.current_stream().synchronize()  # optimizer work that overlaps the next forward
             entry = {"step": step, "s": time.perf_counter() - start, "since_launch_s": time.time() - launched,
                      "loss": float(loss.item()), **prediction()}
             if cuda:
