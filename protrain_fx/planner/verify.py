@@ -211,20 +211,22 @@ def faster_after_first_step(record: CapturedGraph, run: Callable[[Counts], Trial
     if as_is.analysed_peak_bytes <= cap:
         return as_is.config, "fits as is"
     ran, ran_how, better = promise
-    analysed = None
+    peak = None
     if judge.lowers:
         judge.lower = False
         try:
-            analysed = judge(better)
+            peak = judge(better).analysed_peak_bytes
+        except ValueError:  # a rewrite the placed chunk buffers cannot run (the caller's run says so too)
+            judge.holding = None
+            peak = math.inf
         finally:
             judge.lower = True
-    peak = analysed.analysed_peak_bytes if analysed is not None else None
     if peak is None or peak <= cap * (1 + AS_IS_LOWER_MARGIN):
         t = run(better)
         peak = t.analysed_peak_bytes
         if peak <= cap and t.config == better:
             return better, "fits as is" if better.n_swap == better.n_checkpoint == 0 else "searched"
-    log.info("protrain_fx: graph %d: n_swap=%d, n_checkpoint=%d, predicted faster after the first step, peaks at %d "
+    log.info("protrain_fx: graph %d: n_swap=%d, n_checkpoint=%d, predicted faster after the first step, peaks at %s "
              "bytes, over the cap of %d: the plan that ran (n_swap=%d, n_checkpoint=%d) stays", record.index,
              better.n_swap, better.n_checkpoint, peak, cap, ran.n_swap, ran.n_checkpoint)
     t = run(ran)

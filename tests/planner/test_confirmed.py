@@ -189,3 +189,29 @@ def test_a_replan_for_speed_takes_the_step_as_it_is_when_it_fits_and_runs_nothin
     judge, runs = _judge(lowers=True)
     record = SimpleNamespace(memory=SimpleNamespace(device="cuda:0"), dynamo_code="other", index=1)
     assert verify.faster_after_first_step(record, judge, judge, CAP, verify.Trial(_config(0), 80, 80)) is None
+
+
+def test_a_promised_plan_the_placed_buffers_cannot_run_keeps_the_plan_that_ran():
+    from protrain_fx.state import STATE
+
+    judge, runs = _judge(lowers=True)
+
+    def rewrite(config):
+        if config.n_checkpoint == 2:
+            raise ValueError("needs more chunk buffers than placed")
+        return config
+
+    judge.rewrite = rewrite
+    record = SimpleNamespace(memory=SimpleNamespace(device="cuda:0"), dynamo_code="code", index=1)
+    STATE.faster_plan[("cuda:0", "code")] = (_config(3), "searched", _config(2))
+
+    def run(config):  # as choose_for_placed's run: a rewrite that cannot run is a trial over every cap
+        try:
+            return judge(config)
+        except ValueError:
+            judge.holding = None
+            return verify.Trial(config, 0, 2**63 - 1)
+
+    as_is = verify.Trial(_config(0), 200, 200)
+    assert verify.faster_after_first_step(record, run, judge, CAP, as_is) == (_config(3), "searched")
+    assert runs == [(3, True)]  # nothing of the promised plan was judged, nor lowered
