@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -424,13 +425,9 @@ def test_a_first_graph_cut_off_before_the_blocks_names_the_break():
     assert "test_auto_offload.py" in str(info.value) and "by hand" in str(info.value)
 
 
-@pytest.mark.parametrize("counts", [{}, {"n_persist": 1, "n_buffer": 2}], ids=["automatic", "by-hand"])
-def test_a_graph_break_inside_the_blocks_of_an_offloaded_model_names_the_break(monkeypatch, counts):
+def _break_after_every_block(monkeypatch) -> None:
     """A break inside every block (a ``print`` in real code): Dynamo runs the model's loop over the
-    blocks eagerly; the first module it reaches outside the compiled graphs is refused with the way
-    out and the break, not with a step "without backward" nor an offloaded parameter's missing bytes.
-    Each block's frame is its own compiled code: block 0's graph never runs block 1, whose parameters
-    sit in other chunks."""
+    blocks eagerly, and compiles each block's frame as its own code."""
     from examples import gpt
 
     block_forward = gpt.Block.forward
@@ -441,10 +438,17 @@ def test_a_graph_break_inside_the_blocks_of_an_offloaded_model_names_the_break(m
         return x
 
     monkeypatch.setattr(gpt.Block, "forward", forward)
+
+
+def test_a_graph_break_inside_the_blocks_before_the_counts_are_chosen_names_the_break(monkeypatch):
+    """Automatic counts: the first module the eager loop reaches runs before any training graph is
+    compiled, so the store holds nothing to copy: refused with the way out and the break, not with a
+    step "without backward" nor an offloaded parameter's missing bytes."""
+    _break_after_every_block(monkeypatch)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     opt = torch.optim.AdamW(model.parameters())
-    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, **counts)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK)
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
     with pytest.raises(Exception) as info:
         compiled(*_batch(0)).backward()
@@ -453,12 +457,33 @@ def test_a_graph_break_inside_the_blocks_of_an_offloaded_model_names_the_break(m
     assert "ran outside the compiled graphs" in message and "graph break" in message, message
     assert "TORCH_LOGS=graph_breaks" in message and "no backward" not in message
     assert "holds no values" in message and "this tensor of 0 bytes" not in message
-    if counts:  # the blocks' graphs ran, each ended at the break: the error names it and the user's line
-        assert "the last graph break: Call to `torch._dynamo.graph_break()` at " in message, message
-        assert "test_auto_offload.py:" in message and "inside block blocks." in message, message
-    else:  # no graph compiled yet: the frame Dynamo skipped for the break in its loop, and the break
-        assert "Dynamo ran forward (" in message and "gpt.py line" in message, message
-        assert "for a graph break in its loop (Call to `torch._dynamo.graph_break()`)" in message, message
+    assert "chunk counts are not chosen" in message and "by hand" in message, message
+    # no graph compiled yet: the frame Dynamo skipped for the break in its loop, and the break
+    assert "Dynamo ran forward (" in message and "gpt.py line" in message, message
+    assert "for a graph break in its loop (Call to `torch._dynamo.graph_break()`)" in message, message
+
+
+def test_a_graph_break_inside_the_blocks_with_counts_by_hand_trains_like_eager(monkeypatch, caplog):
+    """Counts by hand: the modules the eager loop runs get device copies of their parameters
+    (``runtime/offload/eager.py``) and the blocks' graphs, each ended at the break, run their own
+    chunks: exact against eager, with one warning that names the break and the user's line. Each
+    block's frame is its own compiled code: block 0's graph never runs block 1, whose parameters sit
+    in other chunks."""
+    _break_after_every_block(monkeypatch)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, n_persist=1, n_buffer=2)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
+    with caplog.at_level(logging.WARNING, logger="protrain_fx"):
+        _train_side_by_side(compiled, reference, opt, ref_opt, 2)
+    _assert_same_params(handle, model, reference)
+    handle.close()
+    (message,) = [r.getMessage() for r in caplog.records if "ran outside the compiled graphs" in r.getMessage()]
+    assert "the last graph break: Call to `torch._dynamo.graph_break()` at " in message, message
+    assert "test_auto_offload.py:" in message and "inside block blocks." in message, message
 
 
 #: A longer input shape than the tests' first one (2 x 48 tokens).

@@ -54,6 +54,7 @@ from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.optim.device_adam import DeviceAdamW
 from protrain_fx.runtime.parallel.grad_sync import GradAverager
 from protrain_fx.runtime.store.host_memory import auto_lean, available_host_bytes
+from protrain_fx.runtime.offload.eager import EagerModules
 from protrain_fx.runtime.offload.landing import Landing
 from protrain_fx.runtime.offload.options import (
     OffloadOptions,
@@ -67,7 +68,6 @@ from protrain_fx.runtime.offload.shells import (
     install_shell_repr,
     is_shell,
     refuse_eager_call,
-    refuse_eager_submodule,
     set_data,
 )
 
@@ -127,11 +127,15 @@ class OffloadHandle(StateDicts, Landing):
         # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
         # with the way out, before the first op reads one; so is a module of the model that a frame
         # Dynamo gave up on runs eagerly inside the compiled call.
-        self._eager_guards = [model.register_forward_pre_hook(refuse_eager_call)] + [
-            module.register_forward_pre_hook(refuse_eager_submodule(name, explain_breaks))
-            for name, module in model.named_modules(remove_duplicate=True)
-            if name and module._parameters
-        ]
+        # Modules that a frame Dynamo gave up on runs eagerly inside the compiled call get device copies
+        # of their parameters for the call (runtime/offload/eager.py).
+        self.eager = EagerModules(self, explain_breaks)
+        self._eager_guards = [model.register_forward_pre_hook(refuse_eager_call)]
+        for name, module in model.named_modules(remove_duplicate=True):
+            if name and module._parameters:
+                before, after = self.eager.hooks(name)
+                self._eager_guards += [module.register_forward_pre_hook(before),
+                                       module.register_forward_hook(after, always_call=True)]
         # and a cast, move or deep copy of the parameters, which would read the shells' missing bytes
         # (kept after close(): the parameters stay shells)
         for name, module in model.named_modules():
@@ -178,6 +182,9 @@ class OffloadHandle(StateDicts, Landing):
         self._held_scale: torch.Tensor | None = None
         self._stepped = False  # a chunk step was queued or issued since the last optimizer.step()
         self._released_early = False  # the first step's held chunks were stepped before its end
+        #: A chunk's gradients landed in parts (a graph break between its parameters): every chunk's
+        #: step waits for optimizer.step() (``Landing``).
+        self._split_chunks = False
         #: Optimizer steps whose offloaded chunk steps were skipped (a non-finite gradient norm).
         self.skipped_steps = 0
         self._landed_lean: list[int] = []  # lean chunks queued for a CPU step, oldest first
@@ -494,7 +501,14 @@ class OffloadHandle(StateDicts, Landing):
                 "with these parameters trainable, and load it"
             )
 
+    @property
+    def placed(self) -> bool:
+        """The chunks are placed for good and the store holds their values (counts given by hand, or
+        chosen by the backend and final)."""
+        return self.store is not None and self._sources is None
+
     def _after_step(self) -> None:
+        self.eager.after_step()
         if self.store is not None:  # forget lean chunks whose steps are over (else it grows every step)
             self._landed_lean = [c for c in self._landed_lean if self.store.holds_grad(c)]
         self._submitted.clear()

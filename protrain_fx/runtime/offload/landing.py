@@ -77,10 +77,16 @@ class Landing:
         if chunk in self._submitted:
             raise UnsupportedError(self._second_landing(chunk, landed, names))
         fresh = not self.store.holds_grad(chunk)
+        if not fresh and not landed.intersection(names) and not self._accumulating:
+            # another part of the chunk's parameters (two graphs around a graph break, or a module run
+            # eagerly): its step waits for optimizer.step() from now on (this step is held: the first
+            # one holds every chunk's, or it would have been stepped at its first part)
+            self._split_chunks = True
         if (self.grad_clipping is None and not self._accumulating and not self._released_early
                 and self.store.is_lean(chunk) and fresh and self.store.landing_full()):
             self._release_early()  # learning: held lean gradients may not take host memory beyond the pool
-        hold = self._accumulating or self.grad_clipping is True or (self.grad_clipping is None and not self._released_early)
+        hold = (self._accumulating or self._split_chunks or self.grad_clipping is True
+                or (self.grad_clipping is None and not self._released_early))
         on_device = chunk < self.n_gpu_optim and not hold and fresh
         if on_device:
             self.device_adam.make_room()  # bounds the device steps in flight, so their gradients' memory

@@ -89,41 +89,9 @@ def refuse_eager_call(module: nn.Module, args: Any) -> None:
     )
 
 
-def refuse_eager_submodule(name: str, explain: Callable[[], str] = str) -> Callable[[nn.Module, Any], None]:
-    """Forward pre-hook of module ``name`` inside an offloaded model, which owns parameters: when
-    Dynamo gives up on a frame around it (a graph break it cannot resume, such as one inside a
-    loop, or an input shape past its recompile limit), the frame runs as plain Python inside the
-    compiled call, and a shell read there would fail deep in an op. The call is refused instead,
-    naming the module and the way out (``explain()``: what the caller knows of the graph breaks so
-    far, appended); a module whose own parameters all hold values (persistent chunks) runs as it is."""
-
-    def hook(module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return None
-        shells = []  # a loop, not a comprehension: its frame would be one Dynamo compiles (see below)
-        for n, p in module.named_parameters(recurse=False):
-            if hollow(p):
-                shells.append(n)
-        if not shells:
-            return None
-        raise UnsupportedError(
-            f"protrain_fx: {name} ({type(module).__name__}) of an offloaded model ran outside the compiled "
-            f"graphs, where its offloaded parameter {shells[0]!r} holds no values: Dynamo gave up on a frame "
-            "around it and ran that frame eagerly, for a graph break it cannot resume (one inside a loop: "
-            "remove it; Hugging Face activation checkpointing is one, model.gradient_checkpointing_disable(), "
-            "and the backend checkpoints blocks itself when the budget needs it) or for a new input shape past "
-            "torch._dynamo.config.recompile_limit (pad the inputs to a few fixed lengths, or raise the limit); "
-            "TORCH_LOGS=graph_breaks,recompiles names which" + explain()
-        )
-
-    return hook
-
-
-# Called from eager code (a frame Dynamo gave up on), the hook must run as Python: compiled as a
-# frame of its own, ``is_compiling()`` would read true and pass. Inlined into a traced graph, it
-# still folds away. ``hollow`` too: compiled as a frame of its own from the hook, it made a graph of
-# the module's parameters and broke at their storage, and that graph's errors named the wrong cause.
-torch._dynamo.eval_frame.skip_code(refuse_eager_submodule("").__code__)
+# Called from eager code (a frame Dynamo gave up on: runtime/offload/eager.py), ``hollow`` must run as
+# Python: compiled as a frame of its own from a hook, it made a graph of the module's parameters and
+# broke at their storage, and that graph's errors named the wrong cause.
 torch._dynamo.eval_frame.skip_code(hollow.__code__)
 
 
