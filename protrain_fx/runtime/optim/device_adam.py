@@ -126,22 +126,10 @@ class DeviceAdamW:
             self._sets = [self._new_set() for _ in range(N_SETS)]
         kinds = ("master", "exp_avg", "exp_avg_sq") + (() if store.is_lean(chunk_id) else ("working",))
         host = {k: store.flat(k, chunk_id) for k in kinds}  # a lean chunk has no working copy
+        start = self._begin(chunk_id, self._drain)  # a fetch may still be reading the working copy
         if self.cuda:
-            current = torch.cuda.current_stream(self.device)
-            self._load.wait_stream(current)  # the gradients are made there
-            self._work.wait_stream(current)
-            if (write := store.pending_write(chunk_id)) is not None:
-                self._load.wait_event(write)  # the chunk's last device step is still writing
-            if (read := store.read_event(chunk_id)) is not None:
-                self._drain.wait_event(read)  # a fetch may still be reading the working copy
             for g in flat.values():
                 g.record_stream(self._work)
-            timed = self.timing is not None or self.window is not None
-            if timed:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self._load)
-        else:
-            store.before_host_write(chunk_id)
         for group in sorted({adam.group_of(s) for s in flat}):
             slots = [s for s in flat if adam.group_of(s) == group]
             steps = adam.advance(slots)
@@ -149,17 +137,7 @@ class DeviceAdamW:
             owner = {id(step): s for s, step in zip(slots, steps)}  # one step tensor per slot
             for batch in slice_batches(slots, steps, self.slice_elems):
                 self._step_slice(batch, owner, flat, host, fused, hyper)
-        self.chunk_steps += 1
-        if self.cuda:
-            done = torch.cuda.Event(enable_timing=timed)
-            done.record(self._drain)
-            for timed_list in (self.timing, self.window):
-                if timed_list is not None:
-                    timed_list.append((chunk_id, start, done))
-            store.note_host_write(chunk_id, done)
-            self._in_flight.append(done)
-        else:
-            store.note_host_write(chunk_id, None)
+        self._end(chunk_id, start, bounded=True)
 
     def can_step_held(self, chunk_id: int) -> bool:
         """Whether :meth:`step_held` takes the chunk: a whole chunk (not a shard's part) with a
@@ -187,21 +165,7 @@ class DeviceAdamW:
         scale = None
         if grad_scale is not None:
             scale = grad_scale.to(self.device, non_blocking=self.cuda) if self.cuda else grad_scale
-        timed = False
-        if self.cuda:
-            current = torch.cuda.current_stream(self.device)
-            self._load.wait_stream(current)
-            self._work.wait_stream(current)  # (the scale's copy)
-            if (write := store.pending_write(chunk_id)) is not None:
-                self._load.wait_event(write)  # the chunk's last device step is still writing
-            if (read := store.read_event(chunk_id)) is not None:
-                self._load.wait_event(read)  # a fetch may still be reading the buffer the gradient is in
-            timed = self.timing is not None or self.window is not None
-            if timed:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self._load)
-        else:
-            store.before_host_write(chunk_id)
+        start = self._begin(chunk_id, self._load)  # a fetch may still be reading the buffer the gradient is in
         for group in sorted({adam.group_of(s) for s in slots}):
             members = [s for s in slots if adam.group_of(s) == group]
             steps = adam.advance(members)
@@ -210,16 +174,46 @@ class DeviceAdamW:
             for batch in slice_batches(members, steps, self.slice_elems):
                 self._step_slice(batch, owner, None, host, fused, hyper, held=(grad, scale))
         store.forget_grad(chunk_id)
+        self._end(chunk_id, start, bounded=False)
+
+    def _begin(self, chunk_id: int, read_waiter: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """Order a step of ``chunk_id`` (CUDA): the load and work streams after the current one (where
+        the gradients and the scale are made), the loads after the chunk's last device step's writes,
+        and ``read_waiter`` after a fetch still reading its host buffers; the step's start event when
+        the steps are timed. On a CPU device: the host buffers' readers and writers waited for."""
+        store = self.store
+        if not self.cuda:
+            store.before_host_write(chunk_id)
+            return None
+        current = torch.cuda.current_stream(self.device)
+        self._load.wait_stream(current)
+        self._work.wait_stream(current)
+        if (write := store.pending_write(chunk_id)) is not None:
+            self._load.wait_event(write)
+        if (read := store.read_event(chunk_id)) is not None:
+            read_waiter.wait_event(read)
+        if self.timing is None and self.window is None:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self._load)
+        return start
+
+    def _end(self, chunk_id: int, start: torch.cuda.Event | None, *, bounded: bool) -> None:
+        """A step of ``chunk_id`` issued: counted, its copies back marked on the chunk (fetches wait for
+        them), timed from ``start``; ``bounded``: among the steps in flight :meth:`make_room` bounds."""
         self.chunk_steps += 1
-        if self.cuda:
-            done = torch.cuda.Event(enable_timing=timed)
-            done.record(self._drain)
+        if not self.cuda:
+            self.store.note_host_write(chunk_id, None)
+            return
+        done = torch.cuda.Event(enable_timing=start is not None)
+        done.record(self._drain)
+        if start is not None:
             for timed_list in (self.timing, self.window):
                 if timed_list is not None:
                     timed_list.append((chunk_id, start, done))
-            store.note_host_write(chunk_id, done)
-        else:
-            store.note_host_write(chunk_id, None)
+        self.store.note_host_write(chunk_id, done)
+        if bounded:
+            self._in_flight.append(done)
 
     def _step_slice(self, batch, owner, flat, host, fused, hyper, held=None) -> None:
         """One slice of a step: its states (and a held gradient, ``held = (host gradient, scale)``)
