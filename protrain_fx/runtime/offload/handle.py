@@ -125,10 +125,9 @@ class OffloadHandle(StateDicts, Landing):
         # a refused offload(...) leaves both as they were.
         self._attach(model, optimizer)
         # An offloaded parameter holds no bytes outside the compiled graphs: a plain call is refused
-        # with the way out, before the first op reads one; so is a module of the model that a frame
-        # Dynamo gave up on runs eagerly inside the compiled call.
-        # Modules that a frame Dynamo gave up on runs eagerly inside the compiled call get device copies
-        # of their parameters for the call (runtime/offload/eager.py).
+        # with the way out, before the first op reads one. A module that a frame Dynamo gave up on runs
+        # eagerly inside the compiled call gets device copies of its parameters for the call, or is
+        # refused naming the break where the store cannot serve them (runtime/offload/eager.py).
         self.eager = EagerModules(self, explain_breaks)
         self._eager_guards = [model.register_forward_pre_hook(refuse_eager_call)]
         for name, module in model.named_modules(remove_duplicate=True):
