@@ -19,7 +19,8 @@ computes ``F.cross_entropy(logits.float(), targets)``), FLAGS ``+``-joined: ``of
 (``protrain_fx.offload`` without counts, built on ``meta``), ``clip`` (``clip_grad_norm_(..., 1.0)``
 every step), ``inductor`` (plain ``torch.compile``, the reference: how much the loop itself costs),
 ``uncapped`` (no memory fraction and no budget given: the reference for a model that does not fit the cap),
-``trace`` (after the timed steps, two more under ``torch.profiler``: the kernels and CPU ops by time and the
+``keys`` (Inductor's FX graph cache keys and what differs from the nearest earlier one, in the run's
+``fx_cache_keys`` and its log as they come), ``trace`` (after the timed steps, two more under ``torch.profiler``: the kernels and CPU ops by time and the
 device's busy fraction, in the run's ``trace``).
 
 Time to each step: every step's entry holds ``since_launch_s``, seconds from the run's process start
@@ -80,14 +81,14 @@ def parse_run(spec: str) -> dict:
         raise ValueError(f"run {spec!r}: model {model!r}; accepted: gpt, {', '.join(HF_SHAPES)}")
     if loss not in ("inside", "outside"):
         raise ValueError(f"run {spec!r}: loss {loss!r}; accepted: inside, outside")
-    unknown = flags - {"offload", "clip", "inductor", "uncapped", "trace"}
+    unknown = flags - {"offload", "clip", "inductor", "uncapped", "trace", "keys"}
     if unknown:
-        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, inductor, uncapped, trace")
+        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, inductor, uncapped, trace, keys")
     if {"offload", "inductor"} <= flags:
         raise ValueError(f"run {spec!r}: an offloaded model runs only through the protrain backend (no 'inductor')")
     return {"spec": spec, "model": model, "size": size, "loss": loss, "offload": "offload" in flags,
             "clip": "clip" in flags, "inductor": "inductor" in flags, "uncapped": "uncapped" in flags,
-            "trace": "trace" in flags}
+            "trace": "trace" in flags, "keys": "keys" in flags}
 
 
 def build(run: dict, args, device: str):
@@ -242,6 +243,50 @@ def traced(train_step, cuda: bool, steps: int = 2) -> dict:
                         for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]]}
 
 
+class CacheKeys:
+    """Inductor's FX graph cache keys as a run computes them (the ``keys`` flag): for each key, the
+    lines of its hash details (``torch._inductor.codecache.compiled_fx_graph_hash``'s debug log) that
+    differ from those of the nearest key before it, printed as they come (a run stopped at its
+    timeout keeps them in its log): why a lowering missed the cache that an earlier one filled."""
+
+    PREFIX = "FX graph cache hash details for key "
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, list[str]]] = []
+        self.entries: list[dict] = []
+
+    @classmethod
+    def install(cls) -> "CacheKeys":
+        import logging
+
+        keys = cls()
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = keys.emit  # type: ignore[method-assign]
+        logger = logging.getLogger("torch._inductor.codecache")
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False  # the details go here only, not to torch's own log handlers
+        logger.addHandler(handler)
+        return keys
+
+    def emit(self, record) -> None:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return
+        key, _, body = message[len(self.PREFIX):].partition(":\n")
+        lines = body.splitlines()
+        entry: dict = {"key": key, "lines": len(lines)}
+        if self.seen:
+            near_key, near = min(self.seen, key=lambda kl: len(set(lines) ^ set(kl[1])))
+            theirs = set(near)
+            differs = [line[:400] for line in lines if line not in theirs]
+            # the fields' own lines first ("[hash] name: value"), then the graph code's
+            differs.sort(key=lambda line: not line.startswith("["))
+            entry.update(nearest=near_key, differs=differs[:40])
+        self.seen.append((key, lines))
+        self.entries.append(entry)
+        print("fx cache key", json.dumps(entry), flush=True)
+
+
 def run_one(run: dict, args) -> dict:
     """Train one run in this process; the result dict (never raises for a failed run)."""
     import logging
@@ -260,6 +305,7 @@ def run_one(run: dict, args) -> dict:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
     kernel_timers = inductor_timers()
+    keys = CacheKeys.install() if run["keys"] else None
     launched = args.launched_at or time.time()
     result: dict = {**run, "status": "ok", "steps": [], "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
     try:
@@ -323,6 +369,8 @@ def run_one(run: dict, args) -> dict:
         result["inductor_s"] = inductor_seconds(kernel_timers)
         counters = torch._dynamo.utils.counters["inductor"]
         result["fx_graph_cache"] = {"hit": counters["fxgraph_cache_hit"], "miss": counters["fxgraph_cache_miss"]}
+        if keys is not None:
+            result["fx_cache_keys"] = keys.entries
         if run["trace"]:
             result["trace"] = traced(train_step, cuda)
     except torch.OutOfMemoryError as e:

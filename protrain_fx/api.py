@@ -14,12 +14,13 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from protrain_fx.capture import captured_graphs
+from protrain_fx.capture import captured_graphs, watch_break_lines
 from protrain_fx.integrations.checkpointing import library_checkpointing_off
 from protrain_fx.integrations.loss_type import name_default_loss_type
 from protrain_fx.integrations.model_init import model_init
 from protrain_fx.runtime.offload.handle import OffloadHandle, own_forward_code
 from protrain_fx.runtime.offload.options import OffloadOptions
+from protrain_fx.state import STATE
 
 __all__ = ["OffloadOptions", "offload"]
 
@@ -79,6 +80,7 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: Offload
     name_default_loss_type(model)  # a Hugging Face loss lookup that warns would break the graph
     for module in model.modules():  # each its own compiled graphs (own_forward_code)
         own_forward_code(module)
+    watch_break_lines()  # a refusal of a module run eagerly names the break's line (_last_graph_break)
     return handle
 
 
@@ -93,4 +95,6 @@ def _last_graph_break() -> str:
     if not skipped:
         return ""
     frame = skipped[-1].split("frame skipped: ", 1)[1].split("\n", 1)[0]
-    return f"; Dynamo ran {frame} eagerly for a graph break in its loop ({skipped[-1].splitlines()[0]})"
+    reason = skipped[-1].splitlines()[0]
+    where = f" at {STATE.break_lines[reason]}" if STATE.break_lines.get(reason) else ""
+    return f"; Dynamo ran {frame} eagerly for a graph break in its loop ({reason}{where})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from pathlib import Path
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -187,6 +188,38 @@ def _where(stack: Any) -> str:
         return ""
     frame = stack[-1]
     return f"{frame.filename}:{frame.lineno} in {frame.name}"
+
+
+_PACKAGE_DIR = str(Path(__file__).parent)
+
+
+def watch_break_lines() -> None:
+    """Keep the user's line of each graph break Dynamo logs in ``STATE.break_lines`` under its reason's
+    first line (installed once per process). A break that makes Dynamo skip a whole frame (one inside
+    a loop over the blocks) leaves no graph and no entry in ``graph_break_reasons``, only its reason
+    in Dynamo's counters: this line is what an error about it can name (``api._last_graph_break``).
+    Frames of this package are passed over: Dynamo also traces our hooks around eager modules."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    original = InstructionTranslatorBase.log_graph_break
+    if getattr(original, "protrain_watched", False):
+        return
+
+    def log_graph_break(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reason = kwargs.get("reason", args[1] if len(args) > 1 else "")
+        exc = kwargs.get("exc", args[2] if len(args) > 2 else None)
+        try:
+            stack = getattr(exc, "real_stack", None) or torch._guards.TracingContext.extract_stack()
+            if stack and not stack[-1].filename.startswith(_PACKAGE_DIR):
+                for text in (str(exc), str(reason)):  # Dynamo's reason may wrap the break's own message
+                    if text.strip():
+                        STATE.break_lines[text.strip().splitlines()[0]] = _where(stack)
+        except Exception:  # noqa: BLE001 -- a line not found must not change Dynamo's handling of the break
+            pass
+        return original(self, *args, **kwargs)
+
+    log_graph_break.protrain_watched = True  # type: ignore[attr-defined]
+    InstructionTranslatorBase.log_graph_break = log_graph_break
 
 
 def _compiling_code() -> types.CodeType | None:

@@ -15,6 +15,7 @@ first steps and read by later ones:
   (``planner/verify.faster_after_first_step``);
 * ``warned_not_averaged``: whether the warning that nothing averages a data-parallel graph's
   gradients was given (``backend.py``; once a process);
+* ``break_lines``: the user's line of each graph break Dynamo logged, by reason (``capture.py``);
 * what runtime components register with :meth:`ProcessState.on_reset` (the swap ops' pinned host pool).
 
 ``protrain_fx.reset()`` (that is, :meth:`ProcessState.reset`) forgets all of it; ``torch._dynamo.reset()``
@@ -51,6 +52,10 @@ class ProcessState:
     faster_plan: dict[tuple[str, Any], tuple[Any, str, Any]] = field(default_factory=dict)
     #: Whether the once-a-process warning that nothing averages a data-parallel graph was given.
     warned_not_averaged: bool = False
+    #: Per graph-break reason (its first line): ``file:line in function`` of the user's code where
+    #: Dynamo last logged it (``capture.watch_break_lines``); a break that made Dynamo skip a frame
+    #: leaves no other line.
+    break_lines: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _on_reset: list[Callable[[], None]] = field(default_factory=list)
 
@@ -68,6 +73,7 @@ class ProcessState:
             self.reset_after_miss.clear()
             self.faster_plan.clear()
             self.warned_not_averaged = False
+            self.break_lines.clear()
         for forget in self._on_reset:
             forget()
 

@@ -30,7 +30,7 @@ def _with_a_break(model: GPT, block: int = 1) -> GPT:
     inner = model.blocks[block].forward
 
     def forward(x):
-        if x.abs().sum().item() > 1e30:
+        if x.abs().sum().item() > 1e30:  # BREAK_LINE
             print("never")
         return inner(x)
 
@@ -75,6 +75,9 @@ def test_micro_batches_and_clipping_through_a_graph_break_are_exact():
 def test_automatic_counts_refuse_a_module_run_eagerly_before_the_first_graph_naming_the_break():
     model, _, opt, _, handle, compiled = _setup()
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": "64MiB"})
-    with pytest.raises(UnsupportedError, match=r"(?s)chunk counts are not chosen.*by hand.*Tensor\.item\(\)"):
+    with pytest.raises(UnsupportedError, match=r"(?s)chunk counts are not chosen.*by hand.*Tensor\.item\(\)") as e:
         compiled(*_batch(0))
+    # the user's line of the break, not only the frame Dynamo skipped (examples/gpt.py's forward)
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# BREAK_LINE"))
+    assert f"test_eager_modules.py:{line} in forward" in str(e.value)
     handle.close()
