@@ -75,7 +75,12 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = N
         error = surfaced(e, inspect.currentframe())
         if error is e:
             raise
-        raise error.with_traceback(e.__traceback__) from e.__cause__
+        tb = e.__traceback__
+        if tb is not None and not torch._dynamo.config.verbose:
+            # A user error's message says what to change: the frames below this one (AOTAutograd's,
+            # the planner's) go too, so that it comes under a few lines (TORCHDYNAMO_VERBOSE=1 keeps them).
+            tb.tb_next = None
+        raise error.with_traceback(tb) from e.__cause__
 
 
 def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None, **kwargs: Any) -> Callable:
@@ -349,10 +354,13 @@ class _Partitioner(CustomPartitionerFn):
                 if user_config.verify_for(record.memory.device) == "inductor" else None
             ))
 
-        if dry_run and handle is not None:
-            answer_offload(record, handle, tried, kept)  # placed, checked and removed: training's answer
         if dry_run:
-            answer(record, tried, kept)  # stops the compile with the report: nothing runs
+            # what the compile's Inductor code peaks at, where the plan is judged without lowering it
+            lower = progress.timed("trial lowerings")(lambda: probe_inductor(record, _compile_patches(record),
+                                                                               _copy_graph_module))
+            if handle is not None:
+                answer_offload(record, handle, tried, kept, lower)  # placed, checked and removed: training's answer
+            answer(record, tried, kept, lower)  # stops the compile with the report: nothing runs
         # A plan kept from an earlier launch of this graph and budget is applied without planning
         # (planner/plan_cache.py); otherwise the planner chooses, and the choice is kept.
         if handle is not None:

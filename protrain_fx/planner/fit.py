@@ -21,10 +21,11 @@ refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from protrain_fx.analysis.memory import MemoryAnalysis
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import Budget, CapturedGraph, captured_graphs, forget_records_after
 from protrain_fx.plan import Plan
@@ -37,6 +38,10 @@ from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import block_plan
 from protrain_fx.search.search import NoPlanFits
 
+#: Inductor's analysis of the plan now in a record (``lowering.probe_inductor``), ``None`` when it
+#: cannot be had.
+Lower = Callable[[], "MemoryAnalysis | None"]
+
 #: The budget a report without one is planned under: large enough for any step, so only the
 #: smallest budget is of interest.
 UNBOUNDED = 2**62
@@ -45,10 +50,10 @@ UNBOUNDED = 2**62
 @dataclass(frozen=True)
 class FitReport:
     """One training graph's answer. ``budget_bytes``: what it was asked under (``None``: no budget,
-    only the minimum is reported); ``predicted_peak_bytes``: the peak the plan is judged by (the memory
-    analysis, or with ``verify="inductor"`` Inductor's allocation plan), as the training compile's
-    plan table and ``step_report()`` give it; ``fits``: a plan keeps the allocated peak under the budget less the
-    allocator's headroom (``planner.budget.allocated_cap_bytes``); ``plan``: the plan the backend would run
+    only the minimum is reported); ``predicted_peak_bytes``: the peak ``step_report()`` gives after the
+    training compile: Inductor's allocation plan with Inductor's code (the plan lowered once where it was
+    judged by the memory analysis alone, as on the CPU), else the memory analysis; ``fits``: a plan keeps
+    that peak under the budget less the allocator's headroom (``planner.budget.allocated_cap_bytes``); ``plan``: the plan the backend would run
     (``None`` when nothing fits); ``min_budget_bytes``: the smallest budget with which the backend
     finds a plan (that of least memory, allocator headroom included); ``host_swap_bytes``: pinned host
     memory the plan's swaps need (0 without swaps).
@@ -122,24 +127,48 @@ class _Answered(BaseException):
         self.report = report
 
 
-def answer(record: CapturedGraph, trial: verify.TrialFn, kept: dict | None = None) -> None:
+def _as_training_reports(record: CapturedGraph, chosen: result.AutoPlan, lower: Lower | None) -> tuple[int, bool]:
+    """The peak training's report will give for ``chosen`` (the plan now in ``record``), and whether
+    it stays under the plan's cap: the judged peak, or, where the plan was judged by the graph-level
+    analysis but the compile's code is Inductor's (``codegen="inductor"`` on the CPU), the peak of
+    Inductor's allocation plan of it (``lower``: one lowering, which Inductor's cache keeps for the
+    training compile of the same plan). That peak is what ``step_report()`` shows after the compile,
+    and what the compile checks against the budget (``planner.budget.check_budget``)."""
+    if chosen.judged_by == "inductor" or lower is None or record.config.codegen != "inductor":
+        return chosen.analysed_peak_bytes, True
+    lowered = lower()
+    if lowered is None:
+        return chosen.analysed_peak_bytes, True
+    return lowered.peak_bytes, lowered.peak_bytes <= chosen.allocated_cap_bytes
+
+
+def answer(record: CapturedGraph, trial: verify.TrialFn, kept: dict | None = None, lower: Lower | None = None) -> None:
     """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would
     (``kept``: the graph's judgments kept, ``planner/judged.py``), find the smallest budget, and stop
-    the compile with the report."""
+    the compile with the report. ``lower``: Inductor's analysis of the plan now in ``record``
+    (:func:`_as_training_reports`)."""
     given, source = record.budget_bytes, record.budget.source if record.budget is not None else None
     record.budget = Budget(given or UNBOUNDED, source or "user")  # planned as if unbounded when none
     chosen: result.AutoPlan | None = None
+    reported: int | None = None
     try:
         chosen = activations.choose_plan(record, trial, kept)
         fits, minimum = True, None
+        if chosen is not None:
+            trial(chosen.plan if chosen.plan.rewrites() else None)  # the plan chosen, in record again
+            reported, fits = _as_training_reports(record, chosen, lower)
     except NoPlanFits as e:
         fits, minimum = False, e.min_budget_bytes
     assert record.memory is not None
     least: Plan | None = None
     if chosen is None and fits:  # no transformer block: the step as it is
-        minimum = budget_for_peak(record.memory.peak_bytes)
-        fits = given is None or record.memory.peak_bytes <= allocated_cap_bytes(given)
-    elif minimum is None:  # a plan fits: the smallest budget is that of the least-memory plans' least peak
+        reported = record.memory.peak_bytes
+        if lower is not None and record.config.codegen == "inductor" and not verify.lowers(record):
+            lowered = lower()  # as training's report gives it (_as_training_reports)
+            reported = lowered.peak_bytes if lowered is not None else reported
+        minimum = budget_for_peak(reported)
+        fits = given is None or reported <= allocated_cap_bytes(given)
+    elif minimum is None:  # the smallest budget is that of the least-memory plans' least peak
         model = CostModel(chosen.problem)
         lowest: tuple[int, Plan] | None = None
         for config in activations.least_memory_configs(model, model.n_chunks, 0):
@@ -162,7 +191,7 @@ def answer(record: CapturedGraph, trial: verify.TrialFn, kept: dict | None = Non
             budget_source=source,
             fits=fits,
             plan=chosen.plan if chosen is not None else (Plan(blocks={}) if fits else None),
-            predicted_peak_bytes=chosen.analysed_peak_bytes if chosen is not None else record.memory.peak_bytes,
+            predicted_peak_bytes=reported if reported is not None else record.memory.peak_bytes,
             predicted_step_s=chosen.estimate.step_s if chosen is not None else None,
             min_budget_bytes=minimum,
             least_memory_plan=least,
@@ -172,7 +201,7 @@ def answer(record: CapturedGraph, trial: verify.TrialFn, kept: dict | None = Non
 
 
 def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
-                   kept: dict | None = None) -> None:
+                   kept: dict | None = None, lower: Lower | None = None) -> None:
     """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
     the training compile would choose under the budget (``planner.offload.choose_offload``, which
     places the chunks of each config it tries and checks it with the memory analysis), and the
@@ -181,7 +210,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
     block) as the analysis judges it, the judge training uses (the cost model's peak is not asked to
     fit: it can fall below the analysis', on small chunks and on swaps, or far above it). Then
     nothing stays placed (``handle.unplace()``) and the compile stops with the report. ``kept``: the
-    graph's judgments kept (``planner/judged.py``)."""
+    graph's judgments kept (``planner/judged.py``); ``lower``: as :func:`answer`'s."""
     given, source = record.budget_bytes, record.budget.source if record.budget is not None else None
     trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
     record.budget = Budget(given or UNBOUNDED, source or "user")  # planned as if unbounded when none
@@ -192,10 +221,12 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
     least = candidates[0]
     outside = outside_reserve(record)[0]
     chosen = None
+    reported, fits = None, False
     host_short: HostMemoryError | None = None
     try:
         try:
             chosen = planner_offload.choose_offload(record, handle, trial, final=False, model=model, kept=kept)
+            reported, fits = _as_training_reports(record, chosen, lower)  # the chunks stay placed for it
             judged = []
             for config in candidates:
                 done = verify.tried(chosen.trials, config)
@@ -226,9 +257,9 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
             graph=record.index,
             budget_bytes=given,
             budget_source=source,
-            fits=chosen is not None,
+            fits=chosen is not None and fits,
             plan=plan,
-            predicted_peak_bytes=chosen.analysed_peak_bytes if chosen is not None else None,
+            predicted_peak_bytes=reported,
             predicted_step_s=chosen.estimate.step_s if chosen is not None else None,
             min_budget_bytes=minimum,
             least_memory_plan=block_plan(problem, least),

@@ -319,4 +319,26 @@ def test_a_bad_option_is_raised_as_itself_under_a_short_traceback():
         torch.compile(GPT(config), backend="protrain", options={"memory_budget": "lots"})(x, y)
     frames = traceback.extract_tb(raised.value.__traceback__)
     assert not any("convert_frame" in f.filename or "output_graph" in f.filename for f in frames)
-    assert len(frames) <= 15 and frames[-1].filename.endswith("config.py")
+    assert len(frames) <= 15 and frames[-1].filename.endswith("backend.py")
+
+
+def test_no_plan_fits_comes_under_the_call_and_the_backend_only():
+    """A budget too small is found deep inside AOTAutograd's partitioner: its frames, and the planner's,
+    are cut from what the user sees (the message names the smallest budget); TORCHDYNAMO_VERBOSE keeps
+    them."""
+    import traceback
+
+    from examples.gpt import GPT, gpt_config, random_batch
+    from protrain_fx.search.search import NoPlanFits
+
+    config = gpt_config("tiny")
+    x, y = random_batch(config, 2, 16)
+    lengths = {}
+    for verbose in (False, True):
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(verbose=verbose), pytest.raises(NoPlanFits, match="must be at least") as raised:
+            torch.compile(GPT(config), backend="protrain", options={"memory_budget": 1024, "codegen": "eager"})(x, y)
+        frames = traceback.extract_tb(raised.value.__traceback__)
+        lengths[verbose] = len(frames)
+        assert frames[0].filename == __file__
+    assert lengths[False] <= 8 < lengths[True]  # the call, torch.compile's wrappers, the backend

@@ -783,6 +783,26 @@ def test_what_fits_leaves_no_record_and_says_the_peak_training_then_reports(fits
     assert "DOES NOT FIT" not in str(protrain_fx.step_report())
 
 
+def test_what_fits_with_inductors_code_on_the_cpu_says_the_peak_the_training_report_gives():
+    """On the CPU a plan is judged by the graph-level analysis, while the compile's report gives the peak
+    of Inductor's allocation plan (values it fuses away, buffers it reuses): what_fits lowers the plan it
+    chose once and says that peak, the one ``step_report()`` then shows."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bare = protrain_fx.what_fits(model, *_batch(), options={"codegen": "eager"}).predicted_peak_bytes
+        budget = budget_for_peak(bare) - 1  # a plan is needed
+        report = protrain_fx.what_fits(model, *_batch(), memory_budget=budget)
+        assert protrain_fx.captured_graphs() == []
+        loss = torch.compile(model, backend="protrain", options={"memory_budget": budget})(*_batch())
+    loss.backward()
+    (record,) = protrain_fx.captured_graphs()
+    assert record.auto_plan.judged_by == "graph" and record.memory_unfused is not None  # judged without lowering
+    assert record.memory.peak_bytes != record.memory_unfused.peak_bytes  # the two analyses differ here
+    assert report.fits and report.plan == record.auto_plan.plan
+    assert report.predicted_peak_bytes == record.memory.peak_bytes == protrain_fx.step_report().predicted_peak_bytes
+
+
 def test_what_fits_without_a_budget_names_the_minimum_and_refuses_plans_by_hand(no_plan):
     torch._dynamo.reset()
     protrain_fx.reset()
