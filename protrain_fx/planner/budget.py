@@ -204,6 +204,9 @@ def check_budget(record: CapturedGraph) -> None:
     elif record.blocks is None or not record.blocks.labels:
         advice = ("no repeated layers found in this graph to checkpoint or swap: offload the parameters with "
                   "protrain_fx.offload(...), use a smaller batch, or raise the budget")
+    elif reads_hand_offloaded(record):  # counts by hand: the budget is checked, nothing is chosen
+        advice = ("fewer persistent chunks or buffers (offload(..., n_persist=, n_buffer=)), or leave the counts "
+                  "out so that the backend chooses them and the activation plan for the budget")
     else:
         advice = "choose a plan by hand with options={'plan': ...}"
     log.warning(

@@ -793,3 +793,20 @@ def test_a_refused_offload_leaves_the_model_and_optimizer_as_they_were():
     handle = protrain_fx.offload(model, opt, n_persist=1, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
     assert set(model.state_dict()) == set(handle.state_dict(model))
     handle.close()
+
+
+def test_counts_by_hand_over_the_budget_are_told_to_change_the_counts(caplog):
+    """Counts by hand keep the budget a check (nothing is chosen): the warning names the counts, not a
+    plan by hand, which the offloaded model does not need."""
+    import logging
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    handle = protrain_fx.offload(model, opt, n_persist=1, n_buffer=2, device="cpu", chunk_bytes=CHUNK)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": "64KiB"})
+    with caplog.at_level(logging.WARNING, logger="protrain_fx"):
+        compiled(*_batch(0)).backward()
+    (line,) = [r.getMessage() for r in caplog.records if "over its memory budget" in r.getMessage()]
+    assert "n_persist=" in line and "leave the counts out" in line and "options={'plan'" not in line
+    handle.close()
