@@ -256,10 +256,10 @@ def choose_plan(record: CapturedGraph, trial: verify.TrialFn,
     if least_after_miss(record, least, need, cap, outside, minimum):
         return result(least, "least memory", None)
     raise NoPlanFits(
-        f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
+        f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({human_bytes(budget)}) "
         f"for graph {record.index}: the plan of least memory (n_swap={least.n_swap}, n_checkpoint="
         f"{least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} bytes, so the budget "
-        f"must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, {100 * ALLOCATOR_HEADROOM:.0f}% allocator "
+        f"must be at least {minimum} bytes ({human_bytes(minimum)}, {100 * ALLOCATOR_HEADROOM:.0f}% allocator "
         f"headroom included{reserve_note(outside, source)}); raise memory_budget, use a smaller batch, or offload "
         "parameters with protrain_fx.offload(...)",
         min_budget_bytes=minimum,

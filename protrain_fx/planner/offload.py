@@ -58,6 +58,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx import progress
+from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.errors import UnsupportedError, too_few_buffers
 from protrain_fx.machine import machine_for
@@ -224,10 +225,10 @@ def choose_for_placed(
             f"offload(...) by hand with n_buffer >= {min(short)}"
         )
     raise NoPlanFits(
-        f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) for "
+        f"protrain_fx: no activation plan fits the memory budget of {budget} bytes ({human_bytes(budget)}) for "
         f"graph {record.index} with the chunks placed at the model's first compile (n_persist={p}, n_buffer={b}, "
         f"n_gpu_optim={g}): the plan of least memory needs an allocated peak of {need} bytes, so the budget must "
-        f"be at least {minimum} bytes ({minimum / 2**30:.4g} GiB{reserve_note(outside, source)}); "
+        f"be at least {minimum} bytes ({human_bytes(minimum)}{reserve_note(outside, source)}); "
         + ("raise memory_budget (the chunk counts stay as placed)" if source == "measured" else
            "use the first shape's batch, or compile the largest shape first (the counts are chosen for the first)"),
         min_budget_bytes=minimum,
@@ -551,11 +552,11 @@ def choose_offload(
             return result(config, how, found)
         minimum = budget_for_peak(need + outside)
         refusal = NoPlanFits(
-            f"protrain_fx: no offload plan fits the memory budget of {budget} bytes ({budget / 2**30:.4g} GiB) "
+            f"protrain_fx: no offload plan fits the memory budget of {budget} bytes ({human_bytes(budget)}) "
             f"for graph {record.index}: the plan of least memory (n_persist=0, n_buffer={least.n_buffer} of "
-            f"{model.n_chunks} chunks of {problem.buffer_bytes / 2**20:.4g} MiB, n_swap={least.n_swap}, "
+            f"{model.n_chunks} chunks of {human_bytes(problem.buffer_bytes)}, n_swap={least.n_swap}, "
             f"n_checkpoint={least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} "
-            f"bytes, so the budget must be at least {minimum} bytes ({minimum / 2**30:.4g} GiB, "
+            f"bytes, so the budget must be at least {minimum} bytes ({human_bytes(minimum)}, "
             f"{100 * ALLOCATOR_HEADROOM:.0f}% allocator headroom included{reserve_note(outside, source)}); raise memory_budget, "
             "use a smaller batch, or smaller chunks (offload(..., chunk_bytes=...))",
             min_budget_bytes=minimum,

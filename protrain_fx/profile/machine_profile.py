@@ -151,7 +151,7 @@ def chunk_adam_rate(
     if len(taken) >= max(1, readings):
         return max(taken)
     while len(taken) < max(1, readings):
-        progress.note(f"protrain_fx: measuring the CPU step of a {n / 2**20:.0f}M-parameter chunk on {device_name(device)} "
+        progress.note(f"protrain_fx: measuring the CPU step of a {n / 2**20:.3g}M-parameter chunk on {device_name(device)} "
                       f"({'again: the fastest of readings apart in time is kept' if taken else 'once'}, cached in {path})")
         busy = wait_for_quiet_cpus(device, "the CPU step")
         taken.append(_chunk_adam_params_per_s(device.type == "cuda", n, repeat))
@@ -320,7 +320,7 @@ def device_step_rate(
         return 0.0
     load = compute_load(load_nodes, device) if signatures else None
     beside, what = (load[0], f"{len(load[1])} of the model's ops") if load else ("matmul", "matrix products")
-    progress.note(f"protrain_fx: measuring device steps of chunks of {n / 2**20:.0f}M parameters in {len(parts)} tensors "
+    progress.note(f"protrain_fx: measuring device steps of chunks of {n / 2**20:.3g}M parameters in {len(parts)} tensors "
                   f"on {device_name(device)} beside {what} (once per layout, cached in {path})")
     busy = wait_for_quiet_cpus(device, "the device steps beside the CPU step")
     cpu: list[float] = []

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import protrain_fx
+from protrain_fx.analysis.readable import human_bytes
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx import backend
 from protrain_fx.plan import interleaved
@@ -228,7 +229,7 @@ def test_below_the_minimum_raises_naming_it_and_the_minimum_works(no_plan):
     minimum = error.min_budget_bytes
     assert no_plan["peak"] // 2 < minimum < budget_for_peak(no_plan["peak"])
     message = str(error)
-    assert f"at least {minimum} bytes ({minimum / 2**30:.4g} GiB" in message and "memory_budget" in message
+    assert f"at least {minimum} bytes ({human_bytes(minimum)}," in message and "memory_budget" in message
 
     torch._dynamo.reset()
     protrain_fx.reset()
