@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from protrain_fx.planner import verify
 from protrain_fx.planner.judged import Judge
 from protrain_fx.search.problem import Counts
@@ -215,3 +217,22 @@ def test_a_promised_plan_the_placed_buffers_cannot_run_keeps_the_plan_that_ran()
     as_is = verify.Trial(_config(0), 200, 200)
     assert verify.faster_after_first_step(record, run, judge, CAP, as_is) == (_config(3), "searched")
     assert runs == [(3, True)]  # nothing of the promised plan was judged, nor lowered
+
+
+def test_a_faster_plan_after_the_first_step_must_fit_under_the_least_margin_the_judged_trials_showed():
+    """The cost model's peak of a plan never judged is held to the cap scaled by the least ratio of
+    cost-model to judged peak among the plans judged the same way (lowered, or analysed), not the
+    chosen plan's alone: a promise that its lowering then finds over the cap costs a compile that
+    keeps nothing."""
+    from protrain_fx.planner.first_step import _least_margin
+    from protrain_fx.planner.verify import Trial
+
+    config = Counts(2, 1, 0, 3)
+    trials = [Trial(config, 120, 100, by_inductor=True), Trial(config, 105, 100, by_inductor=True),
+              Trial(config, 90, 100, by_inductor=False)]  # judged by the analysis: not this judge's margin
+    auto = SimpleNamespace(judged_by="inductor", predicted_peak_bytes=1200, analysed_peak_bytes=1000, trials=trials)
+    assert _least_margin(auto) == pytest.approx(1.05)
+    auto.trials = trials[:1]
+    assert _least_margin(auto) == pytest.approx(1.2)
+    auto.trials = [Trial(config, 95, 100, by_inductor=True)]  # a cost model under the judged peak tightens the cap
+    assert _least_margin(auto) == pytest.approx(0.95)
