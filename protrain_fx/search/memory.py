@@ -164,12 +164,14 @@ class MemoryModel:
                 ((starts[i] + u, i, seconds, x) for i in range(n_swap) for u, seconds, x in self._swap_in[i]),
                 reverse=True,
             )
+            # starts never rise with j: the steps starting by a time are a suffix, found by bisection
+            falling = [-t for t in starts]
             issued = []
             latest = math.inf
             for use, i, seconds, x in parts:  # the last used first
                 latest = (use if use < latest else latest) - seconds
-                m = next((j for j in range(i, N) if starts[j] <= latest), N)
-                issued.append((i, m, x))
+                m = bisect.bisect_left(falling, -latest)  # the first step starting at or before it
+                issued.append((i, m if m > i else i, x))
             got = self._reloaded_at[key] = tuple(issued)
         return got
 

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Counts, Estimate, Problem
+from protrain_fx.state import STATE
 
 #: ``n_gpu_optim`` values searched per ``n_persist`` before the local refinement (see the module docstring).
 GPU_OPTIM_GRID = 8
@@ -106,7 +107,7 @@ def search(
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"search: {name}={v!r} must be an int >= 0")
     t0 = time.perf_counter()
-    model = CostModel(problem)
+    model, tab = _model_and_tables(problem)
     n = model.n_chunks
     cap_all = budget_bytes - reserve_bytes
     if n_persist is not None and not 0 <= n_persist <= n:
@@ -115,7 +116,6 @@ def search(
         n_persist = n
     # visited downwards
     persists = range(n_persist, n_persist - 1, -1) if n_persist is not None else range(n, -1, -1)
-    tab = _Tables.build(model)
     total = sum(len(model.buffer_range(p)) * (n - p + 1 if gpu_optim else 1) for p in persists) * len(tab.pairs)
     _check_one_fits(model, persists, tab, budget_bytes, reserve_bytes)
 
@@ -167,6 +167,29 @@ class _Tables:
         return cls(pairs=pairs, act=act, by_act=by_act, act_sorted=[act[q] for q in by_act], rec=rec,
                    by_rec=sorted(pairs, key=lambda q: (rec[q], act[q])),
                    fwd_compute=sum(model.cf), bwd_compute=sum(model.cb))
+
+
+#: How many problems :func:`_model_and_tables` keeps the cost model and tables of.
+RECENT_PROBLEMS = 4
+
+_RECENT: list[tuple[Problem, CostModel, _Tables]] = []
+STATE.on_reset(_RECENT.clear)
+
+
+def _model_and_tables(problem: Problem) -> tuple[CostModel, _Tables]:
+    """The cost model of ``problem`` and its activation tables, kept for the last
+    :data:`RECENT_PROBLEMS` problems (by identity): one choice searches the same problem many times
+    (a search per ``n_persist`` in ``planner.offload.prefer_persistent``, raised and lowered caps),
+    and the tables (every ``(n_swap, n_checkpoint)`` pair's peak) depend on the problem alone."""
+    for i, (kept, model, tables) in enumerate(_RECENT):
+        if kept is problem:
+            _RECENT.insert(0, _RECENT.pop(i))
+            return model, tables
+    model = CostModel(problem)
+    tables = _Tables.build(model)
+    _RECENT.insert(0, (problem, model, tables))
+    del _RECENT[RECENT_PROBLEMS:]
+    return model, tables
 
 
 @dataclass
