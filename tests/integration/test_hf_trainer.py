@@ -239,3 +239,18 @@ def test_automatic_counts_with_the_trainers_gradient_checkpointing_train_like_th
     assert handle.counts_chosen and 0 < handle.n_persist < len(handle.layout.chunks)  # chosen, and chunks streamed
     assert not any(g.breaks for g in protrain_fx.captured_graphs())
     handle.close()
+
+
+def test_automatic_counts_under_a_budget_too_small_raise_naming_the_minimum(tmp_path):
+    """A budget no offload plan meets stops the Trainer's first step with ``NoPlanFits`` (the smallest
+    budget named), not a warning and a run over the budget; nothing stays placed."""
+    from protrain_fx.search.search import NoPlanFits
+
+    trainer = ProTrainTrainer(model=_model(), args=_args(tmp_path, max_steps=1), train_dataset=_Data(),
+                              protrain_options={**OPTIONS, "memory_budget": "64KiB"},
+                              offload={"chunk_bytes": OFFLOAD["chunk_bytes"]})
+    with pytest.raises(NoPlanFits, match=r"budget must be at least \d+ bytes") as raised:
+        trainer.train()
+    assert raised.value.min_budget_bytes > 64 * 1024
+    assert not trainer.handle.counts_chosen
+    trainer.handle.close()
