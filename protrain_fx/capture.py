@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import types
 import weakref
-from pathlib import Path
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch

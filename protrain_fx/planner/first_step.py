@@ -519,9 +519,9 @@ def faster_plan_under(auto: AutoPlan, cap: int, compile_s: float = 0.0, index: i
 def _least_margin(auto: AutoPlan) -> float:
     """The least ratio of the cost model's peak to the judged peak over the plan chosen and every
     trial judged as it was (lowered, or analysed): how far above the cap the cost model's peak of a
-    plan not judged yet may lie. The chosen plan's own ratio alone let through a plan whose lowering
-    came out 0.5% over the cap, and each such plan costs a compile that keeps nothing
-    (``docs/results.md#time-to-the-first-steps``)."""
+    plan not judged yet may lie. The cost model's margin differs from plan to plan, so the chosen
+    plan's own can let through a plan whose lowering comes out over the cap, and each such plan costs
+    a compile that keeps nothing (``docs/results.md#time-to-the-first-steps``)."""
     by_inductor = auto.judged_by == "inductor"
     ratios = [auto.predicted_peak_bytes / max(1, auto.analysed_peak_bytes)]
     ratios += [t.predicted_peak_bytes / max(1, t.analysed_peak_bytes) for t in auto.trials
