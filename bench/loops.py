@@ -314,7 +314,9 @@ def run_one(run: dict, args) -> dict:
         handle = None
         if run["offload"]:
             handle = protrain_fx.offload(model, optimizer, device=device, init=init,
-                                         compute_dtype=torch.bfloat16 if cuda else None)
+                                         compute_dtype=torch.bfloat16 if cuda else None,
+                                         available_host_bytes=int(args.host_gib * 2**30) if args.host_gib else None,
+                                         spill_dir=args.spill_dir)
         elif not cuda:
             pass
         options = {"memory_budget": f"{args.cap_gib}GiB"} if cuda else {"memory_budget": args.cpu_budget}
@@ -365,7 +367,11 @@ def run_one(run: dict, args) -> dict:
         if handle is not None:
             result["counts"] = {"n_persist": handle.n_persist, "n_buffer": handle.n_buffer,
                                 "n_gpu_optim": handle.n_gpu_optim, "chunks": len(handle.layout.chunks),
-                                "host_bytes": handle.store.host_bytes() if handle.store else 0}
+                                "host_bytes": handle.store.host_bytes() if handle.store else 0,
+                                "n_lean": handle.n_lean, "n_spill": handle.n_spill,
+                                "disk_bytes": handle.store.spill_bytes if handle.store else 0}
+            if handle.store is not None and handle.store.residency is not None:
+                result["spill_io"] = handle.store.residency.stats()
         result["inductor_s"] = inductor_seconds(kernel_timers)
         counters = torch._dynamo.utils.counters["inductor"]
         result["fx_graph_cache"] = {"hit": counters["fxgraph_cache_hit"], "miss": counters["fxgraph_cache_miss"]}
@@ -394,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-layers", type=int, default=0, help="Hugging Face models: this many layers (0: all)")
     parser.add_argument("--layers", type=int, default=0, help="GPT: this many blocks instead of the size's (0: the size's)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--host-gib", type=float, default=0.0, help="offload runs: host memory the chunk store may "
+                        "use (GiB; 0: what the host has free); below the store's need, optimizer state spills to disk")
+    parser.add_argument("--spill-dir", help="offload runs: the folder optimizer state spills to (default: "
+                        "$PROTRAIN_SPILL_DIR, else the system's temporary folder)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--cache-dir", type=Path, help="each run's own Inductor, Triton and protrain_fx caches under "
                         "DIR/<run> (empty at a spec's first run, kept for its second)")
@@ -441,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
 def _passed(args) -> list[str]:
     return ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq), "--cap-gib",
             str(args.cap_gib), "--cpu-budget", args.cpu_budget, "--lr", str(args.lr), "--hf-layers",
-            str(args.hf_layers), "--layers", str(args.layers), "--device", args.device, "--out", str(args.out)]
+            str(args.hf_layers), "--layers", str(args.layers), "--device", args.device, "--out", str(args.out),
+            "--host-gib", str(args.host_gib), *(["--spill-dir", args.spill_dir] if args.spill_dir else [])]
 
 
 def _line(r: dict) -> str:
@@ -450,6 +461,9 @@ def _line(r: dict) -> str:
     errors = [e["peak_error_pct"] for e in r["steps"][1:] if "peak_error_pct" in e]
     worst = f", later steps' peak vs prediction {min(errors):+.1f}%..{max(errors):+.1f}%" if errors else ""
     tps = f"{r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else "-"
+    if r.get("counts", {}).get("n_spill"):
+        c = r["counts"]
+        tps += f", {c['n_spill']} chunk(s)' state on disk ({c['disk_bytes'] / 2**30:.2f} GiB)"
     steps = r["steps"]
     to = f", step 1 at {steps[0]['since_launch_s']:.0f} s, step {len(steps)} at {steps[-1]['since_launch_s']:.0f} s" if steps else ""
     launch = f" ({r['launch']} launch)" if "launch" in r else ""

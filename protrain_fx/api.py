@@ -57,7 +57,14 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: Offload
     instead of 14 bytes per parameter; the device fetches their fp32 master, twice the bytes) and
     land their gradients in ``grad_pool`` shared host buffers. ``"auto"`` (default): none when the
     store fits the host with 8 GiB to spare, else the fewest that fit (``handle.n_lean`` says how
-    many); a host too small even then is refused with the bytes needed.
+    many).
+
+    ``n_spill``: that many offloaded chunks (before the lean ones) keep their fp32 master and Adam
+    moments in a file in ``spill_dir`` (else ``$PROTRAIN_SPILL_DIR``, else the system's temporary
+    folder) instead of host memory, read back ahead of their CPU step and written after it: exact,
+    and priced by the planner at the disk's rates (``runtime/store/spill.py``). ``"auto"`` (default):
+    none while host memory holds the store, else the fewest that fit (``handle.n_spill``). A host too
+    small even then, or a folder too small, is refused before training with the bytes needed.
 
     ``grad_clipping``: whether the training loop calls ``torch.nn.utils.clip_grad_norm_`` (which
     then clips over every chunk: :meth:`OffloadHandle.clip_grad_norm_`). The offloaded chunks'

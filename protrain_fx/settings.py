@@ -9,6 +9,7 @@ variable                      read by                effect (``docs/options.md``
 ``PROTRAIN_PLAN_CACHE``       :func:`plan_cache`     ``0``: every compile plans, nothing is kept
 ``PROTRAIN_DISABLE_PASSES``   :func:`disabled_passes`  rewrites skipped (debugging)
 ``PROTRAIN_DUMP_DIR``         :func:`dump_dir`       every graph written after each pass
+``PROTRAIN_SPILL_DIR``        :func:`spill_dir`      where the chunk store spills optimizer state
 ``PYTORCH_CUDA_ALLOC_CONF``,  :func:`allocator_conf`  the user's allocator settings (expandable
 ``PYTORCH_ALLOC_CONF``                               segments are left as set there)
 ``LOCAL_WORLD_SIZE``,         :func:`local_ranks`    torchrun's ranks on this node
@@ -33,12 +34,13 @@ PROGRESS = "PROTRAIN_PROGRESS"
 PLAN_CACHE = "PROTRAIN_PLAN_CACHE"
 DISABLE_PASSES = "PROTRAIN_DISABLE_PASSES"
 DUMP_DIR = "PROTRAIN_DUMP_DIR"
+SPILL_DIR = "PROTRAIN_SPILL_DIR"
 #: The variables through which PyTorch reads the caching allocator's configuration.
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 #: :func:`patch`'s keywords -> the variable each sets.
 VARIABLES = {"cache_dir": CACHE_DIR, "progress": PROGRESS, "plan_cache": PLAN_CACHE,
-             "disable_passes": DISABLE_PASSES, "dump_dir": DUMP_DIR}
+             "disable_passes": DISABLE_PASSES, "dump_dir": DUMP_DIR, "spill_dir": SPILL_DIR}
 
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
@@ -70,6 +72,12 @@ def disabled_passes() -> frozenset[str]:
 def dump_dir() -> str | None:
     """``PROTRAIN_DUMP_DIR``, or ``None`` when unset or empty."""
     return os.environ.get(DUMP_DIR) or None
+
+
+def spill_dir() -> Path | None:
+    """``PROTRAIN_SPILL_DIR``, or ``None`` when unset or empty (the system's temporary folder)."""
+    value = os.environ.get(SPILL_DIR)
+    return Path(value) if value else None
 
 
 def allocator_conf() -> str:

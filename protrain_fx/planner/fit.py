@@ -34,6 +34,7 @@ from protrain_fx.planner import offload as planner_offload
 from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
 from protrain_fx.planner.reserve import outside_reserve
 from protrain_fx.runtime.store.host_memory import HostMemoryError
+from protrain_fx.runtime.store.spill import spill_dir
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import block_plan
 from protrain_fx.search.search import NoPlanFits
@@ -65,7 +66,10 @@ class FitReport:
     chunks were placed to check each config with the memory analysis, as training does, and
     removed again. When the host cannot hold the store of any config, nothing is placed: ``fits`` is
     false, ``host_needed_bytes`` / ``host_available_bytes`` say what the store needs and what the
-    host has, and ``min_budget_bytes`` is the cost model's for the least-memory counts."""
+    host has, and ``min_budget_bytes`` is the cost model's for the least-memory counts. ``tiers``: where
+    the store of those counts keeps what (``OffloadHandle.tier_bytes``: ``n_lean`` chunks without a
+    host working copy, ``n_spill`` chunks whose optimizer state is in a file in ``spill_dir``,
+    ``host_bytes`` of host memory and ``disk_bytes`` on disk)."""
 
     graph: int
     budget_bytes: int | None
@@ -81,6 +85,7 @@ class FitReport:
     host_chunk_bytes: int = 0
     host_needed_bytes: int = 0
     host_available_bytes: int | None = None
+    tiers: dict[str, Any] | None = None
 
     def __str__(self) -> str:
         if self.budget_bytes is None:
@@ -108,6 +113,11 @@ class FitReport:
                 f"  chunks: n_persist={c['n_persist']}, n_buffer={c['n_buffer']}, n_gpu_optim={c['n_gpu_optim']} of "
                 f"{c['n_chunks']}; host store {human_bytes(self.host_chunk_bytes)}"
             )
+        if self.tiers is not None:
+            t = self.tiers
+            disk = (f"; disk {human_bytes(t['disk_bytes'])}: the optimizer state of {t['n_spill']} chunk(s) in "
+                    f"{t['spill_dir']}" if t["n_spill"] else "; nothing on disk")
+            lines.append(f"  tiers: host memory {human_bytes(t['host_bytes'])} ({t['n_lean']} lean chunk(s)){disk}")
         if self.host_available_bytes is not None:
             lines.append(
                 f"  host memory: the chunk store needs {human_bytes(self.host_needed_bytes)} "
@@ -269,6 +279,7 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
             host_chunk_bytes=offloaded * numel * (4 + problem.adam_state_bytes_per_param + compute_size),
             host_needed_bytes=host_short.needed_bytes if host_short is not None else 0,
             host_available_bytes=host_short.available_bytes if host_short is not None else None,
+            tiers={**handle.tier_bytes(config.n_persist), "spill_dir": str(spill_dir(handle.options.spill_dir))},
         )
     )
 

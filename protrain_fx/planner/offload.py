@@ -84,6 +84,7 @@ from protrain_fx.planner.verify import (
     widened,
 )
 from protrain_fx.profile.cache import pinned_profile, training_rates
+from protrain_fx.profile.disk import disk_rates
 from protrain_fx.profile.collectives import collective_times
 from protrain_fx.profile.machine_profile import (
     chunk_adam_rate,
@@ -93,6 +94,7 @@ from protrain_fx.profile.machine_profile import (
 from protrain_fx.runtime.offload import chunk_ops
 from protrain_fx.runtime.parallel import distributed
 from protrain_fx.runtime.store.buffer_pool import FETCH_SLICE_ELEMS
+from protrain_fx.runtime.store.spill import spill_dir
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.spread import RATE_SPREAD, expected_estimate, steadiest_gpu_optim
 from protrain_fx.search.problem import Counts, MachineProfile, Problem, block_plan
@@ -344,8 +346,14 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
     )
     if handle.grad_clipping is True:  # every chunk's step waits for the clip's norm
         problem = dataclasses.replace(problem, held_steps=True)
-    lean = handle.lean_counts()
-    if lean[0]:
+    tiers = handle.tier_counts()
+    lean = tuple(k for k, _ in tiers)
+    spill = tuple(k for _, k in tiers)
+    if any(spill):  # optimizer state on disk: its reads and writes priced at the spill folder's rates
+        read, write = disk_rates(spill_dir(handle.options.spill_dir))
+        problem = dataclasses.replace(problem, spill_chunks=spill, disk_read_bytes_per_s=read,
+                                      disk_write_bytes_per_s=write)
+    if any(lean):
         # a lean chunk is fetched from its fp32 master (through an fp32 staging slice on CUDA when the
         # compute dtype is narrower: runtime/store/buffer_pool.py)
         numel = handle.layout.chunk_bytes // param_size

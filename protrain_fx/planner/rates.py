@@ -341,7 +341,7 @@ def replan_gpu_optim(
     here = model.static_bytes(p, b, config.n_gpu_optim)
     now = model.step_time(p, b, s, c, config.n_gpu_optim)
     best_g, best = config.n_gpu_optim, now
-    for g in range(model.n_chunks - p + 1):
+    for g in range(model.max_gpu_optim(p) + 1):
         if model.static_bytes(p, b, g) - here > room_bytes:
             continue
         t = model.step_time(p, b, s, c, g)

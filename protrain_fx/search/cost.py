@@ -99,7 +99,13 @@ class CostModel(MemoryModel):
         whole = p.buffer_bytes or 1
         self.ar_s = [(self.ag_s + self.rs_s) * c.bytes / whole if c.n_params else 0.0 for c in p.chunks]
         self._lean = p.lean_chunks or (0,) * (len(p.chunks) + 1)
-        self._cpu_after = [sum(self.adam_s[k:]) for k in range(len(p.chunks) + 1)]  # CPU Adam of chunks >= k
+        self._spill = p.spill_chunks or (0,) * (len(p.chunks) + 1)
+        # a spilled chunk's state read and written back (read ahead: overlapping the step before)
+        state = [c.n_params * (4 + p.adam_state_bytes_per_param) for c in p.chunks]
+        self._disk_s = [x / p.disk_read_bytes_per_s + x / p.disk_write_bytes_per_s if any(self._spill) else 0.0
+                        for x in state]
+        self._adam_by_p: dict[int, list[float]] = {}
+        self._cpu_after_by_p: dict[int, list[float]] = {}
         self._gpu_before = [sum(self.gpu_adam_s[:k]) for k in range(len(p.chunks) + 1)]  # GPU Adam of chunks < k
         h2d_shared = min(m.h2d_bytes_per_s, m.duplex_bytes_per_s / 2)
         d2h_shared = min(m.d2h_bytes_per_s, m.duplex_bytes_per_s / 2)
@@ -217,7 +223,28 @@ class CostModel(MemoryModel):
 
     def cpu_adam_time(self, n_persist: int, n_gpu_optim: int = 0) -> float:
         """Seconds of CPU Adam in a step: the chunks neither persistent nor stepped on the GPU."""
-        return self._cpu_after[n_persist + n_gpu_optim]
+        after = self._cpu_after_by_p.get(n_persist)
+        if after is None:
+            adam = self.adam_for(n_persist)
+            after = self._cpu_after_by_p[n_persist] = [sum(adam[k:]) for k in range(len(adam) + 1)]
+        return after[n_persist + n_gpu_optim]
+
+    def adam_for(self, n_persist: int) -> list[float]:
+        """Per chunk, the seconds of its CPU step with ``n_persist`` persistent chunks: its Adam, or
+        for a spilled chunk the longer of that and its state's disk read and write."""
+        got = self._adam_by_p.get(n_persist)
+        if got is None:
+            spill = self._spill[n_persist]
+            lo = self.n_chunks - self._lean[n_persist] - spill
+            got = self._adam_by_p[n_persist] = [
+                max(a, self._disk_s[ch]) if lo <= ch < lo + spill else a for ch, a in enumerate(self.adam_s)]
+        return got
+
+    def max_gpu_optim(self, n_persist: int) -> int:
+        """The most chunks stepped on the device with ``n_persist`` persistent: every offloaded one,
+        or those before the spilled ones (never stepped there)."""
+        spill = self._spill[n_persist]
+        return self.n_chunks - n_persist - (self._lean[n_persist] + spill if spill else 0)
 
     def gpu_adam_time(self, n_persist: int) -> float:
         """Seconds of GPU Adam of the persistent chunks in a step."""
@@ -364,6 +391,7 @@ class CostModel(MemoryModel):
         norm = bwd_end if bwd_end > landed else landed
         P = self._pp(p, g)
         lean_from = self.lean_from(p)
+        adam_s = self.adam_for(p)
         dev = cpu = norm
         adam_done: list[tuple[int, float]] = []
         for ch in range(p, self.n_chunks):
@@ -377,7 +405,7 @@ class CostModel(MemoryModel):
                 dev += seconds
                 adam_done.append((r, dev))
             else:
-                cpu += self.adam_s[ch]
+                cpu += adam_s[ch]
                 adam_done.append((r, cpu))
         gpu_adam = P.gpu_adam_s
         return bwd_end, adam_done, recompute, gpu_adam, cpu - norm, norm + gpu_adam

@@ -193,6 +193,13 @@ class Problem:
     persistent chunks. ``lean_staging_bytes``: device bytes of the fp32 staging lean chunks are
     fetched through (``ChunkBufferPool.staging_bytes``), resident when any chunk is lean.
 
+    ``spill_chunks``: empty (no optimizer state on disk), or per ``n_persist`` how many chunks just
+    before the lean ones keep their fp32 master and moments in the spill file
+    (``runtime/store/spill.py``; the store's rule, ``runtime/store/host_memory.auto_tiers``). Such a
+    chunk's CPU step takes the longer of its Adam and its state's read and write at
+    ``disk_read_bytes_per_s`` / ``disk_write_bytes_per_s`` (read ahead during the chunk before, so
+    the two overlap), and it is never stepped on the device.
+
     ``device_step_s``: ``(chunk id, seconds)`` of chunks whose device step was timed in training
     (``planner/rates.TrainingRates``): that chunk's step takes those seconds instead of its bytes over
     ``machine.device_step_bytes_per_s`` (its copies in scaled alike). The steps of one plan do not
@@ -240,6 +247,9 @@ class Problem:
     persistent_param_bytes: int = 0
     lean_chunks: tuple[int, ...] = ()
     lean_staging_bytes: int = 0
+    spill_chunks: tuple[int, ...] = ()
+    disk_read_bytes_per_s: float = 0.0
+    disk_write_bytes_per_s: float = 0.0
     device_step_s: tuple[tuple[int, float], ...] = ()
     outside_place_bwd_s: float | None = None
     place_d2h_bytes_per_s: float = 0.0
@@ -270,7 +280,7 @@ class Problem:
                 raise ValueError(f"Problem: {n}={v!r} must be a number >= 0 (0: the machine's copy rate)")
         if not (_is_number(self.copy_margin) and 0 < self.copy_margin < math.inf):
             raise ValueError(f"Problem: copy_margin={self.copy_margin!r} must be a finite number > 0")
-        for n in ("blocks", "chunks", "outside_chunk_ids", "lean_chunks"):
+        for n in ("blocks", "chunks", "outside_chunk_ids", "lean_chunks", "spill_chunks"):
             object.__setattr__(self, n, tuple(getattr(self, n)))
         object.__setattr__(self, "device_step_s", tuple(tuple(x) for x in self.device_step_s))
         for pair in self.device_step_s:
@@ -303,6 +313,25 @@ class Problem:
         if unused:
             raise ValueError(f"Problem: chunks {unused} are used by no block and not in outside_chunk_ids")
         self._check_lean()
+        self._check_spill()
+
+    def _check_spill(self) -> None:
+        spill, n = self.spill_chunks, len(self.chunks)
+        if not spill:
+            return
+        if len(spill) != n + 1:
+            raise ValueError(f"Problem: spill_chunks has {len(spill)} entries; one per n_persist in 0..{n} needs {n + 1}")
+        lean = self.lean_chunks or (0,) * (n + 1)
+        for p, k in enumerate(spill):
+            _check_count("Problem", f"spill_chunks[{p}]", k)
+            if k + lean[p] > n - p:
+                raise ValueError(f"Problem: spill_chunks[{p}]={k} and lean_chunks[{p}]={lean[p]} exceed the {n - p} "
+                                 f"chunks offloaded with n_persist={p}")
+        if any(spill):
+            for name in ("disk_read_bytes_per_s", "disk_write_bytes_per_s"):
+                v = getattr(self, name)
+                if not (_is_number(v) and v > 0):
+                    raise ValueError(f"Problem: {name}={v!r} must be a positive number when chunks are spilled")
 
     def _check_lean(self) -> None:
         lean, n = self.lean_chunks, len(self.chunks)
@@ -318,11 +347,11 @@ class Problem:
                 raise ValueError(
                     f"Problem: lean_chunks[{p}]={k} exceeds the {n - p} chunks offloaded with n_persist={p}"
                 )
-            if p and k > lean[p - 1]:
+            if p and k > lean[p - 1] and not any(self.spill_chunks):  # (fewer spilled: more may be lean)
                 raise ValueError(
                     f"Problem: lean_chunks must not grow with n_persist (lean_chunks[{p}]={k} > {lean[p - 1]})"
                 )
-        bad = [c for c in range(n - lean[0], n) if not self.chunks[c].lean_fetch_bytes]
+        bad = [c for c in range(n - max(lean), n) if not self.chunks[c].lean_fetch_bytes]
         if bad:
             raise ValueError(f"Problem: chunks {bad} can be lean but have no lean_fetch_bytes")
 
@@ -359,6 +388,9 @@ class Problem:
             "persistent_param_bytes": self.persistent_param_bytes,
             "lean_chunks": list(self.lean_chunks),
             "lean_staging_bytes": self.lean_staging_bytes,
+            "spill_chunks": list(self.spill_chunks),
+            "disk_read_bytes_per_s": self.disk_read_bytes_per_s,
+            "disk_write_bytes_per_s": self.disk_write_bytes_per_s,
             "device_step_s": [list(x) for x in self.device_step_s],
             "outside_place_bwd_s": self.outside_place_bwd_s,
             "place_d2h_bytes_per_s": self.place_d2h_bytes_per_s,

@@ -245,9 +245,9 @@ def _first_incumbent(model: CostModel, persists: range, cap_all: int, tab: _Tabl
             inc.offer(model.step_time(p, b, *q, g), (p, b, *q, g))
 
 
-def _device_counts(n: int, p: int) -> list[int]:
+def _device_counts(model: CostModel, p: int) -> list[int]:
     """The ``n_gpu_optim`` values walked for ``n_persist = p`` before the refinement (module docstring)."""
-    k = n - p
+    k = model.max_gpu_optim(p)
     if k <= GPU_OPTIM_GRID:
         return list(range(k + 1))
     return sorted({round(i * k / GPU_OPTIM_GRID) for i in range(GPU_OPTIM_GRID + 1)})
@@ -259,11 +259,11 @@ def _walk_device_steps(model: CostModel, persists: range, cap_all: int, prune: b
     then every value within one grid step of the best one found."""
     n = model.n_chunks
     for p in persists:
-        for g in _device_counts(n, p)[1:]:
+        for g in _device_counts(model, p)[1:]:
             _walk(model, p, g, cap_all, prune, tab, inc)
     if inc.best is not None and inc.best[0] < n:
         p, g = inc.best[0], inc.best[4]
-        grid = _device_counts(n, p)
+        grid = _device_counts(model, p)
         i = grid.index(g) if g in grid else None
         if i is not None:
             lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]

@@ -83,7 +83,7 @@ def steadiest_gpu_optim(
         return sum(m.step_time(p, b, s, c, g) for m in models) / len(models)
 
     best_g, best = g0, expected(g0)
-    for g in range(plain.n_chunks - p + 1):
+    for g in range(plain.max_gpu_optim(p) + 1):
         if g == g0 or plain.static_bytes(p, b, g) - here > room_bytes:
             continue
         t = expected(g)

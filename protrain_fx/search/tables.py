@@ -121,6 +121,7 @@ class _PerPersist:
             return -1 if key[1] >= p else key[0]
 
         lean_from = m.lean_from(p)
+        adam = m.adam_for(p)
         chunks = m.problem.chunks
         if lean_from < m.n_chunks:
             fetch_bytes = [
@@ -159,11 +160,11 @@ class _PerPersist:
             step_runs=step_runs,
             offload_at=offload_at,
             adam_trigger=adam_trigger,
-            adam_s=[m.adam_s[m.run_chunk[r]] if adam_trigger[r] else 0.0 for r in range(R)],
+            adam_s=[adam[m.run_chunk[r]] if adam_trigger[r] else 0.0 for r in range(R)],
             no_adam=[0.0] * R,
             min_buffers=max((len(rs) for rs in step_runs), default=0),
             gpu_adam_s=sum(m.gpu_adam_s[:p]),
-            cpu_adam_s=sum(m.adam_s[p + g :]),
+            cpu_adam_s=sum(adam[p + g :]),
             ff_thr=[thr(k) for k in m.ff_key],
             bf_thr=[thr(k) for k in m.bf_key],
             rl_thr=[thr(k) for k in m.rl_key],

@@ -223,3 +223,41 @@ def test_the_device_step_rate_of_a_chunk_layout_is_measured_once_and_kept(tmp_pa
     assert machine_profile.device_step_rate("cuda", parts, load_nodes=nodes, cache=tmp_path) == rate
     with pytest.raises(AssertionError, match="measured again"):  # another layout is measured
         machine_profile.device_step_rate("cuda", parts[::-1], cache=tmp_path)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_optimizer_state_spilled_to_disk_trains_the_bits_of_the_host_store(tmp_path, clip):
+    """bf16 chunks on the GPU, some chunks' master and moments in the spill file (``runtime/store/spill.py``),
+    the rest in pinned host memory: the same losses and parameters, bit for bit, as every chunk's state in
+    host memory, with and without the clip holding every step for the norm."""
+
+    def train(n_spill):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        handle = protrain_fx.offload(model, opt, n_persist=1, n_buffer=8, device="cuda", chunk_bytes=CHUNK,
+                                     compute_dtype=torch.bfloat16, n_gpu_optim=1, n_lean=1, n_spill=n_spill,
+                                     spill_dir=tmp_path)
+        compiled = torch.compile(model, backend="protrain", options={"codegen": "inductor"})
+        losses = []
+        for step in range(6):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(*_batch(step % 4))
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(compiled.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        state = handle.state_dict(model)
+        spilled = handle.n_spill
+        handle.close()
+        return losses, state, spilled
+
+    base_losses, base_state, _ = train(0)
+    losses, state, spilled = train(2)
+    assert spilled == 2
+    assert losses == base_losses
+    for name, value in base_state.items():
+        assert torch.equal(state[name], value), name

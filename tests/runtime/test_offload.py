@@ -730,13 +730,13 @@ def test_lean_chunks_with_bf16_compute_give_the_working_copys_bits():
 def test_auto_makes_the_fewest_last_chunks_lean_that_fit_the_host():
     from protrain_fx.runtime.store.host_memory import AUTO_HOST_RESERVE, HostMemoryError
 
-    def handle_with(available, n_lean="auto"):
+    def handle_with(available, n_lean="auto"):  # (no optimizer state spilled to disk: tests/runtime/test_spill.py)
         torch._dynamo.reset()
         model = GPT(CONFIG)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         return protrain_fx.offload(model, opt, n_persist=0, n_buffer=2, device="cpu", chunk_bytes=CHUNK,
                                    compute_dtype=torch.bfloat16, available_host_bytes=available, grad_pool=2,
-                                   n_lean=n_lean)
+                                   n_lean=n_lean, n_spill=0)
 
     full = handle_with(None)  # plenty: nothing lean
     assert full.n_lean == 0
@@ -753,7 +753,9 @@ def test_auto_makes_the_fewest_last_chunks_lean_that_fit_the_host():
     all_lean = need0 - 2 * numel * n + 4 * numel
     with pytest.raises(HostMemoryError, match=rf"{n} of them lean\) needs {all_lean} bytes"):
         handle_with(all_lean - 1)
-    with pytest.raises(HostMemoryError, match=rf"with every chunk lean \(n_lean={n}\) it would need {all_lean} bytes"):
+    all_spilled = need0 - 12 * numel * n + 12 * numel * 2  # working copies, and two chunks' state in flight
+    with pytest.raises(HostMemoryError, match=rf"With every chunk's optimizer state spilled to disk \(n_spill={n}\) "
+                                              rf"it would need {all_spilled} bytes"):
         handle_with(all_lean - 1, n_lean=0)
     with pytest.raises(ValueError, match=r"n_lean must be 'auto' or in \[0, \d+\]"):
         protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(GPT(CONFIG).parameters()), n_persist=0, n_buffer=2,

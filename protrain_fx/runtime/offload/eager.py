@@ -138,7 +138,8 @@ class EagerModules:
         store.wait_writes(chunk)  # so has a device step
         slot = store.slot(name)
         if store.is_lean(chunk) or store.holds_grad(chunk):
-            source = store.view("master", slot).to(store.compute_dtype)
+            with store.state_held(chunk, write=False):
+                source = store.view("master", slot).to(store.compute_dtype)
         else:
             source = store.view("working", slot)
         # its own memory (on a CPU device ``to`` would alias the host buffer, which the gradient lands in)

@@ -53,7 +53,7 @@ from protrain_fx.runtime.optim.clipping import (
 from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.optim.device_adam import DeviceAdamW
 from protrain_fx.runtime.parallel.grad_sync import GradAverager
-from protrain_fx.runtime.store.host_memory import auto_lean, available_host_bytes
+from protrain_fx.runtime.store.host_memory import auto_tiers, available_host_bytes, planned_store_bytes, spill_bytes
 from protrain_fx.runtime.offload.eager import EagerModules
 from protrain_fx.runtime.offload.landing import Landing
 from protrain_fx.runtime.offload.options import (
@@ -326,8 +326,9 @@ class OffloadHandle(StateDicts, Landing):
         host_names = {n for c in offloaded for s in c.slots for n in s.param.names}
         options = self.options
         n_lean = options.n_lean
-        if self._sources is not None and n_lean != "auto":  # counts chosen by the backend: at most all lean
-            n_lean = min(n_lean, len(offloaded))  # as lean_counts() told the cost model
+        n_spill = options.n_spill
+        if self._sources is not None:  # counts chosen by the backend: as tier_counts() told the cost model
+            n_lean, n_spill = self.tier_counts()[n_persist]
         self.store = shard.store_on_every_rank(self.group, lambda: ChunkStore(
             host_layout,
             {n: source(n) for n in named if n in host_names},
@@ -337,9 +338,12 @@ class OffloadHandle(StateDicts, Landing):
             init=options.init,
             n_lean=n_lean,
             grad_pool=options.grad_pool,
+            n_spill=n_spill,
+            spill_dir=options.spill_dir,
             shard=(self.group.rank, self.group.world_size) if self.group is not None else None,
             fill=fill,  # (counts by hand: filled from the parameters before they become shells below)
         )) if offloaded else None
+        n_gpu_optim = self._steppable_on_device(n_gpu_optim, by_hand=self._sources is None)
         self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
         self.worker = OptimizerWorker(self.adam.step_chunk, self.adam.hyper) if self.adam else None
@@ -401,6 +405,27 @@ class OffloadHandle(StateDicts, Landing):
     def release(self, chunk: int) -> None:
         self.pool.release(chunk)
 
+    def _steppable_on_device(self, n_gpu_optim: int, *, by_hand: bool) -> int:
+        """``n_gpu_optim``, at most the chunks before the spilled ones (whose optimizer state is on
+        disk, stepped on the CPU as it is read back): refused when given by hand, else lowered."""
+        store = self.store
+        most = min(store.spilled) if store is not None and store.spilled else n_gpu_optim
+        if n_gpu_optim <= most:
+            return n_gpu_optim
+        if by_hand:
+            raise ValueError(
+                f"offload: n_gpu_optim={n_gpu_optim} would step chunks whose optimizer state is spilled to disk "
+                f"(chunks {min(store.spilled)}.. of the offloaded ones, n_spill={len(store.spilled)}); give at most "
+                f"{most}")
+        log.info("protrain_fx: n_gpu_optim lowered from %d to %d: the chunks after those are spilled to disk",
+                 n_gpu_optim, most)
+        return most
+
+    @property
+    def n_spill(self) -> int:
+        """Offloaded chunks whose fp32 master and Adam moments live in the spill file (``runtime/store/spill.py``)."""
+        return len(self.store.spilled) if self.store else 0
+
     def set_gpu_optim(self, n_gpu_optim: int) -> None:
         """Step the first ``n_gpu_optim`` offloaded chunks on the device from the next gradient that
         lands, the others on the CPU (the backend re-plans this from the rates training reached:
@@ -413,6 +438,7 @@ class OffloadHandle(StateDicts, Landing):
         offloaded = self.store.num_chunks if self.store is not None else 0
         if not 0 <= n_gpu_optim <= offloaded:
             raise ValueError(f"offload: n_gpu_optim must be in [0, {offloaded}] (the offloaded chunks), got {n_gpu_optim}")
+        n_gpu_optim = self._steppable_on_device(n_gpu_optim, by_hand=False)
         if n_gpu_optim == self.n_gpu_optim:
             return
         self.synchronize()  # the CPU steps queued, and every device step's copies back
@@ -465,7 +491,8 @@ class OffloadHandle(StateDicts, Landing):
     def drop_held_grads(self) -> None:
         """Forget the gradients the offloaded chunks hold without stepping them (a skipped step)."""
         for chunk in sorted(self._pending):
-            self.store.finish_step(chunk)  # the working copy back from the master, the gradient gone
+            with self.store.state_held(chunk, write=False):
+                self.store.finish_step(chunk)  # the working copy back from the master, the gradient gone
         self._pending.clear()
 
     def _on_zero_grad(self) -> None:
@@ -541,23 +568,48 @@ class OffloadHandle(StateDicts, Landing):
 
     def lean_counts(self) -> tuple[int, ...]:
         """Per ``n_persist`` in ``0..`` the layout's chunks, how many offloaded chunks the store would
-        make lean (its rule, ``runtime/store/chunk_store.auto_lean``, for the host memory available now;
-        ``n_lean=K``: ``K``, or every offloaded chunk when fewer are offloaded). For the cost model,
-        before anything is placed."""
+        make lean (its rule, ``runtime/store/host_memory.auto_tiers``, for the host memory available
+        now; ``n_lean=K``: ``K``, or every offloaded chunk when fewer are offloaded). For the cost
+        model, before anything is placed."""
+        return tuple(lean for lean, _ in self.tier_counts())
+
+    def tier_counts(self) -> tuple[tuple[int, int], ...]:
+        """Per ``n_persist`` in ``0..`` the layout's chunks, ``(n_lean, n_spill)`` the store would
+        make (see :meth:`lean_counts`)."""
         chunks, options = self.layout.chunks, self.options
-        n_lean = options.n_lean
-        if n_lean != "auto":
-            return tuple(min(n_lean, len(chunks) - p) for p in range(len(chunks) + 1))
+        n_lean, n_spill = options.n_lean, options.n_spill
+        if n_lean != "auto" and n_spill != "auto":
+            return tuple((min(n_lean, len(chunks) - p), min(n_spill, max(0, len(chunks) - p - n_lean)))
+                         for p in range(len(chunks) + 1))
         available = options.available_host_bytes
         if available is None:
             available = available_host_bytes()
-        itemsize = self.param_dtype.itemsize
-        numel = self.layout.chunk_bytes // itemsize
-        trainable = [any(self._named[s.param.names[0]].requires_grad for s in c.slots) for c in chunks]
-        compute = self.compute_dtype.itemsize
-        return tuple(
-            auto_lean(numel, trainable[p:], compute, available, options.grad_pool) for p in range(len(chunks) + 1)
-        )
+        numel, trainable, compute = self._store_shape()
+        counts = []
+        for p in range(len(chunks) + 1):
+            offloaded = len(chunks) - p
+            lean = n_lean if n_lean == "auto" else min(n_lean, offloaded)
+            spill = 0 if self.group is not None else n_spill if n_spill == "auto" \
+                else min(n_spill, offloaded - (0 if lean == "auto" else lean))
+            counts.append(auto_tiers(numel, trainable[p:], compute, available, options.grad_pool, lean, spill))
+        return tuple(counts)
+
+    def tier_bytes(self, n_persist: int) -> dict[str, int]:
+        """Where the store of ``n_persist`` persistent chunks would keep what: ``n_lean`` and
+        ``n_spill`` (:meth:`tier_counts`), ``host_bytes`` of host memory, ``disk_bytes`` in the spill file."""
+        lean, spill = self.tier_counts()[n_persist]
+        numel, trainable, compute = self._store_shape()
+        rest = trainable[n_persist:]
+        return {"n_lean": lean, "n_spill": spill,
+                "host_bytes": planned_store_bytes(numel, rest, compute, lean, self.options.grad_pool, spill),
+                "disk_bytes": spill_bytes(numel, rest, lean, spill)}
+
+    def _store_shape(self) -> tuple[int, list[bool], int]:
+        """Elements of a chunk, which chunks train, and the compute dtype's bytes: what the store's
+        arithmetic needs (``runtime/store/host_memory.py``)."""
+        numel = self.layout.chunk_bytes // self.param_dtype.itemsize
+        trainable = [any(self._named[s.param.names[0]].requires_grad for s in c.slots) for c in self.layout.chunks]
+        return numel, trainable, self.compute_dtype.itemsize
 
     def close(self) -> None:
         self.synchronize()

@@ -10,6 +10,7 @@ changes the model.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -45,6 +46,8 @@ class OffloadOptions:
     n_lean: int | Literal["auto"] = AUTO
     grad_pool: int = GRAD_POOL
     grad_clipping: bool | None = None
+    n_spill: int | Literal["auto"] = AUTO
+    spill_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", torch.device(self.device))
@@ -63,6 +66,10 @@ class OffloadOptions:
         n_lean = self.n_lean
         if n_lean != AUTO and not is_count(n_lean):
             raise ValueError(f"offload: n_lean must be 'auto' or a count of chunks (an int >= 0), got {n_lean!r}")
+        if self.n_spill != AUTO and not is_count(self.n_spill):
+            raise ValueError(f"offload: n_spill must be 'auto' or a count of chunks (an int >= 0), got {self.n_spill!r}")
+        if self.spill_dir is not None and not isinstance(self.spill_dir, (str, os.PathLike)):
+            raise ValueError(f"offload: spill_dir must be a folder's path, got {self.spill_dir!r}")
         grad_pool = self.grad_pool
         if not is_count(grad_pool, 1):
             raise ValueError(f"offload: grad_pool must be at least 1, got {grad_pool!r} (the host buffers a lean "

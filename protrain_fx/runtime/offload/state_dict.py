@@ -82,7 +82,11 @@ class StateDicts:
                 "collective) and save it from rank 0"
             )
         self.synchronize()
-        return self.store.view("master", self.store.full_slot(name)).detach()
+        slot = self.store.full_slot(name)
+        if slot.chunk in self.store.spilled:  # (its master is in the spill file: a copy read back)
+            with self.store.state_held(slot.chunk, write=False):
+                return self.store.view("master", slot).clone()
+        return self.store.view("master", slot).detach()
 
     def load_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set offloaded parameters (their names in the model -> full tensors) where their values live:

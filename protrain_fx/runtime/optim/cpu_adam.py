@@ -112,15 +112,17 @@ class ChunkAdamW:
         slots = [s for s in self.store.grad_slots(chunk_id) if s in self._group_of]
         store = self.store
         if not slots:
-            store.finish_step(chunk_id, refreshed=slots)
+            with store.state_held(chunk_id, write=False):
+                store.finish_step(chunk_id, refreshed=slots)
             return
         store.wait_grad(chunk_id)
         store.before_host_write(chunk_id)  # (a fetch may still be reading the working copy)
-        start = _clock()
-        for g in sorted({self._group_of[s] for s in slots}):
-            self._step_group(chunk_id, g, [s for s in slots if self._group_of[s] == g],
-                             None if hyper is None else hyper[g], grad_scale)
-        store.finish_step(chunk_id, refreshed=slots)
+        with store.state_held(chunk_id):  # (a spilled chunk's state read back from disk, written after)
+            start = _clock()
+            for g in sorted({self._group_of[s] for s in slots}):
+                self._step_group(chunk_id, g, [s for s in slots if self._group_of[s] == g],
+                                 None if hyper is None else hyper[g], grad_scale)
+            store.finish_step(chunk_id, refreshed=slots)
         seconds, params = self.computed
         self.computed = (seconds + _clock() - start, params + sum(s.numel for s in slots))
 
@@ -209,12 +211,15 @@ class ChunkAdamW:
         if self.store.shard[1] > 1:  # whole tensors, gathered from every rank's pieces
             state.update(shard.gather_optimizer_state(self.store, self._steps, self._index_of))
             return {"state": dict(sorted(state.items())), "param_groups": state_dict["param_groups"]}
-        for slot, step in self._steps.items():  # only optimized slots take steps
-            state[self._index_of[slot]] = {
-                "step": step.clone(),
-                "exp_avg": self.store.view("exp_avg", slot).clone(),
-                "exp_avg_sq": self.store.view("exp_avg_sq", slot).clone(),
-            }
+        for c in sorted({slot.chunk for slot in self._steps}):  # (a spilled chunk's state held once)
+            with self.store.state_held(c, write=False):
+                for slot, step in self._steps.items():  # only optimized slots take steps
+                    if slot.chunk == c:
+                        state[self._index_of[slot]] = {
+                            "step": step.clone(),
+                            "exp_avg": self.store.view("exp_avg", slot).clone(),
+                            "exp_avg_sq": self.store.view("exp_avg_sq", slot).clone(),
+                        }
         return {
             "state": dict(sorted(state.items())),
             "param_groups": state_dict["param_groups"],
@@ -236,18 +241,22 @@ class ChunkAdamW:
             "param_groups": state_dict["param_groups"],
         }
         self._steps.clear()
-        for index, slot in ours.items():
-            entry = state.get(index, state.get(str(index)))
-            for kind in ("exp_avg", "exp_avg_sq"):
-                view = self.store.view(kind, slot)
-                if entry is None:
-                    view.zero_()
-                else:
-                    view.copy_(piece_of(entry[kind], slot))  # (sharded: this rank's piece)
-            if entry is not None:
-                self._steps[slot] = torch.tensor(
-                    float(entry["step"]), dtype=torch.float32
-                )
+        for c in sorted({slot.chunk for slot in ours.values()}):  # (a spilled chunk's state held once)
+            with self.store.state_held(c):
+                for index, slot in ours.items():
+                    if slot.chunk != c:
+                        continue
+                    entry = state.get(index, state.get(str(index)))
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        view = self.store.view(kind, slot)
+                        if entry is None:
+                            view.zero_()
+                        else:
+                            view.copy_(piece_of(entry[kind], slot))  # (sharded: this rank's piece)
+                    if entry is not None:
+                        self._steps[slot] = torch.tensor(
+                            float(entry["step"]), dtype=torch.float32
+                        )
         return rest
 
 

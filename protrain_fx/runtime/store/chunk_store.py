@@ -18,29 +18,44 @@ event (:meth:`ChunkStore.wait_grad`), and device reads of a buffer are noted
 (:meth:`ChunkStore.note_host_read`) so that no host write overtakes a copy in flight. A gradient
 added to one the chunk holds (micro-batches) is staged and added on the CPU optimizer's worker
 thread (``runtime/store/grad_adds.py``); :meth:`ChunkStore.wait_grad` waits for those adds too.
+
+*Spilled* chunks (a host short of memory even with every chunk lean) keep only their working copy in
+host memory: their master and moments live in a file on local disk and are held in host memory only
+while used (:meth:`ChunkStore.state_held`; ``runtime/store/spill.py``).
 """
 
 from __future__ import annotations
 
-import threading
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal
+from contextlib import nullcontext
+from typing import ContextManager, Literal
 
 import torch
 
 from protrain_fx.chunks import ChunkLayout
 from protrain_fx.runtime.store.host_memory import (
-    GiB,
-    auto_lean,
     available_host_bytes,
-    check_host_memory,
     planned_store_bytes,
+    spill_bytes,
+    store_tiers,
 )
+from protrain_fx.runtime.store.spill import Residency, SpillFile, check_spill_dir
+from protrain_fx.runtime.store.spill import spill_dir as spill_dir_of
 from protrain_fx.runtime.store.grad_adds import PendingAdds
+from protrain_fx.runtime.store.landing_pool import LandingPool
 from protrain_fx.runtime.store.pinned import host_empty, host_zeros
-from protrain_fx.runtime.store.slots import ParamSlot, _layout_itemsize, _pieces, _slot_view, _slots, piece_of
+from protrain_fx.runtime.store.slots import (
+    ParamSlot,
+    _layout_itemsize,
+    _pieces,
+    _slot_view,
+    _slots,
+    grads_by_slot,
+    piece_of,
+)
 
 __all__ = ["GRAD_POOL", "BufferKind", "ChunkStore", "ParamSlot", "piece_of"]
 
@@ -61,6 +76,9 @@ class ChunkStore:
     parameters'). ``available_bytes`` overrides ``/proc/meminfo`` for the up-front memory check.
     ``n_lean``: how many chunks, counted from the last, are lean (no working copy; see the module
     docstring), or ``"auto"``: the fewest that fit. ``grad_pool``: landing buffers of the lean chunks.
+    ``n_spill``: how many chunks before the lean ones keep their optimizer state in a file in
+    ``spill_dir`` (``runtime/store/spill.py``), or ``"auto"``: none while host memory holds the store,
+    else the fewest that let it.
     ``shard=(rank, world_size)``: the store holds only that rank's equal part of every chunk (its
     buffers, slots and optimizer state; ``runtime/parallel/shard.py`` gathers and scatters the rest).
     ``fill=False``: nothing is allocated until :meth:`fill` (the layout and the host check are done).
@@ -80,6 +98,8 @@ class ChunkStore:
         init: Callable[[str, torch.Tensor], None] | None = None,
         n_lean: int | Literal["auto"] = 0,
         grad_pool: int = GRAD_POOL,
+        n_spill: int | Literal["auto"] = 0,
+        spill_dir: str | os.PathLike[str] | None = None,
         shard: tuple[int, int] | None = None,
         fill: bool = True,
     ) -> None:
@@ -101,27 +121,25 @@ class ChunkStore:
         self.compute_dtype = compute_dtype or next(iter(params.values())).dtype
         self.pinned = pin_memory and torch.cuda.is_available()
         self._slot_of = {name: s for s in self.slots for name in s.names}
-        self._chunk_slots = tuple(
-            tuple(s for s in self.slots if s.chunk == c.index) for c in layout.chunks
-        )
+        self._chunk_slots = tuple(tuple(s for s in self.slots if s.chunk == c.index) for c in layout.chunks)
         if grad_pool < 1:
             raise ValueError(f"grad_pool must be at least 1, got {grad_pool}")
         if available_bytes is None:
             available_bytes = available_host_bytes()
         n = len(layout.chunks)
-        if n_lean == "auto":
-            n_lean = self._auto_lean(available_bytes, grad_pool)
-        elif isinstance(n_lean, bool) or not isinstance(n_lean, int) or not 0 <= n_lean <= n:
-            raise ValueError(f"n_lean must be 'auto' or in [0, {n}] (the chunks), got {n_lean!r}")
+        n_lean, n_spill = store_tiers(self.chunk_numel, self._trainable_chunks(), self.compute_dtype.itemsize,
+                                      available_bytes, grad_pool, n_lean, n_spill, world)
         #: Chunks without a host working copy (the last ``n_lean``).
         self.lean = frozenset(range(n - n_lean, n))
+        #: Chunks whose master and moments live in the spill file (the ``n_spill`` before the lean ones).
+        self.spilled = frozenset(range(n - n_lean - n_spill, n - n_lean))
         self.grad_pool = min(grad_pool, n_lean)
-        needed = self._planned_bytes()
-        what = f"the chunk store ({n} chunks, {n_lean} of them lean)"
-        if n_lean < n and available_bytes is not None and needed > available_bytes:
-            lean_all = self._planned_bytes(frozenset(range(n)), min(grad_pool, n))
-            what += f"; with every chunk lean (n_lean={n}) it would need {lean_all} bytes ({lean_all / GiB:.2f} GiB)"
-        check_host_memory(needed, available_bytes, what)
+        self._spill_dir = spill_dir_path = spill_dir_of(spill_dir) if self.spilled else None
+        #: Bytes of the spill file (0: nothing spilled).
+        self.spill_bytes = spill_bytes(self.chunk_numel, self._trainable_chunks(), n_lean, n_spill)
+        if spill_dir_path is not None:
+            check_spill_dir(spill_dir_path, self.spill_bytes)
+        self._residency: Residency | None = None
         self._init = init
         if init is None:
             meta = next((s.name for s in self.slots if params[s.name].is_meta), None)
@@ -150,10 +168,8 @@ class ChunkStore:
         self._d2h_streams: dict[torch.device, torch.cuda.Stream] = {}
         # gradient landing buffers of lean chunks: held (chunk -> buffer) and free; the optimizer's
         # thread gives them back
-        self._landing: dict[int, torch.Tensor] = {}
-        self._free_landing: list[torch.Tensor] = []
-        self._landing_made = 0
-        self._landing_lock = threading.Lock()
+        self._landing = LandingPool(self.grad_pool, self.chunk_numel * self.compute_dtype.itemsize,
+                                    lambda: self._empty(self.compute_dtype))
         #: Accumulated landings, added off the landing thread (its ``run``: the optimizer's worker).
         self.adds = PendingAdds(len(layout.chunks), self.chunk_numel, self.compute_dtype, self.pinned)
 
@@ -201,7 +217,8 @@ class ChunkStore:
 
     def _chunk_bytes(self) -> int:
         self.wait_filled()
-        buffers = [b for kind in self._buffers.values() for b in kind if b is not None]
+        buffers = [b for kind, bs in self._buffers.items() for c, b in enumerate(bs)
+                   if b is not None and (kind == "working" or c not in self.spilled)]  # (held state: staging)
         return sum(b.numel() * b.element_size() for b in buffers)
 
     def _fixed_bytes(self) -> int:
@@ -209,25 +226,19 @@ class ChunkStore:
         itemsize = self.compute_dtype.itemsize
         self.wait_filled()
         scratch = 0 if self._scratch is None else self._scratch.numel() * 4
-        return scratch + self._landing_made * self.chunk_numel * itemsize + self.adds.staging_bytes
+        spill = 0 if self._residency is None else self._residency.buffer_bytes
+        return scratch + self._landing.made * self.chunk_numel * itemsize + self.adds.staging_bytes + spill
 
-    def _planned_bytes(self, lean: frozenset[int] | None = None, grad_pool: int | None = None) -> int:
+    def _planned_bytes(self) -> int:
         """What ``host_bytes`` will be, computed before allocating anything, with the pool's
-        landing buffers all made (default: this store's ``lean`` and ``grad_pool``; ``lean`` is
-        always the last chunks)."""
-        lean = self.lean if lean is None else lean
-        assert lean == frozenset(range(self.num_chunks - len(lean), self.num_chunks)), "lean chunks are the last"
+        landing buffers all made."""
         return planned_store_bytes(
-            self.chunk_numel, self._trainable_chunks(), self.compute_dtype.itemsize, len(lean),
-            self.grad_pool if grad_pool is None else grad_pool,
+            self.chunk_numel, self._trainable_chunks(), self.compute_dtype.itemsize, len(self.lean),
+            self.grad_pool, len(self.spilled),
         )
 
     def _trainable_chunks(self) -> list[bool]:
         return [any(s.trainable for s in slots) for slots in self._chunk_slots]
-
-    def _auto_lean(self, available: int | None, grad_pool: int) -> int:
-        """:func:`auto_lean` of this store."""
-        return auto_lean(self.chunk_numel, self._trainable_chunks(), self.compute_dtype.itemsize, available, grad_pool)
 
     # ---- allocation --------------------------------------------------------------------------
 
@@ -259,8 +270,15 @@ class ChunkStore:
         params = self._params
         assert params is not None
         started = time.monotonic()
+        if self.spilled:
+            trainable = self._trainable_chunks()
+            spilled = sorted(self.spilled)
+            assert self._spill_dir is not None
+            sizes = [self.chunk_numel * 4 * (3 if trainable[c] else 1) for c in spilled]
+            self._residency = Residency(SpillFile(self._spill_dir, sizes), spilled, self.chunk_numel,
+                                        self._buffers, [trainable[c] for c in spilled])
         for c, slots in enumerate(self._chunk_slots):
-            self._allocate_chunk(slots, params, lean=c in self.lean)
+            self._allocate_chunk(slots, params, lean=c in self.lean, spilled=c in self.spilled)
         needs_scratch = self.compute_dtype != torch.float32 and self.has_trainable
         self._scratch = self._empty(torch.float32) if needs_scratch else None
         self._params = None
@@ -284,9 +302,10 @@ class ChunkStore:
         return host_zeros(self.chunk_numel, dtype, self.pinned)
 
     def _allocate_chunk(
-        self, slots: tuple[ParamSlot, ...], params: Mapping[str, torch.Tensor], *, lean: bool
+        self, slots: tuple[ParamSlot, ...], params: Mapping[str, torch.Tensor], *, lean: bool, spilled: bool = False,
     ) -> None:
-        master = self._zeros(torch.float32)  # zero padding: finite if ever read
+        # zero padding: finite if ever read
+        master = torch.zeros(self.chunk_numel, dtype=torch.float32) if spilled else self._zeros(torch.float32)
         for s in slots:
             source = params[s.name]
             target = master[s.offset : s.offset + s.numel]
@@ -299,10 +318,16 @@ class ChunkStore:
             working = self._empty(self.compute_dtype)
             working.copy_(master)
         trainable = any(s.trainable for s in slots)
-        self._buffers["master"].append(master)
         self._buffers["working"].append(working)
+        if spilled:  # the state goes to the file: master, then zero moments
+            assert self._residency is not None
+            zeros = torch.zeros(self.chunk_numel, dtype=torch.float32) if trainable else None
+            self._residency.write_initial(len(self._buffers["working"]) - 1,
+                                          [master] + ([zeros, zeros] if zeros is not None else []))
+            master = None
+        self._buffers["master"].append(master)
         for kind in ("exp_avg", "exp_avg_sq"):
-            self._buffers[kind].append(self._zeros(torch.float32) if trainable else None)
+            self._buffers[kind].append(self._zeros(torch.float32) if trainable and not spilled else None)
 
     def _materialize(self, slot: ParamSlot, target: torch.Tensor) -> None:
         """Fill ``target`` (the slot's flat fp32 master) with ``init(name, tensor)``'s values (the
@@ -326,21 +351,39 @@ class ChunkStore:
         if self._params is not None:
             raise RuntimeError("protrain_fx: the chunk store was laid out for planning and holds no values yet (fill())")
         buffer = self._buffers[kind][chunk_id]
+        if buffer is None and chunk_id in self.spilled and kind != "working":
+            if kind == "master" or self._trainable_chunks()[chunk_id]:
+                raise RuntimeError(f"protrain_fx: chunk {chunk_id}'s {kind} is in the spill file; hold it in "
+                                   "host memory with ChunkStore.state_held first")
         if buffer is None and kind == "working":
             raise ValueError(
                 f"chunk {chunk_id} is lean: it has no host working copy (its values are the master's, "
                 "its gradient is in grad_flat)"
             )
         if buffer is None:
-            raise ValueError(
-                f"chunk {chunk_id} has no trainable parameter, so no {kind}"
-            )
+            raise ValueError(f"chunk {chunk_id} has no trainable parameter, so no {kind}")
         return buffer
 
     def has_buffer(self, kind: BufferKind, chunk_id: int) -> bool:
         """Whether the chunk has a ``kind`` buffer here (no moments where nothing here trains)."""
         self.wait_filled()
+        if chunk_id in self.spilled and kind != "working":
+            return kind == "master" or self._trainable_chunks()[chunk_id]
         return self._buffers[kind][chunk_id] is not None
+
+    def state_held(self, chunk_id: int, *, write: bool = True) -> ContextManager[None]:
+        """For the ``with`` block, the chunk's master and moments in host memory: a spilled chunk's
+        are read back from the spill file (or waited for, read ahead) and, with ``write`` (a step),
+        written back after (``Residency.held``, which also reads ahead the one stepped next). Nothing
+        to hold for a chunk not spilled."""
+        if self._residency is None:
+            return nullcontext()
+        return self._residency.held(chunk_id, write=write)
+
+    @property
+    def residency(self) -> Residency | None:
+        """The spilled chunks' state in host memory and the spill file (``None``: nothing spilled)."""
+        return self._residency
 
     def view(self, kind: BufferKind, slot: ParamSlot) -> torch.Tensor:
         """``slot``'s parameter-shaped view of its chunk's ``kind`` buffer."""
@@ -355,9 +398,7 @@ class ChunkStore:
     def unflatten(self, chunk_id: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter name -> view of ``flat``, any chunk-shaped tensor (e.g. a GPU buffer of chunk ``chunk_id``)."""
         if flat.shape != (self.chunk_numel,):
-            raise ValueError(
-                f"a flat chunk has {self.chunk_numel} elements, got shape {tuple(flat.shape)}"
-            )
+            raise ValueError(f"a flat chunk has {self.chunk_numel} elements, got shape {tuple(flat.shape)}")
         views = {}
         for s in self._chunk_slots[chunk_id]:
             view = _slot_view(flat, s)
@@ -383,48 +424,24 @@ class ChunkStore:
         lean chunk's landing buffer (which it must hold: see :meth:`holds_grad`)."""
         if chunk_id not in self.lean:
             return self.flat("working", chunk_id)
-        try:
-            return self._landing[chunk_id]
-        except KeyError:
-            raise ValueError(f"lean chunk {chunk_id} holds no gradient") from None
+        held = self._landing.held(chunk_id)
+        if held is None:
+            raise ValueError(f"lean chunk {chunk_id} holds no gradient")
+        return held
 
     def landing_full(self) -> bool:
         """Whether every landing buffer of the pool is held (the next lean chunk to take one would
         get a new one: wait for an optimizer step first, if one is coming)."""
-        with self._landing_lock:
-            return not self._free_landing and self._landing_made >= self.grad_pool
+        return self._landing.full()
 
     @property
     def landing_buffers(self) -> int:
         """Landing buffers made so far (``grad_pool``, more only when a caller could not wait)."""
-        return self._landing_made
+        return self._landing.made
 
     def _grad_target(self, chunk_id: int) -> torch.Tensor:
-        """Where the chunk's gradient lands: :meth:`grad_flat`, taking a landing buffer for a lean
-        chunk that holds none."""
-        if chunk_id not in self.lean or chunk_id in self._landing:
-            return self.grad_flat(chunk_id)
-        with self._landing_lock:
-            buffer = self._free_landing.pop() if self._free_landing else None
-            made = self._landing_made
-        if buffer is None:
-            if made >= self.grad_pool:  # past the planned pool: check what the host has now
-                check_host_memory(
-                    self.chunk_numel * self.compute_dtype.itemsize,
-                    available_host_bytes(),
-                    f"landing buffer {made + 1} of the lean chunks' gradients (the pool has {self.grad_pool})",
-                )
-            buffer = self._empty(self.compute_dtype)
-            with self._landing_lock:
-                self._landing_made += 1
-        self._landing[chunk_id] = buffer
-        return buffer
-
-    def _give_back_landing(self, chunk_id: int) -> None:
-        buffer = self._landing.pop(chunk_id, None)
-        if buffer is not None:
-            with self._landing_lock:
-                self._free_landing.append(buffer)
+        """Where the chunk's gradient lands: :meth:`grad_flat`, or a landing buffer for a lean chunk."""
+        return self._landing.take(chunk_id) if chunk_id in self.lean else self.grad_flat(chunk_id)
 
     def holds_grad(self, chunk_id: int) -> bool:
         """Whether the chunk's working buffer holds a gradient (its values are then in the master only)."""
@@ -432,9 +449,7 @@ class ChunkStore:
 
     def grad_slots(self, chunk_id: int) -> tuple[ParamSlot, ...]:
         """The chunk's parameters that received a gradient since its last step, in layout order."""
-        return tuple(
-            s for s in self._chunk_slots[chunk_id] if s in self._grad_slots[chunk_id]
-        )
+        return tuple(s for s in self._chunk_slots[chunk_id] if s in self._grad_slots[chunk_id])
 
     def write_grad(
         self, chunk_id: int, flat: torch.Tensor, *, accumulate: bool = False
@@ -448,13 +463,9 @@ class ChunkStore:
         slots = self._chunk_slots[chunk_id]
         trainable = {s for s in slots if s.trainable}
         if not trainable:
-            raise ValueError(
-                f"chunk {chunk_id} has no trainable parameter to take a gradient"
-            )
+            raise ValueError(f"chunk {chunk_id} has no trainable parameter to take a gradient")
         if flat.shape != (self.chunk_numel,):
-            raise ValueError(
-                f"a flat chunk gradient has {self.chunk_numel} elements, got shape {tuple(flat.shape)}"
-            )
+            raise ValueError(f"a flat chunk gradient has {self.chunk_numel} elements, got shape {tuple(flat.shape)}")
         held = self._grad_slots[chunk_id]
         add = accumulate and bool(held)
         target = self._grad_target(chunk_id)
@@ -491,25 +502,8 @@ class ChunkStore:
         return sorted({s.chunk for s in by_slot})
 
     def grads_by_slot(self, grads: Mapping[str, torch.Tensor]) -> dict[ParamSlot, torch.Tensor]:
-        """Gradients by parameter name -> by slot, refusing a frozen parameter's, two for one tied
-        tensor, or a wrong shape."""
-        by_slot: dict[ParamSlot, torch.Tensor] = {}
-        for name, grad in grads.items():
-            s = self.slot(name)
-            if not s.trainable:
-                raise ValueError(
-                    f"parameter {name!r} is frozen (requires_grad=False) but got a gradient"
-                )
-            if s in by_slot:
-                raise ValueError(
-                    f"tied parameter {s.names} got two gradients; give one per tensor"
-                )
-            if tuple(grad.shape) != s.shape:
-                raise ValueError(
-                    f"gradient of {name!r} has shape {tuple(grad.shape)}, expected {s.shape}"
-                )
-            by_slot[s] = grad
-        return by_slot
+        """Gradients by parameter name -> by slot (``runtime/store/slots.grads_by_slot``)."""
+        return grads_by_slot(self.slot, grads)
 
     def wait_grad(self, chunk_id: int) -> None:
         """Block until the chunk's gradient copies (from a GPU) have arrived and its queued adds are done."""
@@ -545,7 +539,7 @@ class ChunkStore:
         self._before_host_write(chunk_id)
         done = set(refreshed)
         if chunk_id in self.lean:
-            self._give_back_landing(chunk_id)
+            self._landing.give_back(chunk_id)
         elif not done:
             self.flat("working", chunk_id).copy_(self.flat("master", chunk_id))
         else:
@@ -650,7 +644,8 @@ class ChunkStore:
         if not self._grad_slots[chunk_id]:
             return self.flat("working", chunk_id)
         self.wait_writes(chunk_id)  # the CPU reads the master: a device step may still be writing it
-        return staging().copy_(self.flat("master", chunk_id))
+        with self.state_held(chunk_id, write=False):
+            return staging().copy_(self.flat("master", chunk_id))
 
     def note_host_read(self, chunk_id: int, event: torch.cuda.Event) -> None:
         """A GPU copy reading the chunk's host buffer finishes at ``event``: later writes wait for it."""
@@ -663,7 +658,11 @@ class ChunkStore:
 
         Loads into the plain model with ``load_state_dict`` (which casts to the model's dtype)."""
         self.wait_writes()
-        return self._named(lambda s: self.view("master", s).clone())
+        values: dict[ParamSlot, torch.Tensor] = {}
+        for c in range(self.num_chunks):
+            with self.state_held(c, write=False):
+                values.update((s, self.view("master", s).clone()) for s in self._chunk_slots[c])
+        return self._named(values.__getitem__)
 
     def load_param_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
         """Set every parameter from ``state_dict`` (a model's ``state_dict()`` or :meth:`param_state_dict`);
@@ -671,8 +670,8 @@ class ChunkStore:
 
         A tied parameter needs one of its names; entries that are not parameters (buffers) are
         ignored. The gradients held by the chunks set are dropped."""
-        loaded: set[int] = set()
-        for s in self.slots:
+        found: dict[ParamSlot, torch.Tensor] = {}
+        for s in self.slots:  # everything checked before anything is written
             name = next((n for n in s.names if n in state_dict), None)
             if name is None:
                 if strict:
@@ -680,17 +679,18 @@ class ChunkStore:
                 continue
             value, whole = state_dict[name], self._full_slot_of[s.name]
             if tuple(value.shape) != whole.shape:
-                raise ValueError(
-                    f"{name!r} has shape {tuple(value.shape)} in the state_dict, expected {whole.shape}"
-                )
-            self._before_host_write(s.chunk)
-            self.view("master", s).copy_(piece_of(value, s))
-            loaded.add(s.chunk)
-        for c in sorted(loaded):
-            if c in self.lean:
-                self._give_back_landing(c)
-            else:
-                self.flat("working", c).copy_(self.flat("master", c))
+                raise ValueError(f"{name!r} has shape {tuple(value.shape)} in the state_dict, expected {whole.shape}")
+            found[s] = value
+        for c in sorted({s.chunk for s in found}):
+            self._before_host_write(c)
+            with self.state_held(c):
+                for s in self._chunk_slots[c]:
+                    if s in found:
+                        self.view("master", s).copy_(piece_of(found[s], s))
+                if c in self.lean:
+                    self._landing.give_back(c)
+                else:
+                    self.flat("working", c).copy_(self.flat("master", c))
             self._grad_slots[c].clear()
             self._versions[c] += 1
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -139,3 +139,19 @@ def _slots(
     if unplaced:
         raise ValueError(f"parameter {unplaced[0]!r} is not in the chunk layout")
     return tuple(slots)
+
+
+def grads_by_slot(slot_of: Callable[[str], ParamSlot], grads: Mapping[str, torch.Tensor]) -> dict[ParamSlot, torch.Tensor]:
+    """Gradients by parameter name -> by slot (``slot_of(name)``), refusing a frozen parameter's, two
+    for one tied tensor, or a wrong shape."""
+    by_slot: dict[ParamSlot, torch.Tensor] = {}
+    for name, grad in grads.items():
+        s = slot_of(name)
+        if not s.trainable:
+            raise ValueError(f"parameter {name!r} is frozen (requires_grad=False) but got a gradient")
+        if s in by_slot:
+            raise ValueError(f"tied parameter {s.names} got two gradients; give one per tensor")
+        if tuple(grad.shape) != s.shape:
+            raise ValueError(f"gradient of {name!r} has shape {tuple(grad.shape)}, expected {s.shape}")
+        by_slot[s] = grad
+    return by_slot
