@@ -24,7 +24,7 @@ import os
 import pickle
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -192,6 +192,15 @@ def _attributes_ordered_as(copied: fx.GraphModule, original: fx.GraphModule) -> 
     return copied
 
 
+def unmark_static(inputs: Sequence[Any]) -> None:
+    """Drop the mark Inductor leaves on the GPU inputs of a lowering it was told are static
+    (``_is_inductor_static``, set on the tensor object itself): its cache key then records their
+    storage sizes. A trial lowers the graph's placeholder values, the same objects in every trial, so a
+    mark left by one trial would key the next one apart from the compile, whose inputs are fresh."""
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and hasattr(t, "_is_inductor_static"):
+            del t._is_inductor_static
+
 def aot_kwargs(phase: str, static_input_idxs: list[int]) -> dict[str, Any]:
     """The keyword arguments AOTAutograd gives Inductor's ``compile_fx_inner`` for a training graph's
     ``phase`` (``compile_fx_forward`` / ``compile_fx_backward``, cudagraphs off), less the graph id
@@ -264,8 +273,13 @@ def probe_inductor(record: CapturedGraph, extra_patches: dict[str, Any], copy_gr
                 ] if inductor_config.bw_outputs_user_visible else []
             context = TracingContext(detect_fake_mode(inputs))
             context.fw_metadata = SimpleNamespace(bw_donated_idxs=donated, static_input_indices=static)
-            with tracing(context), inductor_config.patch(extra_patches):
-                _, plan = lower(record, gm, inputs, phase, compile_fx_inner, copy_graph, **aot_kwargs(phase, static))
+            unmark_static(inputs)  # as the compile's own inputs: marked static by this lowering only
+            try:
+                with tracing(context), inductor_config.patch(extra_patches):
+                    _, plan = lower(record, gm, inputs, phase, compile_fx_inner, copy_graph,
+                                    **aot_kwargs(phase, static))
+            finally:
+                unmark_static(inputs)
             if plan is None:
                 raise RuntimeError(f"Inductor generated no code to read the {phase} graph's allocation plan from")
             plans[phase] = plan

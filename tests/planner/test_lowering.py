@@ -117,3 +117,33 @@ def test_a_plan_that_recomputes_an_attention_on_cuda_is_served_by_inductors_cach
         counts.append({k: after[k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss",
                                                                 "fxgraph_cache_bypass")})
     assert counts[0]["fxgraph_cache_bypass"] == 0 and counts[1]["fxgraph_cache_hit"] == 2, counts
+
+
+def test_a_trial_leaves_no_static_mark_that_would_key_the_next_trial_apart_from_the_compile(monkeypatch):
+    """On a GPU Inductor marks the tensors it is told are static (``_is_inductor_static``, on the tensor
+    object) and keys them by their storage size. Trials lower the graph's placeholder values, shared by
+    every trial, and a backward marks the saved token ids that the next trial's forward reads: the
+    forward was then keyed apart from the compile's (a 4.2B offload on an H100 missed Inductor's cache).
+    Here the marking is done as the GPU does it, on the CPU: no lowering may start with a mark its own
+    static inputs did not put there."""
+    import torch._inductor.compile_fx as compile_fx
+
+    seen: list[tuple[str, list[int]]] = []
+    original = compile_fx.compile_fx_inner
+
+    def marking(gm, example_inputs, **kwargs):
+        static = set(kwargs.get("static_input_idxs") or ())
+        stray = [i for i, t in enumerate(example_inputs)
+                 if isinstance(t, torch.Tensor) and hasattr(t, "_is_inductor_static") and i not in static]
+        seen.append(("backward" if kwargs.get("is_backward") else "forward", stray))
+        for i in static:  # what compile_fx_inner does to GPU inputs
+            if isinstance(example_inputs[i], torch.Tensor):
+                example_inputs[i]._is_inductor_static = True
+        return original(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", marking)
+    # (Inductor's caches kept: compile_fx_inner is called, and marks, on a hit too)
+    record, _ = _step({"memory_budget": 2_700_000, "verify": "inductor"})  # a plan, after several trials
+    trials = [p for p in seen if p[0] == "forward"]
+    assert len(trials) >= 2, seen  # at least two trials' forwards after a backward
+    assert all(not stray for _, stray in seen), seen
