@@ -20,6 +20,7 @@ being that of the last step written whole.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import tempfile
@@ -33,6 +34,8 @@ from pathlib import Path
 import torch
 
 from protrain_fx import settings
+
+log = logging.getLogger("protrain_fx")
 
 __all__ = ["SPILL_STAGING", "Residency", "SpillError", "SpillFile", "check_spill_dir", "spill_dir"]
 
@@ -94,6 +97,9 @@ class SpillFile:
     def __init__(self, folder: Path, sizes: Sequence[int]) -> None:
         total = sum(sizes)
         check_spill_dir(folder, total)
+        log.warning("protrain_fx: host memory holds the chunk store only with the optimizer state of %d chunk(s), "
+                    "%.2f GiB, in a file in %s: each step reads and writes them there (offload(n_spill=0) refuses "
+                    "instead, naming the host memory needed)", len(sizes), total / 2**30, folder)
         self.folder = folder
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.sizes = list(sizes)
