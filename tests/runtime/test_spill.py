@@ -259,3 +259,41 @@ def test_automatic_counts_on_a_host_short_of_memory_price_the_disk_and_train_exa
         assert a == (max(model_.adam_s[ch], state_s[ch]) if ch in spilled else model_.adam_s[ch])
     assert model_.max_gpu_optim(p) == min(spilled) - p
     handle.close()
+
+
+def test_a_holder_waiting_for_a_buffer_takes_the_one_a_read_ahead_holds_once_its_read_ends(tmp_path):
+    """Two buffers: one held by a reader (a state dict), the other by a read ahead still reading. A step of
+    a third chunk waits for that read to end and then evicts it; it must not wait forever."""
+    import threading
+    import time
+
+    from protrain_fx.runtime.store.spill import Residency, SpillFile
+
+    numel = 1024
+    buffers = {k: [None] * 3 for k in ("master", "exp_avg", "exp_avg_sq")}
+    file = SpillFile(tmp_path, [3 * numel * 4] * 3)
+    residency = Residency(file, [0, 1, 2], numel, buffers, [True] * 3)
+    for c in range(3):
+        residency.write_initial(c, [torch.full((numel,), float(c))] * 3)
+    slow_read = file.read
+
+    def read(i, tensors):
+        time.sleep(0.3)
+        slow_read(i, tensors)
+
+    file.read = read
+    done = threading.Event()
+    with residency.held(0, write=False):  # the reader's buffer
+        residency.prefetch(1)  # the other buffer, its read in flight
+
+        def step():
+            with residency.held(2, write=True):
+                assert torch.equal(buffers["master"][2], torch.full((numel,), 2.0))
+                buffers["master"][2].add_(1)
+            done.set()
+
+        threading.Thread(target=step, daemon=True).start()
+        assert done.wait(10), "the step waited forever for a buffer"
+    with residency.held(2, write=False):
+        assert torch.equal(buffers["master"][2], torch.full((numel,), 3.0))  # written back, read again
+    residency.close()

@@ -227,22 +227,26 @@ class Residency:
         whoever held it last writes what all of them changed). A step also reads ahead the spilled
         chunk the optimizer steps next: the nearest in the order of the last steps (backward's,
         descending, or the clipped steps', ascending)."""
+        ahead = None
         if write:
             last = self._last_step
             if last is not None and abs(chunk - last) == 1:  # (a new step's first chunk says nothing)
                 self._descending = chunk < last
             self._last_step = chunk
-            ahead = [c for c in self.chunks if (c < chunk if self._descending else c > chunk)]
-            if ahead:
-                self.prefetch(max(ahead) if self._descending else min(ahead))
+            after = [c for c in self.chunks if (c < chunk if self._descending else c > chunk)]
+            ahead = (max(after) if self._descending else min(after)) if after else None
         if chunk not in self._slot:
+            if ahead is not None:
+                self.prefetch(ahead)
             return nullcontext()
-        return self._holding(chunk, write)
+        return self._holding(chunk, write, ahead)
 
     @contextmanager
-    def _holding(self, chunk: int, write: bool) -> Iterator[None]:
-        entry = self._acquire(chunk)
+    def _holding(self, chunk: int, write: bool, ahead: int | None) -> Iterator[None]:
+        entry = self._acquire(chunk)  # (before the read ahead, which must not take the buffer this one needs)
         try:
+            if ahead is not None:
+                self.prefetch(ahead)
             entry.job.result()  # the read (raises its SpillError)
             yield
         finally:
@@ -295,11 +299,15 @@ class Residency:
         slot = self._slot[chunk]
 
         def read() -> None:
-            start = _clock()
-            self.file.read(slot, tensors)
-            self.read_s += _clock() - start
-            self.read_bytes += sum(t.numel() * t.element_size() for t in tensors)
-            self._install(chunk, tensors)
+            try:
+                start = _clock()
+                self.file.read(slot, tensors)
+                self.read_s += _clock() - start
+                self.read_bytes += sum(t.numel() * t.element_size() for t in tensors)
+                self._install(chunk, tensors)
+            finally:
+                with self._cond:  # a holder waiting for a buffer may evict this one now
+                    self._cond.notify_all()
 
         entry = _Held(buffer, self._io.submit(read))
         self._held[chunk] = entry
@@ -337,201 +345,6 @@ class Residency:
                         self._cond.notify_all()
 
             entry.job = self._io.submit(write_back)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self) -> None:
-        self.close()
-
-
-class _Held:
-    """One chunk's state in host memory: its buffer, who holds it, and the read or write in flight."""
-
-    def __init__(self, buffer: torch.Tensor, job: Future[None]) -> None:
-        self.buffer = buffer
-        self.holders = 0
-        self.dirty = False
-        self.job = job  # the read filling ``buffer``; then, once released dirty, the write back
-        self.writing = False
-
-
-class Residency:
-    """The optimizer state of the store's spilled ``chunks`` (``trains[i]``: whether ``chunks[i]`` has
-    moments) in a pool of :data:`SPILL_STAGING` host buffers of ``numel``-element masters and moments.
-
-    While held, a chunk's state shows in the store's ``buffers`` (``"master"``, ``"exp_avg"``,
-    ``"exp_avg_sq"``: views of its staging buffer), and not otherwise. :meth:`held` is the only way
-    in: it reads the chunk's state back (or waits for the read ahead started by :meth:`prefetch`),
-    and at its end writes it back if ``write`` (the last holder's release)."""
-
-    def __init__(self, file: SpillFile, chunks: Sequence[int], numel: int,
-                 buffers: dict[str, list[torch.Tensor | None]], trains: Sequence[bool]) -> None:
-        self.file = file
-        self.chunks = tuple(chunks)  # store chunk ids, in file order
-        self._slot = {c: i for i, c in enumerate(self.chunks)}
-        self._numel = numel
-        self._buffers = buffers
-        self._trains = dict(zip(self.chunks, trains))
-        self._free = [torch.empty(3 * numel, dtype=torch.float32) for _ in range(min(SPILL_STAGING, len(chunks)))]
-        self.buffer_bytes = 3 * numel * 4 * len(self._free)
-        self._held: dict[int, _Held] = {}
-        self._cond = threading.Condition()
-        self._wanted: int | None = None  # a read ahead that found no free buffer: started by the next write's end
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="protrain_fx spill")
-        #: Seconds and bytes the I/O thread spent reading and writing (the rates training reached).
-        self.read_s = self.write_s = 0.0
-        self.read_bytes = self.written_bytes = 0
-        self._error: BaseException | None = None  # a write-back that failed: the file is behind, nothing goes on
-        self._last_step: int | None = None  # the chunk stepped last, and the order of the steps
-        self._descending = True
-
-    def _views(self, chunk: int, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """The chunk's master (and moments, where it trains) as views of a staging buffer, in file order."""
-        n = self._numel
-        return [buffer[i * n : (i + 1) * n] for i in range(3 if self._trains[chunk] else 1)]
-
-    def _install(self, chunk: int, views: list[torch.Tensor] | None) -> None:
-        """Show the chunk's held state in the store's buffers (``None``: hide it again)."""
-        for i, kind in enumerate(("master", "exp_avg", "exp_avg_sq")):
-            self._buffers[kind][chunk] = views[i] if views is not None and i < len(views) else None
-
-    def stats(self) -> dict[str, float]:
-        """Seconds and bytes the spill file's reads and writes took so far."""
-        return {"read_s": self.read_s, "read_bytes": self.read_bytes, "write_s": self.write_s,
-                "written_bytes": self.written_bytes}
-
-    def write_initial(self, chunk: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Put the chunk's first state (the fill) in the file, now."""
-        self.file.write(self._slot[chunk], tensors)
-
-    # ---- holding --------------------------------------------------------------------------------
-
-    def held(self, chunk: int, *, write: bool) -> AbstractContextManager[None]:
-        """The chunk's state in host memory (installed in the store) for the ``with`` block, any store
-        chunk (nothing to hold for one not spilled); written back at the end when ``write`` (a step:
-        whoever held it last writes what all of them changed). A step also reads ahead the spilled
-        chunk the optimizer steps next: the nearest in the order of the last steps (backward's,
-        descending, or the clipped steps', ascending)."""
-        if write:
-            last = self._last_step
-            if last is not None and abs(chunk - last) == 1:  # (a new step's first chunk says nothing)
-                self._descending = chunk < last
-            self._last_step = chunk
-            ahead = [c for c in self.chunks if (c < chunk if self._descending else c > chunk)]
-            if ahead:
-                self.prefetch(max(ahead) if self._descending else min(ahead))
-        if chunk not in self._slot:
-            return nullcontext()
-        return self._holding(chunk, write)
-
-    @contextmanager
-    def _holding(self, chunk: int, write: bool) -> Iterator[None]:
-        entry = self._acquire(chunk)
-        try:
-            entry.job.result()  # the read (raises its SpillError)
-            yield
-        finally:
-            self._release(chunk, entry, write)
-
-    def prefetch(self, chunk: int) -> None:
-        """Start reading the chunk's state back if a buffer is free (else when the next write-back ends)."""
-        with self._cond:
-            if chunk in self._held:
-                return
-            if not self._free:
-                self._wanted = chunk
-                return
-            self._read_locked(chunk)
-
-    def _acquire(self, chunk: int) -> _Held:
-        with self._cond:
-            while True:
-                if self._error is not None:
-                    raise SpillError(f"protrain_fx: an earlier write to the spill file failed ({self._error}); "
-                                     "the spilled optimizer state is that of the last step written whole") \
-                        from self._error
-                entry = self._held.get(chunk)
-                if entry is not None and not entry.writing:
-                    entry.holders += 1
-                    return entry
-                if entry is not None:  # being written back: read again after it
-                    self._cond.wait()
-                    continue
-                if not self._free and not self._evict_locked():
-                    self._cond.wait()
-                    continue
-                entry = self._read_locked(chunk)
-                entry.holders += 1
-                return entry
-
-    def _evict_locked(self) -> bool:
-        """Drop a chunk read ahead that nobody holds (clean, its read finished) to free its buffer."""
-        for c, e in list(self._held.items()):
-            if e.holders == 0 and not e.writing and not e.dirty and e.job.done():
-                del self._held[c]
-                self._install(c, None)
-                self._free.append(e.buffer)
-                return True
-        return False
-
-    def _read_locked(self, chunk: int) -> _Held:
-        buffer = self._free.pop()
-        tensors = self._views(chunk, buffer)
-        slot = self._slot[chunk]
-
-        def read() -> None:
-            start = _clock()
-            self.file.read(slot, tensors)
-            self.read_s += _clock() - start
-            self.read_bytes += sum(t.numel() * t.element_size() for t in tensors)
-            self._install(chunk, tensors)
-
-        entry = _Held(buffer, self._io.submit(read))
-        self._held[chunk] = entry
-        return entry
-
-    def _release(self, chunk: int, entry: _Held, write: bool) -> None:
-        with self._cond:
-            entry.holders -= 1
-            entry.dirty |= write
-            if entry.holders:
-                return
-            if not entry.dirty:
-                return  # stays as read: the next holder or a read ahead's eviction takes it
-            entry.writing = True
-            tensors = self._views(chunk, entry.buffer)
-            slot = self._slot[chunk]
-
-            def write_back() -> None:
-                try:
-                    start = _clock()
-                    self.file.write(slot, tensors)
-                    self.write_s += _clock() - start
-                    self.written_bytes += sum(t.numel() * t.element_size() for t in tensors)
-                except BaseException as e:
-                    self._error = e
-                    raise
-                finally:
-                    with self._cond:
-                        del self._held[chunk]
-                        self._install(chunk, None)
-                        self._free.append(entry.buffer)
-                        wanted, self._wanted = self._wanted, None
-                        if wanted is not None and wanted not in self._held:
-                            self._read_locked(wanted)
-                        self._cond.notify_all()
-
-            entry.job = self._io.submit(write_back)
-
-    def flush(self) -> None:
-        """Wait for every write-back queued so far (raising the first that failed)."""
-        with self._cond:
-            jobs = [e.job for e in self._held.values() if e.writing]
-        for job in jobs:
-            job.result()
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
