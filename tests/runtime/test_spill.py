@@ -28,19 +28,25 @@ def _batch(step: int):
     return random_batch(CONFIG, 2, 32, generator=torch.Generator().manual_seed(step))
 
 
-def _setup(folder: Path, *, n_persist: int = 0, n_buffer: int = 2, n_spill: int | str = "auto",
-           n_lean: int | str = 0, n_gpu_optim: int = 0, available: int | None = None,
-           compute_dtype: torch.dtype | None = None):
+def _offloaded(folder: Path, **options):
+    """The tiny GPT offloaded on the CPU with these ``offload`` options, beside an eager copy: the model,
+    the copy, both optimizers and the handle."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = GPT(CONFIG)
     reference = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-    handle = protrain_fx.offload(model, opt, n_persist=n_persist, n_buffer=n_buffer, device="cpu",
-                                 chunk_bytes=CHUNK, n_spill=n_spill, n_lean=n_lean, spill_dir=folder,
-                                 n_gpu_optim=n_gpu_optim, available_host_bytes=available,
-                                 compute_dtype=compute_dtype)
+    handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, spill_dir=folder, **options)
+    return model, reference, opt, ref_opt, handle
+
+
+def _setup(folder: Path, *, n_persist: int = 0, n_buffer: int = 2, n_spill: int | str = "auto",
+           n_lean: int | str = 0, n_gpu_optim: int = 0, available: int | None = None,
+           compute_dtype: torch.dtype | None = None):
+    model, reference, opt, ref_opt, handle = _offloaded(
+        folder, n_persist=n_persist, n_buffer=n_buffer, n_spill=n_spill, n_lean=n_lean, n_gpu_optim=n_gpu_optim,
+        available_host_bytes=available, compute_dtype=compute_dtype)
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
     return model, reference, opt, ref_opt, handle, compiled
 
@@ -222,15 +228,7 @@ def test_automatic_counts_on_a_host_short_of_memory_price_the_disk_and_train_exa
     available = planned_store_bytes(numel, [True] * n, 4, 0, 4, n) + AUTO_HOST_RESERVE
 
     def automatic():
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = GPT(CONFIG)
-        reference = copy.deepcopy(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-        handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, spill_dir=tmp_path,
-                                     available_host_bytes=available)
-        return model, reference, opt, ref_opt, handle
+        return _offloaded(tmp_path, available_host_bytes=available)
 
     model, reference, opt, ref_opt, handle = automatic()
     report = protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
