@@ -624,6 +624,9 @@ class OffloadHandle(StateDicts, Landing):
         if self.grad_sync is not None:
             self.grad_sync.close()
         chunk_ops.unregister_deferred(self)
+        if self.store is not None and self.store.residency is not None:
+            self.store.residency.close()  # the spill file's last writes, then the file goes
+
 
 def own_forward_code(model: nn.Module) -> None:
     """Bind to ``model`` a copy of its ``forward`` with a code object of its own. Dynamo keys compiled
