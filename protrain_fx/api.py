@@ -61,7 +61,7 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer, options: Offload
 
     ``n_spill``: that many offloaded chunks (before the lean ones) keep their fp32 master and Adam
     moments in a file in ``spill_dir`` (else ``$PROTRAIN_SPILL_DIR``, else the system's temporary
-    folder) instead of host memory, read back ahead of their CPU step and written after it: exact,
+    folder, or ``/var/tmp`` where that is in memory) instead of host memory, read back ahead of their CPU step and written after it: exact,
     and priced by the planner at the disk's rates (``runtime/store/spill.py``). ``"auto"`` (default):
     none while host memory holds the store, else the fewest that fit (``handle.n_spill``). A host too
     small even then, or a folder too small, is refused before training with the bytes needed.

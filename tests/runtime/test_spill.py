@@ -295,3 +295,18 @@ def test_a_holder_waiting_for_a_buffer_takes_the_one_a_read_ahead_holds_once_its
     with residency.held(2, write=False):
         assert torch.equal(buffers["master"][2], torch.full((numel,), 3.0))  # written back, read again
     residency.close()
+
+
+def test_a_spill_folder_in_host_memory_is_refused_and_the_default_avoids_one(tmp_path, monkeypatch):
+    """A ``/tmp`` on tmpfs is common: spilling there would take the host memory spilling saves."""
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\ntmpfs {tmp_path} tmpfs rw 0 0\n")
+    monkeypatch.setattr(spill_module, "MOUNTS", mounts)
+    assert spill_module.filesystem_type(tmp_path / "a" / "b") == "tmpfs"
+    assert spill_module.filesystem_type(Path("/var/tmp")) == "ext4"
+    with pytest.raises(SpillError, match=r"is in host memory \(tmpfs\): spilling there takes the memory"):
+        _setup(tmp_path, n_spill=2)
+    monkeypatch.setattr(spill_module.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.delenv("PROTRAIN_SPILL_DIR", raising=False)
+    assert spill_module.spill_dir(None) == Path("/var/tmp")  # the temporary folder is in memory: /var/tmp
+    assert spill_module.spill_dir(tmp_path) == tmp_path  # given: as given (and refused when used)

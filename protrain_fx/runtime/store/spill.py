@@ -10,8 +10,9 @@ backward order) and writes it back after. The bytes go to the file and come back
 training is exactly what it is with everything in host memory.
 
 The file is made in the spill folder (``offload(spill_dir=...)``, else ``$PROTRAIN_SPILL_DIR``,
-else the system's temporary folder) and unlinked as soon as it is open: the operating system removes
-it when the process ends, however it ends, and no other run can read it. Its whole size is reserved
+else the system's temporary folder, or ``/var/tmp`` where that is in memory: :func:`spill_dir`) and
+unlinked as soon as it is open: the operating system removes it when the process ends, however it
+ends, and no other run can read it. A folder in host memory (tmpfs) is refused. Its whole size is reserved
 up front (``posix_fallocate``), so a disk too small refuses before training, naming the bytes and
 where; a write that fails later raises :class:`SpillError` from the step, the state in the file
 being that of the last step written whole.
@@ -37,7 +38,7 @@ from protrain_fx import settings
 
 log = logging.getLogger("protrain_fx")
 
-__all__ = ["SPILL_STAGING", "Residency", "SpillError", "SpillFile", "check_spill_dir", "spill_dir"]
+__all__ = ["SPILL_STAGING", "Residency", "SpillError", "SpillFile", "check_spill_dir", "filesystem_type", "spill_dir"]
 
 #: Chunks whose spilled state host memory holds at once: the one stepped and the one read ahead (a
 #: third would only wait on the same disk).
@@ -54,9 +55,42 @@ class SpillError(OSError):
         self.path = path
 
 
+#: The mount table :func:`filesystem_type` reads.
+MOUNTS = Path("/proc/mounts")
+#: Filesystems held in host memory: spilling there takes the memory it is meant to save.
+IN_MEMORY = ("tmpfs", "ramfs")
+
+
 def spill_dir(given: str | os.PathLike[str] | None) -> Path:
-    """The spill folder: ``given``, else ``$PROTRAIN_SPILL_DIR``, else the system's temporary folder."""
-    return Path(given) if given is not None else settings.spill_dir() or Path(tempfile.gettempdir())
+    """The spill folder: ``given``, else ``$PROTRAIN_SPILL_DIR``, else the system's temporary folder when it
+    is on a disk, else ``/var/tmp`` when that is (a ``/tmp`` in memory is common)."""
+    if given is not None:
+        return Path(given)
+    chosen = settings.spill_dir()
+    if chosen is not None:
+        return chosen
+    candidates = [Path(tempfile.gettempdir()), Path("/var/tmp")]
+    return next((c for c in candidates if c.is_dir() and filesystem_type(c) not in IN_MEMORY), candidates[0])
+
+
+def filesystem_type(folder: Path) -> str | None:
+    """The type of the filesystem holding ``folder`` (its longest mount point in :data:`MOUNTS`);
+    ``None`` where that cannot be read."""
+    try:
+        text = MOUNTS.read_text()
+    except OSError:
+        return None
+    real = os.path.realpath(folder)
+    best, kind = "", None
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, parts[2]
+    return kind
 
 
 def check_spill_dir(folder: Path, needed: int) -> None:
@@ -69,6 +103,11 @@ def check_spill_dir(folder: Path, needed: int) -> None:
     if not folder.is_dir():
         raise SpillError(f"the spill folder {folder} is not a folder; the chunk store needs {need} in one",
                          needed, str(folder))
+    kind = filesystem_type(folder)
+    if kind in IN_MEMORY:
+        raise SpillError(f"the spill folder {folder} is in host memory ({kind}): spilling there takes the memory it "
+                         f"is meant to save; the chunk store needs {need} on a local disk (offload(spill_dir=...) "
+                         "or PROTRAIN_SPILL_DIR)", needed, str(folder))
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SpillError(f"the spill folder {folder} is not writable; the chunk store needs {need} there",
                          needed, str(folder))
