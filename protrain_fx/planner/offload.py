@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import shutil
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -350,9 +351,12 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
     lean = tuple(k for k, _ in tiers)
     spill = tuple(k for _, k in tiers)
     if any(spill):  # optimizer state on disk: its reads and writes priced at the spill folder's rates
-        read, write = disk_rates(spill_dir(handle.options.spill_dir))
+        folder = spill_dir(handle.options.spill_dir)
+        read, write = disk_rates(folder)
+        # and no n_persist whose store would spill more than the folder has free (refused at its build)
+        floor = handle.min_persist_for_disk(shutil.disk_usage(folder).free) if folder.is_dir() else 0
         problem = dataclasses.replace(problem, spill_chunks=spill, disk_read_bytes_per_s=read,
-                                      disk_write_bytes_per_s=write)
+                                      disk_write_bytes_per_s=write, min_persist=floor)
     if any(lean):
         # a lean chunk is fetched from its fp32 master (through an fp32 staging slice on CUDA when the
         # compute dtype is narrower: runtime/store/buffer_pool.py)
@@ -425,11 +429,13 @@ def least_memory_config(model: CostModel) -> Counts:
 
 
 def least_memory_candidates(model: CostModel) -> list[Counts]:
-    """The configs tried as the plan of least memory: no persistent chunk, the fewest buffers, no
-    device step, and the activation counts of ``planner.activations.least_memory_configs`` (the cost model's
-    least, then checkpointing every block)."""
-    b = model.min_buffers(0) if model.n_chunks else 0
-    return least_memory_configs(model, 0, b)
+    """The configs tried as the plan of least memory: the fewest persistent chunks (none, or as many as
+    the spill folder's free space needs: ``Problem.min_persist``), the fewest buffers, no device step,
+    and the activation counts of ``planner.activations.least_memory_configs`` (the cost model's least,
+    then checkpointing every block)."""
+    p = model.problem.min_persist
+    b = model.min_buffers(p) if model.n_chunks > p else 0
+    return least_memory_configs(model, p, b)
 
 
 def place_and_rewrite(

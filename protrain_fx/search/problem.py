@@ -198,7 +198,9 @@ class Problem:
     (``runtime/store/spill.py``; the store's rule, ``runtime/store/host_memory.auto_tiers``). Such a
     chunk's CPU step takes the longer of its Adam and its state's read and write at
     ``disk_read_bytes_per_s`` / ``disk_write_bytes_per_s`` (read ahead during the chunk before, so
-    the two overlap), and it is never stepped on the device.
+    the two overlap), and it is never stepped on the device. ``min_persist``: the fewest persistent
+    chunks the store can be made with (fewer spill more optimizer state than the spill folder has
+    free); the search keeps ``n_persist`` at or above it.
 
     ``device_step_s``: ``(chunk id, seconds)`` of chunks whose device step was timed in training
     (``planner/rates.TrainingRates``): that chunk's step takes those seconds instead of its bytes over
@@ -250,6 +252,7 @@ class Problem:
     spill_chunks: tuple[int, ...] = ()
     disk_read_bytes_per_s: float = 0.0
     disk_write_bytes_per_s: float = 0.0
+    min_persist: int = 0
     device_step_s: tuple[tuple[int, float], ...] = ()
     outside_place_bwd_s: float | None = None
     place_d2h_bytes_per_s: float = 0.0
@@ -321,6 +324,9 @@ class Problem:
             return
         if len(spill) != n + 1:
             raise ValueError(f"Problem: spill_chunks has {len(spill)} entries; one per n_persist in 0..{n} needs {n + 1}")
+        _check_count("Problem", "min_persist", self.min_persist)
+        if self.min_persist > n:
+            raise ValueError(f"Problem: min_persist={self.min_persist} exceeds the {n} chunks")
         lean = self.lean_chunks or (0,) * (n + 1)
         for p, k in enumerate(spill):
             _check_count("Problem", f"spill_chunks[{p}]", k)
@@ -391,6 +397,7 @@ class Problem:
             "spill_chunks": list(self.spill_chunks),
             "disk_read_bytes_per_s": self.disk_read_bytes_per_s,
             "disk_write_bytes_per_s": self.disk_write_bytes_per_s,
+            "min_persist": self.min_persist,
             "device_step_s": [list(x) for x in self.device_step_s],
             "outside_place_bwd_s": self.outside_place_bwd_s,
             "place_d2h_bytes_per_s": self.place_d2h_bytes_per_s,

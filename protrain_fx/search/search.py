@@ -115,7 +115,7 @@ def search(
     if persist_all:
         n_persist = n
     # visited downwards
-    persists = range(n_persist, n_persist - 1, -1) if n_persist is not None else range(n, -1, -1)
+    persists = range(n_persist, n_persist - 1, -1) if n_persist is not None else range(n, problem.min_persist - 1, -1)
     total = sum(len(model.buffer_range(p)) * (n - p + 1 if gpu_optim else 1) for p in persists) * len(tab.pairs)
     _check_one_fits(model, persists, tab, budget_bytes, reserve_bytes)
 
@@ -215,9 +215,12 @@ def _check_one_fits(model: CostModel, persists: range, tab: _Tables, budget_byte
     """Raise :class:`NoPlanFits` when even the smallest predicted peak is over the budget."""
     min_peak = min(model.static_bytes(p, model.buffer_range(p).start) for p in persists) + tab.act_sorted[0]
     if min_peak > budget_bytes - reserve_bytes:
+        floor = model.problem.min_persist
+        disk = (f" (with at least {floor} chunks persistent: fewer would spill more optimizer state than the spill "
+                "folder has free)") if floor else ""
         raise NoPlanFits(
             f"no plan fits a budget of {budget_bytes} bytes ({_mib(budget_bytes)}) with {reserve_bytes} reserved: "
-            f"the smallest predicted peak is {min_peak} bytes ({_mib(min_peak)}), so the budget must be at "
+            f"the smallest predicted peak is {min_peak} bytes ({_mib(min_peak)}){disk}, so the budget must be at "
             f"least {min_peak + reserve_bytes} bytes ({_mib(min_peak + reserve_bytes)})",
             min_budget_bytes=min_peak + reserve_bytes,
         )

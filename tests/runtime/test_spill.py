@@ -16,6 +16,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx.errors import UnsupportedError
 from protrain_fx.runtime.store import spill as spill_module
 from protrain_fx.runtime.store.host_memory import AUTO_HOST_RESERVE, HostMemoryError, planned_store_bytes
 from protrain_fx.runtime.store.spill import SpillError
@@ -43,10 +44,10 @@ def _offloaded(folder: Path, **options):
 
 def _setup(folder: Path, *, n_persist: int = 0, n_buffer: int = 2, n_spill: int | str = "auto",
            n_lean: int | str = 0, n_gpu_optim: int = 0, available: int | None = None,
-           compute_dtype: torch.dtype | None = None):
+           compute_dtype: torch.dtype | None = None, **options):
     model, reference, opt, ref_opt, handle = _offloaded(
         folder, n_persist=n_persist, n_buffer=n_buffer, n_spill=n_spill, n_lean=n_lean, n_gpu_optim=n_gpu_optim,
-        available_host_bytes=available, compute_dtype=compute_dtype)
+        available_host_bytes=available, compute_dtype=compute_dtype, **options)
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager"})
     return model, reference, opt, ref_opt, handle, compiled
 
@@ -158,6 +159,43 @@ def test_a_host_too_small_for_every_chunk_lean_spills_the_fewest_that_fit(tmp_pa
         _setup(tmp_path, n_spill=0, n_lean=0, available=all_lean - 1, compute_dtype=torch.bfloat16)
 
 
+def test_a_loop_that_clips_has_its_lean_gradients_sized_in_and_one_that_does_not_say_so_is_told_first(
+        tmp_path, caplog):
+    """A lean chunk saves host memory only while its gradient need not wait. With ``grad_clipping=True``
+    every lean chunk's gradient waits for the norm in a landing buffer of its own: the tiers count
+    them (spilling does the saving), and a clipped loop trains exactly within the host memory
+    planned. Without it, the store says before any compile that a clipping loop must say so, and the
+    first step's clip is refused naming the fix."""
+    probe = _setup(tmp_path, n_spill=0)[4]
+    numel, n = probe.store.chunk_numel, probe.store.num_chunks
+    probe.close()
+    # room for every chunk lean with the default pool of 4 landing buffers, not one byte more
+    available = planned_store_bytes(numel, [True] * n, 4, n, 4) + AUTO_HOST_RESERVE
+    assert n > 4
+
+    model, reference, opt, ref_opt, handle, compiled = _setup(
+        tmp_path, n_lean="auto", n_spill="auto", available=available, grad_clipping=True)
+    store = handle.store
+    assert handle.n_spill >= 1 and store.grad_pool == handle.n_lean  # a buffer per lean chunk, planned
+    planned = planned_store_bytes(numel, [True] * n, 4, handle.n_lean, n, handle.n_spill)
+    assert planned + AUTO_HOST_RESERVE <= available
+    for step in range(3):
+        _step(compiled, reference, opt, ref_opt, step, clip=True)
+    _assert_same_params(handle, model, reference)
+    assert store.landing_buffers <= store.grad_pool  # no buffer past the plan
+    assert store.host_bytes() <= planned
+    handle.close()
+
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        model, reference, opt, ref_opt, handle, compiled = _setup(
+            tmp_path, n_lean="auto", n_spill="auto", available=available)
+    assert handle.n_spill == 0 and handle.n_lean == n
+    assert caplog.text.count("grad_clipping was not given") == 1
+    with pytest.raises(UnsupportedError, match="pass grad_clipping=True"):
+        _step(compiled, reference, opt, ref_opt, 0, clip=True)
+    handle.close()
+
+
 def test_a_spill_folder_missing_not_writable_or_too_small_is_refused_naming_the_bytes(tmp_path, monkeypatch):
     with pytest.raises(SpillError, match=r"spill folder .*missing.* does not exist; the chunk store needs \d+ bytes"):
         _setup(tmp_path / "missing", n_spill=2)
@@ -256,6 +294,35 @@ def test_automatic_counts_on_a_host_short_of_memory_price_the_disk_and_train_exa
     for ch, a in enumerate(model_.adam_for(p)):
         assert a == (max(model_.adam_s[ch], state_s[ch]) if ch in spilled else model_.adam_s[ch])
     assert model_.max_gpu_optim(p) == min(spilled) - p
+    handle.close()
+
+
+def test_the_search_keeps_enough_chunks_persistent_for_the_spill_folder_s_free_space(tmp_path, monkeypatch):
+    """A store that would spill more than the spill folder has free is refused at its build, after the
+    compile: the search never picks such an ``n_persist`` (``Problem.min_persist``)."""
+    import shutil as shutil_module
+
+    from protrain_fx.planner import offload as autooffload
+    from protrain_fx.profile.disk import pin_disk_rates
+    from tests.planner.test_auto_offload import GPU_LIKE, TIGHT
+
+    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: GPU_LIKE)
+    pin_disk_rates(tmp_path, 2e9, 1e9)
+    probe = _setup(tmp_path, n_spill=0)[4]
+    numel, n = probe.store.chunk_numel, len(probe.layout.chunks)
+    probe.close()
+    available = planned_store_bytes(numel, [True] * n, 4, 0, 4, n) + AUTO_HOST_RESERVE
+    model, reference, opt, ref_opt, handle = _offloaded(tmp_path, available_host_bytes=available)
+    tiers = handle.tier_counts()
+    disk = [sum(numel * 12 for _ in range(spill)) for _, spill in tiers]
+    assert disk[0] > disk[1] > disk[2]
+    free = disk[2]  # room for the store with two chunks persistent, not with fewer
+    assert handle.min_persist_for_disk(free) == 2 and handle.min_persist_for_disk(disk[0]) == 0
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(autooffload.shutil, "disk_usage", lambda path: usage._replace(free=free))
+    report = protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})
+    assert report.counts is not None and report.counts["n_persist"] >= 2
+    assert report.tiers is not None and report.tiers["disk_bytes"] <= free
     handle.close()
 
 

@@ -175,6 +175,7 @@ class OffloadHandle(StateDicts, Landing):
         #: Whether the loop clips gradients (``grad_clipping``; ``None``: not known until the first
         #: optimizer step, whose chunk steps are held until then: see :meth:`clip_grad_norm_`).
         self.grad_clipping: bool | None = grad_clipping
+        self._said_lean = False  # the warning that a clipping loop must say so was given
         self._norms = HeldNorms()
         self._clipped = False  # clip_grad_norm_ ran in this step
         #: The clip's scale of the held gradients, applied when optimizer.step() steps them.
@@ -337,13 +338,14 @@ class OffloadHandle(StateDicts, Landing):
             available_bytes=options.available_host_bytes,
             init=options.init,
             n_lean=n_lean,
-            grad_pool=options.grad_pool,
+            grad_pool=self._landing_pool(),
             n_spill=n_spill,
             spill_dir=options.spill_dir,
             shard=(self.group.rank, self.group.world_size) if self.group is not None else None,
             fill=fill,  # (counts by hand: filled from the parameters before they become shells below)
         )) if offloaded else None
         n_gpu_optim = self._steppable_on_device(n_gpu_optim, by_hand=self._sources is None)
+        self._say_lean_chunks_need_grad_clipping()
         self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
         self.worker = OptimizerWorker(self.adam.step_chunk, self.adam.hyper) if self.adam else None
@@ -591,7 +593,7 @@ class OffloadHandle(StateDicts, Landing):
             lean = n_lean if n_lean == "auto" else min(n_lean, offloaded)
             spill = 0 if self.group is not None else n_spill if n_spill == "auto" \
                 else min(n_spill, offloaded - (0 if lean == "auto" else lean))
-            counts.append(auto_tiers(numel, trainable[p:], compute, available, options.grad_pool, lean, spill))
+            counts.append(auto_tiers(numel, trainable[p:], compute, available, self._landing_pool(), lean, spill))
         return tuple(counts)
 
     def tier_bytes(self, n_persist: int) -> dict[str, int]:
@@ -601,8 +603,42 @@ class OffloadHandle(StateDicts, Landing):
         numel, trainable, compute = self._store_shape()
         rest = trainable[n_persist:]
         return {"n_lean": lean, "n_spill": spill,
-                "host_bytes": planned_store_bytes(numel, rest, compute, lean, self.options.grad_pool, spill),
+                "host_bytes": planned_store_bytes(numel, rest, compute, lean, self._landing_pool(), spill),
                 "disk_bytes": spill_bytes(numel, rest, lean, spill)}
+
+    def min_persist_for_disk(self, free_bytes: int) -> int:
+        """The fewest persistent chunks whose store spills at most ``free_bytes`` to disk
+        (:meth:`tier_counts`; with every chunk persistent nothing spills)."""
+        numel, trainable, _ = self._store_shape()
+        for p, (lean, spill) in enumerate(self.tier_counts()):
+            if spill_bytes(numel, trainable[p:], lean, spill) <= free_bytes:
+                return p
+        return len(self.layout.chunks)
+
+    def _landing_pool(self) -> int:
+        """Landing buffers the store plans for its lean chunks' gradients: ``grad_pool``, or one per
+        chunk when the loop clips (``grad_clipping=True``): each lean chunk's gradient then waits in a
+        buffer of its own until the norm is known, so the tiers are chosen with those buffers counted
+        (a lean chunk then saves no host memory, and spilling does the saving)."""
+        pool = self.options.grad_pool
+        return max(pool, len(self.layout.chunks)) if self.grad_clipping is True else pool
+
+    def _say_lean_chunks_need_grad_clipping(self) -> None:
+        """Warn, before any compile, when a loop that clips would be refused at its first step: lean
+        chunks beyond the landing pool, and ``grad_clipping`` not given (the first step, learning it,
+        steps lean chunks as their gradients land once the pool is full)."""
+        store = self.store
+        if (store is None or self.grad_clipping is not None or len(store.lean) <= store.grad_pool
+                or self._said_lean):
+            return
+        self._said_lean = True  # (once per handle: a re-placed store says it again for nothing)
+        log.warning(
+            "protrain_fx: %d of the %d offloaded chunks are lean (host memory is short: they keep no host copy "
+            "of their parameters) and grad_clipping was not given: a loop that calls clip_grad_norm_ is refused "
+            "at its first step, whose lean chunks are stepped as their gradients land once %d of them wait. Pass "
+            "grad_clipping=True to protrain_fx.offload(...) if the loop clips (every lean chunk's gradient then "
+            "waits for the norm in host memory, and the store spills more to disk to make room), or "
+            "grad_clipping=False to say it does not", len(store.lean), store.num_chunks, store.grad_pool)
 
     def _store_shape(self) -> tuple[int, list[bool], int]:
         """Elements of a chunk, which chunks train, and the compute dtype's bytes: what the store's

@@ -270,7 +270,8 @@ def _check_clip(handle: Any, params: list[torch.Tensor]) -> None:
             lean = handle.store.num_chunks - min(handle.store.lean, default=handle.store.num_chunks)
             fix = (f"pass grad_clipping=True to protrain_fx.offload(...): every one of the {lean} lean chunks then "
                    f"holds its gradient in a landing buffer of {handle.store.chunk_numel * handle.store.compute_dtype.itemsize} "
-                   "bytes of host memory until the norm is known")
+                   "bytes of host memory until the norm is known, and the store is sized for them (more chunks spill "
+                   "to disk where host memory is short)")
             why = "at the first step, its lean chunks' gradients could not all wait in the landing pool"
         else:
             why = "this model's loop did not clip at its first step, so its chunks are stepped as their gradients land"
