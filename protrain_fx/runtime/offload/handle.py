@@ -49,6 +49,7 @@ from protrain_fx.runtime.optim.clipping import (
     HeldNorms,
     clip_grad_norm,
     install_clip_dispatch,
+    say_lean_chunks_need_grad_clipping,
 )
 from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.optim.device_adam import DeviceAdamW
@@ -345,7 +346,7 @@ class OffloadHandle(StateDicts, Landing):
             fill=fill,  # (counts by hand: filled from the parameters before they become shells below)
         )) if offloaded else None
         n_gpu_optim = self._steppable_on_device(n_gpu_optim, by_hand=self._sources is None)
-        self._say_lean_chunks_need_grad_clipping()
+        say_lean_chunks_need_grad_clipping(self)
         self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
         self.worker = OptimizerWorker(self.adam.step_chunk, self.adam.hyper) if self.adam else None
@@ -622,23 +623,6 @@ class OffloadHandle(StateDicts, Landing):
         (a lean chunk then saves no host memory, and spilling does the saving)."""
         pool = self.options.grad_pool
         return max(pool, len(self.layout.chunks)) if self.grad_clipping is True else pool
-
-    def _say_lean_chunks_need_grad_clipping(self) -> None:
-        """Warn, before any compile, when a loop that clips would be refused at its first step: lean
-        chunks beyond the landing pool, and ``grad_clipping`` not given (the first step, learning it,
-        steps lean chunks as their gradients land once the pool is full)."""
-        store = self.store
-        if (store is None or self.grad_clipping is not None or len(store.lean) <= store.grad_pool
-                or self._said_lean):
-            return
-        self._said_lean = True  # (once per handle: a re-placed store says it again for nothing)
-        log.warning(
-            "protrain_fx: %d of the %d offloaded chunks are lean (host memory is short: they keep no host copy "
-            "of their parameters) and grad_clipping was not given: a loop that calls clip_grad_norm_ is refused "
-            "at its first step, whose lean chunks are stepped as their gradients land once %d of them wait. Pass "
-            "grad_clipping=True to protrain_fx.offload(...) if the loop clips (every lean chunk's gradient then "
-            "waits for the norm in host memory, and the store spills more to disk to make room), or "
-            "grad_clipping=False to say it does not", len(store.lean), store.num_chunks, store.grad_pool)
 
     def _store_shape(self) -> tuple[int, list[bool], int]:
         """Elements of a chunk, which chunks train, and the compute dtype's bytes: what the store's
