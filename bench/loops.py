@@ -17,7 +17,8 @@ A run is ``MODEL:SIZE:LOSS[:FLAGS]``: MODEL ``gpt`` (examples/gpt.py at a B24 si
 ``inside`` (the model returns the loss) or ``outside`` (the model returns logits and the loop
 computes ``F.cross_entropy(logits.float(), targets)``), FLAGS ``+``-joined: ``offload``
 (``protrain_fx.offload`` without counts, built on ``meta``), ``clip`` (``clip_grad_norm_(..., 1.0)``
-every step), ``inductor`` (plain ``torch.compile``, the reference: how much the loop itself costs),
+every step), ``said`` (with ``offload`` and ``clip``: ``offload(..., grad_clipping=True)``, the loop says
+up front that it clips), ``inductor`` (plain ``torch.compile``, the reference: how much the loop itself costs),
 ``uncapped`` (no memory fraction and no budget given: the reference for a model that does not fit the cap),
 ``keys`` (Inductor's FX graph cache keys and what differs from the nearest earlier one, in the run's
 ``fx_cache_keys`` and its log as they come), ``trace`` (after the timed steps, two more under ``torch.profiler``: the kernels and CPU ops by time and the
@@ -81,14 +82,17 @@ def parse_run(spec: str) -> dict:
         raise ValueError(f"run {spec!r}: model {model!r}; accepted: gpt, {', '.join(HF_SHAPES)}")
     if loss not in ("inside", "outside"):
         raise ValueError(f"run {spec!r}: loss {loss!r}; accepted: inside, outside")
-    unknown = flags - {"offload", "clip", "inductor", "uncapped", "trace", "keys"}
+    unknown = flags - {"offload", "clip", "said", "inductor", "uncapped", "trace", "keys"}
     if unknown:
-        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, inductor, uncapped, trace, keys")
+        raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, said, inductor, uncapped, "
+                         "trace, keys")
+    if "said" in flags and not {"offload", "clip"} <= flags:
+        raise ValueError(f"run {spec!r}: 'said' tells offload(...) that the loop clips: it needs 'offload' and 'clip'")
     if {"offload", "inductor"} <= flags:
         raise ValueError(f"run {spec!r}: an offloaded model runs only through the protrain backend (no 'inductor')")
     return {"spec": spec, "model": model, "size": size, "loss": loss, "offload": "offload" in flags,
             "clip": "clip" in flags, "inductor": "inductor" in flags, "uncapped": "uncapped" in flags,
-            "trace": "trace" in flags, "keys": "keys" in flags}
+            "trace": "trace" in flags, "keys": "keys" in flags, "said": "said" in flags}
 
 
 def build(run: dict, args, device: str):
@@ -316,7 +320,7 @@ def run_one(run: dict, args) -> dict:
             handle = protrain_fx.offload(model, optimizer, device=device, init=init,
                                          compute_dtype=torch.bfloat16 if cuda else None,
                                          available_host_bytes=int(args.host_gib * 2**30) if args.host_gib else None,
-                                         spill_dir=args.spill_dir)
+                                         spill_dir=args.spill_dir, grad_clipping=True if run["said"] else None)
         elif not cuda:
             pass
         options = {"memory_budget": f"{args.cap_gib}GiB"} if cuda else {"memory_budget": args.cpu_budget}
