@@ -145,11 +145,15 @@ def lower(
     # what a lowering again needs, should the cache hit without a plan kept (a copy of a large graph
     # takes a second: only when none is kept)
     pristine = copy_graph(gm) if kept_plan(key) is None else None
-    with inductor_config.patch(lowering_patches(record, lowered)), _no_shape_env(gm):
+    fx_keys: list[str] = []
+    with inductor_config.patch(lowering_patches(record, lowered)), _no_shape_env(gm), _fx_graph_keys(fx_keys):
         compiled = compile_fn(gm, inputs, **kwargs)
     graph = lowered.pop("graph", None)
     if graph is None:
-        if (plan := kept_plan(key)) is not None or pristine is None:
+        # a hit: the plan kept under Inductor's own key of the entry it hit (equal exactly when the
+        # entry is the same), else under ours
+        plan = next((p for k in fx_keys[-1:] if (p := kept_plan(k)) is not None), None) or kept_plan(key)
+        if plan is not None or pristine is None:
             return compiled, plan
         # A hit on code some other run cached (its plan was not kept, or deleted): lowered again, uncached.
         log.info("protrain_fx: graph %d: Inductor's cache held the %s graph without the allocation plan kept for "
@@ -164,8 +168,31 @@ def lower(
         if graph is None:
             return compiled, None
     plan = read_inductor_plan(graph, phase)
-    keep_plan(key, plan)
+    for k in (key, *fx_keys[-1:]):
+        keep_plan(k, plan)
     return compiled, plan
+
+
+@contextlib.contextmanager
+def _fx_graph_keys(found: list[str]) -> Iterator[None]:
+    """``found`` gets the FX graph cache key of each graph Inductor looks up meanwhile. A plan is kept
+    under that key too: our own key (:func:`plan_key`) hashes the graph as we see it, and where it
+    tells apart two graphs that Inductor's key does not (the trial's and the compile's), a hit would
+    find no plan kept and lower the graph again."""
+    from torch._inductor import codecache
+
+    original = codecache.compiled_fx_graph_hash
+
+    def spy(*args: Any, **kwargs: Any) -> tuple[str, list[str]]:
+        key, lines = original(*args, **kwargs)
+        found.append(key)
+        return key, lines
+
+    codecache.compiled_fx_graph_hash = spy
+    try:
+        yield
+    finally:
+        codecache.compiled_fx_graph_hash = original
 
 
 @contextlib.contextmanager

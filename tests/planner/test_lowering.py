@@ -8,6 +8,7 @@ take most of a CPU lowering's time)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -62,6 +63,26 @@ def test_the_compile_of_the_plan_tried_hits_inductors_cache_and_reads_the_plan_k
     assert judged.memory.peak_bytes == auto.analysed_peak_bytes == plain.memory.peak_bytes
     for name, g in grads.items():  # (Inductor's CPU embedding backward adds with atomics: not bit-exact run to run)
         torch.testing.assert_close(judged_grads[name], g, msg=name)
+
+
+def test_a_plan_kept_is_found_under_inductors_own_key_where_ours_tells_the_two_graphs_apart(  # noqa: F811
+        monkeypatch, logged):
+    """Our key hashes the graph as we see it; where it differs between the trial's graph and the
+    compile's while Inductor's key does not (the compile hits the trial's entry), the plan is found
+    under Inductor's key: no lowering again."""
+    _emptied()
+    plain, _ = _step({"auto_plan": False})
+    budget = budget_for_peak(plain.memory.peak_bytes) * 4
+    _emptied()
+    calls = itertools.count()
+    ours = lowering.plan_key
+    monkeypatch.setattr(lowering, "plan_key", lambda *args: f"{ours(*args)}-{next(calls)}")  # never twice the same
+    logged.clear()
+    hits = _cache_counts()[0]
+    judged, _ = _step({"memory_budget": budget, "verify": "inductor"})
+    assert _cache_counts()[0] - hits == 2
+    assert not [r for r in logged if "lowered again" in r.getMessage()]
+    assert judged.memory.peak_bytes == judged.auto_plan.analysed_peak_bytes == plain.memory.peak_bytes
 
 
 def test_a_cache_hit_without_the_plan_kept_lowers_again_to_read_it(logged):  # noqa: F811
