@@ -27,6 +27,11 @@ import pytest
 #: every compile's trace, and the tests of the backend's log and trace would read another setting.
 for _name in ("TORCH_TRACE", "TORCH_DTRACE", "TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT"):
     os.environ.pop(_name, None)
+#: Inductor's CPU kernels are generated and compiled scalar: its vectorized C++ (the legality analysis
+#: per kernel and the compile of SIMD code) is half of a CPU lowering's time, and nothing this suite
+#: checks (the passes, the plans, the memory, training against eager) depends on it; the GPU's kernels
+#: are Triton's. Set before torch is imported (Inductor reads it then), for every process a test starts.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import torch  # noqa: E402
 
