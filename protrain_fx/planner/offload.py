@@ -353,8 +353,12 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
     if any(spill):  # optimizer state on disk: its reads and writes priced at the spill folder's rates
         folder = spill_dir(handle.options.spill_dir)
         read, write = disk_rates(folder)
-        # and no n_persist whose store would spill more than the folder has free (refused at its build)
-        floor = handle.min_persist_for_disk(shutil.disk_usage(folder).free) if folder.is_dir() else 0
+        # and no n_persist whose store would spill more than the folder has free (refused at its build;
+        # a folder that cannot be read is refused there too, naming why)
+        try:
+            floor = handle.min_persist_for_disk(shutil.disk_usage(folder).free)
+        except OSError:
+            floor = 0
         problem = dataclasses.replace(problem, spill_chunks=spill, disk_read_bytes_per_s=read,
                                       disk_write_bytes_per_s=write, min_persist=floor)
     if any(lean):

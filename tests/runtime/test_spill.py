@@ -246,24 +246,32 @@ def test_a_write_that_fails_mid_run_stops_training_and_every_later_step(tmp_path
         handle.store.param_state_dict()  # nothing reads the stale state as if it were current
 
 
+def _host_short_of_memory(folder: Path, monkeypatch) -> tuple[int, int, int]:
+    """The planner on a GPU-like machine profile and a disk of pinned rates (2 GB/s read, 1 GB/s
+    write), and the tiny GPT's ``(chunk elements, chunks, host bytes)``: host memory for every chunk's
+    working copy and two chunks' state in flight, so that unless the budget keeps most chunks on the
+    device, offloaded chunks spill."""
+    from protrain_fx.planner import offload as autooffload
+    from protrain_fx.profile.disk import pin_disk_rates
+    from tests.planner.test_auto_offload import GPU_LIKE
+
+    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: GPU_LIKE)
+    pin_disk_rates(folder, 2e9, 1e9)
+    probe = _setup(folder, n_spill=0)[4]
+    numel, n = probe.store.chunk_numel, len(probe.layout.chunks)
+    probe.close()
+    return numel, n, planned_store_bytes(numel, [True] * n, 4, 0, 4, n) + AUTO_HOST_RESERVE
+
+
 def test_automatic_counts_on_a_host_short_of_memory_price_the_disk_and_train_exactly(tmp_path, monkeypatch):
     """The backend's counts for a host that holds the store only with optimizer state on disk: the
     problem carries how many chunks spill at each ``n_persist`` and the disk's rates (pinned here, as
     the machine's are), the search never steps a spilled chunk on the device, what_fits names the
     tiers, and training is exact."""
-    from protrain_fx.planner import offload as autooffload
-    from protrain_fx.profile.disk import pin_disk_rates
     from protrain_fx.search.cost import CostModel
-    from tests.planner.test_auto_offload import GPU_LIKE, TIGHT, _train_record
+    from tests.planner.test_auto_offload import TIGHT, _train_record
 
-    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: GPU_LIKE)
-    pin_disk_rates(tmp_path, 2e9, 1e9)
-    probe = _setup(tmp_path, n_spill=0)[4]
-    numel, n = probe.store.chunk_numel, len(probe.layout.chunks)
-    probe.close()
-    # host memory for every chunk's working copy and two chunks' state in flight: unless the budget keeps
-    # most chunks on the device, offloaded chunks spill
-    available = planned_store_bytes(numel, [True] * n, 4, 0, 4, n) + AUTO_HOST_RESERVE
+    numel, n, available = _host_short_of_memory(tmp_path, monkeypatch)
 
     def automatic():
         return _offloaded(tmp_path, available_host_bytes=available)
@@ -303,15 +311,9 @@ def test_the_search_keeps_enough_chunks_persistent_for_the_spill_folder_s_free_s
     import shutil as shutil_module
 
     from protrain_fx.planner import offload as autooffload
-    from protrain_fx.profile.disk import pin_disk_rates
-    from tests.planner.test_auto_offload import GPU_LIKE, TIGHT
+    from tests.planner.test_auto_offload import TIGHT
 
-    monkeypatch.setattr(autooffload, "offload_machine", lambda device, record, *chunk: GPU_LIKE)
-    pin_disk_rates(tmp_path, 2e9, 1e9)
-    probe = _setup(tmp_path, n_spill=0)[4]
-    numel, n = probe.store.chunk_numel, len(probe.layout.chunks)
-    probe.close()
-    available = planned_store_bytes(numel, [True] * n, 4, 0, 4, n) + AUTO_HOST_RESERVE
+    numel, n, available = _host_short_of_memory(tmp_path, monkeypatch)
     model, reference, opt, ref_opt, handle = _offloaded(tmp_path, available_host_bytes=available)
     tiers = handle.tier_counts()
     disk = [sum(numel * 12 for _ in range(spill)) for _, spill in tiers]
