@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import shutil
 import logging
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING

@@ -320,13 +320,13 @@ class Problem:
 
     def _check_spill(self) -> None:
         spill, n = self.spill_chunks, len(self.chunks)
+        _check_count("Problem", "min_persist", self.min_persist)
+        if self.min_persist > n:
+            raise ValueError(f"Problem: min_persist={self.min_persist} exceeds the {n} chunks")
         if not spill:
             return
         if len(spill) != n + 1:
             raise ValueError(f"Problem: spill_chunks has {len(spill)} entries; one per n_persist in 0..{n} needs {n + 1}")
-        _check_count("Problem", "min_persist", self.min_persist)
-        if self.min_persist > n:
-            raise ValueError(f"Problem: min_persist={self.min_persist} exceeds the {n} chunks")
         lean = self.lean_chunks or (0,) * (n + 1)
         for p, k in enumerate(spill):
             _check_count("Problem", f"spill_chunks[{p}]", k)

@@ -49,7 +49,7 @@ from protrain_fx.runtime.optim.clipping import (
     HeldNorms,
     clip_grad_norm,
     install_clip_dispatch,
-    say_lean_chunks_need_grad_clipping,
+    lean_chunks_clip_warning,
 )
 from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.optim.device_adam import DeviceAdamW
@@ -346,7 +346,9 @@ class OffloadHandle(StateDicts, Landing):
             fill=fill,  # (counts by hand: filled from the parameters before they become shells below)
         )) if offloaded else None
         n_gpu_optim = self._steppable_on_device(n_gpu_optim, by_hand=self._sources is None)
-        say_lean_chunks_need_grad_clipping(self)
+        if not self._said_lean and (warning := lean_chunks_clip_warning(self.store, self.grad_clipping)):
+            log.warning(warning)
+            self._said_lean = True  # (once: a re-placed store would say it again for nothing)
         self.n_persist, self.n_buffer, self.n_gpu_optim = n_persist, n_buffer, n_gpu_optim
         self.adam = ChunkAdamW(self.store, self.optimizer, named) if self.store else None
         self.worker = OptimizerWorker(self.adam.step_chunk, self.adam.hyper) if self.adam else None

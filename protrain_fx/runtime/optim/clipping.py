@@ -255,22 +255,19 @@ def _total_over_ranks(offloaded: list[torch.Tensor], persistent: list[torch.Tens
     return (local + (shared**norm_type).sum()) ** (1.0 / norm_type)
 
 
-def say_lean_chunks_need_grad_clipping(handle: Any) -> None:
-    """Warn, before any compile, when a loop that clips would be refused at its first step: lean
-    chunks beyond the landing pool, and ``grad_clipping`` not given (the first step, learning it,
-    steps lean chunks as their gradients land once the pool is full: :func:`_check_clip`)."""
-    store = handle.store
-    if (store is None or handle.grad_clipping is not None or len(store.lean) <= store.grad_pool
-            or handle._said_lean):
-        return
-    handle._said_lean = True  # (once per handle: a re-placed store would say it again for nothing)
-    log.warning(
-        "protrain_fx: %d of the %d offloaded chunks are lean (host memory is short: they keep no host copy "
-        "of their parameters) and grad_clipping was not given: a loop that calls clip_grad_norm_ is refused "
-        "at its first step, whose lean chunks are stepped as their gradients land once %d of them wait. Pass "
-        "grad_clipping=True to protrain_fx.offload(...) if the loop clips (every lean chunk's gradient then "
-        "waits for the norm in host memory, and the store spills more to disk to make room), or "
-        "grad_clipping=False to say it does not", len(store.lean), store.num_chunks, store.grad_pool)
+def lean_chunks_clip_warning(store: Any, grad_clipping: bool | None) -> str | None:
+    """What to tell the user before any compile when a loop that clips would be refused at its first
+    step (``None``: nothing): lean chunks beyond the landing pool, and ``grad_clipping`` not given (the
+    first step, learning it, steps lean chunks as their gradients land once the pool is full:
+    :func:`_check_clip`)."""
+    if store is None or grad_clipping is not None or len(store.lean) <= store.grad_pool:
+        return None
+    return (f"protrain_fx: {len(store.lean)} of the {store.num_chunks} offloaded chunks are lean (host memory is short: "
+            "they keep no host copy of their parameters) and grad_clipping was not given: a loop that calls "
+            f"clip_grad_norm_ is refused at its first step, whose lean chunks are stepped as their gradients land once "
+            f"{store.grad_pool} of them wait. Pass grad_clipping=True to protrain_fx.offload(...) if the loop clips "
+            "(every lean chunk's gradient then waits for the norm in host memory, and the store spills more to disk "
+            "to make room), or grad_clipping=False to say it does not")
 
 
 def _check_clip(handle: Any, params: list[torch.Tensor]) -> None:
