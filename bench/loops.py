@@ -21,7 +21,8 @@ every step), ``said`` (with ``offload`` and ``clip``: ``offload(..., grad_clippi
 up front that it clips), ``inductor`` (plain ``torch.compile``, the reference: how much the loop itself costs),
 ``uncapped`` (no memory fraction and no budget given: the reference for a model that does not fit the cap),
 ``keys`` (Inductor's FX graph cache keys and what differs from the nearest earlier one, in the run's
-``fx_cache_keys`` and its log as they come), ``trace`` (after the timed steps, two more under ``torch.profiler``: the kernels and CPU ops by time and the
+``fx_cache_keys`` and its log as they come), ``graph`` (``verify="graph"``: plans judged by the graph-level
+memory analysis, no trial lowering; a shorter start for a large model), ``trace`` (after the timed steps, two more under ``torch.profiler``: the kernels and CPU ops by time and the
 device's busy fraction, in the run's ``trace``).
 
 Time to each step: every step's entry holds ``since_launch_s``, seconds from the run's process start
@@ -82,17 +83,20 @@ def parse_run(spec: str) -> dict:
         raise ValueError(f"run {spec!r}: model {model!r}; accepted: gpt, {', '.join(HF_SHAPES)}")
     if loss not in ("inside", "outside"):
         raise ValueError(f"run {spec!r}: loss {loss!r}; accepted: inside, outside")
-    unknown = flags - {"offload", "clip", "said", "inductor", "uncapped", "trace", "keys"}
+    unknown = flags - {"offload", "clip", "said", "inductor", "uncapped", "trace", "keys", "graph"}
     if unknown:
         raise ValueError(f"run {spec!r}: flags {sorted(unknown)}; accepted: offload, clip, said, inductor, uncapped, "
-                         "trace, keys")
+                         "trace, keys, graph")
     if "said" in flags and not {"offload", "clip"} <= flags:
         raise ValueError(f"run {spec!r}: 'said' tells offload(...) that the loop clips: it needs 'offload' and 'clip'")
+    if "graph" in flags and "inductor" in flags:
+        raise ValueError(f"run {spec!r}: 'graph' chooses how the protrain backend judges plans (no 'inductor')")
     if {"offload", "inductor"} <= flags:
         raise ValueError(f"run {spec!r}: an offloaded model runs only through the protrain backend (no 'inductor')")
     return {"spec": spec, "model": model, "size": size, "loss": loss, "offload": "offload" in flags,
             "clip": "clip" in flags, "inductor": "inductor" in flags, "uncapped": "uncapped" in flags,
-            "trace": "trace" in flags, "keys": "keys" in flags, "said": "said" in flags}
+            "trace": "trace" in flags, "keys": "keys" in flags, "said": "said" in flags,
+            "graph": "graph" in flags}
 
 
 def build(run: dict, args, device: str):
@@ -326,6 +330,8 @@ def run_one(run: dict, args) -> dict:
         options = {"memory_budget": f"{args.cap_gib}GiB"} if cuda else {"memory_budget": args.cpu_budget}
         if run["uncapped"]:
             options = {}
+        if run["graph"]:
+            options["verify"] = "graph"
         compiled = (torch.compile(model) if run["inductor"]  # the reference: plain torch.compile, no plan
                     else torch.compile(model, backend="protrain", options=options))
         generator = torch.Generator().manual_seed(0)

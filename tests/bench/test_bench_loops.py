@@ -17,6 +17,7 @@ def test_a_spec_names_model_size_loss_and_flags():
     assert (run["model"], run["size"], run["loss"]) == ("gpt", "760M", "outside")
     assert run["offload"] and run["clip"] and not run["inductor"] and not run["said"]
     assert loops.parse_run("gpt:13B:outside:offload+clip+said")["said"]
+    assert loops.parse_run("gpt:4.2B:inside:offload+graph")["graph"] and not run["graph"]
     reference = loops.parse_run("gpt:350M:inside:inductor")
     assert reference["inductor"] and not reference["offload"]
 
@@ -28,6 +29,7 @@ def test_a_spec_names_model_size_loss_and_flags():
     ("gpt:350M:inside:fast", "flags ['fast']"),
     ("gpt:350M:inside:offload+inductor", "only through the protrain backend"),
     ("gpt:13B:outside:offload+said", "needs 'offload' and 'clip'"),
+    ("gpt:350M:inside:inductor+graph", "judges plans"),
 ])
 def test_a_bad_spec_is_refused_naming_what_is_wrong(spec, named):
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
