@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from protrain_fx import progress
 from protrain_fx.analysis.readable import human_bytes
+from protrain_fx.profile import keeps_rng
 from protrain_fx.profile.cache import cache_path, read_json, write_json
 from protrain_fx.runtime.parallel import distributed
 
@@ -33,6 +34,7 @@ from protrain_fx.runtime.parallel import distributed
 COLLECTIVE_REPEAT = 5
 
 
+@keeps_rng
 def collective_times(
     device: torch.device | str,
     chunk_numel: int,

@@ -23,6 +23,7 @@ from torch import fx
 
 from protrain_fx import progress
 from protrain_fx.machine import Machine, remember_card
+from protrain_fx.profile import keeps_rng
 from protrain_fx.profile.cache import (
     CACHE_VERSION,
     _granule,
@@ -63,6 +64,7 @@ log = logging.getLogger("protrain_fx")
 CARD_KEYS = ("flops", "hbm_bytes", "h2d_bytes", "d2h_bytes", "duplex_bytes")
 
 
+@keeps_rng
 def card_machine(
     device: torch.device | str,
     *,
@@ -106,6 +108,7 @@ def card_machine(
     return remember_card(device_name(device), rates)
 
 
+@keeps_rng
 def chunk_adam_rate(
     device: torch.device | str,
     chunk_params: int,
@@ -165,6 +168,7 @@ def chunk_adam_rate(
     return max(taken)
 
 
+@keeps_rng
 def measure_machine(
     device: torch.device | str,
     *,
@@ -259,6 +263,7 @@ def measure_machine(
     return profile
 
 
+@keeps_rng
 def device_step_rate(
     device: torch.device | str,
     parts: Sequence[int],

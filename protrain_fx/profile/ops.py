@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import flop_registry
 
 from protrain_fx import meta, progress
+from protrain_fx.profile import keeps_rng
 from protrain_fx.profile.cache import _write_json, cache_path, device_name
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ def ops_cache_path(
     return machine_file.with_name(prefix + machine_file.name.removeprefix("machine-"))
 
 
+@keeps_rng
 def measure_op_times(
     nodes: Iterable[fx.Node],
     device: torch.device | str,

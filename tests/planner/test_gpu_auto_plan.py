@@ -19,6 +19,7 @@ import torch
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
+from tests.conftest import use_cache_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -168,3 +169,23 @@ def test_a_measured_miss_compiles_the_graph_again_and_its_new_plan_fits():
     assert again is not None, "the new plan's first step was not measured"
     assert not again.over, again.line()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=0)
+
+
+def test_a_compile_that_measures_the_machine_leaves_the_seeded_streams_as_one_that_reads_the_cache(tmp_path, monkeypatch):
+    """The card is measured on random inputs at the first compile (a fresh cache) and read back at the
+    next: a seeded loop draws the same numbers, on the CPU and the GPU, after either compile."""
+    use_cache_dir(monkeypatch, tmp_path)
+
+    def draws() -> tuple[torch.Tensor, torch.Tensor]:
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        torch.manual_seed(0)
+        model = GPT(CONFIG).cuda()
+        compiled = torch.compile(model, backend="protrain")
+        _train(model, compiled, _batch(), 1)
+        return torch.rand(8), torch.rand(8, device="cuda").cpu()
+
+    measuring = draws()
+    assert any(p.name.startswith("card-") for p in tmp_path.iterdir())  # measured by the first
+    reading = draws()
+    assert all(torch.equal(a, b) for a, b in zip(measuring, reading))

@@ -73,6 +73,17 @@ def test_measured_once_then_read_from_the_cache(tmp_path, capsys, monkeypatch):
     assert json.loads(path.read_text())["times"] == again
 
 
+def test_a_measurement_leaves_the_callers_random_stream_where_it_was(tmp_path):
+    """The inputs it draws come from a fork of torch's generator: a seeded script draws the same numbers
+    after a compile that timed its ops as after one that read them from the cache."""
+    nodes, _ = _graph()
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    assert opprofile.measure_op_times(nodes, "cpu", cache=tmp_path, repeat=1)  # measured: nothing cached there
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_an_op_that_fails_is_left_out(tmp_path, caplog):
     _, (a, _, c) = _graph()
     v = c.args[1]
