@@ -166,10 +166,16 @@ def prediction() -> dict:
 
 def step_check(auto) -> dict:
     """The backend's own step check of a plan: the period measured between training calls against
-    the prediction, and where the period went (``planner.rates.StepPhases``)."""
+    the prediction, and where the period went (``planner.rates.StepPhases``); with the plan's
+    config, the rates training reached and the cost model's ``Problem`` as it stands after the
+    first steps (held steps learned), so that ``CostModel(Problem.from_dict(...))`` replays the
+    prediction off the GPU."""
     check = auto.step_check
+    rates = getattr(auto, "training_rates", None)
     out = {"predicted_step_s": auto.estimate.step_s, "fwd_s": auto.estimate.fwd_s, "bwd_s": auto.estimate.bwd_s,
-           "opt_s": auto.estimate.opt_s}
+           "opt_s": auto.estimate.opt_s, "config": auto.config.to_dict(),
+           "training_rates": dataclasses.asdict(rates) if rates is not None else None,
+           "problem": auto.problem.to_dict()}
     if check is not None:
         out.update(measured_step_s=check.measured_step_s, error_pct=check.error_pct,
                    predicted_priced_s=check.predicted_priced_s, priced_error_pct=check.priced_error_pct,
