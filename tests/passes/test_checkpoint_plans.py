@@ -66,6 +66,32 @@ def _recomputed_forward_ops(record, block):
     ]
 
 
+@pytest.mark.parametrize("policy", ["checkpoint", "swap"])
+def test_a_block_with_dropout_recomputes_or_reloads_the_masks_its_forward_drew(policy):
+    """Dropout in every block, a step under each plan from one seed: a checkpointed block's backward
+    must use the forward's masks, not draw new ones (a random op is saved, never recomputed), so the
+    loss and every gradient equal the step without a plan, bit for bit."""
+    config = gpt_config("tiny", n_layer=4, dropout=0.2)
+    batch = random_batch(config, 2, 32, generator=torch.Generator().manual_seed(1))
+
+    def step(plan: Plan | None, masks: int = 1):
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        torch.manual_seed(0)
+        model = GPT(config).train()
+        options = {"codegen": "eager", **({"plan": plan} if plan is not None else {})}
+        torch.manual_seed(masks)  # the masks' stream
+        loss = torch.compile(model, backend="protrain", options=options)(*batch)
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    loss, grads = step(Plan(blocks={label: policy for label in LABELS}))
+    ref_loss, ref_grads = step(None)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    assert not torch.equal(step(None, masks=2)[0], ref_loss)  # the masks are drawn: other masks, another loss
+
+
 def test_checkpointed_blocks_save_less_and_recompute():
     plan = Plan(blocks={"blocks.1": "checkpoint", "blocks.2": "checkpoint"})
     record, _, _ = _train(plan, steps=1)
