@@ -85,10 +85,12 @@ def deepspeed_config(
     lr: float = 1e-4,
     superoffload_ratio: float = SUPEROFFLOAD_RATIO,
     superoffload_cores_perc: float = SUPEROFFLOAD_CORES_PERC,
+    clip: float = 0.0,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict of ``system`` (one of :data:`DEEPSPEED_SYSTEMS`): bf16, AdamW at
     ``lr``, ``micro_batch`` sequences per rank per micro-batch, ``accumulation`` micro-batches per
-    optimizer step (``gradient_accumulation_steps``) over ``world_size`` ranks. ``ValueError`` for an
+    optimizer step (``gradient_accumulation_steps``) over ``world_size`` ranks; ``clip`` > 0: the
+    gradients' global norm clipped to it before each step (``gradient_clipping``). ``ValueError`` for an
     unknown system, and for ZenFlow with accumulation (it sets its own: the module docstring)."""
     if system not in DEEPSPEED_SYSTEMS:
         raise ValueError(f"deepspeed_config: {system!r} is not one of {DEEPSPEED_SYSTEMS}")
@@ -108,6 +110,8 @@ def deepspeed_config(
         "optimizer": {"type": "AdamW", "params": {"lr": lr}},
         "activation_checkpointing": {"partition_activations": False},
     }
+    if clip > 0:
+        config["gradient_clipping"] = clip
     if system == "superoffload":
         zero["offload_optimizer"].update(ratio=superoffload_ratio, super_offload=True,
                                          cpuadam_cores_perc=superoffload_cores_perc)

@@ -54,6 +54,10 @@ tokens, per optimizer step: ``handle.accumulate()`` around all but the last back
 (and the backend option ``accumulation_steps``, so the plan is chosen for the accumulated step),
 ``gradient_accumulation_steps`` for DeepSpeed, ``set_requires_gradient_sync`` (FSDP2's ``no_sync``)
 for FSDP2, plain summed gradients for the rest. Tokens/s count every micro-batch of the step.
+``--clip MAX_NORM`` clips the gradients' global norm before each optimizer step as each system's users
+do: ``clip_grad_norm_`` (for an offloaded model, its exact clip: every chunk's step waits for the norm),
+DeepSpeed's ``gradient_clipping``. Each run records ``launch_to_last_step_s``, its process start to the
+end of its last timed step.
 
 Data-parallel mode. ``--dp N`` runs each (size, system) as ``python -m torch.distributed.run
 --standalone --nproc_per_node N bench/peers.py -- --run SIZE SYSTEM ... --dp N`` (the ``--`` keeps
@@ -123,7 +127,7 @@ LADDER_STOPS = ("OOM", "crash", "timeout", "skipped_host_ram", "refused_host_ram
 #: Seconds of ``--deadline-s`` kept back for writing the results at the end.
 RESERVE_S = 5.0
 #: What a result records of the protocol; a resumed file must have been run with the same values.
-PROTOCOL_KEYS = ("batch", "seq", "cap_gib", "steps", "warmup", "device", "accumulate", "world_size")
+PROTOCOL_KEYS = ("batch", "seq", "cap_gib", "steps", "warmup", "device", "accumulate", "world_size", "clip")
 
 #: Host bytes per parameter the offloading peers need (``peer_configs.HOST_BYTES_PER_PARAM`` says why).
 HOST_BYTES_PER_PARAM = peer_configs.HOST_BYTES_PER_PARAM
@@ -339,18 +343,20 @@ def _checkpoint_blocks(model, size: str) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_class))
 
 
-def build(system: str, size: str, device: str, accumulate: int = 1, batch: int = 8) -> tuple:
+def build(system: str, size: str, device: str, accumulate: int = 1, batch: int = 8, clip: float = 0.0) -> tuple:
     """(step function, model, extra result fields) for one system. The step takes the micro-batches
     of one optimizer step (``accumulate`` of them, each ``(inputs, targets)``), runs their forward
-    and backward, accumulating gradients, then the optimizer, and returns the mean of their losses."""
+    and backward, accumulating gradients, then (``clip`` > 0) clips the gradients' global norm to
+    ``clip`` as each system's users do (``clip_grad_norm_``; DeepSpeed's ``gradient_clipping``), then
+    the optimizer, and returns the mean of their losses."""
     import torch
 
     if system == "fsdp2":
-        return _build_fsdp2(size, device), None, {}
+        return _build_fsdp2(size, device, clip), None, {}
     if system in DEEPSPEED_SYSTEMS:
-        return _build_deepspeed(size, system, accumulate, batch)
+        return _build_deepspeed(size, system, accumulate, batch, clip)
     if _OFFLOAD_SYSTEM.match(system):
-        return _build_offload(_OFFLOAD_SYSTEM.match(system).group(1), size, device, accumulate)
+        return _build_offload(_OFFLOAD_SYSTEM.match(system).group(1), size, device, accumulate, clip)
     # Built on the device (its RNG, so every system here starts from the same weights): a CPU init
     # of billions of parameters would take a large share of the time budget.
     with torch.device(device):
@@ -381,13 +387,14 @@ def build(system: str, size: str, device: str, accumulate: int = 1, batch: int =
             torch._functorch.config.activation_memory_budget = budget
         run = torch.compile(model)
     autocast = device if device == "cuda" else None
-    return _train_step(_loss_fn(run, size), optimizer, autocast=autocast), model, info
+    return _train_step(_loss_fn(run, size), optimizer, autocast=autocast, clip=clip), model, info
 
 
-def _train_step(loss_fn, optimizer, autocast: str | None, no_sync=None):
+def _train_step(loss_fn, optimizer, autocast: str | None, no_sync=None, clip: float = 0.0):
     """Per micro-batch forward (under bf16 autocast on ``autocast``'s device, if given) and backward
-    of its loss over their count, then the optimizer step. ``no_sync(last)`` is called before each
-    backward (FSDP2: reduce the gradients with the last only)."""
+    of its loss over their count, then (``clip`` > 0) ``clip_grad_norm_`` of the optimizer's
+    parameters, then the optimizer step. ``no_sync(last)`` is called before each backward (FSDP2:
+    reduce the gradients with the last only)."""
     import contextlib
 
     import torch
@@ -402,6 +409,8 @@ def _train_step(loss_fn, optimizer, autocast: str | None, no_sync=None):
                 no_sync(i == len(batches) - 1)
             (loss / len(batches)).backward()
             losses.append(loss.detach())
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return torch.stack(losses).float().mean()
@@ -409,7 +418,7 @@ def _train_step(loss_fn, optimizer, autocast: str | None, no_sync=None):
     return step
 
 
-def _build_offload(spec: str, size: str, device: str, accumulate: int = 1) -> tuple:
+def _build_offload(spec: str, size: str, device: str, accumulate: int = 1, clip: float = 0.0) -> tuple:
     """protrain_fx with parameter chunks (``protrain_fx.offload``) and an activation plan. The step
     records, per call, GPU forward / backward / optimizer time (CUDA events; with accumulation, the
     last micro-batch's, and ``accumulated_s`` the micro-batches before it in ``handle.accumulate()``)
@@ -511,6 +520,8 @@ def _build_offload(spec: str, size: str, device: str, accumulate: int = 1) -> tu
         losses.append(loss.detach())
         if events:
             events[2].record()
+        if clip > 0:  # the offload's own clip: exact, every chunk's step held for the norm
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if events:
@@ -545,7 +556,7 @@ def _build_offload(spec: str, size: str, device: str, accumulate: int = 1) -> tu
     return step, model, info
 
 
-def _build_fsdp2(size: str, device: str = "cuda"):
+def _build_fsdp2(size: str, device: str = "cuda", clip: float = 0.0):
     """FSDP2 over the process group (world size 1 unless under ``--dp``): ``CPUOffloadPolicy`` and bf16
     mixed precision on CUDA (``../shared/anchors.md``); on the CPU (dry runs, gloo) neither. With
     accumulation, gradients are reduced with the last micro-batch only (``set_requires_gradient_sync``,
@@ -583,10 +594,11 @@ def _build_fsdp2(size: str, device: str = "cuda"):
     fully_shard(model, **policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     return _train_step(_loss_fn(model, size), optimizer, autocast=None,  # FSDP2's policy casts to bf16
-                       no_sync=model.set_requires_gradient_sync)
+                       no_sync=model.set_requires_gradient_sync, clip=clip)
 
 
-def _build_deepspeed(size: str, system: str = "deepspeed", accumulate: int = 1, batch: int = 8) -> tuple:
+def _build_deepspeed(size: str, system: str = "deepspeed", accumulate: int = 1, batch: int = 8,
+                     clip: float = 0.0) -> tuple:
     """One of DeepSpeed's modes (:data:`peer_configs.DEEPSPEED_SYSTEMS`, configured by
     ``peer_configs.deepspeed_config``) with activation checkpointing; ``deepcompile`` also calls
     ``engine.compile()``. Each micro-batch runs ``engine.backward`` and ``engine.step``, which steps
@@ -598,7 +610,7 @@ def _build_deepspeed(size: str, system: str = "deepspeed", accumulate: int = 1, 
                        ("MASTER_PORT", "29518")):
         os.environ.setdefault(key, value)
     config = peer_configs.deepspeed_config(system, micro_batch=batch, accumulation=accumulate,
-                                           world_size=int(os.environ["WORLD_SIZE"]))
+                                           world_size=int(os.environ["WORLD_SIZE"]), clip=clip)
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config) if config["zero_optimization"]["stage"] == 3 \
             else contextlib.nullcontext():
@@ -631,7 +643,7 @@ def _build_deepspeed(size: str, system: str = "deepspeed", accumulate: int = 1, 
 
 
 def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq: int, cap_gib: float,
-            device: str, stream_steps: int = 0, accumulate: int = 1) -> dict:
+            device: str, stream_steps: int = 0, accumulate: int = 1, clip: float = 0.0) -> dict:
     """Train ``size`` with ``system`` in this process; the result dict (never raises for a failed run).
 
     One step is ``accumulate`` micro-batches of ``batch`` x ``seq`` (each its own random tokens) and
@@ -662,7 +674,7 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
         result["timed_as"] = f"mean over {steps} steps (a multiple of ZenFlow's update_interval {interval})"
     phase = time.perf_counter()
     try:
-        step, _model, info = build(system, size, device, accumulate, batch)
+        step, _model, info = build(system, size, device, accumulate, batch, clip)
         result.update(info)
         batches = [make_batch(size, batch, seq, where, seed=(rank or 0) * accumulate + i) for i in range(accumulate)]
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -681,6 +693,8 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
             loss = step(batches)
             sync()
             times.append(time.perf_counter() - start)
+        # launch (the process' start, its imports counted) to the end of the last timed step
+        result["launch_to_last_step_s"] = time.monotonic() - _PROCESS_START
         step_s = statistics.fmean(times) if system == "zenflow" else statistics.median(times)
         if stream_steps:
             # How a training loop runs: no device sync between steps, so device work still queued at
@@ -1059,7 +1073,7 @@ def run_command(size: str, system: str, args) -> tuple[list[str], dict[str, str]
     cmd = ["--run", size, system, "--steps", str(args.steps),
            "--stream-steps", str(args.stream_steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
            "--seq", str(args.seq), "--cap-gib", str(args.cap_gib), "--device", args.device,
-           "--accumulate", str(args.accumulate), "--out", str(args.out)]
+           "--accumulate", str(args.accumulate), "--clip", str(args.clip), "--out", str(args.out)]
     env = dict(os.environ)
     if not args.dp:
         return [sys.executable, script, *cmd], env
@@ -1266,6 +1280,7 @@ def markdown(results: list[dict]) -> str:
     title = (f"tokens/s, {name} (batch {p.get('batch')} x {p.get('seq')}"
              + (f" x {k} micro-batches accumulated per optimizer step" if k > 1 else "")
              + (f", data-parallel over {world} GPUs (tokens of every rank)" if world > 1 else "")
+             + (f", gradients clipped to {p['clip']:g}" if p.get("clip") else "")
              + f", cap {p.get('cap_gib', 0):g} GiB, {p.get('steps')} timed steps after {p.get('warmup')} warm-up, "
                f"{p.get('device')})")
     lines = [title, "", "| model | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
@@ -1279,8 +1294,8 @@ def markdown(results: list[dict]) -> str:
               "and exposed collective seconds are the highest rank's (each rank's in peers.json).")
     header = ("| model | system | status | tok/s | step ms | MFU | peak alloc GiB | predicted GiB (err) "
               "| peak reserved GiB | swapped GiB | host RAM GiB | loss | exact | exposed coll. ms | wall s "
-              "| first step s |")
-    lines += ["", legend, "", header, "|---|" + "---|" * 15]
+              "| first step s | launch to last step s |")
+    lines += ["", legend, "", header, "|---|" + "---|" * 16]
     lines += ["| " + " | ".join(_detail(r)) + " |" for r in results]
     lines += _overlap_table(results)
     return "\n".join(lines) + "\n"
@@ -1338,6 +1353,7 @@ def _detail(r: dict) -> list[str]:
         f"{1000 * r['exposed_collective_s']:.0f}" if r.get("exposed_collective_s") is not None else "–",
         sec("wall_s"),
         sec("first_step_s"),
+        sec("launch_to_last_step_s"),
     ]
 
 
@@ -1424,6 +1440,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dp", type=int, default=0, metavar="N",
                         help="data-parallel over N GPUs of this host: each run starts under torchrun with N "
                              f"processes; systems {', '.join(DATA_PARALLEL_SYSTEMS)}")
+    parser.add_argument("--clip", type=float, default=0.0, metavar="MAX_NORM",
+                        help="clip the gradients' global norm to MAX_NORM before each optimizer step, as each "
+                             "system's users do (clip_grad_norm_; DeepSpeed: gradient_clipping); 0: no clipping")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--cap-gib", type=float, default=24.0)
@@ -1446,8 +1465,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if protocol_k and args.accumulate not in (None, protocol_k):
         parser.error(f"--protocol {args.protocol} accumulates {protocol_k} micro-batches, not --accumulate {args.accumulate}")
     args.accumulate = args.accumulate or protocol_k or 1
-    if args.accumulate < 1 or args.dp < 0:
-        parser.error("--accumulate must be at least 1 and --dp at least 0")
+    if args.accumulate < 1 or args.dp < 0 or args.clip < 0:
+        parser.error("--accumulate must be at least 1, --dp and --clip at least 0")
     args.world_size = args.dp or 1
     _check_data_parallel(parser, args)
     if args.model != "gpt":
@@ -1503,7 +1522,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         result = run_one(*args.run, steps=args.steps, stream_steps=args.stream_steps, warmup=args.warmup,
                          batch=args.batch, seq=args.seq, cap_gib=args.cap_gib, device=args.device,
-                         accumulate=args.accumulate)
+                         accumulate=args.accumulate, clip=args.clip)
         if _torchrun_ranks()[1] in (None, 0):  # under torchrun, rank 0 speaks for every rank
             print("RESULT " + json.dumps(result), flush=True)
         return 0

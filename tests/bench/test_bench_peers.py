@@ -340,6 +340,21 @@ def test_ranks_merge_into_one_result_the_slowest_step_and_the_first_failure():
     assert failed["status"] == "OOM" and failed["reason"].startswith("rank 1:")
 
 
+def test_clipping_is_each_systems_own():
+    """``--clip``: a norm far below the gradients' changes the update (Adam's eps then dominates), and
+    DeepSpeed is configured with ``gradient_clipping``."""
+    def run(system, clip):
+        r = peers.run_one("tiny", system, steps=2, warmup=1, batch=2, seq=16, cap_gib=0.0, device="cpu", clip=clip)
+        assert r["status"] == "ok", r.get("reason")
+        return r
+
+    free, clipped = run("eager", 0.0), run("eager", 1e-9)
+    assert clipped["loss"] != free["loss"]
+    assert clipped["launch_to_last_step_s"] >= clipped["first_step_s"] > 0
+    assert configs.deepspeed_config("superoffload", micro_batch=8, clip=1.0)["gradient_clipping"] == 1.0
+    assert "gradient_clipping" not in configs.deepspeed_config("superoffload", micro_batch=8)
+
+
 def test_accumulated_steps_average_the_micro_batches_losses_and_count_their_tokens():
     result = peers.run_one("tiny", "eager", steps=1, warmup=1, batch=2, seq=16, cap_gib=0.0, device="cpu",
                            accumulate=3)
