@@ -41,7 +41,9 @@ from protrain_fx.planner.rates import (
 from protrain_fx.planner.result import AutoPlan, PeakCheck
 from protrain_fx.planner.verify import RAISE_MIN_GAIN
 from protrain_fx.profile import cache as profile_cache
+from protrain_fx.profile.disk import note_disk_rates
 from protrain_fx.runtime.parallel import distributed
+from protrain_fx.runtime.store.spill import spill_dir
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Counts
 from protrain_fx.state import STATE
@@ -349,6 +351,10 @@ def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | No
         cpu_adam_params_per_s=rates.cpu_adam_params_per_s,
         device_step_bytes_per_s=rates.device_step_bytes_per_s,
     )
+    if rates.disk_read_bytes_per_s or rates.disk_write_bytes_per_s:
+        kept_disk = note_disk_rates(spill_dir(window.handle.options.spill_dir), rates.disk_read_bytes_per_s,
+                                    rates.disk_write_bytes_per_s)
+        kept = kept if kept_disk is None else f"{kept} and {kept_disk}" if kept is not None else kept_disk
     where = f"; kept for later plans on this machine in {kept}" if kept is not None else ""
     log.info("protrain_fx: graph %d: %s%s", record.index, rates.line(auto.problem, auto.config), where)
     handle = window.handle

@@ -172,13 +172,17 @@ class TrainingRates:
     (:func:`alone_rate`; 0: none timed), the rate the cost model prices an untimed step at.
     ``device_step_s``: per chunk timed (in the cost model's numbering, all
     chunks from 0), the median of its steps' seconds: the running plan is priced with them
-    (:meth:`priced`, ``search.problem.Problem.device_step_s``), the chunks not timed at the median rate."""
+    (:meth:`priced`, ``search.problem.Problem.device_step_s``), the chunks not timed at the median rate.
+    ``disk_read_bytes_per_s`` / ``disk_write_bytes_per_s``: the spill file's reads and writes (bytes
+    over the I/O thread's seconds in them; 0: none)."""
 
     cpu_params: int
     cpu_s: float
     device_steps: tuple[tuple[int, float], ...] = ()
     device_step_bytes_per_s: float = 0.0
     device_step_s: tuple[tuple[int, float], ...] = ()
+    disk_read_bytes_per_s: float = 0.0
+    disk_write_bytes_per_s: float = 0.0
 
     @property
     def cpu_adam_params_per_s(self) -> float:
@@ -194,7 +198,9 @@ class TrainingRates:
             changes["device_step_bytes_per_s"] = self.device_step_bytes_per_s
         timed = self.device_step_s or problem.device_step_s
         machine = dataclasses.replace(problem.machine, **changes)
-        return dataclasses.replace(problem, machine=machine, device_step_s=timed)
+        disk = {k: v for k, v in (("disk_read_bytes_per_s", self.disk_read_bytes_per_s),
+                                  ("disk_write_bytes_per_s", self.disk_write_bytes_per_s)) if v > 0}
+        return dataclasses.replace(problem, machine=machine, device_step_s=timed, **disk)
 
     def line(self, problem: Problem, config: Counts) -> str:
         """One log line: the rates against the profile's, and ``config``'s step predicted at them."""
@@ -209,6 +215,10 @@ class TrainingRates:
             if not self.cpu_adam_params_per_s:  # a profiled CPU rate read too low is never corrected then
                 parts.append(f"no CPU step timed (the profiled CPU rate, {m.cpu_adam_params_per_s / 1e9:.2f} G "
                              "params/s, stands untested)")
+        if self.disk_read_bytes_per_s or self.disk_write_bytes_per_s:
+            parts.append(f"spill file read {self.disk_read_bytes_per_s / 2**30:.2f} GiB/s, written "
+                         f"{self.disk_write_bytes_per_s / 2**30:.2f} GiB/s (profiled {problem.disk_read_bytes_per_s / 2**30:.2f}, "
+                         f"{problem.disk_write_bytes_per_s / 2**30:.2f})")
         if not parts:
             return "no offloaded optimizer step was timed in training"
         step = CostModel(self.priced(problem)).estimate(config).step_s
@@ -224,6 +234,11 @@ class RateWindow:
         self._device = handle.device_adam if handle.device_adam is not None and handle.device_adam.cuda else None
         if self._device is not None:
             self._device.window = []
+        self._disk_start = self._disk_stats()
+
+    def _disk_stats(self) -> dict[str, float] | None:
+        residency = self.handle.store.residency if self.handle.store is not None else None
+        return residency.stats() if residency is not None else None
 
     def close(self, problem: Problem, config: Counts) -> TrainingRates:
         """The rates since the window opened; device steps still running are left out. The
@@ -244,9 +259,16 @@ class RateWindow:
                 if 0 <= k < len(model.dev_out_bytes) and s > 0:
                     by_chunk.setdefault(k, []).append(s)
             rate = alone_rate(model, config, {k: statistics.median(s) for k, s in by_chunk.items()})
+        disk = {}
+        end = self._disk_stats()
+        if end is not None and self._disk_start is not None:
+            moved = {k: end[k] - self._disk_start[k] for k in end}
+            disk = {"disk_read_bytes_per_s": moved["read_bytes"] / moved["read_s"] if moved["read_s"] > 0 else 0.0,
+                    "disk_write_bytes_per_s": moved["written_bytes"] / moved["write_s"] if moved["write_s"] > 0 else 0.0}
         return TrainingRates(cpu_params=cpu_params, cpu_s=cpu_s, device_steps=tuple(timed),
                              device_step_bytes_per_s=rate,
-                             device_step_s=tuple((k, statistics.median(s)) for k, s in sorted(by_chunk.items())))
+                             device_step_s=tuple((k, statistics.median(s)) for k, s in sorted(by_chunk.items())),
+                             **disk)
 
 
 def alone_rate(model: CostModel, config: Counts, seconds: dict[int, float]) -> float:

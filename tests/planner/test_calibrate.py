@@ -145,6 +145,7 @@ class _Handle:
     def __init__(self) -> None:
         self.adam = _Adam()
         self.device_adam = None
+        self.store = None  # (nothing spilled: no disk rates)
 
 
 def test_the_window_counts_only_the_steps_run_while_it_was_open():

@@ -7,6 +7,7 @@ CPU stands in for the GPU (``device="cpu"``), fp32, eager codegen: bit-exact aga
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 from pathlib import Path
@@ -303,6 +304,46 @@ def test_automatic_counts_on_a_host_short_of_memory_price_the_disk_and_train_exa
         assert a == (max(model_.adam_s[ch], state_s[ch]) if ch in spilled else model_.adam_s[ch])
     assert model_.max_gpu_optim(p) == min(spilled) - p
     handle.close()
+
+
+def test_the_spill_files_rates_in_training_replace_the_probes_for_later_plans(tmp_path, monkeypatch):
+    """Over the backend's rate window the store's spill file is read and written at the rates the
+    running store reaches; they replace the probe's for later plans on this filesystem (the probe's
+    kept beside them), and a pinned pair is never replaced."""
+    from protrain_fx.planner import offload as autooffload
+    from protrain_fx.profile import disk as profile_disk
+    from tests.conftest import use_cache_dir
+    from tests.planner.test_auto_offload import TIGHT, _train_record
+
+    cache = use_cache_dir(monkeypatch, tmp_path / "cache")
+    folder = tmp_path / "spill"
+    folder.mkdir()
+    _numel, _n, available = _host_short_of_memory(folder, monkeypatch)
+    for f in cache.glob("disk-*.json"):  # measured, not pinned
+        f.unlink()
+    monkeypatch.setattr(profile_disk, "measure_disk", lambda folder, nbytes=0: (2e9, 1e9))
+    model, reference, opt, ref_opt, handle = _offloaded(folder, available_host_bytes=available)
+    compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
+    for step in range(10):  # past the rate window (training calls 3 to 8)
+        _step(compiled, reference, opt, ref_opt, step, clip=False)
+    _assert_same_params(handle, model, reference)
+    assert handle.n_spill >= 1
+    auto = _train_record().auto_plan
+    rates = auto.training_rates
+    assert rates.disk_read_bytes_per_s > 0 and rates.disk_write_bytes_per_s > 0
+    assert "spill file read" in rates.line(auto.problem, auto.config)
+    assert rates.priced(auto.problem).disk_read_bytes_per_s == rates.disk_read_bytes_per_s
+    handle.close()
+    (kept_file,) = cache.glob("disk-*.json")
+    kept = json.loads(kept_file.read_text())
+    assert kept["source"] == "training" and kept["probe"] == {"read_bytes_per_s": 2e9, "write_bytes_per_s": 1e9}
+    assert profile_disk.disk_rates(folder) == (rates.disk_read_bytes_per_s, rates.disk_write_bytes_per_s)
+    assert autooffload.disk_rates is profile_disk.disk_rates  # what the next plan reads
+    # a later training's rate in one direction only keeps the other; a pinned pair stays
+    assert profile_disk.note_disk_rates(folder, 5e9, 0.0) == kept_file
+    assert profile_disk.disk_rates(folder) == (5e9, rates.disk_write_bytes_per_s)
+    profile_disk.pin_disk_rates(folder, 1e9, 1e9)
+    assert profile_disk.note_disk_rates(folder, 7e9, 7e9) is None and profile_disk.disk_rates(folder) == (1e9, 1e9)
 
 
 def test_the_search_keeps_enough_chunks_persistent_for_the_spill_folder_s_free_space(tmp_path, monkeypatch):
