@@ -42,8 +42,11 @@ def note_disk_rates(folder: str | os.PathLike[str], read_bytes_per_s: float, wri
                     cache: str | os.PathLike[str] | None = None) -> Path | None:
     """Keep the rates a store's spill file reached in training for ``folder``'s filesystem, where each
     is measured (> 0) and the kept ones are not pinned; the other direction stays as kept. Returns the
-    file written, else ``None``."""
-    path = _path(Path(folder), cache)
+    file written, else ``None`` (also for a folder gone since: nothing to keep them for)."""
+    try:
+        path = _path(Path(folder), cache)
+    except OSError:
+        return None
     try:
         kept = read_json(path) or {}
     except (OSError, ValueError):
