@@ -22,7 +22,8 @@ up front that it clips), ``inductor`` (plain ``torch.compile``, the reference: h
 ``uncapped`` (no memory fraction and no budget given: the reference for a model that does not fit the cap),
 ``keys`` (Inductor's FX graph cache keys and what differs from the nearest earlier one, in the run's
 ``fx_cache_keys`` and its log as they come), ``graph`` (``verify="graph"``: plans judged by the graph-level
-memory analysis, no trial lowering; a shorter start for a large model), ``trace`` (after the timed steps, two more under ``torch.profiler``: the kernels and CPU ops by time and the
+memory analysis, no trial lowering; a shorter start for a large model), ``counts=P/B/G`` (with ``offload``:
+``n_persist``, ``n_buffer`` and ``n_gpu_optim`` by hand, the activation plan chosen for them), ``trace`` (after the timed steps, two more under ``torch.profiler``: the kernels and CPU ops by time and the
 device's busy fraction, in the run's ``trace``).
 
 Time to each step: every step's entry holds ``since_launch_s``, seconds from the run's process start
@@ -50,6 +51,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -79,6 +81,15 @@ def parse_run(spec: str) -> dict:
         raise ValueError(f"run {spec!r}: expected MODEL:SIZE:LOSS[:FLAGS]")
     model, size, loss = parts[:3]
     flags = set(parts[3].split("+")) if len(parts) == 4 and parts[3] else set()
+    counts = None
+    for flag in [f for f in flags if f.startswith("counts=")]:
+        flags.discard(flag)
+        try:
+            counts = tuple(int(k) for k in flag.removeprefix("counts=").split("/"))
+        except ValueError:
+            counts = ()
+        if len(counts) != 3 or min(counts) < 0:
+            raise ValueError(f"run {spec!r}: {flag!r}; expected counts=N_PERSIST/N_BUFFER/N_GPU_OPTIM, e.g. counts=4/3/6")
     if model not in ("gpt", *HF_SHAPES):
         raise ValueError(f"run {spec!r}: model {model!r}; accepted: gpt, {', '.join(HF_SHAPES)}")
     if loss not in ("inside", "outside"):
@@ -91,12 +102,14 @@ def parse_run(spec: str) -> dict:
         raise ValueError(f"run {spec!r}: 'said' tells offload(...) that the loop clips: it needs 'offload' and 'clip'")
     if "graph" in flags and "inductor" in flags:
         raise ValueError(f"run {spec!r}: 'graph' chooses how the protrain backend judges plans (no 'inductor')")
+    if counts is not None and "offload" not in flags:
+        raise ValueError(f"run {spec!r}: 'counts=' are offload(...)'s counts: it needs 'offload'")
     if {"offload", "inductor"} <= flags:
         raise ValueError(f"run {spec!r}: an offloaded model runs only through the protrain backend (no 'inductor')")
     return {"spec": spec, "model": model, "size": size, "loss": loss, "offload": "offload" in flags,
             "clip": "clip" in flags, "inductor": "inductor" in flags, "uncapped": "uncapped" in flags,
             "trace": "trace" in flags, "keys": "keys" in flags, "said": "said" in flags,
-            "graph": "graph" in flags}
+            "graph": "graph" in flags, "counts": counts}
 
 
 def build(run: dict, args, device: str):
@@ -330,7 +343,9 @@ def run_one(run: dict, args) -> dict:
             handle = protrain_fx.offload(model, optimizer, device=device, init=init,
                                          compute_dtype=torch.bfloat16 if cuda else None,
                                          available_host_bytes=int(args.host_gib * 2**30) if args.host_gib else None,
-                                         spill_dir=args.spill_dir, grad_clipping=True if run["said"] else None)
+                                         spill_dir=args.spill_dir, grad_clipping=True if run["said"] else None,
+                                         **({} if run["counts"] is None else dict(zip(
+                                             ("n_persist", "n_buffer", "n_gpu_optim"), run["counts"]))))
         elif not cuda:
             pass
         options = {"memory_budget": f"{args.cap_gib}GiB"} if cuda else {"memory_budget": args.cpu_budget}
@@ -436,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for run in runs:
         before = set(args.out.glob("run_*.json"))
-        slug = run["spec"].replace(":", "_").replace("+", "_")
+        slug = re.sub(r"[^A-Za-z0-9.-]", "_", run["spec"])  # a file name: no "/" of counts=P/B/G
         env = dict(os.environ)
         if args.cache_dir is not None:
             caches = args.cache_dir / slug
