@@ -184,7 +184,7 @@ def step_check(auto) -> dict:
     first steps (held steps learned), so that ``CostModel(Problem.from_dict(...))`` replays the
     prediction off the GPU."""
     check = auto.step_check
-    rates = getattr(auto, "training_rates", None)
+    rates = auto.training_rates
     out = {"predicted_step_s": auto.estimate.step_s, "fwd_s": auto.estimate.fwd_s, "bwd_s": auto.estimate.bwd_s,
            "opt_s": auto.estimate.opt_s, "config": auto.config.to_dict(),
            "training_rates": dataclasses.asdict(rates) if rates is not None else None,
