@@ -8,8 +8,7 @@ per filesystem (the folder's device number) under the cache folder; :func:`pin_d
 them by hand (tests, a fleet that must plan alike), and :func:`note_disk_rates` replaces measured ones
 with the rates training reached (the spill file's reads and writes over the backend's rate window),
 as the CPU optimizer's are: the probe's flushed and uncached bytes are not what a running store
-sees (the page cache takes its writes: 13B's store on the H100 machine wrote at 3.15 GiB/s where a
-flushed 4 GiB write ran at 1.28, ``docs/results.md#past-host-memory-optimizer-state-on-disk``).
+sees (the page cache takes its writes: ``docs/results.md#past-host-memory-optimizer-state-on-disk``).
 """
 
 from __future__ import annotations
