@@ -43,6 +43,7 @@ import protrain_fx  # noqa: E402
 from protrain_fx.backend import register  # noqa: E402
 from protrain_fx.profile import cache as profile_cache  # noqa: E402
 from protrain_fx.search.problem import MachineProfile  # noqa: E402
+from protrain_fx import settings  # noqa: E402
 
 register()  # backend="protrain" from a checkout that is not installed (the GPU machine runs the suite so)
 
@@ -78,13 +79,13 @@ def pin_cpu_profile(folder: str | os.PathLike[str] | None = None) -> Path:
 
 def use_cache_dir(monkeypatch: pytest.MonkeyPatch, folder: str | os.PathLike[str]) -> Path:
     """Point ``PROTRAIN_CACHE_DIR`` at ``folder`` for one test, with the suite's pinned CPU profile in it."""
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(folder))
+    monkeypatch.setenv(settings.CACHE_DIR, str(folder))
     pin_cpu_profile(folder)
     return Path(folder)
 
 
 SUITE_CACHE = Path(tempfile.mkdtemp(prefix="protrain_fx_tests_"))
-os.environ["PROTRAIN_CACHE_DIR"] = str(SUITE_CACHE)  # inherited by every process a test starts
+os.environ[settings.CACHE_DIR] = str(SUITE_CACHE)  # inherited by every process a test starts
 # Inductor's caches too, in the suite's folder: every run starts cold, as CI does, and no test reuses
 # code an earlier run compiled beside allocation plans it did not keep (protrain_fx/lowering.py)
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(SUITE_CACHE / "inductor")
@@ -174,7 +175,7 @@ def _no_plan_cache(monkeypatch):
     """Plans are chosen at every compile, as the tests of the planner expect, and none is kept in the
     user's cache directory (``planner/plan_cache.py``; ``tests/planner/test_plan_cache.py`` turns it on,
     in a folder of its own)."""
-    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    monkeypatch.setenv(settings.PLAN_CACHE, "0")
 
 
 @pytest.fixture

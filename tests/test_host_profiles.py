@@ -17,6 +17,7 @@ import pytest
 from protrain_fx.planner import offload as autooffload
 from protrain_fx.profile import cache as profile_cache
 from tests.conftest import HOST, HOSTS, SUITE_CACHE, USER_CACHE
+from protrain_fx import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +34,7 @@ PLANNER_FACING = [
 
 
 def test_the_suite_plans_from_its_own_pinned_profile_not_the_users_cache():
-    assert os.environ["PROTRAIN_CACHE_DIR"] == str(SUITE_CACHE)
+    assert os.environ[settings.CACHE_DIR] == str(SUITE_CACHE)
     assert profile_cache.cache_dir() == SUITE_CACHE != USER_CACHE
     pinned = profile_cache.pinned_profile("cpu")
     assert pinned == HOSTS[HOST]

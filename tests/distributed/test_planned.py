@@ -14,6 +14,7 @@ from protrain_fx.profile import collectives
 from protrain_fx.search.problem import MachineProfile
 from tests.distributed import common
 from tests.distributed.ranks import run_ranks
+from protrain_fx import settings
 
 #: The tiny GPT's step (batch 2 x 32) with every parameter on the device peaks above this: some
 #: chunks must be offloaded (``tests/planner/test_auto_offload.py``'s ``TIGHT``).
@@ -49,7 +50,7 @@ def test_collective_times_are_rank_0_s_reading_on_every_rank_and_cached():
 
 
 def _auto(rank: int, world: int, cache: str) -> dict:
-    os.environ["PROTRAIN_CACHE_DIR"] = cache
+    os.environ[settings.CACHE_DIR] = cache
     autooffload.offload_machine = lambda device, record, *chunk: GPU_LIKE
     model, reference, opt, ref_opt = common.models()
     handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=common.CHUNK)

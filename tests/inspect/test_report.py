@@ -12,6 +12,7 @@ from examples.gpt import example
 from protrain_fx.inspect import cli
 from protrain_fx.inspect.report import inspect_model
 from protrain_fx.planner import budget as planner_budget
+from protrain_fx import settings
 
 
 def test_inspect_model_table_graphs_and_timing():
@@ -62,7 +63,7 @@ def test_cli_inspect_prints_table_graphs_and_writes_timeline(tmp_path, capsys):
 
 
 def test_dump_dir_gets_numbered_graphs_after_each_pass(tmp_path, monkeypatch):
-    monkeypatch.setenv("PROTRAIN_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv(settings.DUMP_DIR, str(tmp_path))
     model, batch = example("tiny", batch_size=2, seq_len=16)
     torch.compile(model, backend="protrain", options={"codegen": "eager"})(*batch).backward()
     files = sorted(p.name for p in (tmp_path / "graph0").iterdir())

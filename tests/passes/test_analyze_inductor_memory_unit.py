@@ -11,6 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from protrain_fx.analysis.inductor_memory import GraphPlan, PlanRow
 from protrain_fx.passes.pipeline import PassContext, analyze_inductor_memory, analyze_memory, run_passes
 from tests.passes.graphs import MiB, N, record_for
+from protrain_fx import settings
 
 
 def _record():
@@ -67,6 +68,6 @@ def test_nothing_to_do_before_the_graph_level_analysis():
 
 
 def test_an_analysis_cannot_be_disabled(monkeypatch):
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "analyze_inductor_memory")
+    monkeypatch.setenv(settings.DISABLE_PASSES, "analyze_inductor_memory")
     with pytest.raises(ValueError, match="analyze_inductor_memory cannot be disabled"):
         run_passes([analyze_inductor_memory], PassContext(_record()))

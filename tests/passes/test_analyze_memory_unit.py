@@ -8,6 +8,7 @@ import pytest
 from protrain_fx.config import ProtrainConfig
 from protrain_fx.passes.pipeline import PassContext, analyze_memory, attribute_blocks, run_passes
 from tests.passes.graphs import MiB, graph_text, record_for, trace
+from protrain_fx import settings
 
 
 def test_the_step_is_analysed_into_the_record():
@@ -46,7 +47,7 @@ def test_nothing_to_do_without_a_step():
 
 
 def test_an_analysis_cannot_be_disabled(monkeypatch):
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "analyze_memory")
+    monkeypatch.setenv(settings.DISABLE_PASSES, "analyze_memory")
     _, forward, backward = trace()
     with pytest.raises(ValueError, match="analyze_memory cannot be disabled"):
         run_passes([analyze_memory], PassContext(record_for(forward, backward)))

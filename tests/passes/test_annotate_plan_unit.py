@@ -10,6 +10,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from protrain_fx.passes.pipeline import PassContext, annotate_plan, run_passes
 from protrain_fx.plan import Plan
 from tests.passes.graphs import outputs, record_for, trace, two_blocks, two_blocks_viewed
+from protrain_fx import settings
 
 PARAMETERS = frozenset({"primals_1", "primals_2"})
 RECOMPUTE, SAVE = CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE
@@ -85,7 +86,7 @@ def test_an_unknown_block_is_the_users_error():
 
 
 def test_disabled_by_name(monkeypatch):
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "annotate_plan")
+    monkeypatch.setenv(settings.DISABLE_PASSES, "annotate_plan")
     record, tags, forward, _ = _run(Plan(blocks={"blocks.0": "checkpoint"}))
     assert tags == {} and record.passes == []
     assert "relu" in _saved(forward)

@@ -8,6 +8,7 @@ import pytest
 from protrain_fx import meta
 from protrain_fx.passes.pipeline import PassContext, attribute_blocks, run_passes
 from tests.passes.graphs import graph_text, record_for, trace
+from protrain_fx import settings
 
 
 def _blocks(gm) -> dict[str, str]:
@@ -66,7 +67,7 @@ def test_an_inference_graph_is_attributed_as_the_forward():
 
 def test_an_analysis_cannot_be_disabled(monkeypatch):
     """Every later pass reads the blocks: naming it in PROTRAIN_DISABLE_PASSES is refused."""
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "attribute_blocks")
+    monkeypatch.setenv(settings.DISABLE_PASSES, "attribute_blocks")
     _, forward, backward = trace()
     with pytest.raises(ValueError, match="attribute_blocks cannot be disabled"):
         run_passes([attribute_blocks], PassContext(record_for(forward, backward)))

@@ -9,6 +9,7 @@ import torch
 from protrain_fx import meta
 from protrain_fx.passes.pipeline import PassContext, attribute_blocks, gather_chunks, run_passes
 from tests.passes.graphs import count, graph_text, nodes_made_by, offloaded_mlp, outputs, record_for, trace
+from protrain_fx import settings
 
 WIDTH = 64
 ops = torch.ops.protrain
@@ -88,7 +89,7 @@ def test_nothing_to_do_without_offloaded_inputs():
 
 
 def test_disabled_by_name(monkeypatch):
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "gather_chunks")
+    monkeypatch.setenv(settings.DISABLE_PASSES, "gather_chunks")
     model, handle, weights = offloaded_mlp(WIDTH)
     forward, backward = _graphs()
     before = graph_text(forward, backward)

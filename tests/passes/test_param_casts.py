@@ -13,6 +13,7 @@ import protrain_fx
 from protrain_fx import meta
 from protrain_fx.passes import gather
 from protrain_fx.passes.param_casts import is_dtype_cast
+from protrain_fx import settings
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,7 +79,7 @@ def test_offloaded_weights_are_read_in_the_compute_dtype_and_no_cast_of_them_is_
     # the same step without the rewrite: the same values, more memory
     protrain_fx.reset()
     torch._dynamo.reset()
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "recompute_param_casts")
+    monkeypatch.setenv(settings.DISABLE_PASSES, "recompute_param_casts")
     monkeypatch.setattr(gather, "_foldable", lambda *args: False)
     old_losses, old_params, old = _train(n_persist, codegen=codegen)
     assert _cast_chunk_copies(old.forward) > 0
@@ -102,7 +103,7 @@ def test_a_model_whose_chunks_all_stay_on_the_device_saves_no_weight_cast_either
     assert not [a.name for a in saved if _weight_cast(a, record.step.state_inputs)]
     protrain_fx.reset()
     torch._dynamo.reset()
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "recompute_param_casts")
+    monkeypatch.setenv(settings.DISABLE_PASSES, "recompute_param_casts")
     old_losses, old_params, old = _train(chunks)
     old_out = next(n for n in reversed(old.forward.graph.nodes) if n.op == "output")
     assert any(_weight_cast(a, old.step.state_inputs) for a in old_out.args[0] if isinstance(a, torch.fx.Node))

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.passes.pipeline import PassContext, recompute_param_casts, run_passes
 from tests.passes.graphs import offloaded_mlp, outputs, record_for, trace
+from protrain_fx import settings
 
 WIDTH = 64
 PARAMETERS = frozenset({"primals_1", "primals_2"})
@@ -78,7 +79,7 @@ def test_nothing_to_do_without_a_joint_graph():
 
 
 def test_disabled_by_name(monkeypatch):
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "recompute_param_casts")
+    monkeypatch.setenv(settings.DISABLE_PASSES, "recompute_param_casts")
     model, handle, weights = offloaded_mlp(WIDTH)
     record, tags, forward, _ = _run([*weights, torch.zeros(8, WIDTH)])
     assert tags == {} and record.passes == []

@@ -11,6 +11,7 @@ from protrain_fx import meta
 from protrain_fx.passes.pipeline import PassContext, analyze_memory, attribute_blocks, run_passes, swap_activations
 from protrain_fx.plan import Plan
 from tests.passes.graphs import MiB, count, graph_text, nodes_made_by, outputs, record_for, trace
+from protrain_fx import settings
 
 ops = torch.ops.protrain
 
@@ -77,7 +78,7 @@ def test_nothing_to_do_without_a_swap(plan):
 
 
 def test_disabled_by_name(monkeypatch):
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "swap_activations")
+    monkeypatch.setenv(settings.DISABLE_PASSES, "swap_activations")
     record, forward, backward = _run(Plan(blocks={"blocks.0": "swap"}))
     assert record.swapped == []
     assert count(forward, ops.offload.default) == count(backward, ops.reload.default) == 0

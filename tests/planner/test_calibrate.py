@@ -21,6 +21,7 @@ from tests.planner.test_auto_offload import (  # (its machine stand-in is that m
     _setup,
 )
 from tests.runtime.test_offload import _assert_same_params, _batch, _train_side_by_side
+from protrain_fx import settings
 
 GRANULE = profile_cache.CHUNK_RATE_GRANULE
 PROFILE = MachineProfile(h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_bytes_per_s=40e9,
@@ -243,7 +244,7 @@ def test_a_chunk_step_counts_its_seconds_and_the_parameters_it_stepped():
 def test_training_measures_the_cpu_rate_and_the_next_plan_is_priced_at_it(tmp_path, monkeypatch, caplog):
     # A tiny GPT with automatic counts under a budget that offloads some chunks (as in
     # test_auto_offload), the machine read from a profile file written here (nothing measured).
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path))
     _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
     first, last = STEP_TIMED_CALLS
     model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
@@ -342,7 +343,7 @@ def test_training_slower_than_profiled_re_plans_the_running_step_and_times_it_ag
 
     monkeypatch.setattr(first_step, "_clock", clock)
 
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path))
     _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
     monkeypatch.setattr(first_step, "replans_device_steps", lambda device: True)  # as on CUDA
     monkeypatch.setattr(planner_problem, "_device_step_staging_bytes", lambda itemsize: 0)  # host memory on a CPU device
@@ -395,7 +396,7 @@ def test_a_clipping_loop_is_priced_with_its_chunk_steps_held_once_the_window_see
     # The loop clips: from its first step every offloaded chunk's step waits for the norm
     # (``Problem.held_steps``). The counts were chosen before the first step, priced unheld; the rate
     # window prices the running plan held, and training stays exact.
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path))
     _profile_file(None, {GRANULE: PROFILE.cpu_adam_params_per_s})
     model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT)
     with caplog.at_level(logging.INFO, logger="protrain_fx"):

@@ -19,6 +19,7 @@ import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx.planner import first_step, rates
 from tests.planner.test_gpu_auto_plan import _train
+from protrain_fx import settings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,7 +37,7 @@ def _model_and_eager(machine_cache, monkeypatch, steps: int):
     """The test GPT on the GPU, a batch, the losses of ``steps`` eager steps of a copy of it and
     their allocated peak (every parameter on the device). Machine rates are measured into
     ``machine_cache`` (once for the module)."""
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(machine_cache))
+    monkeypatch.setenv(settings.CACHE_DIR, str(machine_cache))
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
     batch = random_batch(CONFIG, 4, 512, device="cuda", generator=torch.Generator().manual_seed(0))

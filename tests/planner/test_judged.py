@@ -20,6 +20,7 @@ from protrain_fx.planner.budget import budget_for_peak
 from protrain_fx.state import STATE
 from tests.conftest import use_cache_dir
 from tests.planner.test_auto_plan import CONFIG, _batch, _device_budget, _loss_outside, _train_graphs, logged  # noqa: F401
+from protrain_fx import settings
 
 
 #: Every test here compiles a graph again after its first step (conftest.replans).
@@ -124,7 +125,7 @@ def test_a_later_launch_at_another_budget_lowers_only_configs_never_judged(monke
     """The plan cache keeps the graph's judgments beside its plans: a launch at another budget (a plan
     cache miss) answers the configs judged at the first launch from them."""
     use_cache_dir(monkeypatch, tmp_path)
-    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    monkeypatch.setenv(settings.PLAN_CACHE, "1")
     monkeypatch.setattr(reserve, "LARGE_OUTPUT_BYTES", 1024)
     budget = _budget_needing_a_plan_before_and_after()
     (first, _), _ = _train(monkeypatch, budget, steps=2)
@@ -141,7 +142,7 @@ def test_a_plan_cache_hit_keeps_its_plan_when_a_grown_reserve_still_leaves_it_ro
     applies the entry while the plan's judged peak fits the cap that leaves; a reserve grown past that
     is refused and planned again (here nothing fits it)."""
     use_cache_dir(monkeypatch, tmp_path)
-    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    monkeypatch.setenv(settings.PLAN_CACHE, "1")
     monkeypatch.setattr(reserve, "LARGE_OUTPUT_BYTES", 1024)
     budget = _budget_needing_a_plan_before_and_after()
     (_, second), _ = _train(monkeypatch, budget, steps=2)  # the plan kept is chosen with the measured reserve

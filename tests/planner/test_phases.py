@@ -24,6 +24,7 @@ from tests.planner.test_auto_offload import GPU_LIKE, TIGHT
 from tests.planner.test_auto_offload import _setup as _offload_setup
 from tests.planner.test_auto_plan import CONFIG, _batch, _train_graphs, no_plan  # noqa: F401
 from tests.runtime.test_offload import _batch as _offload_batch
+from protrain_fx import settings
 
 
 def _first_call(budget: int):
@@ -71,7 +72,7 @@ def test_off_when_stderr_is_not_a_terminal(no_plan, capfd):  # noqa: F811
 
 def test_a_plan_cache_hit_skips_the_search_and_the_trial_lowerings(no_plan, monkeypatch, tmp_path):  # noqa: F811
     use_cache_dir(monkeypatch, tmp_path)
-    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    monkeypatch.setenv(settings.PLAN_CACHE, "1")
     budget = budget_for_peak(no_plan["peak"]) - 1
     first, _ = _first_call(budget)
     assert not first.auto_plan.from_cache and "search" in first.phases

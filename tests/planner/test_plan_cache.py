@@ -29,12 +29,13 @@ from tests.planner.test_auto_offload import GPU_LIKE, LONGER, TIGHT, _train_on
 from tests.planner.test_auto_offload import _setup as _offload_setup
 from tests.planner.test_auto_plan import CONFIG, _batch, _train_graphs, logged, no_plan  # noqa: F401
 from tests.runtime.test_offload import _assert_same_params, _train_side_by_side
+from protrain_fx import settings
 
 
 @pytest.fixture(autouse=True)
 def _plan_cache_in_tmp(monkeypatch, tmp_path):
     use_cache_dir(monkeypatch, tmp_path)
-    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    monkeypatch.setenv(settings.PLAN_CACHE, "1")
 
 
 @pytest.fixture
@@ -136,7 +137,7 @@ def test_another_budget_or_shape_plans_again(no_plan, counted):  # noqa: F811
 
 
 def test_plan_cache_off_plans_every_time_and_keeps_nothing(no_plan, counted, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    monkeypatch.setenv(settings.PLAN_CACHE, "0")
     budget = _tight(no_plan)
     for _ in range(2):
         counted.update(search=0)
@@ -318,7 +319,7 @@ def test_the_room_measured_for_the_code_around_the_graph_is_kept_for_later_launc
     assert not other.auto_plan.from_cache
     assert (other.auto_plan.reserve_bytes, other.auto_plan.reserve_source) == (outside, "measured")
     assert any("at a first step of an earlier launch" in r.getMessage() for r in logged)
-    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    monkeypatch.setenv(settings.PLAN_CACHE, "0")
     off, _ = _launch(budget - 2, steps=1)  # the cache off: nothing read
     assert off.auto_plan.reserve_source == ""
 
@@ -380,7 +381,7 @@ def test_a_model_at_its_least_budget_trains_on_after_a_miss(no_plan, monkeypatch
     least = refused.value.min_budget_bytes
     _, reference_losses = _launch(least, steps=3)
     missed = _first_step_over_its_cap(monkeypatch)
-    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    monkeypatch.setenv(settings.PLAN_CACHE, "0")
     again, losses = _launch(least, steps=3)
     assert losses == reference_losses
     assert missed and missed[0].auto_plan.recompile and again is not missed[0]

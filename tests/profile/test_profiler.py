@@ -23,6 +23,7 @@ from protrain_fx.profile import host as profile_host
 from protrain_fx.profile import machine_profile
 from protrain_fx.search import cost, search
 from protrain_fx.search import problem as search_problem
+from protrain_fx import settings
 
 MACHINE = search_problem.MachineProfile(
     h2d_bytes_per_s=20e9,
@@ -178,7 +179,7 @@ def test_problem_needs_a_backward():
 
 
 def test_measure_machine_cpu_is_cached(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path / "env"))
     kw = {"copy_bytes": 8 * 2**20, "adam_params": 2**20, "repeat": 1}
     first = machine_profile.measure_machine("cpu", cache=tmp_path, **kw)
     for name, value in first.to_dict().items():

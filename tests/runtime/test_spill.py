@@ -21,6 +21,7 @@ from protrain_fx.errors import UnsupportedError
 from protrain_fx.runtime.store import spill as spill_module
 from protrain_fx.runtime.store.host_memory import AUTO_HOST_RESERVE, HostMemoryError, planned_store_bytes
 from protrain_fx.runtime.store.spill import SpillError
+from protrain_fx import settings
 
 CONFIG = gpt_config("tiny", n_layer=4)
 CHUNK = 64 * 1024
@@ -214,7 +215,7 @@ def test_a_spill_folder_missing_not_writable_or_too_small_is_refused_naming_the_
         _setup(tmp_path, n_spill=2)
     monkeypatch.undo()
     # the environment variable names the folder when the option does not
-    monkeypatch.setenv("PROTRAIN_SPILL_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv(settings.SPILL_DIR, str(tmp_path / "elsewhere"))
     torch._dynamo.reset()
     model = GPT(CONFIG)
     with pytest.raises(SpillError, match="elsewhere does not exist"):
@@ -417,6 +418,6 @@ def test_a_spill_folder_in_host_memory_is_refused_and_the_default_avoids_one(tmp
     with pytest.raises(SpillError, match=r"is in host memory \(tmpfs\): spilling there takes the memory"):
         _setup(tmp_path, n_spill=2)
     monkeypatch.setattr(spill_module.tempfile, "gettempdir", lambda: str(tmp_path))
-    monkeypatch.delenv("PROTRAIN_SPILL_DIR", raising=False)
+    monkeypatch.delenv(settings.SPILL_DIR, raising=False)
     assert spill_module.spill_dir(None) == Path("/var/tmp")  # the temporary folder is in memory: /var/tmp
     assert spill_module.spill_dir(tmp_path) == tmp_path  # given: as given (and refused when used)
