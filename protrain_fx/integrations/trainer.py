@@ -181,7 +181,7 @@ class ProTrainTrainer(transformers.Trainer):
             model = self.compiled_model()
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
-    # ---- checkpoints ----------------------------------------------------------------------------
+    # ---- saved folders (the Trainer's checkpoints) --------------------------------------------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as full tensors (``handle.state_dict(model)`` when offloaded)."""
@@ -211,7 +211,7 @@ class ProTrainTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self.handle is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        weights = checkpoint_weights(checkpoint, self.model)
+        weights = saved_weights(checkpoint, self.model)
         path = os.path.join(checkpoint, _OPTIMIZER)
         optimizer_state = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
         # Before the counts are chosen the handle keeps both aside and applies them at placement.
@@ -225,10 +225,10 @@ class ProTrainTrainer(transformers.Trainer):
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
         log.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
-        self.handle.load_state_dict(self.model, checkpoint_weights(best, self.model))
+        self.handle.load_state_dict(self.model, saved_weights(best, self.model))
 
 
-def checkpoint_weights(checkpoint: str, model: nn.Module) -> dict[str, torch.Tensor]:
+def saved_weights(checkpoint: str, model: nn.Module) -> dict[str, torch.Tensor]:
     """The model weights of a Trainer checkpoint folder (safetensors, sharded or not, or
     ``pytorch_model.bin``) by every parameter and buffer name of ``model``: tied names that
     ``save_pretrained`` left out get their twin's tensor, buffers it did not save the model's own."""

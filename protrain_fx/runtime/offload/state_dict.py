@@ -1,11 +1,11 @@
-"""The state dicts of an offloaded model (what a training checkpoint saves): its parameters and
+"""The state dicts of an offloaded model (what a training run saves to resume): its parameters and
 optimizer state as ordinary full tensors.
 
 :class:`StateDicts` is the part of ``OffloadHandle`` that saves and loads. Data-parallel (chunks
 sharded over the ranks: ``runtime/parallel/shard.py``), ``state_dict`` and ``optimizer_state_dict`` gather
-every rank's pieces, so each rank gets the whole checkpoint (every rank must call them: they are
-collectives; save from rank 0), and loading slices a whole checkpoint to each rank's pieces: a
-checkpoint saved at N ranks loads at M ranks, or into a plain model and AdamW.
+every rank's pieces, so each rank gets the whole state (every rank must call them: they are
+collectives; save from rank 0), and loading slices a whole state dict to each rank's pieces: a
+state saved at N ranks loads at M ranks, or into a plain model and AdamW.
 
 The loop's own calls work too (:func:`install_state_hooks`): ``model.state_dict()`` (of the model
 or any of its modules) gives an offloaded parameter's values (a view of its fp32 master in the host

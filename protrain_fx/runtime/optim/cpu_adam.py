@@ -46,7 +46,7 @@ class ChunkAdamW:
     ``dict(model.named_parameters(remove_duplicate=False))``): that is how optimizer entries are
     matched to store slots. A slot absent from the optimizer is not optimized (frozen); an
     optimizer parameter absent from the store is left to ``optimizer`` itself (e.g. chunks kept on
-    the GPU). State ``optimizer`` already holds for store parameters (a checkpoint loaded before
+    the GPU). State ``optimizer`` already holds for store parameters (a state dict loaded before
     binding) moves into the store.
     """
 
@@ -201,7 +201,7 @@ class ChunkAdamW:
             self._steps[slot] = torch.zeros((), dtype=torch.float32)
         return self._steps[slot]
 
-    # ---- checkpoints -------------------------------------------------------------------------
+    # ---- state dicts -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """``optimizer.state_dict()`` with the store's parameters' state filled in: the format of a

@@ -13,7 +13,7 @@ group, issued by the graph ops in graph order, so every rank issues the same one
 * the host memory: each rank's store is checked against its share of the node's
   (:func:`node_share`), and a refusal on one rank is every rank's, naming the node's totals
   (:func:`store_on_every_rank`);
-* checkpoints: :func:`gather_params` and :func:`gather_optimizer_state` give whole tensors on every
+* state dicts: :func:`gather_params` and :func:`gather_optimizer_state` give whole tensors on every
   rank (every rank must call them); loading slices a whole state dict (``slots.piece_of``).
 
 Both ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` exist for NCCL and, in the torch this

@@ -651,7 +651,7 @@ class ChunkStore:
         """A GPU copy reading the chunk's host buffer finishes at ``event``: later writes wait for it."""
         self._read_events[chunk_id] = event
 
-    # ---- checkpoints -------------------------------------------------------------------------
+    # ---- state dicts -------------------------------------------------------------------------
 
     def param_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameter name -> full fp32 tensor (a copy of the master; tied names share one tensor).

@@ -15,7 +15,7 @@ copy or do the add itself. :class:`PendingAdds` splits a landing in two:
   adds the staged values into the buffer and frees the staging buffer for the next landing.
 
 A landing of the same chunk queued later runs after this one (one worker thread, in order); the
-chunk's optimizer step likewise; a read of the gradient elsewhere (clipping's norm, a checkpoint)
+chunk's optimizer step likewise; a read of the gradient elsewhere (clipping's norm, a state dict)
 first waits for the chunk's jobs (:meth:`PendingAdds.wait`, through ``ChunkStore.wait_grad``).
 Without a worker (a store used on its own) a job runs in the landing thread at once.
 """
