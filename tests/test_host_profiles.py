@@ -49,7 +49,7 @@ def runs_on_each_host():
     started = {}
     for host in ("slow", "fast"):
         env = {**os.environ, "PROTRAIN_TEST_HOST": host}
-        env.pop("PROTRAIN_CACHE_DIR")  # the run's own suite folder, pinned to ``host``
+        env.pop(settings.CACHE_DIR)  # the run's own suite folder, pinned to ``host``
         env.pop("TORCHINDUCTOR_CACHE_DIR")
         started[host] = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PLANNER_FACING],
