@@ -46,6 +46,7 @@ from protrain_fx.runtime.parallel import distributed
 from protrain_fx.runtime.store.spill import spill_dir
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Counts
+from protrain_fx.search.spread import expected_estimate
 from protrain_fx.state import STATE
 
 log = logging.getLogger("protrain_fx")
@@ -339,10 +340,15 @@ def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | No
     auto = record.auto_plan
     assert auto is not None and record.memory is not None
     if window.handle.grad_clipping is True and not auto.problem.held_steps:  # learned at the first step
+        # The plan's prediction becomes the held step's, priced as the plan was (over the rate spread or at the
+        # readings): the step period measured over these calls is a held step's, and so is the re-plan's baseline.
+        planned = auto.estimate
         auto.problem = dataclasses.replace(auto.problem, held_steps=True)
+        auto.estimate = (expected_estimate(auto.problem, auto.config, auto.rate_spread) if auto.rate_spread
+                         else CostModel(auto.problem).estimate(auto.config))
         log.info("protrain_fx: graph %d: the loop clips: every offloaded chunk's step waits for the norm; step "
                  "predicted with that %.1f ms (%.1f ms as planned)", record.index,
-                 1e3 * CostModel(auto.problem).estimate(auto.config).step_s, 1e3 * auto.estimate.step_s)
+                 1e3 * auto.estimate.step_s, 1e3 * planned.step_s)
     rates = distributed.from_rank0(window.close(auto.problem, auto.config))  # every rank re-plans alike
     auto.training_rates = rates
     kept = profile_cache.note_training_rates(

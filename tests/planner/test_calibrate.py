@@ -14,7 +14,9 @@ from protrain_fx.planner import first_step
 from protrain_fx.planner import problem as planner_problem
 from protrain_fx.planner.rates import STEP_TIMED_CALLS, RateWindow, TrainingRates
 from protrain_fx.profile import cache as profile_cache
+from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import MachineProfile
+from protrain_fx.search.spread import expected_estimate
 from tests.conftest import NOTE_TRAINING_RATES
 from tests.planner.test_auto_offload import (  # (its machine stand-in is that module's own fixture)
     TIGHT,
@@ -412,6 +414,12 @@ def test_a_clipping_loop_is_priced_with_its_chunk_steps_held_once_the_window_see
             if step == 0:
                 auto = [g for g in protrain_fx.captured_graphs() if g.backward is not None][-1].auto_plan
                 assert auto.offload and not auto.problem.held_steps  # not known at the compile
+                planned = auto.estimate
     _assert_same_params(handle, model, reference)
     assert handle.grad_clipping is True and auto.problem.held_steps and auto.training_rates is not None
     assert "the loop clips: every offloaded chunk's step waits for the norm" in caplog.text
+    # the measured period (a held step's) is checked against the held step's prediction, priced as planned
+    held = (expected_estimate(auto.problem, auto.config, auto.rate_spread) if auto.rate_spread
+            else CostModel(auto.problem).estimate(auto.config))
+    assert auto.estimate == held and held.step_s != planned.step_s
+    assert auto.step_check is not None and auto.step_check.predicted_step_s == held.step_s
