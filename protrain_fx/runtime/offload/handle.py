@@ -481,8 +481,9 @@ class OffloadHandle(StateDicts, Landing):
         clips, which it does not when it steps without clipping first), each side in the next
         forward's order: the CPU worker's chunks queued first, then the first ``n_gpu_optim``
         streamed through the device (``DeviceAdamW.step_held``), which this thread issues slice by
-        slice, a large share of a clipped step (``docs/results.md#the-users-42b-loop-loss-and-clipping``);
-        queued before, the CPU steps run meanwhile instead of after it."""
+        slice once each chunk's gradient has landed on the host; queued before, the CPU steps run
+        meanwhile instead of after. A clipped step is bound by the link's copies, not by this issuing
+        (``docs/results.md#the-users-42b-loop-loss-and-clipping``)."""
         self._check_unfrozen()
         if self._pending and self.grad_clipping is None and not self._clipped:
             self.grad_clipping = False
