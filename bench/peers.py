@@ -821,7 +821,8 @@ def _reread(device_steps: int) -> dict:
 
     import protrain_fx
     from protrain_fx.planner import problem as planner_problem
-    from protrain_fx.planner.offload import chunk_parts, placed_handle
+    from protrain_fx.backend import placed_handle
+    from protrain_fx.planner.offload import chunk_parts
     from protrain_fx.profile import cache as profile_cache
     from protrain_fx.profile import machine_profile
     from protrain_fx.profile import ops as opprofile

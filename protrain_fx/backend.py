@@ -17,7 +17,8 @@ import logging
 import re
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,6 +33,7 @@ from protrain_fx.analysis.memory import StepGraphs
 from protrain_fx.capture import Budget, CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.errors import UnsupportedError, surfaced
+from protrain_fx.handoffs import StepReadings
 from protrain_fx.passes.pipeline import (
     JOINT_PASSES,
     LOWERED_PASSES,
@@ -49,21 +51,21 @@ from protrain_fx.planner.budget import (
 )
 from protrain_fx.planner.first_step import peaks_at_compile_start, watch_first_step
 from protrain_fx.planner.fit import answer, answer_offload
-from protrain_fx.planner.offload import (
-    choose_for_placed,
-    choose_offload,
-    deferred_handle,
-    placed_handle,
-)
+from protrain_fx.planner.offload import choose_for_placed, choose_offload
 from protrain_fx.inspect import structured
 from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
 from protrain_fx.planner.plan_cache import judgments, plan_key, reuse_or_choose
 from protrain_fx.planner.verify import Rewrite
 from protrain_fx.profile.machine_profile import card_machine
 from protrain_fx.runtime.offload import chunk_ops
+from protrain_fx.runtime.offload.step_window import StepWindow
 from protrain_fx.runtime.parallel import distributed
 from protrain_fx.runtime.allocator import expandable_segments
+from protrain_fx.runtime.store.spill import spill_dir
 from protrain_fx.state import STATE
+
+if TYPE_CHECKING:
+    from protrain_fx.runtime.offload.handle import OffloadHandle
 
 log = logging.getLogger("protrain_fx")
 
@@ -136,7 +138,8 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
             with progress.phase("store", "filling the chunk store"):
                 chunk_ops.wait_filled()
         chunk_ops.wait_filled()  # a fill's error, if it raised
-    return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
+    # measured against predicted when a plan was chosen; an offload's rates over the timed calls
+    return watch_first_step(record, compiled, peaks_before, lambda: _RunningHandle.open(record))
 
 
 #: The partitioner's settings for a random op a plan recomputes (an attention on CUDA, whose kernels
@@ -389,6 +392,69 @@ class _Partitioner(CustomPartitionerFn):
     def __reduce__(self):
         # Inductor pickles its config into cache keys; the uuid stands for this partitioner.
         return (str, (self.uuid(),))
+
+
+def deferred_handle(record: CapturedGraph) -> OffloadHandle | None:
+    """The offload handle whose counts this graph's first compile chooses, if its inputs hold one."""
+    found = {}
+    for t in record.real_inputs():
+        h = chunk_ops.deferred(t)
+        if h is not None:
+            found[id(h)] = h
+    if len(found) > 1:
+        raise ValueError(
+            f"protrain_fx: graph {record.index} reads the parameters of {len(found)} offloaded models with "
+            "automatic counts; one budget cannot be split among them: give n_persist / n_buffer by hand"
+        )
+    return next(iter(found.values()), None)
+
+
+def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
+    """The offload handle whose counts the backend chose at an earlier compile, if this graph reads it."""
+    for t in record.real_inputs():
+        found = chunk_ops.offloaded(t)
+        if found is not None and chunk_ops.handle(found[0]).counts_chosen:
+            return chunk_ops.handle(found[0])
+    return None
+
+
+class _RunningHandle:
+    """The planner's :class:`~protrain_fx.planner.rates.RunningOffload` on an offload handle in
+    training: a window on its optimizer steps (``runtime/offload/step_window.py``) opened when made,
+    what the re-plan reads of the handle (read when asked), and its ``n_gpu_optim`` set."""
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self._handle = handle
+        self._window = StepWindow(handle)
+
+    @staticmethod
+    def open(record: CapturedGraph) -> _RunningHandle | None:
+        """The window on the offload handle whose chunks the backend placed for ``record``, when its
+        offloaded chunks have optimizer steps of their own (CPU or device); else ``None``."""
+        handle = placed_handle(record)
+        return None if handle is None or handle.adam is None else _RunningHandle(handle)
+
+    @property
+    def chunk_params(self) -> int:
+        return self._handle.chunk_params
+
+    @property
+    def spill_dir(self) -> Path:
+        return spill_dir(self._handle.options.spill_dir)
+
+    @property
+    def grad_clipping(self) -> bool | None:
+        return self._handle.grad_clipping
+
+    @property
+    def n_gpu_optim(self) -> int:
+        return self._handle.n_gpu_optim
+
+    def close(self) -> StepReadings:
+        return self._window.close()
+
+    def set_gpu_optim(self, n_gpu_optim: int) -> None:
+        self._handle.set_gpu_optim(n_gpu_optim)
 
 
 def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:

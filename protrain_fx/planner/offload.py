@@ -92,7 +92,6 @@ from protrain_fx.profile.machine_profile import (
     device_step_rate,
     measure_machine,
 )
-from protrain_fx.runtime.offload import chunk_ops
 from protrain_fx.runtime.parallel import distributed
 from protrain_fx.runtime.store.buffer_pool import FETCH_SLICE_ELEMS
 from protrain_fx.runtime.store.spill import spill_dir
@@ -105,30 +104,6 @@ if TYPE_CHECKING:
     from protrain_fx.runtime.offload.handle import OffloadHandle
 
 log = logging.getLogger("protrain_fx")
-
-
-def deferred_handle(record: CapturedGraph) -> OffloadHandle | None:
-    """The offload handle whose counts this graph's first compile chooses, if its inputs hold one."""
-    found = {}
-    for t in record.real_inputs():
-        h = chunk_ops.deferred(t)
-        if h is not None:
-            found[id(h)] = h
-    if len(found) > 1:
-        raise ValueError(
-            f"protrain_fx: graph {record.index} reads the parameters of {len(found)} offloaded models with "
-            "automatic counts; one budget cannot be split among them: give n_persist / n_buffer by hand"
-        )
-    return next(iter(found.values()), None)
-
-
-def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
-    """The offload handle whose counts the backend chose at an earlier compile, if this graph reads it."""
-    for t in record.real_inputs():
-        found = chunk_ops.offloaded(t)
-        if found is not None and chunk_ops.handle(found[0]).counts_chosen:
-            return chunk_ops.handle(found[0])
-    return None
 
 
 def choose_for_placed(
