@@ -33,7 +33,7 @@ from protrain_fx.analysis.memory import StepGraphs
 from protrain_fx.capture import Budget, CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.errors import UnsupportedError, surfaced
-from protrain_fx.handoffs import StepReadings
+from protrain_fx.handoffs import Placement, StepReadings
 from protrain_fx.passes.pipeline import (
     JOINT_PASSES,
     LOWERED_PASSES,
@@ -62,6 +62,7 @@ from protrain_fx.runtime.offload.step_window import StepWindow
 from protrain_fx.runtime.parallel import distributed
 from protrain_fx.runtime.allocator import expandable_segments
 from protrain_fx.runtime.store.spill import spill_dir
+from protrain_fx.search.problem import Counts
 from protrain_fx.state import STATE
 
 if TYPE_CHECKING:
@@ -323,6 +324,10 @@ class _Partitioner(CustomPartitionerFn):
         resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
         handle = deferred_handle(record)  # offload(...) without counts: chosen here (planner/offload.py)
         placed = placed_handle(record) if handle is None else None  # ... or at an earlier compile
+        # The planner gets the offload as data and places chunks only through the placer (handoffs.py).
+        facts = handle.facts() if handle is not None else None
+        placed_facts = placed.facts() if placed is not None else None
+        placer = _HandlePlacer(handle) if handle is not None else None
         if handle is not None or placed is not None:
             _check_automatic_offload(record, answering=handle is not None)
         dry_run = record.config.dry_run and wants_auto_plan(record, budget_needed=False)  # protrain_fx.what_fits
@@ -347,7 +352,7 @@ class _Partitioner(CustomPartitionerFn):
         tried = progress.timed("trial lowerings")(trial)
         # The judgments of this graph kept by earlier compiles, and in the plan cache by earlier launches:
         # only configs never judged are rewritten and lowered (planner/judged.py).
-        key = plan_key(record, joint, handle, placed)
+        key = plan_key(record, joint, facts, placed_facts)
         kept = judgments(key)
         if user_config.verify != "graph":  # "inductor" (options refuse it with another codegen) or "auto"
             # Judged on the device the step's memory is analysed for (an offloaded model's inputs
@@ -361,17 +366,19 @@ class _Partitioner(CustomPartitionerFn):
             # what the compile's Inductor code peaks at, where the plan is judged without lowering it
             lower = progress.timed("trial lowerings")(lambda: probe_inductor(record, _compile_patches(record),
                                                                                _copy_graph_module))
-            if handle is not None:
-                answer_offload(record, handle, tried, kept, lower)  # placed, checked and removed: training's answer
+            if facts is not None and placer is not None:
+                answer_offload(record, facts, placer, tried, kept, lower)  # placed, checked and removed: training's answer
             answer(record, tried, kept, lower)  # stops the compile with the report: nothing runs
         # A plan kept from an earlier launch of this graph and budget is applied without planning
         # (planner/plan_cache.py); otherwise the planner chooses, and the choice is kept.
-        if handle is not None:
-            record.auto_plan = reuse_or_choose(record, key, trial, lambda: choose_offload(record, handle, tried, kept=kept),
-                                               handle)
-        elif placed is not None:
+        if facts is not None and placer is not None:
+            record.auto_plan = reuse_or_choose(
+                record, key, trial, lambda: choose_offload(record, facts, placer, tried, kept=kept), placer)
+            assert record.auto_plan is not None  # (choose_offload refuses a graph without blocks)
+            placer.keep(record.auto_plan.config)  # the counts chosen (and left placed) are final
+        elif placed_facts is not None:
             record.auto_plan = reuse_or_choose(record, key, trial,
-                                               lambda: choose_for_placed(record, placed, tried, kept=kept))
+                                               lambda: choose_for_placed(record, placed_facts, tried, kept=kept))
         else:
             record.auto_plan = reuse_or_choose(record, key, trial, lambda: choose_plan(record, tried, kept))
         if record.auto_plan is None:
@@ -416,6 +423,32 @@ def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
         if found is not None and chunk_ops.handle(found[0]).counts_chosen:
             return chunk_ops.handle(found[0])
     return None
+
+
+class _HandlePlacer:
+    """The planner's :class:`~protrain_fx.planner.verify.Placer` made on an offload handle
+    (``runtime/offload/handle.py``), and the backend's side of the decision it hands back: the counts
+    chosen made final (:meth:`keep`). The planner holds this, never the handle."""
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self._handle = handle
+
+    def place(self, placement: Placement) -> None:
+        self._handle.configure(placement.n_persist, placement.n_buffer, placement.n_gpu_optim, fill=False)
+
+    def set_gpu_optim(self, n_gpu_optim: int) -> None:
+        self._handle.set_gpu_optim(n_gpu_optim)
+
+    def undo(self) -> None:
+        self._handle.unplace()
+
+    def keep(self, config: Counts) -> None:
+        """``config`` (the planner's choice, whose chunks it left placed) is final: the placement's
+        store gets its values and the handle forgets the values it kept to place again."""
+        handle = self._handle
+        assert (handle.n_persist, handle.n_buffer) == (config.n_persist, config.n_buffer), "not the counts placed"
+        with unset_fake_temporarily():  # (the partitioner runs under the compile's fake mode: real tensors here)
+            handle.finalize()
 
 
 class _RunningHandle:
