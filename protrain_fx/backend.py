@@ -324,10 +324,6 @@ class _Partitioner(CustomPartitionerFn):
         resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
         handle = deferred_handle(record)  # offload(...) without counts: chosen here (planner/offload.py)
         placed = placed_handle(record) if handle is None else None  # ... or at an earlier compile
-        # The planner gets the offload as data and places chunks only through the placer (handoffs.py).
-        facts = handle.facts() if handle is not None else None
-        placed_facts = placed.facts() if placed is not None else None
-        placer = _HandlePlacer(handle) if handle is not None else None
         if handle is not None or placed is not None:
             _check_automatic_offload(record, answering=handle is not None)
         dry_run = record.config.dry_run and wants_auto_plan(record, budget_needed=False)  # protrain_fx.what_fits
@@ -350,6 +346,10 @@ class _Partitioner(CustomPartitionerFn):
         # The planner's trials, timed as one phase (planner/judged.py counts the trials judged); a plan
         # from the plan cache is applied with the plain trial (no trial lowering: its time is the planning's).
         tried = progress.timed("trial lowerings")(trial)
+        # The planner gets the offload as data and places chunks only through the placer (handoffs.py).
+        facts = handle.facts() if handle is not None else None
+        placed_facts = placed.facts() if placed is not None else None
+        placer = _HandlePlacer(handle) if handle is not None else None
         # The judgments of this graph kept by earlier compiles, and in the plan cache by earlier launches:
         # only configs never judged are rewritten and lowered (planner/judged.py).
         key = plan_key(record, joint, facts, placed_facts)
