@@ -821,7 +821,8 @@ def _reread(device_steps: int) -> dict:
 
     import protrain_fx
     from protrain_fx.planner import problem as planner_problem
-    from protrain_fx.planner.offload import chunk_parts, placed_handle
+    from protrain_fx.backend import placed_handle
+    from protrain_fx.planner.offload import chunk_parts
     from protrain_fx.profile import cache as profile_cache
     from protrain_fx.profile import machine_profile
     from protrain_fx.profile import ops as opprofile
@@ -848,7 +849,7 @@ def _reread(device_steps: int) -> dict:
         out["compute_scale"] = planner_problem.IN_STEP_SCALE  # what the compile scaled its node times by
         handle = placed_handle(record)
         if handle is not None and device_steps > 0:
-            parts = chunk_parts(handle)
+            parts = chunk_parts(handle.facts())
             out["device_step_bytes_per_s"] = [
                 machine_profile.device_step_rate(device, parts, load_nodes=nodes, cache=copy, refresh=True)
                 for _ in range(device_steps)]

@@ -17,7 +17,8 @@ import logging
 import re
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,6 +33,7 @@ from protrain_fx.analysis.memory import StepGraphs
 from protrain_fx.capture import Budget, CapturedGraph, new_record
 from protrain_fx.config import parse_options
 from protrain_fx.errors import UnsupportedError, surfaced
+from protrain_fx.handoffs import Placement, StepReadings
 from protrain_fx.passes.pipeline import (
     JOINT_PASSES,
     LOWERED_PASSES,
@@ -49,21 +51,22 @@ from protrain_fx.planner.budget import (
 )
 from protrain_fx.planner.first_step import peaks_at_compile_start, watch_first_step
 from protrain_fx.planner.fit import answer, answer_offload
-from protrain_fx.planner.offload import (
-    choose_for_placed,
-    choose_offload,
-    deferred_handle,
-    placed_handle,
-)
+from protrain_fx.planner.offload import choose_for_placed, choose_offload
 from protrain_fx.inspect import structured
 from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
 from protrain_fx.planner.plan_cache import judgments, plan_key, reuse_or_choose
 from protrain_fx.planner.verify import Rewrite
 from protrain_fx.profile.machine_profile import card_machine
 from protrain_fx.runtime.offload import chunk_ops
+from protrain_fx.runtime.offload.step_window import StepWindow
 from protrain_fx.runtime.parallel import distributed
 from protrain_fx.runtime.allocator import expandable_segments
+from protrain_fx.runtime.store.spill import spill_dir
+from protrain_fx.search.problem import Counts
 from protrain_fx.state import STATE
+
+if TYPE_CHECKING:
+    from protrain_fx.runtime.offload.handle import OffloadHandle
 
 log = logging.getLogger("protrain_fx")
 
@@ -136,7 +139,8 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
             with progress.phase("store", "filling the chunk store"):
                 chunk_ops.wait_filled()
         chunk_ops.wait_filled()  # a fill's error, if it raised
-    return watch_first_step(record, compiled, peaks_before)  # measured against predicted when a plan was chosen
+    # measured against predicted when a plan was chosen; an offload's rates over the timed calls
+    return watch_first_step(record, compiled, peaks_before, lambda: _RunningHandle.open(record))
 
 
 #: The partitioner's settings for a random op a plan recomputes (an attention on CUDA, whose kernels
@@ -342,9 +346,13 @@ class _Partitioner(CustomPartitionerFn):
         # The planner's trials, timed as one phase (planner/judged.py counts the trials judged); a plan
         # from the plan cache is applied with the plain trial (no trial lowering: its time is the planning's).
         tried = progress.timed("trial lowerings")(trial)
+        # The planner gets the offload as data and places chunks only through the placer (handoffs.py).
+        facts = handle.facts() if handle is not None else None
+        placed_facts = placed.facts() if placed is not None else None
+        placer = _HandlePlacer(handle) if handle is not None else None
         # The judgments of this graph kept by earlier compiles, and in the plan cache by earlier launches:
         # only configs never judged are rewritten and lowered (planner/judged.py).
-        key = plan_key(record, joint, handle, placed)
+        key = plan_key(record, joint, facts, placed_facts)
         kept = judgments(key)
         if user_config.verify != "graph":  # "inductor" (options refuse it with another codegen) or "auto"
             # Judged on the device the step's memory is analysed for (an offloaded model's inputs
@@ -358,17 +366,19 @@ class _Partitioner(CustomPartitionerFn):
             # what the compile's Inductor code peaks at, where the plan is judged without lowering it
             lower = progress.timed("trial lowerings")(lambda: probe_inductor(record, _compile_patches(record),
                                                                                _copy_graph_module))
-            if handle is not None:
-                answer_offload(record, handle, tried, kept, lower)  # placed, checked and removed: training's answer
+            if facts is not None and placer is not None:
+                answer_offload(record, facts, placer, tried, kept, lower)  # placed, checked and removed: training's answer
             answer(record, tried, kept, lower)  # stops the compile with the report: nothing runs
         # A plan kept from an earlier launch of this graph and budget is applied without planning
         # (planner/plan_cache.py); otherwise the planner chooses, and the choice is kept.
-        if handle is not None:
-            record.auto_plan = reuse_or_choose(record, key, trial, lambda: choose_offload(record, handle, tried, kept=kept),
-                                               handle)
-        elif placed is not None:
+        if facts is not None and placer is not None:
+            record.auto_plan = reuse_or_choose(
+                record, key, trial, lambda: choose_offload(record, facts, placer, tried, kept=kept), placer)
+            assert record.auto_plan is not None  # (choose_offload refuses a graph without blocks)
+            placer.keep(record.auto_plan.config)  # the counts chosen (and left placed) are final
+        elif placed_facts is not None:
             record.auto_plan = reuse_or_choose(record, key, trial,
-                                               lambda: choose_for_placed(record, placed, tried, kept=kept))
+                                               lambda: choose_for_placed(record, placed_facts, tried, kept=kept))
         else:
             record.auto_plan = reuse_or_choose(record, key, trial, lambda: choose_plan(record, tried, kept))
         if record.auto_plan is None:
@@ -389,6 +399,95 @@ class _Partitioner(CustomPartitionerFn):
     def __reduce__(self):
         # Inductor pickles its config into cache keys; the uuid stands for this partitioner.
         return (str, (self.uuid(),))
+
+
+def deferred_handle(record: CapturedGraph) -> OffloadHandle | None:
+    """The offload handle whose counts this graph's first compile chooses, if its inputs hold one."""
+    found = {}
+    for t in record.real_inputs():
+        h = chunk_ops.deferred(t)
+        if h is not None:
+            found[id(h)] = h
+    if len(found) > 1:
+        raise ValueError(
+            f"protrain_fx: graph {record.index} reads the parameters of {len(found)} offloaded models with "
+            "automatic counts; one budget cannot be split among them: give n_persist / n_buffer by hand"
+        )
+    return next(iter(found.values()), None)
+
+
+def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
+    """The offload handle whose counts the backend chose at an earlier compile, if this graph reads it."""
+    for t in record.real_inputs():
+        found = chunk_ops.offloaded(t)
+        if found is not None and chunk_ops.handle(found[0]).counts_chosen:
+            return chunk_ops.handle(found[0])
+    return None
+
+
+class _HandlePlacer:
+    """The planner's :class:`~protrain_fx.planner.verify.Placer` made on an offload handle
+    (``runtime/offload/handle.py``), and the backend's side of the decision it hands back: the counts
+    chosen made final (:meth:`keep`). The planner holds this, never the handle."""
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self._handle = handle
+
+    def place(self, placement: Placement) -> None:
+        self._handle.configure(placement.n_persist, placement.n_buffer, placement.n_gpu_optim, fill=False)
+
+    def set_gpu_optim(self, n_gpu_optim: int) -> None:
+        self._handle.set_gpu_optim(n_gpu_optim)
+
+    def undo(self) -> None:
+        self._handle.unplace()
+
+    def keep(self, config: Counts) -> None:
+        """``config`` (the planner's choice, whose chunks it left placed) is final: the placement's
+        store gets its values and the handle forgets the values it kept to place again."""
+        handle = self._handle
+        assert (handle.n_persist, handle.n_buffer) == (config.n_persist, config.n_buffer), "not the counts placed"
+        with unset_fake_temporarily():  # (the partitioner runs under the compile's fake mode: real tensors here)
+            handle.finalize()
+
+
+class _RunningHandle:
+    """The planner's :class:`~protrain_fx.planner.rates.RunningOffload` on an offload handle in
+    training: a window on its optimizer steps (``runtime/offload/step_window.py``) opened when made,
+    what the re-plan reads of the handle (read when asked), and its ``n_gpu_optim`` set."""
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self._handle = handle
+        self._window = StepWindow(handle)
+
+    @staticmethod
+    def open(record: CapturedGraph) -> _RunningHandle | None:
+        """The window on the offload handle whose chunks the backend placed for ``record``, when its
+        offloaded chunks have optimizer steps of their own (CPU or device); else ``None``."""
+        handle = placed_handle(record)
+        return None if handle is None or handle.adam is None else _RunningHandle(handle)
+
+    @property
+    def chunk_params(self) -> int:
+        return self._handle.chunk_params
+
+    @property
+    def spill_dir(self) -> Path:
+        return spill_dir(self._handle.options.spill_dir)
+
+    @property
+    def grad_clipping(self) -> bool | None:
+        return self._handle.grad_clipping
+
+    @property
+    def n_gpu_optim(self) -> int:
+        return self._handle.n_gpu_optim
+
+    def close(self) -> StepReadings:
+        return self._window.close()
+
+    def set_gpu_optim(self, n_gpu_optim: int) -> None:
+        self._handle.set_gpu_optim(n_gpu_optim)
 
 
 def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:

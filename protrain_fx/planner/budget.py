@@ -30,10 +30,7 @@ log = logging.getLogger("protrain_fx")
 def reads_hand_offloaded(record: CapturedGraph) -> bool:
     """Whether the graph reads parameters offloaded with counts given by hand (the backend plans
     the activations of a model whose counts it chose itself: ``planner.offload.choose_for_placed``)."""
-    return any(
-        found is not None and not chunk_ops.handle(found[0]).counts_chosen
-        for found in map(chunk_ops.offloaded, record.real_inputs())
-    )
+    return any(map(chunk_ops.counts_by_hand, record.real_inputs()))
 
 
 def wants_auto_plan(record: CapturedGraph, *, budget_needed: bool = True) -> bool:

@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -27,31 +27,32 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
-from protrain_fx.planner.offload import placed_handle
 from protrain_fx.planner.plan_cache import drop_after_miss, keep_outside
 from protrain_fx.planner.rates import (
     STEP_TIMED_CALLS,
-    RateWindow,
     Replan,
+    RunningOffload,
     StepCheck,
     StepPhases,
     replan_gpu_optim,
     timed_calls,
+    training_rates,
 )
 from protrain_fx.planner.result import AutoPlan, PeakCheck
 from protrain_fx.planner.verify import RAISE_MIN_GAIN
 from protrain_fx.profile import cache as profile_cache
 from protrain_fx.profile.disk import note_disk_rates
 from protrain_fx.runtime.parallel import distributed
-from protrain_fx.runtime.store.spill import spill_dir
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Counts
 from protrain_fx.search.spread import expected_estimate
 from protrain_fx.state import STATE
 
 log = logging.getLogger("protrain_fx")
-if TYPE_CHECKING:
-    from protrain_fx.runtime.offload.handle import OffloadHandle
+
+#: How the backend opens a window on the offload whose chunks a graph's plan placed, when the rate
+#: window starts (``None``: no offload with optimizer steps of its own).
+OpenOffload = Callable[[], "RunningOffload | None"]
 
 
 #: The clock of those starts (a test drives it).
@@ -85,7 +86,8 @@ def reset_peak(device: torch.device) -> None:
 
 
 def watch_first_step(
-    record: CapturedGraph, compiled: Callable, peaks_before: Mapping[torch.device, int] | None = None
+    record: CapturedGraph, compiled: Callable, peaks_before: Mapping[torch.device, int] | None = None,
+    open_offload: OpenOffload | None = None,
 ) -> Callable:
     """``compiled`` (the backend's callable for ``record``), measuring the first call made with grad
     enabled when ``record`` has an automatic plan: the memory counters when its forward starts, and
@@ -101,10 +103,13 @@ def watch_first_step(
 
     After a measured miss (:func:`record_first_step`), the next graph planned on that device (the
     one compiled again) has the statistics reset likewise: the step that missed made the process'
-    peak, and the new plan is measured to check that it fits."""
+    peak, and the new plan is measured to check that it fits.
+
+    ``open_offload``: the backend's window on the offload whose chunks the plan placed
+    (:func:`_open_rate_window`), opened when the timed calls start."""
     if record.auto_plan is None or record.memory is None:
         return compiled
-    compiled = _timing_calls(record, compiled)
+    compiled = _timing_calls(record, compiled, open_offload)
     device = torch.device(record.memory.device)
     if STATE.reset_after_miss.pop(record.memory.device, False):
         reset_peak(device)
@@ -159,7 +164,7 @@ def watch_first_step(
     return call
 
 
-def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
+def _timing_calls(record: CapturedGraph, compiled: Callable, open_offload: OpenOffload | None = None) -> Callable:
     """``compiled``, noting when its training calls start until :data:`STEP_TIMED_CALLS` have, then
     :func:`record_step_period`. Calls without grad are not training steps and are not counted. When
     the rates measured over those calls re-plan the running step (:func:`_close_rate_window`), as
@@ -172,8 +177,8 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
     phases = _PhaseTimer(torch.device(record.memory.device)) if (
         record.memory is not None and record.config.accumulation_steps == 1) else None
 
-    window: list[RateWindow] = []  # the offload runtime's rates over the same calls (planner/rates.py)
-    replanned: list[OffloadHandle] = []  # the handle whose n_gpu_optim the rates changed
+    window: list[RunningOffload] = []  # the offload runtime's rates over the same calls (planner/rates.py)
+    replanned: list[RunningOffload] = []  # the offload whose n_gpu_optim the rates changed
 
     def intervals(a: int, b: int) -> list[float]:
         return [y - x for x, y in zip(starts[a - 1 : b - 1], starts[a:b])]
@@ -184,12 +189,12 @@ def _timing_calls(record: CapturedGraph, compiled: Callable) -> Callable:
         if len(starts) < (after or (first, last))[1] and torch.is_grad_enabled():
             starts.append(_clock())
             if len(starts) == first:
-                window.extend(_open_rate_window(record))  # none without offloaded optimizer steps
+                window.extend(_open_rate_window(record, open_offload))  # none without offloaded optimizer steps
             if phases is not None and first <= len(starts) <= last and after is None:
                 timed = len(starts) < last  # the last call's start only ends the one before it
                 phases.start()
             if len(starts) == last:
-                replanned.extend(w.handle for w in window if _close_rate_window(record, w) is not None)
+                replanned.extend(w for w in window if _close_rate_window(record, w) is not None)
                 record_step_period(record, intervals(first, last), (first, last),
                                    phases.close() if phases is not None else None)
                 if replanned:  # the call starting now waits for the switch; time the ones after it
@@ -319,27 +324,26 @@ class _PhaseTimer:
         return StepPhases.median(done) if done else None
 
 
-def _open_rate_window(record: CapturedGraph) -> list[RateWindow]:
-    """``[RateWindow]`` on the offload handle whose chunks ``record``'s automatic plan placed with
+def _open_rate_window(record: CapturedGraph, open_offload: OpenOffload | None) -> list[RunningOffload]:
+    """``[the backend's window]`` on the offload whose chunks ``record``'s automatic plan placed with
     optimizer steps of their own (CPU or device), else ``[]``."""
     auto = record.auto_plan
-    if auto is None or not auto.offload:
+    if auto is None or not auto.offload or open_offload is None:
         return []
-    handle = placed_handle(record)
-    if handle is None or handle.adam is None:
-        return []
-    return [RateWindow(handle)]
+    window = open_offload()
+    return [] if window is None else [window]
 
 
-def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | None:
+def _close_rate_window(record: CapturedGraph, window: RunningOffload) -> Replan | None:
     """Stores, logs and keeps for later plans (``profile.cache.note_training_rates``) the rates
-    ``window`` measured (``AutoPlan.training_rates``). Where the counts were chosen by the backend
-    and it may step chunks on the device (:func:`replans_device_steps`), ``n_gpu_optim`` is chosen
-    again at those rates (``planner.rates.replan_gpu_optim``) and a faster count is applied to the
-    handle at once (``AutoPlan.replanned``, logged); that :class:`Replan` is returned."""
+    ``window`` measured (``AutoPlan.training_rates``). Where the device may step chunks
+    (:func:`replans_device_steps`; the counts are the backend's: the window opens on those only),
+    ``n_gpu_optim`` is chosen again at those rates (``planner.rates.replan_gpu_optim``) and a faster
+    count is applied to the offload at once (``AutoPlan.replanned``, logged); that :class:`Replan`
+    is returned."""
     auto = record.auto_plan
     assert auto is not None and record.memory is not None
-    if window.handle.grad_clipping is True and not auto.problem.held_steps:  # learned at the first step
+    if window.grad_clipping is True and not auto.problem.held_steps:  # learned at the first step
         # The plan's prediction becomes the held step's, priced as the plan was (over the rate spread or at the
         # readings): the step period measured over these calls is a held step's, and so is the re-plan's baseline.
         planned = auto.estimate
@@ -349,23 +353,23 @@ def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | No
         log.info("protrain_fx: graph %d: the loop clips: every offloaded chunk's step waits for the norm; step "
                  "predicted with that %.1f ms (%.1f ms as planned)", record.index,
                  1e3 * auto.estimate.step_s, 1e3 * planned.step_s)
-    rates = distributed.from_rank0(window.close(auto.problem, auto.config))  # every rank re-plans alike
+    # every rank re-plans alike
+    rates = distributed.from_rank0(training_rates(window.close(), auto.problem, auto.config))
     auto.training_rates = rates
     kept = profile_cache.note_training_rates(
         record.memory.device,
-        chunk_params=window.handle.chunk_params,
+        chunk_params=window.chunk_params,
         cpu_adam_params_per_s=rates.cpu_adam_params_per_s,
         device_step_bytes_per_s=rates.device_step_bytes_per_s,
     )
     if rates.disk_read_bytes_per_s or rates.disk_write_bytes_per_s:
-        kept_disk = note_disk_rates(spill_dir(window.handle.options.spill_dir), rates.disk_read_bytes_per_s,
+        kept_disk = note_disk_rates(window.spill_dir, rates.disk_read_bytes_per_s,
                                     rates.disk_write_bytes_per_s)
         kept = kept if kept_disk is None else f"{kept} and {kept_disk}" if kept is not None else kept_disk
     where = f"; kept for later plans on this machine in {kept}" if kept is not None else ""
     log.info("protrain_fx: graph %d: %s%s", record.index, rates.line(auto.problem, auto.config), where)
-    handle = window.handle
-    if (not replans_device_steps(torch.device(record.memory.device)) or not handle.counts_chosen
-            or auto.replanned is not None or handle.n_gpu_optim != auto.config.n_gpu_optim):
+    if (not replans_device_steps(torch.device(record.memory.device)) or auto.replanned is not None
+            or window.n_gpu_optim != auto.config.n_gpu_optim):
         return None
     judged = max(auto.analysed_peak_bytes, auto.measured_peak_bytes or 0)
     replan = replan_gpu_optim(auto.problem, auto.config, rates, predicted_s=auto.estimate.step_s,
@@ -374,7 +378,7 @@ def _close_rate_window(record: CapturedGraph, window: RateWindow) -> Replan | No
                       f"the re-plan of graph {record.index}")
     if replan is None:
         return None
-    handle.set_gpu_optim(replan.after.n_gpu_optim)
+    window.set_gpu_optim(replan.after.n_gpu_optim)
     auto.replanned = replan
     log.info("protrain_fx: graph %d: %s", record.index, replan.line())
     return replan
@@ -387,10 +391,10 @@ def replans_device_steps(device: torch.device) -> bool:
 
 
 def record_replan_period(
-    record: CapturedGraph, intervals_s: Sequence[float], calls: tuple[int, int], handle: OffloadHandle
+    record: CapturedGraph, intervals_s: Sequence[float], calls: tuple[int, int], offload: RunningOffload
 ) -> StepCheck | None:
     """Stores and logs the step period measured after a re-plan (``Replan.step_check``) against the
-    re-planned step's prediction, and undoes the re-plan on ``handle`` when that period is longer
+    re-planned step's prediction, and undoes the re-plan on ``offload`` when that period is longer
     than the one measured before it (``AutoPlan.step_check``): the measurement decides, not the
     cost model that proposed the change."""
     auto = record.auto_plan
@@ -403,8 +407,8 @@ def record_replan_period(
     if auto.step_check is not None:
         replan.measured_before_s = auto.step_check.measured_step_s
         replan.kept = check.measured_step_s <= replan.measured_before_s
-        if not replan.kept and handle.n_gpu_optim == replan.after.n_gpu_optim:
-            handle.set_gpu_optim(replan.before.n_gpu_optim)
+        if not replan.kept and offload.n_gpu_optim == replan.after.n_gpu_optim:
+            offload.set_gpu_optim(replan.before.n_gpu_optim)
     log.info("protrain_fx: graph %d: %s", record.index, replan.line())
     return check
 

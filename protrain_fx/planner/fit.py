@@ -28,13 +28,13 @@ import torch
 from protrain_fx.analysis.memory import MemoryAnalysis
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import Budget, CapturedGraph, captured_graphs, forget_records_after
+from protrain_fx.handoffs import ChunkFacts
 from protrain_fx.plan import Plan
 from protrain_fx.planner import activations, reserve, result, verify
 from protrain_fx.planner import offload as planner_offload
 from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
 from protrain_fx.planner.reserve import outside_reserve
-from protrain_fx.runtime.store.host_memory import HostMemoryError
-from protrain_fx.runtime.store.spill import spill_dir
+from protrain_fx.runtime.store.host_memory import HostMemoryError, planned_store_bytes, spill_bytes
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import block_plan
 from protrain_fx.search.search import NoPlanFits
@@ -67,7 +67,7 @@ class FitReport:
     removed again. When the host cannot hold the store of any config, nothing is placed: ``fits`` is
     false, ``host_needed_bytes`` / ``host_available_bytes`` say what the store needs and what the
     host has, and ``min_budget_bytes`` is the cost model's for the least-memory counts. ``tiers``: where
-    the store of those counts keeps what (``OffloadHandle.tier_bytes``: ``n_lean`` chunks without a
+    the store of those counts keeps what (:func:`tier_bytes`: ``n_lean`` chunks without a
     host working copy, ``n_spill`` chunks whose optimizer state is in a file in ``spill_dir``,
     ``host_bytes`` of host memory and ``disk_bytes`` on disk)."""
 
@@ -210,7 +210,7 @@ def answer(record: CapturedGraph, trial: verify.TrialFn, kept: dict | None = Non
     )
 
 
-def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
+def answer_offload(record: CapturedGraph, facts: ChunkFacts, placer: verify.Placer, trial: verify.TrialFn,
                    kept: dict | None = None, lower: Lower | None = None) -> None:
     """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
     the training compile would choose under the budget (``planner.offload.choose_offload``, which
@@ -219,13 +219,14 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
     (``planner.offload.least_memory_candidates``: the cost model's least, and checkpointing every
     block) as the analysis judges it, the judge training uses (the cost model's peak is not asked to
     fit: it can fall below the analysis', on small chunks and on swaps, or far above it). Then
-    nothing stays placed (``handle.unplace()``) and the compile stops with the report. ``kept``: the
-    graph's judgments kept (``planner/judged.py``); ``lower``: as :func:`answer`'s."""
+    nothing stays placed (``placer.undo()``) and the compile stops with the report. ``facts``: the
+    offloaded model as the backend read it; ``kept``: the graph's judgments kept
+    (``planner/judged.py``); ``lower``: as :func:`answer`'s."""
     given, source = record.budget_bytes, record.budget.source if record.budget is not None else None
     trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
     record.budget = Budget(given or UNBOUNDED, source or "user")  # planned as if unbounded when none
     assert record.memory is not None
-    model = planner_offload.offload_cost_model(record, handle, "what_fits cannot choose its offload counts")
+    model = planner_offload.offload_cost_model(record, facts, "what_fits cannot choose its offload counts")
     problem = model.problem
     candidates = planner_offload.least_memory_candidates(model)
     least = candidates[0]
@@ -235,13 +236,13 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
     host_short: HostMemoryError | None = None
     try:
         try:
-            chosen = planner_offload.choose_offload(record, handle, trial, final=False, model=model, kept=kept)
+            chosen = planner_offload.choose_offload(record, facts, placer, trial, model=model, kept=kept)
             reported, fits = _as_training_reports(record, chosen, lower)  # the chunks stay placed for it
             judged = []
             for config in candidates:
                 done = verify.tried(chosen.trials, config)
                 if done is None:
-                    done = planner_offload.place_and_analyse(record, handle, model, config, trial)
+                    done = planner_offload.place_and_analyse(record, placer, model, config, trial)
                 judged.append(done)
             done = min(judged, key=lambda t: t.analysed_peak_bytes)
             least = done.config
@@ -255,12 +256,12 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
             host_short = e
             minimum = budget_for_peak(model.estimate(least).peak_bytes + outside)
     finally:
-        handle.unplace()  # nothing stays placed: the training compile chooses again
+        placer.undo()  # nothing stays placed: the training compile chooses again
     config = chosen.config if chosen is not None else least
     plan = chosen.plan if chosen is not None else None
     swapped = set(plan.blocks_with("swap")) if plan is not None else set()
-    numel = handle.layout.chunk_bytes // torch.empty(0, dtype=handle.param_dtype).element_size()
-    compute_size = torch.empty(0, dtype=handle.compute_dtype).element_size()
+    numel = facts.layout.chunk_bytes // torch.empty(0, dtype=facts.param_dtype).element_size()
+    compute_size = torch.empty(0, dtype=facts.compute_dtype).element_size()
     offloaded = model.n_chunks - config.n_persist
     raise _Answered(
         FitReport(
@@ -279,9 +280,21 @@ def answer_offload(record: CapturedGraph, handle: Any, trial: verify.TrialFn,
             host_chunk_bytes=offloaded * numel * (4 + problem.adam_state_bytes_per_param + compute_size),
             host_needed_bytes=host_short.needed_bytes if host_short is not None else 0,
             host_available_bytes=host_short.available_bytes if host_short is not None else None,
-            tiers={**handle.tier_bytes(config.n_persist), "spill_dir": str(spill_dir(handle.options.spill_dir))},
+            tiers={**tier_bytes(facts, config.n_persist), "spill_dir": str(facts.spill_dir)},
         )
     )
+
+
+def tier_bytes(facts: ChunkFacts, n_persist: int) -> dict[str, int]:
+    """Where the store of ``n_persist`` persistent chunks would keep what: ``n_lean`` and ``n_spill``
+    (``ChunkFacts.tiers``), ``host_bytes`` of host memory, ``disk_bytes`` in the spill file (the
+    store's arithmetic, ``runtime/store/host_memory.py``)."""
+    lean, spill = facts.tiers[n_persist]
+    rest = facts.trainable[n_persist:]
+    return {"n_lean": lean, "n_spill": spill,
+            "host_bytes": planned_store_bytes(facts.chunk_params, rest, facts.compute_dtype.itemsize, lean,
+                                              facts.landing_pool, spill),
+            "disk_bytes": spill_bytes(facts.chunk_params, rest, lean, spill)}
 
 
 def what_fits(

@@ -6,28 +6,30 @@
 ``offload`` without ``n_persist`` / ``n_buffer`` packs the parameters into chunks but places none:
 every parameter is a device tensor without bytes (what Dynamo traces) and its values wait in host
 memory (``OffloadHandle.automatic``). When the backend's partitioner gets the model's first training
-graph, :func:`choose_offload` runs instead of partitioning once:
+graph, :func:`choose_offload` runs instead of partitioning once. It holds no handle: it prices
+the model from what the backend read of it (``handoffs.ChunkFacts``: the layout, dtypes, clipping,
+the store's tiers) and places chunks to judge a config through the backend's ``planner.verify.Placer``:
 
 1. The step is partitioned and analysed with no plan, as if every parameter stayed on the device:
    the memory analysis gives each block's saved and transient bytes (``trial(None)``).
-2. :func:`offload_problem` describes the step to the cost model with the handle's own chunks (the
+2. :func:`offload_problem` describes the step to the cost model with the model's own chunks (the
    ones the runtime will move): chunk buffers in the compute dtype, persistent chunks as the runtime
    keeps them (fp32 parameter and gradient, two fp32 Adam moments: ``persistent_param_bytes``),
    block times from the roofline (``analysis/estimate.py``) with the matrix and attention nodes
    measured on CUDA (``planner.problem.device_op_times``), the machine's copy and Adam rates
    measured once and cached (``profile.machine_profile.measure_machine``, the CPU step at the
-   handle's chunk size: ``chunk_adam_rate`` there; on a device that is not CUDA the
+   model's chunk size: ``chunk_adam_rate`` there; on a device that is not CUDA the
    backend's ``machine`` constants stand in, see :func:`offload_machine`).
 3. :func:`protrain_fx.search.search.search` finds the fastest ``(n_persist, n_buffer, n_swap,
    n_checkpoint, n_gpu_optim)`` whose predicted peak fits the budget less the allocator's headroom
    (``planner.budget.allocated_cap_bytes``); ``n_gpu_optim`` only on CUDA (on the CPU there is no second
    device to step on). A config with more persistent chunks predicted within 5% of it is taken
    instead (:func:`prefer_persistent`).
-4. The handle places its chunks with those counts (``OffloadHandle.configure``: the host store laid
-   out but not filled, the chunk buffers, persistent parameters on the device), the step is partitioned again with the
+4. The chunks are placed with those counts (``Placer.place``, the backend's ``OffloadHandle.configure``:
+   the host store laid out but not filled, the chunk buffers, persistent parameters on the device), the step is partitioned again with the
    activation plan (``search.problem.block_plan``) and rewritten to read the chunks (``passes/gather.py``),
    and the memory analysis checks the rewritten step, chunk buffers and staging included. Above the
-   cap, the search runs again with the cap lowered by the miss (the handle is placed again; nothing
+   cap, the search runs again with the cap lowered by the miss (the chunks are placed again; nothing
    has run yet), a few times; last the configs of least memory (no persistent chunk, the fewest
    buffers, and the cost model's least activation counts, then checkpointing every block:
    :func:`least_memory_candidates`), each judged by the analysis. Under the cap, the search
@@ -36,12 +38,14 @@ graph, :func:`choose_offload` runs instead of partitioning once:
 5. Nothing fits: :class:`~protrain_fx.search.search.NoPlanFits` names the smallest budget with a plan.
    A host too small for the chunk store is refused by the store, naming its bytes.
 
-Then the handle fills the chosen placement's store and forgets the values it kept
-(``OffloadHandle.finalize``): the counts are final for the life of the model. Another input shape compiles again (the plan guards on the shapes) and gets
-its own activation plan for the chunks as placed (:func:`choose_for_placed`).
+The chosen config is handed back (``AutoPlan.config``) with its chunks placed; the backend makes it
+final: the handle fills the placement's store and forgets the values it kept
+(``OffloadHandle.finalize``), and the counts stay for the life of the model. Another input shape
+compiles again (the plan guards on the shapes) and gets its own activation plan for the chunks as
+placed (:func:`choose_for_placed`, from ``ChunkFacts.placed``).
 
 Lean chunks (a host short of memory for every chunk's compute-dtype copy): the cost model gets
-how many the store would make for each ``n_persist`` (``OffloadHandle.lean_counts``), their fp32
+how many the store would make for each ``n_persist`` (``ChunkFacts.lean_counts``), their fp32
 fetch bytes and the fp32 fetch staging (``search/cost.py``).
 """
 
@@ -53,7 +57,6 @@ import logging
 import shutil
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -62,6 +65,7 @@ from protrain_fx import progress
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
 from protrain_fx.errors import UnsupportedError, too_few_buffers
+from protrain_fx.handoffs import ChunkFacts, Placement
 from protrain_fx.machine import machine_for
 from protrain_fx.planner.activations import (
     chosen,
@@ -92,52 +96,24 @@ from protrain_fx.profile.machine_profile import (
     device_step_rate,
     measure_machine,
 )
-from protrain_fx.runtime.offload import chunk_ops
 from protrain_fx.runtime.parallel import distributed
 from protrain_fx.runtime.store.buffer_pool import FETCH_SLICE_ELEMS
-from protrain_fx.runtime.store.spill import spill_dir
+from protrain_fx.runtime.store.host_memory import spill_bytes
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.spread import RATE_SPREAD, expected_estimate, steadiest_gpu_optim
 from protrain_fx.search.problem import Counts, MachineProfile, Problem, block_plan
 from protrain_fx.search.search import NoPlanFits, SearchResult, search
 
-if TYPE_CHECKING:
-    from protrain_fx.runtime.offload.handle import OffloadHandle
-
 log = logging.getLogger("protrain_fx")
 
 
-def deferred_handle(record: CapturedGraph) -> OffloadHandle | None:
-    """The offload handle whose counts this graph's first compile chooses, if its inputs hold one."""
-    found = {}
-    for t in record.real_inputs():
-        h = chunk_ops.deferred(t)
-        if h is not None:
-            found[id(h)] = h
-    if len(found) > 1:
-        raise ValueError(
-            f"protrain_fx: graph {record.index} reads the parameters of {len(found)} offloaded models with "
-            "automatic counts; one budget cannot be split among them: give n_persist / n_buffer by hand"
-        )
-    return next(iter(found.values()), None)
-
-
-def placed_handle(record: CapturedGraph) -> OffloadHandle | None:
-    """The offload handle whose counts the backend chose at an earlier compile, if this graph reads it."""
-    for t in record.real_inputs():
-        found = chunk_ops.offloaded(t)
-        if found is not None and chunk_ops.handle(found[0]).counts_chosen:
-            return chunk_ops.handle(found[0])
-    return None
-
-
 def choose_for_placed(
-    record: CapturedGraph, handle: OffloadHandle, trial: verify.TrialFn,
+    record: CapturedGraph, facts: ChunkFacts, trial: verify.TrialFn,
     kept: dict[str, Judgment] | None = None,
 ) -> AutoPlan | None:
     """The activation plan of a later graph (another input shape) of a model whose chunk counts the
-    backend chose at its first compile: the counts stay, the fastest ``(n_swap, n_checkpoint)`` whose
-    predicted peak fits with them is searched (every pair simulated), applied and verified as in
+    backend chose at its first compile (``facts.placed``): the counts stay, the fastest ``(n_swap,
+    n_checkpoint)`` whose predicted peak fits with them is searched (every pair simulated), applied and verified as in
     :func:`choose_offload`. ``"fits as is"`` when the step analyses under the cap without a plan.
     ``None`` for a graph without transformer blocks (the part of a step after a graph break, say):
     nothing to plan, and the backend checks its peak against the budget as it is. ``kept``: the
@@ -149,10 +125,11 @@ def choose_for_placed(
     if record.blocks is None or not record.blocks.labels:
         return None
     t0 = time.perf_counter()
-    model = offload_cost_model(record, handle, "its activations cannot be planned for the placed chunks")
+    model = offload_cost_model(record, facts, "its activations cannot be planned for the placed chunks")
     problem_s = time.perf_counter() - t0
     cap, outside, source = plan_cap(record, budget)
-    p, b, g = handle.n_persist, handle.n_buffer, handle.n_gpu_optim
+    assert facts.placed is not None
+    p, b, g = facts.placed.n_persist, facts.placed.n_buffer, facts.placed.n_gpu_optim
     N = model.n_blocks
     configs = [Counts(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
     empty = configs[0]
@@ -166,7 +143,7 @@ def choose_for_placed(
     def judge_now(lower: bool) -> tuple[int, bool]:
         return verify.judged_peak(record, lower)
 
-    lean = handle.lean_counts()[p]
+    lean = facts.lean_counts[p]
     judge = Judge({} if kept is None else kept, lambda c: trial_key(block_plan(model.problem, c), (p, b, g, lean)),
                   rewrite, judge_now, lambda c: model.estimate(c).peak_bytes, holding=empty,
                   lowers=verify.lowers(record))
@@ -238,14 +215,19 @@ def choose_for_placed(
     )
 
 
+def placement(config: Counts) -> Placement:
+    """The chunk counts of ``config`` (its activation counts are the rewrite's, not the placement's)."""
+    return Placement(config.n_persist, config.n_buffer, config.n_gpu_optim)
+
+
 #: The analysed peak of a trial whose plan the placed chunk buffers cannot run (``choose_for_placed``).
 UNRUNNABLE = 2**63 - 1
 
 
-def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) -> CostModel:
-    """After ``trial(None)`` left ``record`` analysed: the cost model of its step with ``handle``'s
-    chunks (the machine measured on the first call, cached after). ``what`` ends the refusal of a
-    step without transformer blocks ("... cannot be chosen")."""
+def offload_cost_model(record: CapturedGraph, facts: ChunkFacts, what: str) -> CostModel:
+    """After ``trial(None)`` left ``record`` analysed: the cost model of its step with the offloaded
+    model's chunks (``facts``; the machine measured on the first call, cached after). ``what`` ends
+    the refusal of a step without transformer blocks ("... cannot be chosen")."""
     assert record.memory is not None
     if record.blocks is None or not record.blocks.labels:
         split = (f": it ends at a graph break before them ({record.breaks[0].line()}); remove the break so "
@@ -257,17 +239,17 @@ def offload_cost_model(record: CapturedGraph, handle: OffloadHandle, what: str) 
     # the partitioner runs under the compile's fake mode: real tensors here
     device = torch.device(record.memory.device)
     with unset_fake_temporarily(), progress.phase("machine", "measuring the machine"):
-        machine = offload_machine(device, record, handle.chunk_params, chunk_parts(handle))
+        machine = offload_machine(device, record, facts.chunk_params, chunk_parts(facts))
         # data-parallel: a sharded chunk's all-gather and reduce-scatter (0 with one rank)
-        collectives = collective_times(device, handle.chunk_params, handle.compute_dtype)
-    return CostModel(offload_problem(record, handle, machine, collectives))
+        collectives = collective_times(device, facts.chunk_params, facts.compute_dtype)
+    return CostModel(offload_problem(record, facts, machine, collectives))
 
 
-def chunk_parts(handle: OffloadHandle) -> list[int]:
+def chunk_parts(facts: ChunkFacts) -> list[int]:
     """The sizes, in order, of the parameters of the layout's most typical chunk (of those with the
     most common number of parameters, the fullest): what a device step of the model streams."""
-    param_size = handle.param_dtype.itemsize
-    chunks = [c for c in handle.layout.chunks if c.slots]
+    param_size = facts.param_dtype.itemsize
+    chunks = [c for c in facts.layout.chunks if c.slots]
     if not chunks:
         return []
     counts = collections.Counter(len(c.slots) for c in chunks)
@@ -324,19 +306,19 @@ def offload_machine(
     )
 
 
-def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: MachineProfile,
+def offload_problem(record: CapturedGraph, facts: ChunkFacts, machine: MachineProfile,
                     collective_s: tuple[float, float] = (0.0, 0.0)) -> Problem:
-    """The cost model's Problem of a step analysed with every parameter on the device, with
-    ``handle``'s chunks (module docstring, step 2); ``collective_s``: a chunk's all-gather and
-    reduce-scatter seconds where the chunks are sharded over ranks."""
+    """The cost model's Problem of a step analysed with every parameter on the device, with the
+    offloaded model's chunks (``facts``; module docstring, step 2); ``collective_s``: a chunk's
+    all-gather and reduce-scatter seconds where the chunks are sharded over ranks."""
     device = torch.device(record.memory.device)
     estimate_machine = machine_for(device, record.config.machine)
-    param_size = torch.empty(0, dtype=handle.param_dtype).element_size()
-    compute_size = torch.empty(0, dtype=handle.compute_dtype).element_size()
+    param_size = torch.empty(0, dtype=facts.param_dtype).element_size()
+    compute_size = torch.empty(0, dtype=facts.compute_dtype).element_size()
     problem = problem_from_record(
         record,
         machine,
-        layout=handle.layout,
+        layout=facts.layout,
         buffer_bytes_per_byte=compute_size / param_size,
         persistent_param_bytes=param_size if compute_size != param_size else 0,
         estimate_machine=estimate_machine,
@@ -345,18 +327,17 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
         compute_scale=IN_STEP_SCALE if op_times else 1.0,
         collective_s=collective_s,
     )
-    if handle.grad_clipping is True:  # every chunk's step waits for the clip's norm
+    if facts.grad_clipping is True:  # every chunk's step waits for the clip's norm
         problem = dataclasses.replace(problem, held_steps=True)
-    tiers = handle.tier_counts()
-    lean = tuple(k for k, _ in tiers)
-    spill = tuple(k for _, k in tiers)
+    lean = facts.lean_counts
+    spill = tuple(k for _, k in facts.tiers)
     if any(spill):  # optimizer state on disk: its reads and writes priced at the spill folder's rates
-        folder = spill_dir(handle.options.spill_dir)
+        folder = facts.spill_dir
         read, write = disk_rates(folder)
         # and no n_persist whose store would spill more than the folder has free (refused at its build;
         # a folder that cannot be read is refused there too, naming why)
         try:
-            floor = handle.min_persist_for_disk(shutil.disk_usage(folder).free)
+            floor = min_persist_for_disk(facts, shutil.disk_usage(folder).free)
         except OSError:
             floor = 0
         problem = dataclasses.replace(problem, spill_chunks=spill, disk_read_bytes_per_s=read,
@@ -364,8 +345,8 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
     if any(lean):
         # a lean chunk is fetched from its fp32 master (through an fp32 staging slice on CUDA when the
         # compute dtype is narrower: runtime/store/buffer_pool.py)
-        numel = handle.layout.chunk_bytes // param_size
-        staged = device.type == "cuda" and handle.compute_dtype != torch.float32
+        numel = facts.layout.chunk_bytes // param_size
+        staged = device.type == "cuda" and facts.compute_dtype != torch.float32
         problem = dataclasses.replace(
             problem,
             chunks=tuple(dataclasses.replace(c, lean_fetch_bytes=4 * numel) for c in problem.chunks),
@@ -373,6 +354,15 @@ def offload_problem(record: CapturedGraph, handle: OffloadHandle, machine: Machi
             lean_staging_bytes=4 * min(numel, FETCH_SLICE_ELEMS) if staged else 0,
         )
     return distributed.from_rank0(problem)  # data-parallel: rank 0's host memory decides for every rank
+
+
+def min_persist_for_disk(facts: ChunkFacts, free_bytes: int) -> int:
+    """The fewest persistent chunks whose store spills at most ``free_bytes`` to disk (the store's
+    tiers at each ``n_persist``, ``ChunkFacts.tiers``; with every chunk persistent nothing spills)."""
+    for p, (lean, spill) in enumerate(facts.tiers):
+        if spill_bytes(facts.chunk_params, facts.trainable[p:], lean, spill) <= free_bytes:
+            return p
+    return len(facts.layout.chunks)
 
 
 #: A config that keeps more chunks on the device is chosen when its predicted step is at most this
@@ -401,21 +391,19 @@ def prefer_persistent(problem: Problem, budget: int, reserve: int, *, gpu_optim:
 
 
 def steadier_gpu_optim(
-    handle: OffloadHandle, model: CostModel, kept: Trial, cap: int, trials: list[Trial],
-    spread: Mapping[str, float] = RATE_SPREAD,
+    model: CostModel, kept: Trial, cap: int, trials: list[Trial], spread: Mapping[str, float] = RATE_SPREAD,
 ) -> Counts:
     """The chosen config ``kept.config`` with the ``n_gpu_optim`` of the least expected step over the
     host rates' spread (``search.spread.steadiest_gpu_optim``), within the memory its judged peak leaves under
-    ``cap``; applied to ``handle`` and appended to ``trials`` (the judged peak raised by the static
-    bytes the change adds), with a log line, when it differs. The count changes no graph: the two
-    optimizer paths read and write the same host state (``OffloadHandle.set_gpu_optim``)."""
+    ``cap``; appended to ``trials`` (the judged peak raised by the static bytes the change adds), with a
+    log line, when it differs. The caller applies it (``Placer.set_gpu_optim``): the count changes no
+    graph, the two optimizer paths read and write the same host state (``OffloadHandle.set_gpu_optim``)."""
     config = kept.config
     steadier = steadiest_gpu_optim(model.problem, config, room_bytes=cap - kept.analysed_peak_bytes, spread=spread)
     if steadier == config:
         return config
     p, b = config.n_persist, config.n_buffer
     added = model.static_bytes(p, b, steadier.n_gpu_optim) - model.static_bytes(p, b, config.n_gpu_optim)
-    handle.set_gpu_optim(steadier.n_gpu_optim)
     trials.append(Trial(steadier, model.estimate(steadier).peak_bytes, kept.analysed_peak_bytes + added,
                         kept.by_inductor))
     log.info("protrain_fx: n_gpu_optim %d -> %d: the least step expected with the host rates within %s of "
@@ -444,12 +432,12 @@ def least_memory_candidates(model: CostModel) -> list[Counts]:
 
 def place_and_rewrite(
     record: CapturedGraph,
-    handle: OffloadHandle,
+    placer: verify.Placer,
     model: CostModel,
     config: Counts,
     trial: verify.TrialFn,
 ) -> Counts:
-    """Place ``handle``'s chunks with ``config``'s counts and rewrite and analyse the step with its
+    """Place the chunks (``placer``) with ``config``'s counts and rewrite and analyse the step with its
     activation plan (``trial``), leaving ``record`` as of it; returns the config applied. A rewrite
     that holds more chunks at once than ``config`` has buffers
     (:class:`~protrain_fx.errors.TooFewBuffers`) is placed again with as many as it holds: the config
@@ -457,8 +445,8 @@ def place_and_rewrite(
     applied = config
     while True:
         with unset_fake_temporarily():  # the partitioner runs under the compile's fake mode: real tensors here
-            # laid out, not filled: the trial needs the placement's sizes; the chosen one is filled by finalize()
-            handle.configure(applied.n_persist, applied.n_buffer, applied.n_gpu_optim, fill=False)
+            # laid out, not filled: the trial needs the placement's sizes; the backend fills the chosen one
+            placer.place(placement(applied))
         plan = block_plan(model.problem, applied)
         try:
             trial(plan)
@@ -475,19 +463,20 @@ def place_and_rewrite(
 
 def offload_judge(
     record: CapturedGraph,
-    handle: OffloadHandle,
+    facts: ChunkFacts,
+    placer: verify.Placer,
     model: CostModel,
     trial: verify.TrialFn,
     kept: dict[str, Judgment] | None,
 ) -> Judge:
-    """The :class:`~protrain_fx.planner.judged.Judge` of ``handle``'s placements: each config placed
-    and rewritten (:func:`place_and_rewrite`) and judged (``planner.verify.judged_peak``), or answered
-    from ``kept``; a placement's trial is told apart by its counts and lean chunks."""
-    lean = handle.lean_counts()
+    """The :class:`~protrain_fx.planner.judged.Judge` of the offloaded model's placements: each config
+    placed and rewritten (:func:`place_and_rewrite`) and judged (``planner.verify.judged_peak``), or
+    answered from ``kept``; a placement's trial is told apart by its counts and lean chunks (``facts``)."""
+    lean = facts.lean_counts
     return Judge(
         {} if kept is None else kept,
         lambda c: trial_key(block_plan(model.problem, c), (c.n_persist, c.n_buffer, c.n_gpu_optim, lean[c.n_persist])),
-        lambda c: place_and_rewrite(record, handle, model, c, trial),
+        lambda c: place_and_rewrite(record, placer, model, c, trial),
         lambda lower: verify.judged_peak(record, lower),
         lambda c: model.estimate(c).peak_bytes,
         lowers=verify.lowers(record),
@@ -496,7 +485,7 @@ def offload_judge(
 
 def place_and_analyse(
     record: CapturedGraph,
-    handle: OffloadHandle,
+    placer: verify.Placer,
     model: CostModel,
     config: Counts,
     trial: verify.TrialFn,
@@ -504,33 +493,35 @@ def place_and_analyse(
     """Place, rewrite and analyse ``config`` (:func:`place_and_rewrite`) and return the :class:`Trial`:
     the cost model's peak and the analysis' (``planner.verify.judged_peak``: or Inductor's plan's,
     with ``verify="inductor"``); ``requested`` is ``config`` when more buffers were applied."""
-    applied = place_and_rewrite(record, handle, model, config, trial)
+    applied = place_and_rewrite(record, placer, model, config, trial)
     t = judged_trial(record, applied, model.estimate(applied).peak_bytes)
     return t if applied == config else dataclasses.replace(t, requested=config)
 
 
 def choose_offload(
     record: CapturedGraph,
-    handle: OffloadHandle,
+    facts: ChunkFacts,
+    placer: verify.Placer,
     trial: verify.TrialFn,
     *,
-    final: bool = True,
     model: CostModel | None = None,
     kept: dict[str, Judgment] | None = None,
 ) -> AutoPlan:
-    """Choose the counts and the activation plan, place ``handle``'s chunks and verify (module
-    docstring). ``trial`` is :func:`protrain_fx.planner.activations.choose_plan`'s: it partitions and analyses
-    the step with a plan, leaving ``record`` as of that plan. ``final=False`` (``what_fits``): the
-    chunks stay placed but not final, so that ``handle.unplace()`` can undo them. ``model``: the
-    cost model of the step, when the caller made it after ``trial(None)``. ``kept``: the judgments
-    of this graph kept from earlier compiles (``planner/judged.py``), added to."""
+    """Choose the counts and the activation plan of the offloaded model (``facts``), placing its
+    chunks for each config judged (``placer``), and verify (module docstring). ``trial`` is
+    :func:`protrain_fx.planner.activations.choose_plan`'s: it partitions and analyses the step with a
+    plan, leaving ``record`` as of that plan. The chosen config is left placed, not final: the
+    backend makes it final (``OffloadHandle.finalize``), or ``what_fits`` undoes it
+    (``placer.undo()``); a refusal undoes it here. ``model``: the cost model of the step, when the
+    caller made it after ``trial(None)``. ``kept``: the judgments of this graph kept from earlier
+    compiles (``planner/judged.py``), added to."""
     started = time.perf_counter()
     budget = record.budget_bytes
     assert budget is not None  # the backend refuses the compile before (backend._check_automatic_offload)
     t0 = time.perf_counter()
     if model is None:
         trial(None)
-        model = offload_cost_model(record, handle, "the offload counts cannot be chosen")
+        model = offload_cost_model(record, facts, "the offload counts cannot be chosen")
     problem_s = time.perf_counter() - t0
     problem = model.problem
     device = torch.device(record.memory.device)
@@ -539,7 +530,7 @@ def choose_offload(
     all_on_device_peak = record.memory.peak_bytes
     everything = Counts(model.n_chunks, 0, 0, 0)
     trials: list[Trial] = []  # every placement analysed, in order
-    judge = offload_judge(record, handle, model, trial, kept)
+    judge = offload_judge(record, facts, placer, model, trial, kept)
 
     def run(config: Counts) -> Trial:
         t = judge(config)
@@ -551,10 +542,10 @@ def choose_offload(
         spread = RATE_SPREAD if device.type == "cuda" else None  # the CPU device plans with fixed rates
         done = next((t for t in trials if t.config == config), None)
         if spread and done is not None:
-            config = steadier_gpu_optim(handle, model, done, cap, trials, spread)
-        if final:
-            with unset_fake_temporarily():
-                handle.finalize()  # the store of the chosen placement gets its values
+            steadier = steadier_gpu_optim(model, done, cap, trials, spread)
+            if steadier != config:
+                placer.set_gpu_optim(steadier.n_gpu_optim)
+            config = steadier
         return chosen(record, model, config, how, found, trials, cap=cap, reserve=(outside, source),
                       empty_peak_bytes=all_on_device_peak, empty_step_s=model.estimate(everything).step_s,
                       offload=True, problem_s=problem_s, started=started, rate_spread=spread, judge=judge)
@@ -583,5 +574,5 @@ def choose_offload(
         raise refusal
     except BaseException:
         with unset_fake_temporarily():
-            handle.unplace()  # nothing stays placed: a later compile (another budget) chooses again
+            placer.undo()  # nothing stays placed: a later compile (another budget) chooses again
         raise

@@ -61,7 +61,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -70,6 +70,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx import progress, settings
 from protrain_fx.capture import CapturedGraph
+from protrain_fx.handoffs import ChunkFacts, Placement
 from protrain_fx.plan import Plan
 from protrain_fx.planner import verify
 from protrain_fx.planner.judged import Judgment, judge_key, kept_for
@@ -87,9 +88,6 @@ from protrain_fx.search.problem import Counts, Problem, block_plan
 from protrain_fx.search.spread import expected_estimate
 from protrain_fx.state import STATE
 from protrain_fx.version import __version__
-
-if TYPE_CHECKING:
-    from protrain_fx.runtime.offload.handle import OffloadHandle
 
 log = logging.getLogger("protrain_fx")
 
@@ -124,16 +122,17 @@ def reuse_or_choose(
     key: PlanKey,
     trial: verify.TrialFn,
     choose: Callable[[], AutoPlan | None],
-    handle: OffloadHandle | None = None,
+    placer: verify.Placer | None = None,
 ) -> AutoPlan | None:
     """The plan of ``record`` from the cache (module docstring), else ``choose()``'s, stored for
     the next launch with the judgments of the graph (``planner/judged.py``). ``key``:
     :func:`plan_key` of the graph; ``trial``: the partitioner's (partitions and analyses with a
-    plan); ``handle``: the offload whose counts are chosen."""
+    plan); ``placer``: places the chunks of the offload whose counts are chosen (the counts
+    returned are left placed, for the backend to make final)."""
     if not enabled():
         return choose()
     seed_outside(record, key)
-    auto = reuse(record, key, trial, handle)
+    auto = reuse(record, key, trial, placer)
     if auto is not None:
         return auto
     auto = choose()
@@ -195,11 +194,12 @@ def judgments(key: PlanKey) -> dict[str, Judgment]:
 
 
 def plan_key(
-    record: CapturedGraph, joint: fx.GraphModule, handle: OffloadHandle | None = None,
-    placed: OffloadHandle | None = None,
+    record: CapturedGraph, joint: fx.GraphModule, facts: ChunkFacts | None = None,
+    placed: ChunkFacts | None = None,
 ) -> PlanKey:
-    """The key of ``record``'s plan (module docstring)."""
-    offload = handle or placed
+    """The key of ``record``'s plan (module docstring). ``facts``: the offload whose counts are
+    chosen; ``placed``: the offload whose counts an earlier graph chose (``ChunkFacts.placed``)."""
+    offload = facts or placed
     devices = sorted({device_str(t.device) for t in _tensors_of(joint)} | ({device_str(offload.device)} if offload else set()))
     device = next((d for d in devices if d.startswith("cuda")), devices[0] if devices else "cpu")
     config = record.config
@@ -219,19 +219,23 @@ def plan_key(
             "verify": config.verify,
             "accumulation_steps": config.accumulation_steps,
         },
-        "offload": _offload_key(handle) if handle is not None else None,
+        "offload": _offload_key(facts) if facts is not None else None,
     }
     if placed is not None:  # the counts an earlier graph chose: this plan holds for them only
-        parts["placed"] = {**_offload_key(placed), "counts": [placed.n_persist, placed.n_buffer, placed.n_gpu_optim]}
+        assert placed.placed is not None
+        counts = placed.placed
+        parts["placed"] = {**_offload_key(placed), "counts": [counts.n_persist, counts.n_buffer, counts.n_gpu_optim]}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
     return PlanKey(plan_cache_path(device), digest, parts, device)
 
 
 def reuse(
-    record: CapturedGraph, key: PlanKey, trial: verify.TrialFn, handle: OffloadHandle | None = None
+    record: CapturedGraph, key: PlanKey, trial: verify.TrialFn, placer: verify.Placer | None = None
 ) -> AutoPlan | None:
     """Apply the entry of ``key`` to ``record`` (module docstring, "a hit") and return its
-    :class:`AutoPlan`; ``None`` when there is none or it is refused (the planner chooses then)."""
+    :class:`AutoPlan`; ``None`` when there is none or it is refused (the planner chooses then).
+    ``placer``: an offload's chunks are placed with the entry's counts (``None``: not an offload
+    whose counts are chosen), and left placed when the entry is taken (the backend makes them final)."""
     # data-parallel: rank 0's file decides for every rank (each rank must search, or apply, alike)
     raw = distributed.from_rank0(_entries(key.path).get(key.digest))
     if raw is None:
@@ -244,9 +248,9 @@ def reuse(
                     "and the plan is chosen again", record.index, key.path, type(e).__name__, e)
         return None
     config, problem, plan = entry["config"], entry["problem"], entry["plan"]
-    if handle is not None:  # timed apart from the rest of the hit (the rewrite and its analysis)
+    if placer is not None:  # timed apart from the rest of the hit (the rewrite and its analysis)
         with unset_fake_temporarily(), progress.phase("place", "placing the chunks"):  # (out of the compile's fake mode)
-            handle.configure(config.n_persist, config.n_buffer, config.n_gpu_optim, fill=False)
+            placer.place(Placement(config.n_persist, config.n_buffer, config.n_gpu_optim))
     trial(plan)
     assert record.memory is not None
     peak = record.memory.peak_bytes
@@ -265,13 +269,10 @@ def reuse(
     if refusal:
         log.warning("protrain_fx: graph %d: the plan cache's plan (%s) is not used: %s; the plan is chosen again",
                     record.index, key.path, refusal)
-        if handle is not None:
+        if placer is not None:
             with unset_fake_temporarily():
-                handle.unplace()
+                placer.undo()
         return None
-    if handle is not None:
-        with unset_fake_temporarily():
-            handle.finalize()  # the store gets its values once the entry is taken
     spread = entry["rate_spread"]
     # A reserve measured in this process or an earlier launch (seed_outside) replaces the one the plan
     # kept: the cap is the one under it, and the first step does not plan again because an estimate
@@ -497,17 +498,17 @@ def _parse(raw: Any) -> dict[str, Any]:
     return entry
 
 
-def _offload_key(handle: OffloadHandle) -> dict[str, Any]:
-    layout = handle.layout
+def _offload_key(facts: ChunkFacts) -> dict[str, Any]:
+    layout = facts.layout
     key = {
         "chunk_bytes": layout.chunk_bytes,
         "chunks": [[c.used_bytes, len(c.slots)] for c in layout.chunks],
-        "param_dtype": str(handle.param_dtype),
-        "compute_dtype": str(handle.compute_dtype),
-        "device": str(handle.device),
+        "param_dtype": str(facts.param_dtype),
+        "compute_dtype": str(facts.compute_dtype),
+        "device": str(facts.device),
     }
-    if handle.group is not None:  # data-parallel: the plan rests on the ranks' shards and collectives
-        key["ranks"] = [handle.group.world_size, handle.group.local_world_size, handle.group.backend]
+    if facts.ranks is not None:  # data-parallel: the plan rests on the ranks' shards and collectives
+        key["ranks"] = list(facts.ranks)
     return key
 
 

@@ -8,7 +8,9 @@ kernels than beside the stand-ins, and the CPU step's rate moves from host to ho
 predicted step 10-15% off (``docs/results.md#profiled-rates-against-training``).
 
 So the runtime's own work is timed while the user trains. Between the starts of the training calls
-:data:`STEP_TIMED_CALLS` (a :class:`RateWindow` on the graph's offload handle):
+:data:`STEP_TIMED_CALLS`, a window on the optimizer steps of the offload whose chunks the plan placed
+(the backend's :class:`RunningOffload`; its readings come as data, ``handoffs.StepReadings``, and
+:func:`training_rates` makes rates of them):
 
 * the CPU worker's chunk steps: seconds from each step's gradient landed on the host to its new
   working copy written, and the parameters stepped (``ChunkAdamW.computed``);
@@ -27,7 +29,7 @@ and logged beside the measured step period (:class:`TrainingRates`).
 Then the one count the running step can change is chosen again at these rates:
 ``n_gpu_optim``, which offloaded chunks the CPU steps and which stream through the device
 (:func:`replan_gpu_optim`). A faster count (by :data:`REPLAN_MIN_GAIN`, and only where its device
-staging fits under the cap) is applied between two calls (``OffloadHandle.set_gpu_optim``) and the
+staging fits under the cap) is applied between two calls (``RunningOffload.set_gpu_optim``) and the
 calls after it are timed against its prediction (:class:`Replan`). Measured slower than the
 calls before it, the change is undone: the cost model can be wrong about it, when the device
 steps hold backward up more than it models (``docs/results.md#the-rate-window-and-the-re-plan``). The chunk counts (where the optimizer state
@@ -39,13 +41,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
+from protrain_fx.handoffs import StepReadings
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Counts, Problem
-
-if TYPE_CHECKING:
-    from protrain_fx.runtime.offload.handle import OffloadHandle
 
 
 #: Training calls of a planned graph whose starts are timed (:func:`watch_first_step`): the step
@@ -225,50 +226,56 @@ class TrainingRates:
         return f"in training: {', '.join(parts)}; step predicted at these rates {step * 1e3:.1f} ms"
 
 
-class RateWindow:
-    """Times ``handle``'s CPU and device optimizer steps from its creation to :meth:`close`."""
+class RunningOffload(Protocol):
+    """An offloaded model in training, as the rate window reads it and the re-plan changes it (the
+    backend adapts the offload handle whose chunks the plan placed: ``backend.py``). A window on its
+    optimizer steps opens when it is made (``runtime/offload/step_window.py``); the rest is read
+    when asked, and ``n_gpu_optim`` is the one count a running step can change."""
 
-    def __init__(self, handle: OffloadHandle) -> None:
-        self.handle = handle
-        self._cpu_start = handle.adam.computed if handle.adam is not None else (0.0, 0)
-        self._device = handle.device_adam if handle.device_adam is not None and handle.device_adam.cuda else None
-        if self._device is not None:
-            self._device.window = []
-        self._disk_start = self._disk_stats()
+    @property
+    def chunk_params(self) -> int:
+        """Parameters one chunk holds."""
 
-    def _disk_stats(self) -> dict[str, float] | None:
-        residency = self.handle.store.residency if self.handle.store is not None else None
-        return residency.stats() if residency is not None else None
+    @property
+    def spill_dir(self) -> Path:
+        """The folder its store spills optimizer state to."""
 
-    def close(self, problem: Problem, config: Counts) -> TrainingRates:
-        """The rates since the window opened; device steps still running are left out. The
-        cost model of ``problem`` gives each device-stepped chunk's bytes out (``config``: which
-        chunks are lean, with no working copy to write back)."""
-        adam = self.handle.adam
-        seconds, params = adam.computed if adam is not None else (0.0, 0)
-        cpu_s, cpu_params = seconds - self._cpu_start[0], params - self._cpu_start[1]
-        timed: list[tuple[int, float]] = []
-        by_chunk: dict[int, list[float]] = {}
-        rate = 0.0
-        if self._device is not None:
-            entries, self._device.window = self._device.window or [], None
-            timed = [(c, start.elapsed_time(done) / 1e3) for c, start, done in entries if done.query()]
-            model = CostModel(dataclasses.replace(problem, device_step_s=()))
-            for c, s in timed:  # the store numbers the offloaded chunks from 0; the cost model all chunks
-                k = c + config.n_persist
-                if 0 <= k < len(model.dev_out_bytes) and s > 0:
-                    by_chunk.setdefault(k, []).append(s)
-            rate = alone_rate(model, config, {k: statistics.median(s) for k, s in by_chunk.items()})
-        disk = {}
-        end = self._disk_stats()
-        if end is not None and self._disk_start is not None:
-            moved = {k: end[k] - self._disk_start[k] for k in end}
-            disk = {"disk_read_bytes_per_s": moved["read_bytes"] / moved["read_s"] if moved["read_s"] > 0 else 0.0,
-                    "disk_write_bytes_per_s": moved["written_bytes"] / moved["write_s"] if moved["write_s"] > 0 else 0.0}
-        return TrainingRates(cpu_params=cpu_params, cpu_s=cpu_s, device_steps=tuple(timed),
-                             device_step_bytes_per_s=rate,
-                             device_step_s=tuple((k, statistics.median(s)) for k, s in sorted(by_chunk.items())),
-                             **disk)
+    @property
+    def grad_clipping(self) -> bool | None:
+        """Whether the loop clips (learned at its first optimizer step)."""
+
+    @property
+    def n_gpu_optim(self) -> int:
+        """Offloaded chunks stepped on the device now."""
+
+    def close(self) -> StepReadings:
+        """What its optimizer steps did since the window opened."""
+
+    def set_gpu_optim(self, n_gpu_optim: int) -> None:
+        """The first ``n_gpu_optim`` offloaded chunks stepped on the device from the next gradient that
+        lands (``OffloadHandle.set_gpu_optim``: nothing moves)."""
+
+
+def training_rates(readings: StepReadings, problem: Problem, config: Counts) -> TrainingRates:
+    """The rates of ``readings`` (a window's, device steps still running left out). The cost model
+    of ``problem`` gives each device-stepped chunk's bytes out (``config``: which chunks are lean,
+    with no working copy to write back)."""
+    timed = readings.device_steps
+    by_chunk: dict[int, list[float]] = {}
+    rate = 0.0
+    if timed:
+        model = CostModel(dataclasses.replace(problem, device_step_s=()))
+        for c, s in timed:  # the store numbers the offloaded chunks from 0; the cost model all chunks
+            k = c + config.n_persist
+            if 0 <= k < len(model.dev_out_bytes) and s > 0:
+                by_chunk.setdefault(k, []).append(s)
+        rate = alone_rate(model, config, {k: statistics.median(s) for k, s in by_chunk.items()})
+    r = readings
+    return TrainingRates(cpu_params=r.cpu_params, cpu_s=r.cpu_s, device_steps=timed,
+                         device_step_bytes_per_s=rate,
+                         device_step_s=tuple((k, statistics.median(s)) for k, s in sorted(by_chunk.items())),
+                         disk_read_bytes_per_s=r.disk_read_bytes / r.disk_read_s if r.disk_read_s > 0 else 0.0,
+                         disk_write_bytes_per_s=r.disk_written_bytes / r.disk_write_s if r.disk_write_s > 0 else 0.0)
 
 
 def alone_rate(model: CostModel, config: Counts, seconds: dict[int, float]) -> float:

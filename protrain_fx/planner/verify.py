@@ -19,6 +19,7 @@ from typing import Callable, Protocol
 
 from protrain_fx.analysis.memory import MemoryAnalysis
 from protrain_fx.capture import CapturedGraph
+from protrain_fx.handoffs import Placement
 from protrain_fx.plan import Plan
 from protrain_fx.search.problem import Counts
 from protrain_fx.search.search import NoPlanFits, SearchResult
@@ -44,6 +45,22 @@ class Rewrite:
 
 #: The backend's ``trial(plan)`` (``backend.py``): one rewrite of the step per call.
 TrialFn = Callable[[Plan | None], Rewrite]
+
+
+class Placer(Protocol):
+    """How the planner places an offloaded model's chunks mid-search, to rewrite and judge a config
+    on them (the backend adapts the offload handle to it: ``backend.py``). It places and undoes,
+    nothing more: the config chosen is handed back, and the backend makes it final."""
+
+    def place(self, placement: Placement) -> None:
+        """The chunks placed with these counts, the host store laid out but not filled (a trial needs
+        the placement's sizes, not its bytes)."""
+
+    def set_gpu_optim(self, n_gpu_optim: int) -> None:
+        """The first ``n_gpu_optim`` offloaded chunks stepped on the device: no graph changes, nothing moves."""
+
+    def undo(self) -> None:
+        """Nothing placed: a later compile chooses again."""
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ def device_step_spans(
     parameter), as a model's chunk holds its blocks' weights, biases and norms. ``cpu_rates``: a list
     that gets, per timed round, the CPU step's parameters per second over that round (its worker's
     compute, ``ChunkAdamW.computed``). ``step_spans``: a list that gets each timed step's own span
-    (its first copy in to its last copy out, as ``planner/rates.RateWindow`` times training's steps).
+    (its first copy in to its last copy out, as ``runtime/offload/step_window.StepWindow`` times training's steps).
     ``refetch``: before each step, copy ``n`` compute-dtype elements in from pinned memory on a
     stream of their own (backward's re-fetch of the next chunk's working copy). CUDA only."""
     parts = list(parts) or [n]

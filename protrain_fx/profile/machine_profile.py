@@ -279,7 +279,7 @@ def device_step_rate(
     the model's own compute-bound kernels (``profile/ops.compute_load`` of ``load_nodes``, the
     captured forward and backward graphs' nodes; 8192^3 matrix products where there are none), as
     each step's 14 bytes a parameter copied out over the median step's own span (first copy in to
-    last copy out, as ``planner/rates.RateWindow`` times training's steps); once per layout and load, with
+    last copy out, as ``runtime/offload/step_window.StepWindow`` times training's steps); once per layout and load, with
     one progress line, kept in ``device``'s profile file (``"device_step_by_layout"``, with the
     round's rate, as :func:`_device_step_bytes_per_s` reads one, and the CPU step's rate beside the
     device steps, for comparison with training's). 0 where there is nothing to measure: not CUDA, no

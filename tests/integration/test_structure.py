@@ -7,6 +7,7 @@ Imports made inside functions count too (they are what used to hide a cycle), an
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "protrain_fx"
@@ -24,6 +25,8 @@ FORBIDDEN = {
     "progress": {"analysis", "planner", "passes", "profile", "search", "inspect", "backend", "runtime", "capture",
                  "state", "config", "errors", "plan", "meta", "machine", "chunks", "integrations"},
     "state": {"analysis", "planner", "passes", "profile", "search", "inspect", "backend", "runtime", "capture"},
+    "handoffs": {"analysis", "planner", "passes", "profile", "search", "inspect", "backend", "runtime", "capture",
+                 "state"},
 }
 for _forbidden in FORBIDDEN.values():  # api.py (offload()) sits above every layer: only the root imports it
     _forbidden.add("api")
@@ -128,6 +131,49 @@ def test_imports_follow_the_data_flow() -> None:
         if _layer(n) in FORBIDDEN.get(_layer(m), set())
     ]
     assert not wrong, "imports against the data flow: " + ", ".join(wrong)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring nodes of a module's module, classes and functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def test_the_planner_holds_no_offload_handle() -> None:
+    """The planner decides from data (``handoffs.ChunkFacts``, ``handoffs.StepReadings``) and hands back
+    decisions; the backend holds the offload handle and applies them, or lends the planner a narrow
+    port where a search places chunks mid-way (``planner.verify.Placer``, ``planner.rates.RunningOffload``).
+    So no planner module imports the handle's module, or names ``OffloadHandle`` in its code (an import,
+    a name, an attribute, a string annotation; its docstrings may say what the backend does with it)."""
+    modules = _modules()
+    edges = _imports(modules)
+    handle_module = "protrain_fx.runtime.offload.handle"
+    found = []
+    for m, f in modules.items():
+        if _layer(m) != "planner":
+            continue
+        if handle_module in edges[m]:
+            found.append(f"{m} imports {handle_module}")
+        tree = ast.parse(f.read_text())
+        docstrings = _docstrings(tree)
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Name):
+                names = [node.id]
+            elif isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.alias):
+                names = [node.name.rsplit(".", 1)[-1], node.asname or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                names = re.findall(r"\w+", node.value)
+            if "OffloadHandle" in names:
+                found.append(f"{m}:{getattr(node, 'lineno', '?')} names OffloadHandle")
+    assert not found, "the planner holds the offload handle: " + ", ".join(found)
 
 
 def test_the_cost_model_and_the_search_import_neither_torch_nor_fx() -> None:

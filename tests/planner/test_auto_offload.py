@@ -152,7 +152,7 @@ def test_lean_counts_are_what_the_store_makes_at_every_n_persist():
     available = planned_store_bytes(numel, [True] * n, 4, 12, 4) + AUTO_HOST_RESERVE
     handle = protrain_fx.offload(model, torch.optim.AdamW(model.parameters()), device="cpu", chunk_bytes=CHUNK,
                                  available_host_bytes=available)
-    counts = handle.lean_counts()
+    counts = handle.facts().lean_counts
     assert counts[0] == 12 and counts[-1] == 0 and list(counts) == sorted(counts, reverse=True)
     assert counts[1] == 8 and counts[2] == 0  # a persistent chunk frees 16 bytes per element: fewer lean
     for p in range(n):
@@ -163,7 +163,7 @@ def test_lean_counts_are_what_the_store_makes_at_every_n_persist():
     # a fixed n_lean above what a chosen n_persist leaves offloaded: all of those are lean
     fixed = protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(model.parameters()), device="cpu", chunk_bytes=CHUNK,
                                 n_lean=3)
-    assert fixed.lean_counts()[n - 2:] == (2, 1, 0)
+    assert fixed.facts().lean_counts[n - 2:] == (2, 1, 0)
     fixed.configure(n - 1, 1)
     assert fixed.n_lean == 1
     fixed.unplace()
@@ -177,12 +177,12 @@ def test_an_offload_with_lean_chunks_gets_them_in_its_problem_and_trains_exactly
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     handle = protrain_fx.offload(model, opt, device="cpu", chunk_bytes=CHUNK, n_lean=3)
     n = len(handle.layout.chunks)
-    assert handle.lean_counts() == tuple(min(3, n - p) for p in range(n + 1))
+    assert handle.facts().lean_counts == tuple(min(3, n - p) for p in range(n + 1))
     compiled = torch.compile(model, backend="protrain", options={"codegen": "eager", "memory_budget": TIGHT})
     _train_side_by_side(compiled, reference, opt, ref_opt, 3)
     _assert_same_params(handle, model, reference)
     problem = _train_record().auto_plan.problem
-    assert problem.lean_chunks == handle.lean_counts()
+    assert problem.lean_chunks == handle.facts().lean_counts
     assert all(c.lean_fetch_bytes == handle.layout.chunk_bytes for c in problem.chunks)  # fp32: the master
     assert problem.lean_staging_bytes == 0  # no CUDA: a lean chunk's fetch casts in place
     assert handle.n_lean == 3 and handle.n_persist <= n - 3
@@ -602,7 +602,7 @@ def test_a_plan_the_graph_level_judge_lets_through_over_the_budget_as_compiled_i
     assert refused.value.min_budget_bytes == budget_for_peak(rec.memory.peak_bytes) > VERIFY_BUDGET
 
 
-def test_steadier_gpu_optim_applies_the_count_of_least_expected_step_and_records_its_memory():
+def test_steadier_gpu_optim_chooses_the_count_of_least_expected_step_and_records_its_memory():
     from protrain_fx.planner.offload import steadier_gpu_optim
     from protrain_fx.planner.verify import Trial
     from protrain_fx.search.cost import CostModel
@@ -610,33 +610,25 @@ def test_steadier_gpu_optim_applies_the_count_of_least_expected_step_and_records
     from protrain_fx.search.problem import Counts
     from tests.search.test_cost_search import make_problem
 
-    class Handle:  # what steadier_gpu_optim asks of an OffloadHandle
-        def __init__(self):
-            self.counts = []
-
-        def set_gpu_optim(self, g):
-            self.counts.append(g)
-
     spread = {"cpu_adam_params_per_s": 0.25, "device_step_bytes_per_s": 0.1}
     changed = 0
     for seed in range(8):
         model = CostModel(make_problem(seed, device_step_bytes_per_s=30e9, cpu_adam_params_per_s=2e9))
         config = Counts(0, max(1, model.min_buffers(0)), 0, 0, 0)
         kept = Trial(config, model.estimate(config).peak_bytes, 10**9)
-        handle, trials = Handle(), [kept]
-        got = steadier_gpu_optim(handle, model, kept, cap=10**13, trials=trials, spread=spread)
+        trials = [kept]
+        got = steadier_gpu_optim(model, kept, cap=10**13, trials=trials, spread=spread)
         best = min(expected_estimate(model.problem, Counts(0, config.n_buffer, 0, 0, g), spread).step_s
                    for g in range(model.n_chunks + 1))
         assert expected_estimate(model.problem, got, spread).step_s == pytest.approx(best)
         if got == config:
-            assert handle.counts == [] and trials == [kept]
+            assert trials == [kept]
             continue
         changed += 1
         added = model.static_bytes(0, config.n_buffer, got.n_gpu_optim) - model.static_bytes(0, config.n_buffer, 0)
-        assert handle.counts == [got.n_gpu_optim]
         assert trials[-1] == Trial(got, model.estimate(got).peak_bytes, 10**9 + added, False)
         # no room under the cap for the device steps' staging: the count stays
-        none = steadier_gpu_optim(Handle(), model, kept, cap=10**9, trials=[kept], spread=spread)
+        none = steadier_gpu_optim(model, kept, cap=10**9, trials=[kept], spread=spread)
         assert none == config
     assert changed  # the random steps include ones where stepping on the device is expected faster
 

@@ -12,8 +12,9 @@ import torch
 import protrain_fx
 from protrain_fx.planner import first_step
 from protrain_fx.planner import problem as planner_problem
-from protrain_fx.planner.rates import STEP_TIMED_CALLS, RateWindow, TrainingRates
+from protrain_fx.planner.rates import STEP_TIMED_CALLS, TrainingRates, training_rates
 from protrain_fx.profile import cache as profile_cache
+from protrain_fx.runtime.offload.step_window import StepWindow
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import MachineProfile
 from protrain_fx.search.spread import expected_estimate
@@ -153,9 +154,9 @@ class _Handle:
 
 def test_the_window_counts_only_the_steps_run_while_it_was_open():
     handle = _Handle()
-    window = RateWindow(handle)
+    window = StepWindow(handle)
     handle.adam.computed = (2.5, 400)  # 300 parameters in half a second since the window opened
-    rates = window.close(None, None)
+    rates = training_rates(window.close(), None, None)
     assert (rates.cpu_params, rates.cpu_s, rates.device_steps, rates.device_step_bytes_per_s) == (300, 0.5, (), 0.0)
     assert rates.cpu_adam_params_per_s == 600
     assert TrainingRates(cpu_params=0, cpu_s=0.0).cpu_adam_params_per_s == 0.0
@@ -187,7 +188,7 @@ def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their
     model = CostModel(problem)
     handle = _Handle()
     handle.device_adam = _DeviceSteps()
-    window = RateWindow(handle)
+    window = StepWindow(handle)
     assert handle.device_adam.window == []  # timing from now on
     # store chunks 0 and 1 are the model's chunks 2 and 3 (after the 2 persistent ones)
     out = [model.dev_out_bytes[2], model.dev_out_bytes[3]]
@@ -197,7 +198,7 @@ def test_device_steps_are_priced_by_the_bytes_the_cost_model_copies_out_of_their
         (0, _Event(9.0), _Event(9.0 + 1000 * out[0] / 50e9)),  # 50 GB/s
         (1, _Event(20.0), _Event(21.0, done=False)),  # still running at the window's end: left out
     ]
-    rates = window.close(problem, config)
+    rates = training_rates(window.close(), problem, config)
     assert handle.device_adam.window is None  # no longer timed
     assert len(rates.device_steps) == 3
     # each timed chunk's own median seconds, in the cost model's numbering

@@ -361,7 +361,8 @@ def test_the_search_keeps_enough_chunks_persistent_for_the_spill_folder_s_free_s
     disk = [sum(numel * 12 for _ in range(spill)) for _, spill in tiers]
     assert disk[0] > disk[1] > disk[2]
     free = disk[2]  # room for the store with two chunks persistent, not with fewer
-    assert handle.min_persist_for_disk(free) == 2 and handle.min_persist_for_disk(disk[0]) == 0
+    facts = handle.facts()
+    assert autooffload.min_persist_for_disk(facts, free) == 2 and autooffload.min_persist_for_disk(facts, disk[0]) == 0
     usage = shutil_module.disk_usage(tmp_path)
     monkeypatch.setattr(autooffload.shutil, "disk_usage", lambda path: usage._replace(free=free))
     report = protrain_fx.what_fits(model, *_batch(0), memory_budget=TIGHT, options={"codegen": "eager"})

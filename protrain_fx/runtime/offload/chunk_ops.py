@@ -147,6 +147,14 @@ def offloaded(t: Any) -> tuple[int, int, int, str] | None:
     return entry[1:]
 
 
+def counts_by_hand(t: Any) -> bool:
+    """Whether ``t`` is a parameter held in a chunk store whose counts the backend has not chosen:
+    given to ``offload(...)`` by hand (or placed for a trial of the planner's, not final yet). A bool,
+    so that the planner asks it without holding the handle."""
+    found = offloaded(t)
+    return found is not None and not handle(found[0]).counts_chosen
+
+
 def check_shell(hid: int, chunk: int, shell: torch.Tensor) -> None:
     """Refuse a graph called with parameters that are not the handle's (see :func:`chunk_gather`)."""
     if shell.untyped_storage()._cdata not in _shells.get(hid, {}).get(chunk, ()):

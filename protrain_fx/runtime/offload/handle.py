@@ -39,6 +39,7 @@ from protrain_fx.chunks import (
     pack,
 )
 from protrain_fx.errors import UnsupportedError
+from protrain_fx.handoffs import ChunkFacts, Placement
 from protrain_fx.runtime.offload import chunk_ops
 from protrain_fx.runtime.parallel import distributed, shard
 from protrain_fx.runtime.allocator import expandable_segments
@@ -54,7 +55,8 @@ from protrain_fx.runtime.optim.clipping import (
 from protrain_fx.runtime.optim.cpu_adam import ChunkAdamW, OptimizerWorker
 from protrain_fx.runtime.optim.device_adam import DeviceAdamW
 from protrain_fx.runtime.parallel.grad_sync import GradAverager
-from protrain_fx.runtime.store.host_memory import auto_tiers, available_host_bytes, planned_store_bytes, spill_bytes
+from protrain_fx.runtime.store.host_memory import auto_tiers, available_host_bytes
+from protrain_fx.runtime.store.spill import spill_dir
 from protrain_fx.runtime.offload.eager import EagerModules
 from protrain_fx.runtime.offload.landing import Landing
 from protrain_fx.runtime.offload.options import (
@@ -577,16 +579,11 @@ class OffloadHandle(StateDicts, Landing):
         """Offloaded chunks without a host working copy (fetched from their fp32 master)."""
         return len(self.store.lean) if self.store else 0
 
-    def lean_counts(self) -> tuple[int, ...]:
-        """Per ``n_persist`` in ``0..`` the layout's chunks, how many offloaded chunks the store would
-        make lean (its rule, ``runtime/store/host_memory.auto_tiers``, for the host memory available
-        now; ``n_lean=K``: ``K``, or every offloaded chunk when fewer are offloaded). For the cost
-        model, before anything is placed."""
-        return tuple(lean for lean, _ in self.tier_counts())
-
     def tier_counts(self) -> tuple[tuple[int, int], ...]:
-        """Per ``n_persist`` in ``0..`` the layout's chunks, ``(n_lean, n_spill)`` the store would
-        make (see :meth:`lean_counts`)."""
+        """Per ``n_persist`` in ``0..`` the layout's chunks, ``(n_lean, n_spill)`` the store would make
+        (its rule, ``runtime/store/host_memory.auto_tiers``, for the host memory available now;
+        ``n_lean=K``: ``K``, or every offloaded chunk when fewer are offloaded). For the cost model
+        (:meth:`facts`), before anything is placed, and for each placement the backend makes."""
         chunks, options = self.layout.chunks, self.options
         n_lean, n_spill = options.n_lean, options.n_spill
         if n_lean != "auto" and n_spill != "auto":
@@ -605,24 +602,18 @@ class OffloadHandle(StateDicts, Landing):
             counts.append(auto_tiers(numel, trainable[p:], compute, available, self._landing_pool(), lean, spill))
         return tuple(counts)
 
-    def tier_bytes(self, n_persist: int) -> dict[str, int]:
-        """Where the store of ``n_persist`` persistent chunks would keep what: ``n_lean`` and
-        ``n_spill`` (:meth:`tier_counts`), ``host_bytes`` of host memory, ``disk_bytes`` in the spill file."""
-        lean, spill = self.tier_counts()[n_persist]
-        numel, trainable, compute = self._store_shape()
-        rest = trainable[n_persist:]
-        return {"n_lean": lean, "n_spill": spill,
-                "host_bytes": planned_store_bytes(numel, rest, compute, lean, self._landing_pool(), spill),
-                "disk_bytes": spill_bytes(numel, rest, lean, spill)}
-
-    def min_persist_for_disk(self, free_bytes: int) -> int:
-        """The fewest persistent chunks whose store spills at most ``free_bytes`` to disk
-        (:meth:`tier_counts`; with every chunk persistent nothing spills)."""
-        numel, trainable, _ = self._store_shape()
-        for p, (lean, spill) in enumerate(self.tier_counts()):
-            if spill_bytes(numel, trainable[p:], lean, spill) <= free_bytes:
-                return p
-        return len(self.layout.chunks)
+    def facts(self) -> ChunkFacts:
+        """What the planner prices this offload by, as data (``handoffs.ChunkFacts``), read now: the
+        store's tiers at every ``n_persist`` for the host memory available now (:meth:`tier_counts`),
+        and the counts placed once the backend chose them."""
+        _, trainable, _ = self._store_shape()
+        g = self.group
+        return ChunkFacts(
+            layout=self.layout, param_dtype=self.param_dtype, compute_dtype=self.compute_dtype, device=self.device,
+            grad_clipping=self.grad_clipping, tiers=self.tier_counts(), trainable=tuple(trainable),
+            landing_pool=self._landing_pool(), spill_dir=spill_dir(self.options.spill_dir),
+            ranks=(g.world_size, g.local_world_size, g.backend) if g is not None else None,
+            placed=Placement(self.n_persist, self.n_buffer, self.n_gpu_optim) if self.counts_chosen else None)
 
     def _landing_pool(self) -> int:
         """Landing buffers the store plans for its lean chunks' gradients: ``grad_pool``, or one per
