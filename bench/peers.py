@@ -619,7 +619,7 @@ def _build_deepspeed(size: str, system: str = "deepspeed", accumulate: int = 1, 
         # zero.Init partitions each submodule's parameters as soon as it is built, so the GPT's own
         # init (reset_parameters at the end of GPT.__init__) ran on empty partitions and the model
         # kept nn.Linear / nn.Embedding defaults (N(0, 1) tied embedding) and a loss far above every
-        # other system's (``docs/results.md#history``). Initialise each parameter gathered.
+        # other system's (``docs/results.md#against-the-peers``). Initialise each parameter gathered.
         for name, p in model.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 model.init_parameter(name, p.data)
