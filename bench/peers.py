@@ -7,7 +7,9 @@ parameters with no pretrained weights) at batch 8 x 1024, bf16 autocast, AdamW, 
 2 warm-up steps and ``--steps`` timed steps (each followed by a device sync; ``--stream-steps N``
 adds N steps with none between them, as a training loop runs: ``stream_step_s``). Per run:
 tokens/s, step time, peak allocated and reserved GPU memory, host RAM peak, loss after the timed
-steps, MFU against the measured 786 TFLOP/s, or the OOM / crash and its reason; and where the time
+steps, MFU against the measured 786 TFLOP/s (for a plan the backend chose, ``compute_bound_tok_s`` too: tokens over
+the cost model's forward + backward compute, nothing recomputed or moved: the bound where nothing holds the whole step
+to compare with), or the OOM / crash and its reason; and where the time
 went: ``wall_s`` (the whole process, compile included), ``start_s`` (when it began, seconds into
 this call), ``setup_s`` (imports, CUDA start), ``build_s`` (model and optimizer), ``first_step_s``
 (first step, compile included), ``warmup_s``.
@@ -744,6 +746,9 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
         tokens = (world or 1) * accumulate * batch * seq  # every rank's micro-batches of one optimizer step
         result.update(tokens_per_step=tokens, tokens_per_s=tokens / result["step_s"],
                       mfu=tokens / result["step_s"] * flops_per_token(size, seq) / PEAK_FLOPS / (world or 1))
+        compute_s = (result.get("auto_plan") or {}).get("compute_s")
+        if compute_s:  # the physical bound where nothing holds the whole step to compare with (B24-L on an H100)
+            result["compute_bound_tok_s"] = tokens / (accumulate * compute_s)
     return result
 
 
@@ -865,6 +870,7 @@ def _protrain_prediction() -> dict:
     """What the backend predicted for the training graph (peak, swapped bytes, pool size)."""
     import protrain_fx
     from protrain_fx.runtime.swap import POOL
+    from protrain_fx.search.cost import CostModel
 
     records = [g for g in protrain_fx.captured_graphs() if g.backward is not None and g.memory is not None]
     if not records:
@@ -892,6 +898,9 @@ def _protrain_prediction() -> dict:
             "replan": _replan(a.replanned),
             "problem_s": a.problem_s, "choose_s": a.choose_s, "from_cache": a.from_cache,
             "problem": a.problem.to_dict(),
+            # the cost model's forward + backward compute of one micro-batch, nothing recomputed, moved or
+            # waited for: what a device holding everything would take (compute_bound_tok_s)
+            "compute_s": CostModel(a.problem).compute_s,
         }}
     return {
         **auto,
@@ -1257,7 +1266,9 @@ def _row(r: dict) -> str:
         return f"{r['size']:>9} {r['system']:>14}: {r['status']} ({r.get('reason', '')[:140]}){wall}"
     peak = r.get("peak_allocated_bytes")
     peak_text = f", peak {peak / 2**30:.2f} GiB" if peak else ""
-    return (f"{r['size']:>9} {r['system']:>14}: {_tokens(r):>7} tok/s, "
+    bound = r.get("compute_bound_tok_s")
+    bound_text = f" ({100 * r['tokens_per_s'] / bound:.0f}% of the compute bound, {bound / 1e3:.1f}k)" if bound else ""
+    return (f"{r['size']:>9} {r['system']:>14}: {_tokens(r):>7} tok/s{bound_text}, "
             f"{1000 * r['step_s']:.1f} ms, MFU {100 * r['mfu']:.1f}%{peak_text}, loss {r['loss']:.3f}{wall}")
 
 

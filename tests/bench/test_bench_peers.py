@@ -375,3 +375,20 @@ def test_data_parallel_dry_run_under_torchrun_with_gloo(tmp_path):
     assert result["status"] == "ok", result.get("reason")
     assert (result["world_size"], result["accumulate"], result["tokens_per_step"]) == (1, 2, 64)
     assert [r["rank"] for r in result["ranks"]] == [0]
+
+
+def test_the_compute_bound_is_the_cost_models_compute_and_no_run_beats_it():
+    # a recorded 4.2B@24 offloaded run (H200): its problem's forward + backward compute bounds its tokens/s
+    from protrain_fx.search.cost import CostModel
+    from protrain_fx.search.problem import Problem
+
+    run = next(r for r in json.loads((ROOT / "docs/raw/b24_auto_4.2B_cap24_7.4k_h200.json").read_text())
+               if r.get("auto_plan"))
+    problem = Problem.from_dict(run["auto_plan"]["problem"])
+    compute_s = CostModel(problem).compute_s
+    blocks = sum(b.fwd_s + b.bwd_s for b in problem.blocks) + problem.outside_fwd_s + problem.outside_bwd_s
+    assert compute_s == pytest.approx(blocks)
+    bound = run["batch"] * run["seq"] / compute_s  # one micro-batch a step
+    assert run["tokens_per_s"] < bound
+    row = peers._row({**run, "compute_bound_tok_s": bound})
+    assert f"{100 * run['tokens_per_s'] / bound:.0f}% of the compute bound" in row
