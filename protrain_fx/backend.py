@@ -50,7 +50,7 @@ from protrain_fx.planner.budget import (
     wants_auto_plan,
 )
 from protrain_fx.planner.first_step import peaks_at_compile_start, watch_first_step
-from protrain_fx.planner.fit import answer, answer_offload
+from protrain_fx.planner.fit import answer, answer_offload, planning_budget
 from protrain_fx.planner.offload import choose_for_placed, choose_offload
 from protrain_fx.inspect import structured
 from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
@@ -321,7 +321,7 @@ class _Partitioner(CustomPartitionerFn):
                 "protrain_fx.what_fits: the model is offloaded with n_persist / n_buffer given by hand; what_fits "
                 "answers for a model whose parameters stay on the device, or one offloaded without counts"
             )
-        resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
+        record.budget = resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
         handle = deferred_handle(record)  # offload(...) without counts: chosen here (planner/offload.py)
         placed = placed_handle(record) if handle is None else None  # ... or at an earlier compile
         if handle is not None or placed is not None:
@@ -366,9 +366,11 @@ class _Partitioner(CustomPartitionerFn):
             # what the compile's Inductor code peaks at, where the plan is judged without lowering it
             lower = progress.timed("trial lowerings")(lambda: probe_inductor(record, _compile_patches(record),
                                                                                _copy_graph_module))
+            given = record.budget
+            record.budget = planning_budget(given)  # planned as if unbounded when none
             if facts is not None and placer is not None:
-                answer_offload(record, facts, placer, tried, kept, lower)  # placed, checked and removed: training's answer
-            answer(record, tried, kept, lower)  # stops the compile with the report: nothing runs
+                answer_offload(record, given, facts, placer, tried, kept, lower)  # placed, checked and removed
+            answer(record, given, tried, kept, lower)  # stops the compile with the report: nothing runs
         # A plan kept from an earlier launch of this graph and budget is applied without planning
         # (planner/plan_cache.py); otherwise the planner chooses, and the choice is kept.
         if facts is not None and placer is not None:
