@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import logging
 import re
@@ -39,6 +40,7 @@ from protrain_fx.passes.pipeline import (
     LOWERED_PASSES,
     STEP_PASSES,
     PassContext,
+    RewrittenStep,
     run_passes,
 )
 from protrain_fx.plan import Plan
@@ -50,7 +52,7 @@ from protrain_fx.planner.budget import (
     wants_auto_plan,
 )
 from protrain_fx.planner.first_step import peaks_at_compile_start, watch_first_step
-from protrain_fx.planner.fit import answer, answer_offload
+from protrain_fx.planner.fit import answer, answer_offload, planning_budget
 from protrain_fx.planner.offload import choose_for_placed, choose_offload
 from protrain_fx.inspect import structured
 from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
@@ -304,14 +306,15 @@ class _Partitioner(CustomPartitionerFn):
 
         def partition(graph: fx.GraphModule, plan: Plan | None, *, check: bool = True
                       ) -> tuple[fx.GraphModule, fx.GraphModule]:
-            record.joint, record.plan = graph, plan
-            ctx = PassContext(record, plan, frozenset(parameters), num_fwd_outputs)
-            run_passes(JOINT_PASSES, ctx)  # the tags the partitioner acts on
+            names = frozenset(parameters)
+            tagged = run_passes(JOINT_PASSES, PassContext(  # the tags the partitioner acts on
+                record, plan, names, num_fwd_outputs, RewrittenStep(joint=graph, plan=plan)))
             with torch._functorch.config.patch(RNG_PARTITION):
                 forward, backward = min_cut_rematerialization_partition(graph, joint_inputs, **kwargs)
-            record.forward, record.backward = forward, backward
-            record.step = _step_graphs(forward, backward, num_fwd_outputs, set(static))
-            run_passes(STEP_PASSES, ctx)
+            partitioned = dataclasses.replace(tagged, forward=forward, backward=backward,
+                                              step=_step_graphs(forward, backward, num_fwd_outputs, set(static)))
+            # the record shows this rewrite from here on: the planner reads it after each trial
+            record.rewritten = run_passes(STEP_PASSES, PassContext(record, plan, names, num_fwd_outputs, partitioned))
             if check and record.config.codegen == "eager":
                 check_budget(record)  # with Inductor: once its allocation plan is known
             return forward, backward
@@ -321,7 +324,7 @@ class _Partitioner(CustomPartitionerFn):
                 "protrain_fx.what_fits: the model is offloaded with n_persist / n_buffer given by hand; what_fits "
                 "answers for a model whose parameters stay on the device, or one offloaded without counts"
             )
-        resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
+        record.budget = resolve_budget(record, joint)  # the user's memory_budget, or what the CUDA device has
         handle = deferred_handle(record)  # offload(...) without counts: chosen here (planner/offload.py)
         placed = placed_handle(record) if handle is None else None  # ... or at an earlier compile
         if handle is not None or placed is not None:
@@ -338,7 +341,6 @@ class _Partitioner(CustomPartitionerFn):
 
         def trial(plan: Plan | None) -> Rewrite:
             applied = plan if plan is not None and plan.rewrites() else None
-            record.swapped = []
             graphs[:] = [partition(_copy_graph_module(joint), applied, check=False)]
             assert record.memory is not None
             return Rewrite(applied, record.memory)
@@ -366,9 +368,11 @@ class _Partitioner(CustomPartitionerFn):
             # what the compile's Inductor code peaks at, where the plan is judged without lowering it
             lower = progress.timed("trial lowerings")(lambda: probe_inductor(record, _compile_patches(record),
                                                                                _copy_graph_module))
+            given = record.budget
+            record.budget = planning_budget(given)  # planned as if unbounded when none
             if facts is not None and placer is not None:
-                answer_offload(record, facts, placer, tried, kept, lower)  # placed, checked and removed: training's answer
-            answer(record, tried, kept, lower)  # stops the compile with the report: nothing runs
+                answer_offload(record, given, facts, placer, tried, kept, lower)  # placed, checked and removed
+            answer(record, given, tried, kept, lower)  # stops the compile with the report: nothing runs
         # A plan kept from an earlier launch of this graph and budget is applied without planning
         # (planner/plan_cache.py); otherwise the planner chooses, and the choice is kept.
         if facts is not None and placer is not None:
@@ -563,11 +567,12 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
                 stack.enter_context(progress.recording(record.phases, title=f"protrain_fx: graph {record.index} ({phase})"))
             with progress.phase("codegen", f"Inductor codegen ({phase})"):
                 compiled, plan = lower(record, graph, list(inputs), phase, compile_fx_inner, _copy_graph_module, **kwargs)
-        if record.step is not None:
+        if record.rewritten is not None and record.step is not None:
             if plan is not None:
-                record.inductor_plans[phase] = plan
+                record.rewritten = dataclasses.replace(record.rewritten,
+                                                       inductor_plans={**record.rewritten.inductor_plans, phase: plan})
             if phase != "forward" or record.backward is None:
-                run_passes(LOWERED_PASSES, PassContext(record, record.plan))
+                record.rewritten = run_passes(LOWERED_PASSES, PassContext(record, record.plan))
                 structured.write_timeline(record)  # (TORCH_TRACE) the analysis of the code Inductor wrote
                 check_budget(record)
         return compiled
@@ -593,7 +598,6 @@ def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequ
             "step first, or give n_persist / n_buffer to offload(...) by hand"
         )
     progress.end("capture")  # AOTAutograd has traced the graph
-    record.inference, record.plan = graph, record.config.plan
     if record.config.memory_budget_bytes is not None:  # checked as given: nothing is planned
         record.budget = Budget(record.config.memory_budget_bytes, "user")
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
@@ -601,8 +605,10 @@ def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequ
     # order, say which are parameters.
     real = record.real_inputs()
     state = {n.name for n, t in zip(placeholders, real) if isinstance(t, torch.nn.Parameter)}
-    record.step = StepGraphs(graph, None, _num_outputs(graph), frozenset(state), frozenset())
-    run_passes(STEP_PASSES, PassContext(record, record.plan))
+    step = StepGraphs(graph, None, _num_outputs(graph), frozenset(state), frozenset())
+    plan = record.config.plan
+    record.rewritten = run_passes(STEP_PASSES, PassContext(
+        record, plan, result=RewrittenStep(inference=graph, plan=plan, step=step)))
     check_budget(record)
 
 

@@ -1,8 +1,10 @@
 """What the backend captured: one record per Dynamo graph, kept for inspection.
 
-Each Dynamo graph handed to the backend becomes a :class:`CapturedGraph`, filled in as compilation
-proceeds: the joint forward+backward graph and both partitioned graphs (or the inference graph when
-no backward is needed), the blocks found, the memory analysis, and how long each pass took.
+Each Dynamo graph handed to the backend becomes a :class:`CapturedGraph`: what Dynamo handed over
+(:class:`Captured`, frozen), and what each phase of the compile returned, stored by the backend as
+it comes: the rewrite of the step (the joint forward+backward graph and both partitioned graphs, or
+the inference graph when no backward is needed, the blocks found, the memory analysis, and how long
+each pass took), the resolved budget and the planner's choice.
 ``captured_graphs()`` lists them in capture order; several graphs mean graph breaks, whose reasons are
 kept too.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -22,8 +24,8 @@ import torch.fx as fx
 from protrain_fx.config import ProtrainConfig
 from protrain_fx.state import STATE
 
-# The record is data only: the types of what later stages put in it are named in each field's
-# comment, not imported (capture sits below analysis, planner and passes).
+# The record is data only: the types of what later phases return are named in comments, not
+# imported (capture sits below analysis, planner and passes).
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,9 @@ class Budget:
     source: str = "user"
 
 
-@dataclass
-class CapturedGraph:
-    """Everything known about one Dynamo graph that went through the backend."""
+@dataclass(frozen=True)
+class Captured:
+    """What Dynamo handed the backend for one graph, as it was handed: nothing later changes it."""
 
     index: int
     config: ProtrainConfig
@@ -80,49 +82,111 @@ class CapturedGraph:
     #: The Dynamo graph's example inputs (parameters first-class with inlined modules), tensors held
     #: weakly; AOTAutograd's flat inputs (``primals_*``) follow this order.
     example_inputs: tuple[Any, ...] = ()
-    joint: fx.GraphModule | None = None
-    #: The activation plan the graphs run: the user's ``plan`` option, or the one the planner chose
-    #: (``planner/``); ``None``: none.
-    plan: Any = None  # plan.Plan
-    forward: fx.GraphModule | None = None
-    backward: fx.GraphModule | None = None
-    inference: fx.GraphModule | None = None
-    step: Any = None  # analysis.memory.StepGraphs
-    blocks: Any = None  # analysis.blocks.BlockInfo
-    memory: Any = None  # analysis.memory.MemoryAnalysis
-    passes: list[PassRecord] = field(default_factory=list)
-    #: Readable forward/backward graphs as they were after our passes (Inductor later rewrites the
-    #: graph objects in place during its own lowering).
-    readable: dict[str, str] = field(default_factory=dict)
-    #: Inductor codegen: per phase, the allocation plan of its generated code.
-    inductor_plans: dict[str, Any] = field(default_factory=dict)  # analysis.inductor_memory.GraphPlan
-    #: The analysis counting every graph value, as eager codegen allocates them. With Inductor,
-    #: ``memory`` is replaced by the analysis of Inductor's plans once both graphs are compiled
-    #: (the backward graph at the first ``backward()``), and this keeps the graph-level one.
-    memory_unfused: Any = None  # analysis.memory.MemoryAnalysis
-    #: Saved values the plan swaps, with where their copies were placed (``passes/swap.py``).
-    swapped: list[Any] = field(default_factory=list)  # passes.swap.SwappedValue
-    #: Chunks of offloaded parameters gathered per graph (``passes/gather.py``).
-    gathered: list[Any] = field(default_factory=list)
-    #: With ``verify="inductor"``, set by the partitioner while the backend chooses a plan: lowers
-    #: the graphs of the plan now in ``step`` with Inductor and returns the analysis of its
-    #: allocation plans, or ``None`` when that could not be done (``lowering.probe_inductor``).
-    probe_inductor: Callable[[], Any] | None = None  # returns an analysis.memory.MemoryAnalysis or None
-    #: The activation plan the backend chose from the memory budget, with its prediction
-    #: (``planner/``); ``None`` without a budget, with a plan by hand or offloaded parameters.
-    auto_plan: Any = None  # planner.result.AutoPlan
-    #: Seconds of each phase of this graph's compile, in the order they first ran (``progress.py``:
-    #: ``capture``, ``planning``, ``ops``, ``machine``, ``search``, ``offload counts``, ``trial
-    #: lowerings``, ``codegen``); a phase inside another counts only for itself, so they never overlap.
-    phases: dict[str, float] = field(default_factory=dict)
-    #: The budget the step is planned and checked for (:class:`Budget`); ``None``: none. The user's
-    #: option stays in ``config.memory_budget_bytes``.
-    budget: Budget | None = None
     #: The code object whose Dynamo cache holds this graph (the frame Dynamo was compiling, or the
     #: resume function after a graph break): removing it from the cache makes the next call compile
-    #: the graph again (``planner.first_step.record_first_step`` after a measured miss). ``None`` when the
-    #: backend was called outside Dynamo.
+    #: the graph again (``planner.first_step.record_first_step`` after a measured miss). ``None`` when
+    #: the backend was called outside Dynamo.
     dynamo_code: types.CodeType | None = None
+
+    def real_inputs(self) -> list[Any]:
+        """The example inputs, or ``None`` for tensors no longer alive."""
+        return [x() if isinstance(x, weakref.ref) else x for x in self.example_inputs]
+
+
+def _captured(name: str) -> property:
+    return property(lambda self: getattr(self.captured, name), doc=f"``captured.{name}`` (:class:`Captured`).")
+
+
+def _rewritten(name: str, empty: Callable[[], Any] | None = None) -> property:
+    """A field of the latest rewrite, ``None`` (or a new ``empty()``) before any; a container comes as
+    a copy of its own (a list, a dict), so that what a reader does with it stays with the reader."""
+
+    def get(self: CapturedGraph) -> Any:
+        if self.rewritten is None:
+            return empty() if empty is not None else None
+        value = getattr(self.rewritten, name)
+        return type(empty())(value) if empty is not None else value
+
+    return property(get, doc=f"``rewritten.{name}`` (``passes.pipeline.RewrittenStep``).")
+
+
+class CapturedGraph:
+    """Everything known about one Dynamo graph that went through the backend: a read-only view of
+    what was captured (:attr:`captured`) and of what the phases of its compile returned. Each phase
+    returns its result to the backend, which alone stores them here (one compile drives one record):
+
+    * :attr:`rewritten`: the graphs and analyses of the plan the step runs (the pass pipeline's
+      ``passes.pipeline.RewrittenStep``: ``joint``, ``plan``, ``forward``, ``backward``,
+      ``inference``, ``step``, ``blocks``, ``memory``, ``memory_unfused``, ``passes``,
+      ``readable``, ``swapped``, ``gathered``, ``inductor_plans``, read here under their own names);
+    * :attr:`budget`: the budget the step is planned and checked for (``planner.budget.resolve_budget``);
+    * :attr:`auto_plan`: the planner's choice (``planner.result.AutoPlan``);
+    * :attr:`probe_inductor`, :attr:`phases`: what the backend lends the planner while it chooses,
+      and the seconds of the compile's phases.
+    """
+
+    def __init__(self, captured: Captured, rewritten: Any = None) -> None:
+        self._captured = captured
+        #: The latest rewrite of the step (``passes.pipeline.RewrittenStep``; ``None``: not compiled yet).
+        self.rewritten = rewritten
+        #: The budget the step is planned and checked for (:class:`Budget`); ``None``: none. The
+        #: user's option stays in ``config.memory_budget_bytes``.
+        self.budget: Budget | None = None
+        #: The activation plan the backend chose from the memory budget, with its prediction
+        #: (``planner.result.AutoPlan``); ``None`` without a budget, with a plan by hand or
+        #: offloaded parameters.
+        self.auto_plan: Any = None
+        #: With ``verify="inductor"``, lent by the backend while it chooses a plan: lowers the graphs
+        #: of the plan now in ``step`` with Inductor and returns the analysis of its allocation plans
+        #: (``analysis.memory.MemoryAnalysis``), or ``None`` when that could not be done
+        #: (``lowering.probe_inductor``).
+        self.probe_inductor: Callable[[], Any] | None = None
+        #: Seconds of each phase of this graph's compile, in the order they first ran
+        #: (``progress.py``: ``capture``, ``planning``, ``ops``, ``machine``, ``search``, ``offload
+        #: counts``, ``trial lowerings``, ``codegen``); a phase inside another counts only for
+        #: itself, so they never overlap.
+        self.phases: dict[str, float] = {}
+
+    @property
+    def captured(self) -> Captured:
+        """What Dynamo handed the backend (frozen)."""
+        return self._captured
+
+    index = _captured("index")
+    config = _captured("config")
+    dynamo_graph = _captured("dynamo_graph")
+    graph_breaks_after = _captured("graph_breaks_after")
+    breaks = _captured("breaks")
+    example_inputs = _captured("example_inputs")
+    dynamo_code = _captured("dynamo_code")
+
+    #: The joint forward+backward graph the plan was applied to.
+    joint = _rewritten("joint")
+    #: The activation plan the graphs run: the user's ``plan`` option, or the one the planner chose
+    #: (``planner/``); ``None``: none.
+    plan = _rewritten("plan")
+    forward = _rewritten("forward")
+    backward = _rewritten("backward")
+    inference = _rewritten("inference")
+    step = _rewritten("step")  # analysis.memory.StepGraphs
+    blocks = _rewritten("blocks")  # analysis.blocks.BlockInfo
+    #: The memory analysis of the step (``analysis.memory.MemoryAnalysis``). With Inductor, that of
+    #: Inductor's plans once both graphs are compiled (the backward graph at the first
+    #: ``backward()``), and :attr:`memory_unfused` keeps the graph-level one.
+    memory = _rewritten("memory")
+    memory_unfused = _rewritten("memory_unfused")
+    #: The passes run on the graphs, in order (:class:`PassRecord`).
+    passes = _rewritten("passes", list)
+    #: Readable forward/backward graphs as they were after our passes (Inductor later rewrites the
+    #: graph objects in place during its own lowering).
+    readable = _rewritten("readable", dict)
+    #: Saved values the plan swaps, with where their copies were placed (``passes.swap.SwappedValue``).
+    swapped = _rewritten("swapped", list)
+    #: Chunks of offloaded parameters gathered per graph (``passes.gather.GatheredChunk``).
+    gathered = _rewritten("gathered", list)
+    #: Inductor codegen: per phase, the allocation plan of its generated code
+    #: (``analysis.inductor_memory.GraphPlan``).
+    inductor_plans = _rewritten("inductor_plans", dict)
 
     @property
     def budget_bytes(self) -> int | None:
@@ -135,13 +199,16 @@ class CapturedGraph:
 
     def real_inputs(self) -> list[Any]:
         """The example inputs, or ``None`` for tensors no longer alive."""
-        return [x() if isinstance(x, weakref.ref) else x for x in self.example_inputs]
+        return self.captured.real_inputs()
 
     def describe(self) -> str:
         kind = "train (forward+backward)" if self.has_backward else "inference / no backward"
         if self.forward is None and self.inference is None:
             kind = "not compiled yet"
         return f"graph {self.index}: {kind}, {len(self.dynamo_graph.graph.nodes)} Dynamo nodes"
+
+    def __repr__(self) -> str:
+        return f"CapturedGraph({self.describe()})"
 
 
 def new_record(
@@ -169,7 +236,7 @@ def new_record(
                        inside)
             for i, reason in enumerate(new_breaks)
         )
-        record = CapturedGraph(
+        record = CapturedGraph(Captured(
             index=len(state.records),
             config=config,
             dynamo_graph=dynamo_graph,
@@ -177,7 +244,7 @@ def new_record(
             breaks=breaks,
             example_inputs=tuple(weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs),
             dynamo_code=_compiling_code(),
-        )
+        ))
         state.records.append(record)
         return record
 

@@ -60,12 +60,12 @@ def format_graph(gm: fx.GraphModule, *, title: str = "") -> str:
 
 
 
-def readable_graphs(record) -> dict[str, str]:
-    """A captured record's forward (or inference) and backward graphs as text."""
+def readable_graphs(forward: fx.GraphModule | None, backward: fx.GraphModule | None, index: int) -> dict[str, str]:
+    """Graph ``index``'s forward (or inference) and backward graphs as text."""
     out = {}
-    for kind, gm in (("forward", record.forward or record.inference), ("backward", record.backward)):
+    for kind, gm in (("forward", forward), ("backward", backward)):
         if gm is not None:
-            out[kind] = format_graph(gm, title=f"graph {record.index} {kind}")
+            out[kind] = format_graph(gm, title=f"graph {index} {kind}")
     return out
 
 

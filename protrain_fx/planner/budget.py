@@ -79,18 +79,17 @@ def graph_device(gm: fx.GraphModule) -> torch.device:
     return max(weight, key=weight.get) if weight else torch.device("cpu")
 
 
-def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
-    """Say what the step's budget is and where it comes from (``record.budget``), before
-    partitioning: the user's ``memory_budget`` (``"user"``), else, when the backend would choose the
-    plan (``auto_plan`` on, no plan by hand, nothing offloaded), :func:`device_budget_bytes` of the
-    device the step runs on (``"device"``), else none (``record.config`` stays as given). A
-    ``memory_budget`` above what the process can reach on a CUDA device is lowered to that, with a
-    warning: a plan that fits the larger number would run out of memory there."""
+def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> Budget | None:
+    """The step's budget and where it comes from, before partitioning; the backend stores it as
+    ``record.budget`` (the user's option stays in ``record.config``): the user's ``memory_budget``
+    (``"user"``), else, when the backend would choose the plan (``auto_plan`` on, no plan by hand,
+    nothing offloaded), :func:`device_budget_bytes` of the device the step runs on (``"device"``),
+    else ``None``. A ``memory_budget`` above what the process can reach on a CUDA device is lowered
+    to that, with a warning: a plan that fits the larger number would run out of memory there."""
     config = record.config
     if config.memory_budget_bytes is not None:
-        record.budget = Budget(config.memory_budget_bytes, "user")
         if not config.auto_plan or config.plan is not None:  # a budget only checked: as given
-            return
+            return Budget(config.memory_budget_bytes, "user")
         device = graph_device(joint)
         reachable = device_budget_bytes(device)
         if reachable is not None and config.memory_budget_bytes > reachable:
@@ -100,13 +99,12 @@ def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> None:
                 config.memory_budget_bytes, config.memory_budget_bytes / 2**30, device, reachable, reachable / 2**30,
                 record.index,
             )
-            record.budget = Budget(reachable, "user")
-        return
+            return Budget(reachable, "user")
+        return Budget(config.memory_budget_bytes, "user")
     if not config.auto_plan or config.plan is not None or reads_hand_offloaded(record):
-        return
+        return None
     budget = device_budget_bytes(graph_device(joint))
-    if budget is not None:
-        record.budget = Budget(budget, "device")
+    return Budget(budget, "device") if budget is not None else None
 
 
 #: The caching allocator reserves more than the tensors it holds (block rounding, fragmentation);

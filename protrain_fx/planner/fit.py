@@ -152,13 +152,21 @@ def _as_training_reports(record: CapturedGraph, chosen: result.AutoPlan, lower: 
     return lowered.peak_bytes, lowered.peak_bytes <= chosen.allocated_cap_bytes
 
 
-def answer(record: CapturedGraph, trial: verify.TrialFn, kept: dict | None = None, lower: Lower | None = None) -> None:
+def planning_budget(budget: Budget | None) -> Budget:
+    """The budget ``what_fits`` plans under, which the backend stores in the record before
+    :func:`answer`: the resolved ``budget``, or :data:`UNBOUNDED` when there is none."""
+    given, source = (budget.bytes, budget.source) if budget is not None else (None, None)
+    return Budget(given or UNBOUNDED, source or "user")
+
+
+def answer(record: CapturedGraph, budget: Budget | None, trial: verify.TrialFn, kept: dict | None = None,
+           lower: Lower | None = None) -> None:
     """The backend's side (``config.dry_run``): plan ``record`` as :func:`activations.choose_plan` would
     (``kept``: the graph's judgments kept, ``planner/judged.py``), find the smallest budget, and stop
-    the compile with the report. ``lower``: Inductor's analysis of the plan now in ``record``
-    (:func:`_as_training_reports`)."""
-    given, source = record.budget_bytes, record.budget.source if record.budget is not None else None
-    record.budget = Budget(given or UNBOUNDED, source or "user")  # planned as if unbounded when none
+    the compile with the report. ``budget``: the resolved budget the report is asked under (``None``:
+    none; the record holds :func:`planning_budget` of it); ``lower``: Inductor's analysis of the plan
+    now in ``record`` (:func:`_as_training_reports`)."""
+    given, source = (budget.bytes, budget.source) if budget is not None else (None, None)
     chosen: result.AutoPlan | None = None
     reported: int | None = None
     try:
@@ -210,8 +218,8 @@ def answer(record: CapturedGraph, trial: verify.TrialFn, kept: dict | None = Non
     )
 
 
-def answer_offload(record: CapturedGraph, facts: ChunkFacts, placer: verify.Placer, trial: verify.TrialFn,
-                   kept: dict | None = None, lower: Lower | None = None) -> None:
+def answer_offload(record: CapturedGraph, budget: Budget | None, facts: ChunkFacts, placer: verify.Placer,
+                   trial: verify.TrialFn, kept: dict | None = None, lower: Lower | None = None) -> None:
     """The backend's side for an offload without counts (``config.dry_run``): the counts and plan
     the training compile would choose under the budget (``planner.offload.choose_offload``, which
     places the chunks of each config it tries and checks it with the memory analysis), and the
@@ -221,10 +229,9 @@ def answer_offload(record: CapturedGraph, facts: ChunkFacts, placer: verify.Plac
     fit: it can fall below the analysis', on small chunks and on swaps, or far above it). Then
     nothing stays placed (``placer.undo()``) and the compile stops with the report. ``facts``: the
     offloaded model as the backend read it; ``kept``: the graph's judgments kept
-    (``planner/judged.py``); ``lower``: as :func:`answer`'s."""
-    given, source = record.budget_bytes, record.budget.source if record.budget is not None else None
+    (``planner/judged.py``); ``budget``, ``lower``: as :func:`answer`'s."""
+    given, source = (budget.bytes, budget.source) if budget is not None else (None, None)
     trial(None)  # the step as if every parameter stayed on the device: the blocks' activations
-    record.budget = Budget(given or UNBOUNDED, source or "user")  # planned as if unbounded when none
     assert record.memory is not None
     model = planner_offload.offload_cost_model(record, facts, "what_fits cannot choose its offload counts")
     problem = model.problem

@@ -220,3 +220,91 @@ def test_design_md_names_every_module_with_its_job() -> None:
     missing = sorted(str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py")
                      if f.name != "__init__.py" and f"`{f.stem}`" not in section)
     assert not missing, "modules not in DESIGN.md's module list: " + ", ".join(missing)
+
+
+#: The modules that may store into a record: capture.py makes it, backend.py drives one compile and
+#: stores what each phase returns (``capture.CapturedGraph``).
+RECORD_OWNERS = {"capture.py", "backend.py"}
+#: Methods that change a list, dict or set in place.
+_MUTATORS = {"append", "extend", "insert", "update", "clear", "pop", "popitem", "remove", "setdefault", "add",
+             "discard", "sort", "reverse", "__setitem__", "__delitem__"}
+
+
+def _record_names(fn: ast.AST) -> set[str]:
+    """The names a function's code calls a record: ``record``, and any argument or variable
+    annotated ``CapturedGraph``."""
+    names = {"record"}
+    for node in ast.walk(fn):
+        annotated = (node.arg, node.annotation) if isinstance(node, ast.arg) else (
+            (node.target.id, node.annotation) if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            else None)
+        if annotated and annotated[1] is not None and "CapturedGraph" in ast.unparse(annotated[1]):
+            names.add(annotated[0])
+    return names
+
+
+def _into_record(target: ast.AST, names: set[str]) -> bool:
+    """Whether ``target`` is a field of a record, or anything reached from one through attributes and
+    items (``record.x``, ``record.x[k]``, ``record.x.y``); not the record itself, nor what a method
+    of it returns."""
+    through_attribute = False
+    while isinstance(target, (ast.Attribute, ast.Subscript)):
+        through_attribute |= isinstance(target, ast.Attribute)
+        target = target.value
+    return through_attribute and isinstance(target, ast.Name) and target.id in names
+
+
+def _called(call: ast.Call) -> str:
+    """The name a call calls (``setattr``, ``__setattr__`` of ``object.__setattr__``)."""
+    return call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", "")
+
+
+def _record_writes(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` that assign to a record's fields or change one in place."""
+    lines = []
+    for fn in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+        names = _record_names(fn)
+        for node in ast.walk(fn):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = [t for target in node.targets for t in ast.walk(target)
+                           if isinstance(t, (ast.Attribute, ast.Subscript))]
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = list(node.targets)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+                targets = [node.func.value] if isinstance(node.func.value, (ast.Attribute, ast.Subscript)) else []
+            elif isinstance(node, ast.Call) and node.args and _called(node) in ("setattr", "__setattr__"):
+                targets = [ast.Attribute(value=node.args[0], attr="?")]  # setattr(record, ...), object.__setattr__
+            if any(_into_record(t, names) for t in targets):
+                lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_only_the_backend_stores_into_a_record() -> None:
+    """The record is captured data plus what each phase returned (``capture.CapturedGraph``): a pass,
+    the planner or an inspector returns its result, and the backend, which drives the compile,
+    stores it. So no other module assigns to a record's fields (an object named ``record``, or
+    annotated ``CapturedGraph``) or changes one in place (``.append``, ``[k] = ...``)."""
+    found = [f"{f.relative_to(PACKAGE.parent)}:{line}"
+             for f in sorted(PACKAGE.rglob("*.py")) if f.name not in RECORD_OWNERS or f.parent != PACKAGE
+             for line in _record_writes(ast.parse(f.read_text()))]
+    assert not found, "a record's fields written outside the backend: " + ", ".join(found)
+
+
+def test_the_record_writes_check_finds_each_form() -> None:
+    code = '''
+def f(record, other: CapturedGraph, plain):
+    record.budget = 1
+    record.passes.append(2)
+    record.inductor_plans["forward"] = 3
+    other.auto_plan.phases = 4
+    a, record.step = 5, 6
+    setattr(record, "memory", 7)
+    record.phases.update({})
+    plain.budget = 8
+    record.real_inputs().append(9)
+    record = 10
+'''
+    assert _record_writes(ast.parse(code)) == [3, 4, 5, 6, 7, 8, 9]

@@ -20,7 +20,8 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 import protrain_fx
 from protrain_fx import meta
 from protrain_fx.analysis.memory import StepGraphs
-from protrain_fx.capture import CapturedGraph
+from protrain_fx.capture import Captured, CapturedGraph
+from protrain_fx.passes.pipeline import RewrittenStep
 from protrain_fx.config import ProtrainConfig
 
 MiB = 2**20
@@ -89,17 +90,22 @@ def record_for(
     inference: fx.GraphModule | None = None,
     state_inputs: frozenset[str] = frozenset({"primals_1", "primals_2"}),
     example_inputs: tuple = (),
+    config: ProtrainConfig | None = None,
+    inductor_plans: dict | None = None,
 ) -> CapturedGraph:
     """The smallest record the passes read: its graphs and, when there is a forward graph, the
-    step's description (one user output: the loss)."""
+    step's description (one user output: the loss). A test stores what the passes return in
+    ``record.rewritten``, as the backend does."""
     graph = forward if forward is not None else inference if inference is not None else joint
-    record = CapturedGraph(index=0, config=ProtrainConfig(), dynamo_graph=graph, example_inputs=example_inputs,
-                           joint=joint, forward=forward, backward=backward, inference=inference)
     step_forward = forward if forward is not None else inference
+    step = None
     if step_forward is not None:
         trainable = state_inputs if backward is not None else frozenset()
-        record.step = StepGraphs(step_forward, backward, 1, state_inputs, trainable)
-    return record
+        step = StepGraphs(step_forward, backward, 1, state_inputs, trainable)
+    return CapturedGraph(
+        Captured(index=0, config=config or ProtrainConfig(), dynamo_graph=graph, example_inputs=example_inputs),
+        RewrittenStep(joint=joint, forward=forward, backward=backward, inference=inference, step=step,
+                      inductor_plans=inductor_plans or {}))
 
 
 def nodes_made_by(gm: fx.GraphModule, made_by: str) -> list[fx.Node]:

@@ -3,6 +3,8 @@ fp32 value is 1 MiB, so the prediction is checked in whole MiB against bytes cou
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from protrain_fx.config import ProtrainConfig
@@ -15,7 +17,7 @@ def test_the_step_is_analysed_into_the_record():
     _, forward, backward = trace()
     record = record_for(forward, backward)
     before = graph_text(forward, backward)
-    run_passes([attribute_blocks, analyze_memory], PassContext(record))
+    record.rewritten = run_passes([attribute_blocks, analyze_memory], PassContext(record))
     m = record.memory
     # model state: two weights, their gradients and AdamW's two states each; the batch x
     assert (m.parameter_bytes, m.gradient_bytes, m.optimizer_state_bytes, m.input_bytes) == (
@@ -32,17 +34,16 @@ def test_the_step_is_analysed_into_the_record():
 
 def test_the_optimizer_option_sets_the_state_counted():
     _, forward, backward = trace()
-    record = record_for(forward, backward)
-    record.config = ProtrainConfig(optimizer="sgd")
-    run_passes([analyze_memory], PassContext(record))
+    record = record_for(forward, backward, config=ProtrainConfig(optimizer="sgd"))
+    record.rewritten = run_passes([analyze_memory], PassContext(record))
     assert record.memory.optimizer_state_bytes == 0
 
 
 def test_nothing_to_do_without_a_step():
     _, forward, backward = trace()
     record = record_for(forward, backward)
-    record.step = None
-    run_passes([analyze_memory], PassContext(record))
+    record.rewritten = dataclasses.replace(record.rewritten, step=None)
+    record.rewritten = run_passes([analyze_memory], PassContext(record))
     assert record.memory is None and record.passes == []
 
 

@@ -23,7 +23,7 @@ def _run(plan: Plan | None, fn=two_blocks):
 
     def on_joint(joint):
         record = seen["record"] = record_for(joint=joint)
-        run_passes([annotate_plan], PassContext(record, plan, PARAMETERS, 1))
+        record.rewritten = run_passes([annotate_plan], PassContext(record, plan, PARAMETERS, 1))
         seen["tags"] = {n.name: (n.meta["recompute"], n.meta.get("ac_graph_id"))
                         for n in joint.graph.nodes if "recompute" in n.meta}
 

@@ -18,7 +18,7 @@ def _blocks(gm) -> dict[str, str]:
 def test_every_node_gets_its_block_and_phase():
     _, forward, backward = trace()
     record = record_for(forward, backward)
-    run_passes([attribute_blocks], PassContext(record))
+    record.rewritten = run_passes([attribute_blocks], PassContext(record))
 
     assert (record.blocks.container, record.blocks.layer_class) == ("blocks", "Block")
     assert record.blocks.labels == ("blocks.0", "blocks.1")
@@ -51,7 +51,7 @@ def test_a_graph_without_repeated_layers_is_all_outside():
         for node in gm.graph.nodes:
             node.meta.pop("nn_module_stack", None)
     record = record_for(forward, backward)
-    run_passes([attribute_blocks], PassContext(record))
+    record.rewritten = run_passes([attribute_blocks], PassContext(record))
     assert record.blocks.labels == ()
     assert set(_blocks(forward).values()) == set(_blocks(backward).values()) == {meta.OUTSIDE}
     assert record.passes[0].summary == "0 blocks of - under -"
@@ -60,7 +60,7 @@ def test_a_graph_without_repeated_layers_is_all_outside():
 def test_an_inference_graph_is_attributed_as_the_forward():
     _, forward, _ = trace()
     record = record_for(inference=forward)
-    run_passes([attribute_blocks], PassContext(record))
+    record.rewritten = run_passes([attribute_blocks], PassContext(record))
     assert _blocks(forward)["mm_1"] == "blocks.1"
     assert record.blocks.labels == ("blocks.0", "blocks.1")
 

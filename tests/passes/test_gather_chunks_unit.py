@@ -30,7 +30,7 @@ def test_parameters_are_read_from_chunk_buffers():
     model, handle, weights = offloaded_mlp(WIDTH)
     forward, backward = _graphs()
     record = record_for(forward, backward, example_inputs=(*weights, torch.zeros(8, WIDTH)))
-    run_passes([attribute_blocks, gather_chunks], PassContext(record))
+    record.rewritten = run_passes([attribute_blocks, gather_chunks], PassContext(record))
 
     gathers = [n for n in forward.graph.nodes if n.target is ops.chunk_gather.default]
     releases = [n for n in forward.graph.nodes if n.target is ops.chunk_release.default]
@@ -64,7 +64,7 @@ def test_a_block_reads_its_chunk_inside_the_block():
     model, handle, weights = offloaded_mlp(WIDTH)
     forward, backward = _graphs()
     record = record_for(forward, backward, example_inputs=(*weights, torch.zeros(8, WIDTH)))
-    run_passes([attribute_blocks, gather_chunks], PassContext(record))
+    record.rewritten = run_passes([attribute_blocks, gather_chunks], PassContext(record))
     by_chunk = {(c.chunk, c.gather_before) for c in record.gathered}
     assert (0, "mm") in by_chunk and (1, "mm_1") in by_chunk
     gather0 = next(n for n in forward.graph.nodes if n.target is ops.chunk_gather.default)
@@ -75,7 +75,7 @@ def test_an_inference_graph_reads_chunks_too():
     model, handle, weights = offloaded_mlp(WIDTH)
     forward, _ = _graphs()
     record = record_for(inference=forward, example_inputs=(*weights, torch.zeros(8, WIDTH)))
-    run_passes([gather_chunks], PassContext(record))
+    record.rewritten = run_passes([gather_chunks], PassContext(record))
     assert count(forward, ops.chunk_gather.default) == len(record.gathered) >= 2
 
 
@@ -83,7 +83,7 @@ def test_nothing_to_do_without_offloaded_inputs():
     forward, backward = _graphs()
     before = graph_text(forward, backward)
     record = record_for(forward, backward, example_inputs=(torch.zeros(WIDTH, WIDTH), torch.zeros(WIDTH, WIDTH)))
-    run_passes([gather_chunks], PassContext(record))
+    record.rewritten = run_passes([gather_chunks], PassContext(record))
     assert graph_text(forward, backward) == before
     assert record.gathered == [] and record.passes == []
 
@@ -94,6 +94,6 @@ def test_disabled_by_name(monkeypatch):
     forward, backward = _graphs()
     before = graph_text(forward, backward)
     record = record_for(forward, backward, example_inputs=(*weights, torch.zeros(8, WIDTH)))
-    run_passes([gather_chunks], PassContext(record))
+    record.rewritten = run_passes([gather_chunks], PassContext(record))
     assert graph_text(forward, backward) == before
     assert record.gathered == [] and record.passes == []

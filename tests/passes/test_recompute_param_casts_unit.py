@@ -27,7 +27,7 @@ def _run(real_inputs):
 
     def on_joint(joint):
         record = seen["record"] = record_for(joint=joint, example_inputs=tuple(real_inputs))
-        run_passes([recompute_param_casts], PassContext(record, None, PARAMETERS, 1))
+        record.rewritten = run_passes([recompute_param_casts], PassContext(record, None, PARAMETERS, 1))
         seen["tags"] = {n.name: n.meta["recompute"] for n in joint.graph.nodes if n.meta.get("recompute")}
 
     inputs = (torch.randn(WIDTH, WIDTH, requires_grad=True), torch.randn(WIDTH, WIDTH, requires_grad=True),

@@ -19,8 +19,7 @@ ops = torch.ops.protrain
 def _run(plan: Plan | None, passes=(attribute_blocks, swap_activations)):
     _, forward, backward = trace()
     record = record_for(forward, backward)
-    record.plan = plan
-    run_passes(list(passes), PassContext(record, plan))
+    record.rewritten = run_passes(list(passes), PassContext(record, plan))
     return record, forward, backward
 
 
@@ -51,7 +50,8 @@ def test_a_tensor_override_swaps_one_value_without_blocks():
     _, forward, backward = trace()
     record = record_for(forward, backward)
     plan = Plan(blocks={}, tensors={"relu": "swap"})
-    run_passes([swap_activations], PassContext(record, plan))  # no blocks attributed: the override alone
+    # no blocks attributed: the override alone
+    record.rewritten = run_passes([swap_activations], PassContext(record, plan))
     assert [s.name for s in record.swapped] == ["relu"]
 
 
@@ -72,7 +72,7 @@ def test_nothing_to_do_without_a_swap(plan):
     _, forward, backward = trace()
     before = graph_text(forward, backward)
     record = record_for(forward, backward)
-    run_passes([attribute_blocks, swap_activations], PassContext(record, plan))
+    record.rewritten = run_passes([attribute_blocks, swap_activations], PassContext(record, plan))
     assert graph_text(forward, backward) == before
     assert record.swapped == [] and [p.name for p in record.passes] == ["attribute_blocks"]
 
