@@ -64,6 +64,26 @@ SUPEROFFLOAD_CORES_PERC = 0.8
 HOST_BYTES_PER_PARAM = {"fsdp2": 20, "deepspeed": 27, "superoffload": 27, "deepcompile": 27, "zenflow": 24}
 
 
+def jit_arch_list(arch_list: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed 0.19.8's JIT op builder can read it: its
+    ``compute_capability_args`` parses every part of an entry as an integer, so an architecture with a
+    letter suffix (``9.0a``, which a Hopper image may set) stops the build of DeepCompile's native op
+    with ``ValueError: invalid literal for int()``. The suffix is dropped (the op builds for the base
+    architecture, ``9.0``), duplicates once, and ``+PTX`` is kept."""
+    out: list[str] = []
+    for entry in arch_list.replace(" ", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        cc, plus, ptx = entry.partition("+")
+        major, _, minor = cc.partition(".")
+        cc = f"{major}.{minor.rstrip('abcdefghijklmnopqrstuvwxyz')}" if minor else major
+        entry = cc + plus + ptx
+        if entry not in out:
+            out.append(entry)
+    return ";".join(out)
+
+
 def host_bytes_per_param(system: str, world_size: int = 1) -> int | None:
     """Host bytes per parameter of an offloading peer on a node of ``world_size`` ranks (None for the others)."""
     if system == "zenflow":

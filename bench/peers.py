@@ -1085,6 +1085,8 @@ def run_command(size: str, system: str, args) -> tuple[list[str], dict[str, str]
            "--seq", str(args.seq), "--cap-gib", str(args.cap_gib), "--device", args.device,
            "--accumulate", str(args.accumulate), "--clip", str(args.clip), "--out", str(args.out)]
     env = dict(os.environ)
+    if system in peer_configs.DEEPSPEED_SYSTEMS and env.get("TORCH_CUDA_ARCH_LIST"):  # its JIT builds (deepcompile)
+        env["TORCH_CUDA_ARCH_LIST"] = peer_configs.jit_arch_list(env["TORCH_CUDA_ARCH_LIST"])
     if not args.dp:
         return [sys.executable, script, *cmd], env
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.dp)))

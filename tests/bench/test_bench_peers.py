@@ -276,6 +276,19 @@ def test_deepspeed_accumulation_and_what_is_refused():
         configs.deepspeed_config("fsdp2", micro_batch=8)
 
 
+def test_deepspeed_jit_builds_get_an_arch_list_they_can_parse(monkeypatch):
+    """DeepSpeed's JIT builder parses each architecture's parts as integers: a Hopper image's ``9.0a``
+    stopped DeepCompile's native op build; the DeepSpeed modes' runs get it without the suffix."""
+    assert configs.jit_arch_list("9.0a") == "9.0"
+    assert configs.jit_arch_list("8.0 9.0a;9.0+PTX") == "8.0;9.0;9.0+PTX"
+    assert configs.jit_arch_list("9.0") == "9.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    args = peers.parse_args(["--sizes", "350M"])
+    for system, expected in (("deepcompile", "9.0"), ("protrain_offload", "9.0a")):
+        _, env = peers.run_command("350M", system, args)
+        assert env["TORCH_CUDA_ARCH_LIST"] == expected
+
+
 def test_host_estimates_of_the_newer_peers_count_every_rank():
     n = peers.num_params("4.2B")
     assert peers.host_bytes_needed("superoffload", "4.2B") == peers.host_bytes_needed("deepspeed", "4.2B")
