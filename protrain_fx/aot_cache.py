@@ -183,16 +183,18 @@ class Relaunch:
         self._candidate = Hit(auto, memory, self.budget)
         return step_key(self.launch, auto)
 
-    def arm(self, auto: AutoPlan | None, budget: Budget | None) -> None:
+    def arm(self, auto: AutoPlan | None, budget: Budget | None) -> bool:
         """The partitioner applied ``auto`` under ``budget``: AOTAutograd saves the step under its step
-        key when the plan cache keeps that plan for the launch's budget; otherwise it saves nothing."""
+        key when the plan cache keeps that plan for the launch's budget (``True``); otherwise it saves
+        nothing (``False``)."""
         if self._info is None or self.launch is None or auto is None or budget != self.budget:
-            return
+            return False
         if auto.offload or not auto.cache_key:
-            return
+            return False
         key = step_key(self.launch, auto)
         self._aot_config.cache_info = dataclasses.replace(self._info, cache_key=key)
         self._armed = (auto, key)
+        return True
 
     def keep(self, memory: MemoryAnalysis | None) -> None:
         """The backward is lowered and ``memory`` is the step's analysis: keep the row that a later

@@ -395,12 +395,15 @@ class _Partitioner(CustomPartitionerFn):
         if record.auto_plan is not None:  # each rank chose from rank 0's measurements: the same choice
             distributed.agree({"the chosen plan and counts": (repr(record.auto_plan.config), repr(record.auto_plan.plan))},
                               f"the plan of graph {record.index}")
-        if self.relaunch is not None:  # the step compiled with this plan is saved for a relaunch
-            self.relaunch.arm(record.auto_plan, record.budget)
         record.probe_inductor = None
         if record.config.codegen == "eager":
             check_budget(record)  # with Inductor: once its allocation plan is known
-        return graphs[0]
+        forward, backward = graphs[0]
+        if self.relaunch is not None and self.relaunch.arm(record.auto_plan, record.budget):
+            # the step compiled with this plan is saved for a relaunch; the save empties the node meta
+            # of the backward graph it is handed, so it gets a copy and the record keeps its own
+            return forward, _copy_graph_module(backward)
+        return forward, backward
 
     def uuid(self) -> Any:
         return SOURCE_HASH
