@@ -84,19 +84,36 @@ class Hit:
 def open_relaunch(record: CapturedGraph) -> Relaunch | None:
     """The use of AOTAutograd's cache by the compile of ``record`` (module docstring), ``None`` where
     the compile keeps it off (as every compile did before)."""
-    config = record.config
     tensors = [t for t in record.real_inputs() if isinstance(t, torch.Tensor)]
-    if (config.codegen != "inductor" or config.dry_run or not enabled() or not should_use_local_autograd_cache()
-            or distributed.active() is not None or not torch.is_grad_enabled()
-            or not any(t.requires_grad for t in tensors) or not wants_auto_plan(record, budget_needed=False)
-            or any(chunk_ops.offloaded(t) or chunk_ops.deferred(t) for t in tensors)):
+    if not _served(record, tensors):
         return None
     budget = budget_on(record, tensors_device(tensors), warn=False)  # the partitioner warns
     if budget is None:
         return None
     devices = sorted({device_str(t.device) for t in tensors})
-    device = step_device(devices)
-    return Relaunch(record.index, device, budget, launch_parts(config, budget, devices))
+    return Relaunch(record.index, step_device(devices), budget, launch_parts(record.config, budget, devices))
+
+
+def _served(record: CapturedGraph, tensors: list[torch.Tensor]) -> bool:
+    """Whether the compile of ``record`` (its input ``tensors``) may use AOTAutograd's cache: a
+    training step of one process that the backend plans with Inductor for one shape, the plan cache
+    on, no input offloaded, and AOTAutograd's local cache on in torch's settings."""
+    config = record.config
+    return (config.codegen == "inductor" and not config.dry_run and enabled() and should_use_local_autograd_cache()
+            and distributed.active() is None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and wants_auto_plan(record, budget_needed=False) and not _dynamic(record)
+            and not any(chunk_ops.offloaded(t) or chunk_ops.deferred(t) for t in tensors))
+
+
+def _dynamic(record: CapturedGraph) -> bool:
+    """Whether the Dynamo graph has a symbolic size (``dynamic=True``, or a size Dynamo marked dynamic
+    after a recompile): its plan is sized for one shape (``planner.activations.specialize_shapes``)."""
+    for node in record.dynamo_graph.graph.nodes:
+        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        if isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))):
+            return True
+    return False
 
 
 class Relaunch:
@@ -119,13 +136,13 @@ class Relaunch:
     @contextlib.contextmanager
     def lookups(self) -> Iterator[None]:
         """AOTAutograd's cache on for the compile, its lookup keyed as the module docstring says."""
-        original = AOTAutogradCache.__dict__["try_load"]
-        AOTAutogradCache.try_load = staticmethod(self._try_load(original.__func__))
+        static = AOTAutogradCache.__dict__["try_load"]  # restored as it was, staticmethod and all
+        AOTAutogradCache.try_load = staticmethod(self._try_load(AOTAutogradCache.try_load))
         try:
             with torch._functorch.config.patch(enable_autograd_cache=True):
                 yield
         finally:
-            AOTAutogradCache.try_load = original
+            AOTAutogradCache.try_load = static
 
     def _try_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def try_load(mod: Any, args: Any, aot_config: Any, *rest: Any, **kwargs: Any) -> Any:

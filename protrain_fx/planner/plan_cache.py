@@ -305,7 +305,7 @@ def reuse_compiled(index: int, path: Path, digest: str, device: str, returned: t
     if raw is None:
         return None
     started = time.perf_counter()
-    entry = _parsed(raw, index, path)
+    entry = _parsed(raw, index, path, warn=False)  # (the compile that follows reads it again, and warns)
     if entry is None or not isinstance(entry.get("key"), dict):
         return None
     key = PlanKey(path, digest, entry["key"], device)
@@ -318,14 +318,15 @@ def reuse_compiled(index: int, path: Path, digest: str, device: str, returned: t
     return _taken(entry, key, device, returned, started)
 
 
-def _parsed(raw: Any, index: int, path: Path) -> dict[str, Any] | None:
-    """The entry ``raw`` of the plan cache ``path`` parsed (:func:`_parse`), ``None`` with a warning
-    when it does not parse."""
+def _parsed(raw: Any, index: int, path: Path, *, warn: bool = True) -> dict[str, Any] | None:
+    """The entry ``raw`` of the plan cache ``path`` parsed (:func:`_parse`), ``None`` when it does not
+    parse (with a warning when ``warn``)."""
     try:
         return _parse(raw)
     except (KeyError, TypeError, ValueError) as e:
-        log.warning("protrain_fx: graph %d: the plan cache's entry in %s does not parse (%s: %s); it is ignored "
-                    "and the plan is chosen again", index, path, type(e).__name__, e)
+        if warn:
+            log.warning("protrain_fx: graph %d: the plan cache's entry in %s does not parse (%s: %s); it is ignored "
+                        "and the plan is chosen again", index, path, type(e).__name__, e)
         return None
 
 
