@@ -606,6 +606,7 @@ def _store_hit(record: CapturedGraph, hit: Hit) -> None:
     record.auto_plan = hit.auto
     record.rewritten = RewrittenStep(plan=hit.auto.plan, memory=hit.memory, from_aot_cache=True)
     hit.auto.phases = record.phases
+    structured.write_plan(record)  # (TORCH_TRACE) the plan it runs, as a compile that plans writes it
     log.info("protrain_fx: graph %d: the step compiled with the plan cache's plan at an earlier launch, loaded from "
              "AOTAutograd's cache: no tracing, no partitioning, no lowering\n%s", record.index,
              hit.auto.table(record.index))
