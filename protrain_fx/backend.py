@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.nn.parallel import DistributedDataParallel
 
 from protrain_fx import progress
+from protrain_fx.aot_cache import Hit, Relaunch, aot_cache_for, open_relaunch
 from protrain_fx.analysis.blocks import block_at_end
 from protrain_fx.analysis.memory import StepGraphs
 from protrain_fx.capture import Budget, CapturedGraph, new_record
@@ -278,10 +279,12 @@ class _NoteHandler(logging.Handler):
 
 
 class _Partitioner(CustomPartitionerFn):
-    """Min-cut partition, then record the graphs and run our passes on them."""
+    """Min-cut partition, then record the graphs and run our passes on them. ``relaunch``: the
+    compile's use of AOTAutograd's cache (``aot_cache.py``), armed with the plan applied."""
 
-    def __init__(self, record: CapturedGraph) -> None:
+    def __init__(self, record: CapturedGraph, relaunch: Relaunch | None = None) -> None:
         self.record = record
+        self.relaunch = relaunch
 
     def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         progress.end("capture")  # AOTAutograd has traced the joint graph
@@ -395,7 +398,12 @@ class _Partitioner(CustomPartitionerFn):
         record.probe_inductor = None
         if record.config.codegen == "eager":
             check_budget(record)  # with Inductor: once its allocation plan is known
-        return graphs[0]
+        forward, backward = graphs[0]
+        if self.relaunch is not None and self.relaunch.arm(record.auto_plan, record.budget):
+            # the step compiled with this plan is saved for a relaunch; the save empties the node meta
+            # of the backward graph it is handed, so it gets a copy and the record keeps its own
+            return forward, _copy_graph_module(backward)
+        return forward, backward
 
     def uuid(self) -> Any:
         return SOURCE_HASH
@@ -575,18 +583,41 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
                 record.rewritten = run_passes(LOWERED_PASSES, PassContext(record, record.plan))
                 structured.write_timeline(record)  # (TORCH_TRACE) the analysis of the code Inductor wrote
                 check_budget(record)
+                if relaunch is not None:  # what a relaunch that loads this step needs of it
+                    relaunch.keep(record.memory)
         return compiled
 
-    # A warm AOTAutograd cache would skip partitioning, and with it our passes.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=_compile_patches(record))
+    # AOTAutograd's cache stays off but where a relaunch may load the step planned (aot_cache.py):
+    # a hit skips partitioning, and with it our passes.
+    relaunch = open_relaunch(record)
+    with aot_cache_for(relaunch):
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                              config_patches=_compile_patches(record, relaunch))
+    if relaunch is not None and relaunch.hit is not None:
+        _store_hit(record, relaunch.hit)
+    return compiled
 
 
-def _compile_patches(record: CapturedGraph) -> dict[str, Any]:
+def _store_hit(record: CapturedGraph, hit: Hit) -> None:
+    """The step was loaded from AOTAutograd's cache: the record gets the plan it was compiled with,
+    its budget and the figures of its analysis kept with it; no graph of it is here."""
+    progress.end("capture")  # no partitioner ran to end it
+    record.budget = hit.budget
+    record.auto_plan = hit.auto
+    record.rewritten = RewrittenStep(plan=hit.auto.plan, memory=hit.memory, from_aot_cache=True)
+    hit.auto.phases = record.phases
+    structured.write_plan(record)  # (TORCH_TRACE) the plan it runs, as a compile that plans writes it
+    log.info("protrain_fx: graph %d: the step compiled with the plan cache's plan at an earlier launch, loaded from "
+             "AOTAutograd's cache: no tracing, no partitioning, no lowering\n%s", record.index,
+             hit.auto.table(record.index))
+
+
+def _compile_patches(record: CapturedGraph, relaunch: Relaunch | None = None) -> dict[str, Any]:
     """Inductor settings of the compile besides those of each lowering (``lowering.lowering_patches``):
-    our partitioner. A trial's lowering runs under them too, so that Inductor caches it under the key
-    the compile of the same graph looks up (``lowering.py``)."""
-    return {"custom_partitioner_fn": _Partitioner(record)}
+    our partitioner (with the compile's ``relaunch``, :mod:`protrain_fx.aot_cache`). A trial's lowering
+    runs under them too, so that Inductor caches it under the key the compile of the same graph looks
+    up (``lowering.py``): the partitioner's token is the same either way."""
+    return {"custom_partitioner_fn": _Partitioner(record, relaunch)}
 
 
 def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequence[Any]) -> None:

@@ -143,8 +143,8 @@ class CapturedGraph:
         self.probe_inductor: Callable[[], Any] | None = None
         #: Seconds of each phase of this graph's compile, in the order they first ran
         #: (``progress.py``: ``capture``, ``planning``, ``ops``, ``machine``, ``search``, ``offload
-        #: counts``, ``trial lowerings``, ``codegen``); a phase inside another counts only for
-        #: itself, so they never overlap.
+        #: counts``, ``trial lowerings``, ``codegen``, ``aot cache``); a phase inside another counts
+        #: only for itself, so they never overlap.
         self.phases: dict[str, float] = {}
 
     @property
@@ -187,6 +187,9 @@ class CapturedGraph:
     #: Inductor codegen: per phase, the allocation plan of its generated code
     #: (``analysis.inductor_memory.GraphPlan``).
     inductor_plans = _rewritten("inductor_plans", dict)
+    #: The training step was loaded whole from AOTAutograd's cache: :attr:`plan` and :attr:`memory`
+    #: are those kept with it, and no graph of it is here (``aot_cache.py``).
+    from_aot_cache = _rewritten("from_aot_cache", bool)
 
     @property
     def budget_bytes(self) -> int | None:
@@ -195,7 +198,7 @@ class CapturedGraph:
 
     @property
     def has_backward(self) -> bool:
-        return self.backward is not None
+        return self.backward is not None or self.from_aot_cache
 
     def real_inputs(self) -> list[Any]:
         """The example inputs, or ``None`` for tensors no longer alive."""
@@ -203,7 +206,9 @@ class CapturedGraph:
 
     def describe(self) -> str:
         kind = "train (forward+backward)" if self.has_backward else "inference / no backward"
-        if self.forward is None and self.inference is None:
+        if self.from_aot_cache:
+            kind += ", loaded from AOTAutograd's cache"
+        elif self.forward is None and self.inference is None:
             kind = "not compiled yet"
         return f"graph {self.index}: {kind}, {len(self.dynamo_graph.graph.nodes)} Dynamo nodes"
 

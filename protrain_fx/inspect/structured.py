@@ -80,6 +80,7 @@ def plan_json(record: CapturedGraph) -> dict[str, Any]:
         "judged_peak_bytes": auto.analysed_peak_bytes,
         "judged_by": auto.judged_by,
         "from_plan_cache": auto.from_cache,
+        "from_aot_cache": auto.from_aot_cache,
         "trials_run": auto.trials_run,
         "trials_kept": auto.trials_kept,
         "phases_s": dict(auto.phases),

@@ -84,6 +84,10 @@ class RewrittenStep:
     swapped: tuple[SwappedValue, ...] = ()
     gathered: tuple[GatheredChunk, ...] = ()
     inductor_plans: Mapping[str, GraphPlan] = dataclasses.field(default_factory=dict)
+    #: The step was loaded whole from AOTAutograd's cache (``aot_cache.py``): no graph was traced or
+    #: rewritten in this process, and :attr:`memory` holds the figures kept with the compiled step
+    #: (its peak, what is live at the start, per block), without a per-node timeline.
+    from_aot_cache: bool = False
 
 
 @dataclasses.dataclass

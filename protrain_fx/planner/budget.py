@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from fractions import Fraction
 
 import torch
@@ -71,11 +72,14 @@ def device_budget_bytes(device: str | torch.device) -> int | None:
 
 def graph_device(gm: fx.GraphModule) -> torch.device:
     """The device holding most of the bytes of ``gm``'s inputs (parameters, batch); CPU if none."""
+    return tensors_device(t for node in gm.graph.nodes if node.op == "placeholder" for t in meta.tensor_values(node))
+
+
+def tensors_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """The device holding most of the bytes of ``tensors``; CPU if none."""
     weight: dict[torch.device, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            for t in meta.tensor_values(node):
-                weight[t.device] = weight.get(t.device, 0) + meta.tensor_nbytes(t)
+    for t in tensors:
+        weight[t.device] = weight.get(t.device, 0) + meta.tensor_nbytes(t)
     return max(weight, key=weight.get) if weight else torch.device("cpu")
 
 
@@ -86,24 +90,30 @@ def resolve_budget(record: CapturedGraph, joint: fx.GraphModule) -> Budget | Non
     nothing offloaded), :func:`device_budget_bytes` of the device the step runs on (``"device"``),
     else ``None``. A ``memory_budget`` above what the process can reach on a CUDA device is lowered
     to that, with a warning: a plan that fits the larger number would run out of memory there."""
+    return budget_on(record, graph_device(joint))
+
+
+def budget_on(record: CapturedGraph, device: torch.device, *, warn: bool = True) -> Budget | None:
+    """:func:`resolve_budget` for a step whose inputs are mostly on ``device`` (``warn``: the warning
+    of a ``memory_budget`` lowered to what the device can reach)."""
     config = record.config
     if config.memory_budget_bytes is not None:
         if not config.auto_plan or config.plan is not None:  # a budget only checked: as given
             return Budget(config.memory_budget_bytes, "user")
-        device = graph_device(joint)
         reachable = device_budget_bytes(device)
-        if reachable is not None and config.memory_budget_bytes > reachable:
+        if reachable is None or config.memory_budget_bytes <= reachable:
+            return Budget(config.memory_budget_bytes, "user")
+        if warn:
             log.warning(
                 "protrain_fx: memory_budget %d bytes (%.4g GiB) is more than this process can reach on %s (%d bytes, "
                 "%.2f GiB: its per-process cap, free memory and what it already holds); graph %d is planned for that",
                 config.memory_budget_bytes, config.memory_budget_bytes / 2**30, device, reachable, reachable / 2**30,
                 record.index,
             )
-            return Budget(reachable, "user")
-        return Budget(config.memory_budget_bytes, "user")
+        return Budget(reachable, "user")
     if not config.auto_plan or config.plan is not None or reads_hand_offloaded(record):
         return None
-    budget = device_budget_bytes(graph_device(joint))
+    budget = device_budget_bytes(device)
     return Budget(budget, "device") if budget is not None else None
 
 

@@ -40,6 +40,11 @@ that verify the plans: minutes on a large model. :func:`reuse_or_choose` wraps t
   graph's structure (:func:`keep_outside`). A later launch plans with it from the start
   (:func:`seed_outside`), as a later compile of the same process does, and is not planned again
   after its first step because an estimate of it was off.
+* **Compiled steps** (``"compiled"``): by launch key (``aot_cache.py``: torch's key of the compile
+  and :func:`launch_parts`), the entry whose plan the step was compiled with, the plan's digest and
+  the figures of the step's analysis (:func:`keep_compiled`): a relaunch keyed alike loads that step
+  from AOTAutograd's cache, its plan taken from the entry without a trial (:func:`reuse_compiled`).
+  A row goes with its entry (:func:`drop`).
 * **Data-parallel**: the key holds the ranks (world size, ranks per node, backend); rank 0's entry
   is every rank's, and one rank's refusal every rank's, so the ranks apply a plan, or search, alike.
 * ``PROTRAIN_PLAN_CACHE=0`` turns it off (nothing read or written). A file that cannot be read or
@@ -69,12 +74,13 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx import progress, settings
-from protrain_fx.capture import CapturedGraph
+from protrain_fx.capture import Budget, CapturedGraph
+from protrain_fx.config import ProtrainConfig
 from protrain_fx.handoffs import ChunkFacts, Placement
 from protrain_fx.plan import Plan
 from protrain_fx.planner import verify
 from protrain_fx.planner.judged import Judgment, judge_key, kept_for
-from protrain_fx.planner.reserve import returned_outputs
+from protrain_fx.planner.reserve import ReturnedOutput, returned_outputs
 from protrain_fx.planner.result import AutoPlan
 from protrain_fx.profile.cache import (
     device_name,
@@ -131,7 +137,7 @@ def reuse_or_choose(
     returned are left placed, for the backend to make final)."""
     if not enabled():
         return choose()
-    seed_outside(record, key)
+    seed_outside(record.index, key)
     auto = reuse(record, key, trial, placer)
     if auto is not None:
         return auto
@@ -141,8 +147,8 @@ def reuse_or_choose(
     return auto
 
 
-def seed_outside(record: CapturedGraph, key: PlanKey) -> int | None:
-    """What the code around ``key``'s graph held at a first step of an earlier launch (kept by
+def seed_outside(index: int, key: PlanKey) -> int | None:
+    """What the code around ``key``'s graph (graph ``index``) held at a first step of an earlier launch (kept by
     :func:`keep_outside`), made this process' measured reserve on the device unless a first step
     of this process measured one: the plan is chosen with it from the start, not chosen again after
     a first step (rank 0's file on every rank). The bytes seeded, or ``None``."""
@@ -153,7 +159,7 @@ def seed_outside(record: CapturedGraph, key: PlanKey) -> int | None:
         return None
     STATE.measured_outside[key.device] = kept
     log.info("protrain_fx: graph %d: the code around this graph held %d bytes at a first step of an earlier "
-             "launch (%s): kept under the cap for it", record.index, kept, key.path)
+             "launch (%s): kept under the cap for it", index, kept, key.path)
     return kept
 
 
@@ -201,12 +207,27 @@ def plan_key(
     chosen; ``placed``: the offload whose counts an earlier graph chose (``ChunkFacts.placed``)."""
     offload = facts or placed
     devices = sorted({device_str(t.device) for t in _tensors_of(joint)} | ({device_str(offload.device)} if offload else set()))
-    device = next((d for d in devices if d.startswith("cuda")), devices[0] if devices else "cpu")
-    config = record.config
     parts: dict[str, Any] = {
         "graph": graph_digest(joint),
-        "budget_bytes": record.budget_bytes,
-        "budget_source": record.budget.source if record.budget is not None else "user",
+        **launch_parts(record.config, record.budget, devices),
+        "offload": _offload_key(facts) if facts is not None else None,
+    }
+    if placed is not None:  # the counts an earlier graph chose: this plan holds for them only
+        assert placed.placed is not None
+        counts = placed.placed
+        parts["placed"] = {**_offload_key(placed), "counts": [counts.n_persist, counts.n_buffer, counts.n_gpu_optim]}
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    device = step_device(devices)
+    return PlanKey(plan_cache_path(device), digest, parts, device)
+
+
+def launch_parts(config: ProtrainConfig, budget: Budget | None, devices: list[str]) -> dict[str, Any]:
+    """The parts of a plan's key besides the graph and the offload (module docstring): the budget and
+    where it came from, the names of ``devices`` (``device_str`` names, sorted), the versions and
+    sources, and the options that change planning."""
+    return {
+        "budget_bytes": budget.bytes if budget is not None else None,
+        "budget_source": budget.source if budget is not None else "user",
         "devices": [device_name(d) for d in devices],
         "torch": torch.__version__,
         "protrain_fx": __version__,
@@ -219,14 +240,13 @@ def plan_key(
             "verify": config.verify,
             "accumulation_steps": config.accumulation_steps,
         },
-        "offload": _offload_key(facts) if facts is not None else None,
     }
-    if placed is not None:  # the counts an earlier graph chose: this plan holds for them only
-        assert placed.placed is not None
-        counts = placed.placed
-        parts["placed"] = {**_offload_key(placed), "counts": [counts.n_persist, counts.n_buffer, counts.n_gpu_optim]}
-    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-    return PlanKey(plan_cache_path(device), digest, parts, device)
+
+
+def step_device(devices: list[str]) -> str:
+    """The device a step on ``devices`` (``device_str`` names) is planned for, whose plan cache file
+    holds its plans: the first CUDA device, else the first, else the CPU."""
+    return next((d for d in devices if d.startswith("cuda")), devices[0] if devices else "cpu")
 
 
 def reuse(
@@ -241,30 +261,23 @@ def reuse(
     if raw is None:
         return None
     started = time.perf_counter()
-    try:
-        entry = _parse(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        log.warning("protrain_fx: graph %d: the plan cache's entry in %s does not parse (%s: %s); it is ignored "
-                    "and the plan is chosen again", record.index, key.path, type(e).__name__, e)
+    entry = _parsed(raw, record.index, key.path)
+    if entry is None:
         return None
-    config, problem, plan = entry["config"], entry["problem"], entry["plan"]
+    config = entry["config"]
     if placer is not None:  # timed apart from the rest of the hit (the rewrite and its analysis)
         with unset_fake_temporarily(), progress.phase("place", "placing the chunks"):  # (out of the compile's fake mode)
             placer.place(Placement(config.n_persist, config.n_buffer, config.n_gpu_optim))
-    trial(plan)
+    trial(entry["plan"])
     assert record.memory is not None
     peak = record.memory.peak_bytes
-    measured = STATE.measured_outside.get(record.memory.device, 0)
     refusal = ""
-    room = entry["allocated_cap_bytes"] + entry["reserve_bytes"] - measured  # the cap under the measured reserve
     if peak > max(entry["graph_peak_bytes"], entry["allocated_cap_bytes"]):
         refusal = (f"the plan analyses at {peak} bytes, above the {entry['graph_peak_bytes']} stored and the cap "
                    f"of {entry['allocated_cap_bytes']}")
         drop(key.path, key.digest)
-    elif measured > entry["reserve_bytes"] and entry["analysed_peak_bytes"] > room:
-        refusal = (f"this process measured {measured} bytes for the code around the graph, more than the "
-                   f"{entry['reserve_bytes']} the plan kept, and with it the plan's judged peak of "
-                   f"{entry['analysed_peak_bytes']} bytes is over the cap of {room}")
+    else:
+        refusal = _reserve_refusal(entry, STATE.measured_outside.get(record.memory.device, 0))
     refusal = next((r for r in distributed.gather(refusal) if r), "")  # one rank's refusal is every rank's
     if refusal:
         log.warning("protrain_fx: graph %d: the plan cache's plan (%s) is not used: %s; the plan is chosen again",
@@ -273,18 +286,79 @@ def reuse(
             with unset_fake_temporarily():
                 placer.undo()
         return None
-    spread = entry["rate_spread"]
+    auto = _taken(entry, key, record.memory.device, tuple(returned_outputs(record)), started)
+    log.info("protrain_fx: graph %d: plan from the plan cache (%s): n_persist=%d, n_buffer=%d, n_gpu_optim=%d, "
+             "n_swap=%d, n_checkpoint=%d; no search, no trial lowerings", record.index, key.path, config.n_persist,
+             config.n_buffer, config.n_gpu_optim, config.n_swap, config.n_checkpoint)
+    return auto
+
+
+def reuse_compiled(index: int, path: Path, digest: str, device: str, returned: tuple[ReturnedOutput, ...]
+                   ) -> AutoPlan | None:
+    """The :class:`AutoPlan` of the entry ``digest`` of ``path`` for graph ``index``, whose step
+    compiled with that plan is loaded whole (``aot_cache.py``: no graph to rewrite or analyse here);
+    ``returned``: the outputs the step hands back to the user's code, as kept with it. ``None``
+    when the cache is off, the entry is gone or does not parse, or the reserve measured on
+    ``device`` (this process, or seeded from the file: :func:`seed_outside`) refuses it as
+    :func:`reuse` does. One process only: the ranks of a data-parallel step plan through :func:`reuse`."""
+    raw = _entries(path, warn=False).get(digest) if enabled() else None
+    if raw is None:
+        return None
+    started = time.perf_counter()
+    entry = _parsed(raw, index, path, warn=False)  # (the compile that follows reads it again, and warns)
+    if entry is None or not isinstance(entry.get("key"), dict):
+        return None
+    key = PlanKey(path, digest, entry["key"], device)
+    seed_outside(index, key)
+    refusal = _reserve_refusal(entry, STATE.measured_outside.get(device, 0))
+    if refusal:
+        log.info("protrain_fx: graph %d: the step compiled with the plan cache's plan (%s) is not loaded: %s",
+                 index, path, refusal)
+        return None
+    return _taken(entry, key, device, returned, started)
+
+
+def _parsed(raw: Any, index: int, path: Path, *, warn: bool = True) -> dict[str, Any] | None:
+    """The entry ``raw`` of the plan cache ``path`` parsed (:func:`_parse`), ``None`` when it does not
+    parse (with a warning when ``warn``)."""
+    try:
+        return _parse(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        if warn:
+            log.warning("protrain_fx: graph %d: the plan cache's entry in %s does not parse (%s: %s); it is ignored "
+                        "and the plan is chosen again", index, path, type(e).__name__, e)
+        return None
+
+
+def _reserve_refusal(entry: dict[str, Any], measured: int) -> str:
+    """Why the plan of ``entry`` is refused under ``measured`` bytes kept for the code around the
+    graph (module docstring, "a hit"); ``""``: taken."""
+    room = entry["allocated_cap_bytes"] + entry["reserve_bytes"] - measured  # the cap under the measured reserve
+    if measured > entry["reserve_bytes"] and entry["analysed_peak_bytes"] > room:
+        return (f"this process measured {measured} bytes for the code around the graph, more than the "
+                f"{entry['reserve_bytes']} the plan kept, and with it the plan's judged peak of "
+                f"{entry['analysed_peak_bytes']} bytes is over the cap of {room}")
+    return ""
+
+
+def _taken(entry: dict[str, Any], key: PlanKey, device: str, returned: tuple[ReturnedOutput, ...],
+           started: float) -> AutoPlan:
+    """The :class:`AutoPlan` of ``entry`` (parsed), kept under ``key``, taken for a step on ``device``
+    handing ``returned`` back to the user's code; ``started``: when taking it began."""
+    config, problem, spread = entry["config"], entry["problem"], entry["rate_spread"]
+    measured = STATE.measured_outside.get(device, 0)
     # A reserve measured in this process or an earlier launch (seed_outside) replaces the one the plan
     # kept: the cap is the one under it, and the first step does not plan again because an estimate
     # of it was off (taking the kept plan is that decision, made without a lowering).
-    known = record.memory.device in STATE.measured_outside
-    auto = AutoPlan(
-        plan=plan,
+    known = device in STATE.measured_outside
+    return AutoPlan(
+        plan=entry["plan"],
         config=config,
         estimate=expected_estimate(problem, config, spread) if spread else CostModel(problem).estimate(config),
         problem=problem,
         budget_bytes=entry["budget_bytes"],
-        allocated_cap_bytes=room if known else entry["allocated_cap_bytes"],
+        allocated_cap_bytes=(entry["allocated_cap_bytes"] + entry["reserve_bytes"] - measured if known
+                             else entry["allocated_cap_bytes"]),
         predicted_peak_bytes=entry["predicted_peak_bytes"],
         analysed_peak_bytes=entry["analysed_peak_bytes"],
         empty_peak_bytes=entry["empty_peak_bytes"],
@@ -293,7 +367,7 @@ def reuse(
         budget_source=entry["budget_source"],
         reserve_bytes=measured if known else entry["reserve_bytes"],
         reserve_source="measured" if known else entry["reserve_source"],
-        returned=tuple(returned_outputs(record)),
+        returned=returned,
         rate_spread=spread,
         offload=entry["offload"],
         choose_s=time.perf_counter() - started,
@@ -304,10 +378,6 @@ def reuse(
         graph_key=key.parts["graph"],
         from_cache=True,
     )
-    log.info("protrain_fx: graph %d: plan from the plan cache (%s): n_persist=%d, n_buffer=%d, n_gpu_optim=%d, "
-             "n_swap=%d, n_checkpoint=%d; no search, no trial lowerings", record.index, key.path, config.n_persist,
-             config.n_buffer, config.n_gpu_optim, config.n_swap, config.n_checkpoint)
-    return auto
 
 
 def store(record: CapturedGraph, key: PlanKey, auto: AutoPlan) -> None:
@@ -369,24 +439,58 @@ STATE.on_reset(_REPLACED.clear)
 
 
 def _write(path: Path, *, plans: dict[str, Any] | None = None, judged: dict[str, Any] | None = None,
-           outside: dict[str, Any] | None = None) -> None:
+           outside: dict[str, Any] | None = None, compiled: dict[str, Any] | None = None) -> None:
     """Write the plan cache ``path`` with the tables given, the others as the file has them."""
     write_json(path, {"version": PLAN_CACHE_VERSION,
                       "plans": _entries(path, warn=False) if plans is None else plans,
                       "judged": _judged(path) if judged is None else judged,
-                      "outside": _outside(path) if outside is None else outside})
+                      "outside": _outside(path) if outside is None else outside,
+                      "compiled": _compiled(path) if compiled is None else compiled})
+
+
+def keep_compiled(auto: AutoPlan, launch: str, row: dict[str, Any]) -> None:
+    """Keep ``row`` (what ``aot_cache.py`` keeps of the step compiled with ``auto``'s plan) under
+    ``launch`` (its launch key) in the plan cache file of ``auto``'s entry, with that entry's digest
+    (module docstring, "compiled steps"); a file that cannot be written: a debug line. Nothing when
+    the cache is off or the plan is not kept there."""
+    if not enabled() or not auto.cache_file or not auto.cache_key:
+        return
+    path = Path(auto.cache_file)
+    table = _compiled(path)
+    table.pop(launch, None)
+    table[launch] = {**row, "entry": auto.cache_key}  # the newest last
+    while len(table) > MAX_ENTRIES:
+        table.pop(next(iter(table)))
+    try:
+        _write(path, compiled=table)
+    except OSError as e:
+        log.debug("protrain_fx: the compiled step's row could not be kept in the plan cache %s (%s)", path, e)
+
+
+def compiled_row(path: Path, launch: str) -> dict[str, Any] | None:
+    """The row :func:`keep_compiled` kept under ``launch`` in the plan cache ``path`` whose entry is
+    still there; ``None`` when the cache is off or there is none."""
+    if not enabled():
+        return None
+    row = _compiled(path).get(launch)
+    if not isinstance(row, dict) or row.get("entry") not in _entries(path, warn=False):
+        return None
+    return row
 
 
 def drop(path: str | Path, digest: str) -> dict[str, Any] | None:
-    """Remove the entry ``digest`` from the plan cache ``path``; the entry removed, ``None`` when
-    none was there or the file could not be written."""
+    """Remove the entry ``digest`` from the plan cache ``path``, with the compiled steps' rows that
+    point at it (a launch keyed as one of them plans again, and loads no step compiled with the plan
+    dropped); the entry removed, ``None`` when none was there or the file could not be written."""
     path = Path(path)
     plans = _entries(path, warn=False)
     entry = plans.pop(digest, None)
     if entry is None:
         return None
+    compiled = {launch: row for launch, row in _compiled(path).items()
+                if not (isinstance(row, dict) and row.get("entry") == digest)}
     try:
-        _write(path, plans=plans)
+        _write(path, plans=plans, compiled=compiled)
     except OSError as e:
         log.warning("protrain_fx: the plan cache %s could not be written (%s)", path, e)
         return None
@@ -458,6 +562,12 @@ def _outside(path: Path) -> dict[str, Any]:
     """The measured-reserve table of the plan cache ``path`` (graph structure -> bytes the code
     around it held at a first step; empty: no file, another version, or none there)."""
     return _table(path, "outside")
+
+
+def _compiled(path: Path) -> dict[str, Any]:
+    """The compiled steps' table of the plan cache ``path`` (launch key -> row: :func:`keep_compiled`;
+    empty: no file, another version, or none there)."""
+    return _table(path, "compiled")
 
 
 def _table(path: Path, name: str) -> dict[str, Any]:

@@ -167,6 +167,9 @@ class AutoPlan:
     #: measured at a first step is kept under in the plan cache file, for later launches.
     graph_key: str = ""
     from_cache: bool = False
+    #: The step compiled with this plan at an earlier launch was loaded whole from AOTAutograd's
+    #: cache (``aot_cache.py``): no tracing, partitioning or lowering in this process.
+    from_aot_cache: bool = False
     #: Seconds of each phase of the compile that chose this plan, measured (``CapturedGraph.phases``,
     #: the same dict: the backward's codegen joins it at the first ``backward()``); empty outside a compile.
     phases: dict[str, float] = field(default_factory=dict)
@@ -185,7 +188,8 @@ class AutoPlan:
     def phases_line(self) -> str:
         """``"phases: capture 12.3 s, planning 0.4 s, search 0.05 s, trial lowerings 31.0 s (2 trial
         lowerings)"``; a plan from the plan cache says that the search and the trial lowerings were skipped."""
-        skipped = "; search and trial lowerings skipped (plan cache)" if self.from_cache else ""
+        skipped = ("; tracing, planning and lowering skipped (AOTAutograd's cache)" if self.from_aot_cache else
+                   "; search and trial lowerings skipped (plan cache)" if self.from_cache else "")
         counts = f" ({self.trials_line()})" if not self.from_cache and (self.trials_run or self.trials_kept) else ""
         return f"phases: {seconds_line(self.phases) or '-'}{counts}{skipped}" if self.phases or skipped else ""
 
@@ -226,6 +230,9 @@ class AutoPlan:
         if self.from_cache:
             lines.insert(2, f"  from the plan cache ({self.cache_file}): no search, no trial lowerings; the first "
                             "step's peak is checked as for a plan chosen here")
+        if self.from_aot_cache:
+            lines.insert(3, "  the step compiled with it at an earlier launch, loaded from AOTAutograd's cache: no "
+                            "tracing, no partitioning, no lowering; its peak is the analysis kept with it")
         if self.offload:
             c, p = self.config, self.problem
             lines.insert(2, (
