@@ -173,14 +173,7 @@ def keep_outside(auto: AutoPlan, outside: int) -> None:
     table = _outside(path)
     if table.get(auto.graph_key, -1) >= outside:
         return
-    table.pop(auto.graph_key, None)
-    table[auto.graph_key] = outside  # the newest last
-    while len(table) > MAX_ENTRIES:
-        table.pop(next(iter(table)))
-    try:
-        _write(path, outside=table)
-    except OSError as e:
-        log.debug("protrain_fx: the measured reserve could not be kept in the plan cache %s (%s)", path, e)
+    _put_newest(path, "outside", table, auto.graph_key, outside, "the measured reserve")
 
 
 def judgments(key: PlanKey) -> dict[str, Judgment]:
@@ -457,14 +450,20 @@ def keep_compiled(auto: AutoPlan, launch: str, row: dict[str, Any]) -> None:
         return
     path = Path(auto.cache_file)
     table = _compiled(path)
-    table.pop(launch, None)
-    table[launch] = {**row, "entry": auto.cache_key}  # the newest last
+    _put_newest(path, "compiled", table, launch, {**row, "entry": auto.cache_key}, "the compiled step's row")
+
+
+def _put_newest(path: Path, name: str, table: dict[str, Any], key: str, value: Any, what: str) -> None:
+    """``table`` (the file's table ``name``) with ``key`` set to ``value`` as its newest item, the
+    oldest dropped past :data:`MAX_ENTRIES`, written back; a write that fails only loses ``what``."""
+    table.pop(key, None)
+    table[key] = value  # the newest last
     while len(table) > MAX_ENTRIES:
         table.pop(next(iter(table)))
     try:
-        _write(path, compiled=table)
+        _write(path, **{name: table})
     except OSError as e:
-        log.debug("protrain_fx: the compiled step's row could not be kept in the plan cache %s (%s)", path, e)
+        log.debug("protrain_fx: %s could not be kept in the plan cache %s (%s)", what, path, e)
 
 
 def compiled_row(path: Path, launch: str) -> dict[str, Any] | None:
