@@ -492,7 +492,7 @@ def _line(r: dict) -> str:
     errors = [e["peak_error_pct"] for e in r["steps"][1:] if "peak_error_pct" in e]
     worst = f", later steps' peak vs prediction {min(errors):+.1f}%..{max(errors):+.1f}%" if errors else ""
     tps = f"{r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else "-"
-    if r.get("counts", {}).get("n_spill"):
+    if (r.get("counts") or {}).get("n_spill"):  # None for a run that offloads nothing
         c = r["counts"]
         tps += f", {c['n_spill']} chunk(s)' state on disk ({c['disk_bytes'] / 2**30:.2f} GiB)"
     steps = r["steps"]
