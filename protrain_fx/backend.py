@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.nn.parallel import DistributedDataParallel
 
 from protrain_fx import progress
@@ -344,7 +345,7 @@ class _Partitioner(CustomPartitionerFn):
 
         def trial(plan: Plan | None) -> Rewrite:
             applied = plan if plan is not None and plan.rewrites() else None
-            graphs[:] = [partition(_copy_graph_module(joint), applied, check=False)]
+            graphs[:] = [partition(_copy_graph_module(joint, lazy=True), applied, check=False)]
             assert record.memory is not None
             return Rewrite(applied, record.memory)
 
@@ -528,15 +529,18 @@ def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:
         )
 
 
-def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own."""
+def _copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own. ``lazy``: its Python
+    code is generated when first read or run, not now (a trial's joint graph is partitioned, never
+    run: the partitioner's recompiles of it, and the copy's own, write the code of the whole joint
+    graph for nothing)."""
     with warnings.catch_warnings():
         # Copying a graph whose nodes hold pytree specs (a model called with keyword arguments)
         # rebuilds each LeafSpec through torch's deprecated isinstance check: torch's warning, not
         # the user's to act on.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         graph = copy.deepcopy(gm.graph)
-    copied = fx.GraphModule(gm, graph)
+    copied = _LazyGraphModule(gm, graph) if lazy else fx.GraphModule(gm, graph)
     copied.meta = dict(getattr(gm, "meta", {}))
     return copied
 
