@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.nn.parallel import DistributedDataParallel
 
-from protrain_fx import progress
+from protrain_fx import heap, progress
 from protrain_fx.aot_cache import Hit, Relaunch, aot_cache_for, open_relaunch
 from protrain_fx.analysis.blocks import block_at_end
 from protrain_fx.analysis.memory import StepGraphs
@@ -345,7 +345,8 @@ class _Partitioner(CustomPartitionerFn):
 
         def trial(plan: Plan | None) -> Rewrite:
             applied = plan if plan is not None and plan.rewrites() else None
-            graphs[:] = [partition(_copy_graph_module(joint, lazy=True), applied, check=False)]
+            with heap.frozen():  # the process' older objects are not walked by the trial's collections
+                graphs[:] = [partition(_copy_graph_module(joint, lazy=True), applied, check=False)]
             assert record.memory is not None
             return Rewrite(applied, record.memory)
 
