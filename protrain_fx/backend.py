@@ -315,6 +315,8 @@ class _Partitioner(CustomPartitionerFn):
                 record, plan, names, num_fwd_outputs, RewrittenStep(joint=graph, plan=plan)))
             with torch._functorch.config.patch(RNG_PARTITION):
                 forward, backward = min_cut_rematerialization_partition(graph, joint_inputs, **kwargs)
+            if isinstance(forward, _LazyGraphModule):  # the backward as well: its code is written once, when read
+                backward = _LazyGraphModule.from_graphmodule(backward)
             partitioned = dataclasses.replace(tagged, forward=forward, backward=backward,
                                               step=_step_graphs(forward, backward, num_fwd_outputs, set(static)))
             # the record shows this rewrite from here on: the planner reads it after each trial
@@ -531,10 +533,8 @@ def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:
 
 
 def _copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModule:
-    """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own. ``lazy``: its Python
-    code is generated when first read or run, not now (a trial's joint graph is partitioned, never
-    run: the partitioner's recompiles of it, and the copy's own, write the code of the whole joint
-    graph for nothing)."""
+    """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own. ``lazy``: its code is
+    written when first read or run (a trial's joint graph is partitioned, never run)."""
     with warnings.catch_warnings():
         # Copying a graph whose nodes hold pytree specs (a model called with keyword arguments)
         # rebuilds each LeafSpec through torch's deprecated isinstance check: torch's warning, not
