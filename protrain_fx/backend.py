@@ -347,7 +347,7 @@ class _Partitioner(CustomPartitionerFn):
 
         def trial(plan: Plan | None) -> Rewrite:
             applied = plan if plan is not None and plan.rewrites() else None
-            with heap.frozen():  # the process' older objects are not walked by the trial's collections
+            with heap.young_only():  # no full collection walks the whole process mid-trial
                 graphs[:] = [partition(_copy_graph_module(joint, lazy=True), applied, check=False)]
             assert record.memory is not None
             return Rewrite(applied, record.memory)

@@ -1,4 +1,4 @@
-"""``protrain_fx/heap.py``: the objects alive before a trial are frozen while it runs, and thawed after."""
+"""``protrain_fx/heap.py``: no full garbage collection while a trial runs, the young ones as before."""
 
 from __future__ import annotations
 
@@ -9,35 +9,42 @@ import pytest
 from protrain_fx import heap
 
 
-def _collected(obj: object) -> bool:
-    """Whether the collector's generations hold ``obj`` (a frozen object is in none of them)."""
-    return any(o is obj for o in gc.get_objects())
+@pytest.fixture
+def eager_collector():
+    """A collector that runs a full collection every few allocations (and the thresholds back after)."""
+    before = gc.get_threshold()
+    gc.set_threshold(10, 1, 1)
+    yield
+    gc.set_threshold(*before)
 
 
-def test_objects_alive_before_are_frozen_during_the_block_and_thawed_after():
-    assert gc.get_freeze_count() == 0
-    old = [object()]
-    with heap.frozen():
-        young = [object()]  # made inside the block: its collections see it
-        assert gc.get_freeze_count() > 0
-        assert not _collected(old) and _collected(young)
-    assert gc.get_freeze_count() == 0
-    assert _collected(old) and _collected(young)
+def _generations_collected(allocations: int) -> set[int]:
+    collected: set[int] = set()
 
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected.add(info["generation"])
 
-def test_thawed_after_an_error():
-    with pytest.raises(RuntimeError):
-        with heap.frozen():
-            raise RuntimeError("a trial failed")
-    assert gc.get_freeze_count() == 0
-
-
-def test_a_freeze_made_elsewhere_is_left_as_it_was():
-    gc.freeze()
+    gc.callbacks.append(seen)
     try:
-        count = gc.get_freeze_count()
-        with heap.frozen():
-            assert gc.get_freeze_count() == count
-        assert gc.get_freeze_count() == count  # not thawed: the freeze is not ours
+        kept = [[] for _ in range(allocations)]  # tracked containers that survive: they grow old
+        del kept
     finally:
-        gc.unfreeze()
+        gc.callbacks.remove(seen)
+    return collected
+
+
+def test_only_young_generations_are_collected_inside_and_every_one_after(eager_collector):
+    survivors = len(gc.get_objects())  # enough for a full collection: a quarter of the old ones is
+    with heap.young_only():
+        inside = _generations_collected(survivors)
+    assert 0 in inside and 2 not in inside
+    assert gc.get_threshold() == (10, 1, 1)
+    assert 2 in _generations_collected(survivors)
+
+
+def test_thresholds_come_back_after_an_error(eager_collector):
+    with pytest.raises(RuntimeError):
+        with heap.young_only():
+            raise RuntimeError("a trial failed")
+    assert gc.get_threshold() == (10, 1, 1)
