@@ -26,9 +26,10 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.nn.parallel import DistributedDataParallel
 
-from protrain_fx import progress
+from protrain_fx import heap, progress
 from protrain_fx.aot_cache import Hit, Relaunch, aot_cache_for, open_relaunch
 from protrain_fx.analysis.blocks import block_at_end
 from protrain_fx.analysis.memory import StepGraphs
@@ -314,6 +315,8 @@ class _Partitioner(CustomPartitionerFn):
                 record, plan, names, num_fwd_outputs, RewrittenStep(joint=graph, plan=plan)))
             with torch._functorch.config.patch(RNG_PARTITION):
                 forward, backward = min_cut_rematerialization_partition(graph, joint_inputs, **kwargs)
+            if isinstance(forward, _LazyGraphModule):  # the backward as well: its code is written once, when read
+                backward = _LazyGraphModule.from_graphmodule(backward)
             partitioned = dataclasses.replace(tagged, forward=forward, backward=backward,
                                               step=_step_graphs(forward, backward, num_fwd_outputs, set(static)))
             # the record shows this rewrite from here on: the planner reads it after each trial
@@ -344,7 +347,8 @@ class _Partitioner(CustomPartitionerFn):
 
         def trial(plan: Plan | None) -> Rewrite:
             applied = plan if plan is not None and plan.rewrites() else None
-            graphs[:] = [partition(_copy_graph_module(joint), applied, check=False)]
+            with heap.young_only():  # no full collection walks the whole process mid-trial
+                graphs[:] = [partition(_copy_graph_module(joint, lazy=True), applied, check=False)]
             assert record.memory is not None
             return Rewrite(applied, record.memory)
 
@@ -528,15 +532,16 @@ def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:
         )
 
 
-def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own."""
+def _copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own. ``lazy``: its code is
+    written when first read or run (a trial's joint graph is partitioned, never run)."""
     with warnings.catch_warnings():
         # Copying a graph whose nodes hold pytree specs (a model called with keyword arguments)
         # rebuilds each LeafSpec through torch's deprecated isinstance check: torch's warning, not
         # the user's to act on.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         graph = copy.deepcopy(gm.graph)
-    copied = fx.GraphModule(gm, graph)
+    copied = _LazyGraphModule(gm, graph) if lazy else fx.GraphModule(gm, graph)
     copied.meta = dict(getattr(gm, "meta", {}))
     return copied
 

@@ -6,6 +6,7 @@ change a graph's nodes or edges.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -48,7 +49,14 @@ def is_view(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    returns = target._schema.returns
+    return _aliases_only(target)
+
+
+@functools.cache
+def _aliases_only(op: torch._ops.OpOverload) -> bool:
+    """Whether every result of ``op`` aliases an input without writing it: its schema's, read once
+    per op (the passes and the memory analysis ask of every node, several times a rewrite)."""
+    returns = op._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
@@ -101,8 +109,13 @@ def op_name(node: fx.Node) -> str:
 def source_line(node: fx.Node) -> str:
     """``file:line`` and code of the user's line that made ``node`` (innermost frame), or ``""``."""
     trace = node.meta.get("stack_trace")
-    if not trace:
-        return ""
+    return _line_of(trace) if trace else ""
+
+
+@functools.lru_cache(maxsize=4096)
+def _line_of(trace: str) -> str:
+    """:func:`source_line` of a stack trace, read once per trace (the nodes of one line of the model,
+    in every block and in the recomputes, share it)."""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
     location = ""
     for ln in lines:

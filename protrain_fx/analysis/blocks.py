@@ -10,6 +10,7 @@ is :data:`~protrain_fx.meta.OUTSIDE` (embeddings, head, loss).
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections import Counter, defaultdict
@@ -45,8 +46,10 @@ class BlockInfo:
         return self.labels.index(label) if label in self.labels else len(self.labels)
 
 
+@functools.lru_cache(maxsize=8192)
 def normalize_module_path(path: str) -> str:
-    """``"L['self'].blocks.0.attn"`` / ``"L['self']._modules['blocks']._modules['0']"`` → ``"blocks.0.attn"``."""
+    """``"L['self'].blocks.0.attn"`` / ``"L['self']._modules['blocks']._modules['0']"`` → ``"blocks.0.attn"``
+    (read once per path: every node of a module carries it)."""
     for _ in range(8):  # getattr(getattr(x, 'a'), 'b') nests
         new = _GETATTR.sub(lambda m: f"{m.group(1)}.{m.group(2)}", path)
         if new == path:
@@ -122,9 +125,10 @@ def find_blocks(graphs: Sequence[fx.GraphModule]) -> BlockInfo:
 def own_block(node: fx.Node, info: BlockInfo) -> str | None:
     labels = set(info.labels)
     for path, _ in _stack(node):
-        for label in labels:
-            if path == label or path.startswith(label + "."):
-                return label
+        while path:  # the block is the path or one of its prefixes (labels are siblings: one at most)
+            if path in labels:
+                return path
+            path = path.rpartition(".")[0]
     if node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack"):
         return meta.OUTSIDE  # inside some module, but not in a block
     return None

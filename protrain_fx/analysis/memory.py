@@ -177,8 +177,16 @@ def analyze_memory(
     # so their storages look like the forward's: a backward node that allocates (none of its
     # storages is an input's) under a forward storage gets a storage of its own.
     renamed: dict[int, object] = {}
+    # A node's storages, read once: every reader of a node asks again, and the graphs do not change here.
+    known: dict[fx.Node, list[tuple[int, torch.Tensor]]] = {}
 
     def raw_keys(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
+        got = known.get(node)
+        if got is None:
+            got = known[node] = storages(node)
+        return got
+
+    def storages(node: fx.Node) -> list[tuple[int, torch.Tensor]]:
         if meta.is_view(node) and isinstance(node.args[0], fx.Node):
             # A view aliases its input, whatever storage its recorded value has: a rewrite that
             # re-points a reader (a parameter's transpose now reading a chunk buffer) keeps the

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._prims_common import make_contiguous_strides_for
 
 from protrain_fx import meta
 from protrain_fx.errors import TooFewBuffers
@@ -107,9 +108,10 @@ def _check_buffers(gm: fx.GraphModule, phase: str) -> None:
 
 def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredChunk]:
     params_of: dict[tuple[int, int], list[fx.Node]] = defaultdict(list)
+    positions = _positions(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name in info and _readers(node):
-            _sink_views(node)
+            _sink_views(node, positions)
             hid, chunk, _, _ = info[node.name]
             params_of[(hid, chunk)].append(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -227,16 +229,34 @@ def _spans(readers: list[fx.Node], order: dict[fx.Node, int]) -> list[list[fx.No
     return runs
 
 
-def _sink_views(param: fx.Node) -> None:
+def _sink_views(param: fx.Node, positions: dict[fx.Node, float]) -> None:
     """Move the views of ``param`` (a transpose the partitioner placed early, say) right before
-    their first reader, so the buffer they read is not held from there on."""
-    graph_order = {n: i for i, n in enumerate(param.graph.nodes)}
+    their first reader, so the buffer they read is not held from there on. ``positions``: the
+    graph's order (:func:`_positions`), kept as the views move."""
     views = [n for n in _through_views(_readers(param)) if meta.is_view(n) and _readers(n)]
-    for view in sorted(views, key=graph_order.__getitem__, reverse=True):
-        order = {n: i for i, n in enumerate(param.graph.nodes)}
-        first_user = min(_readers(view), key=order.__getitem__)
-        if order[first_user] > order[view] + 1 and all(order[a] < order[first_user] for a in view.all_input_nodes):
-            first_user.prepend(view)
+    for view in sorted(views, key=positions.__getitem__, reverse=True):
+        first_user = min(_readers(view), key=positions.__getitem__)
+        # a reader comes after the view: not right after it, there are nodes between them
+        if first_user is not view.next and all(positions[a] < positions[first_user] for a in view.all_input_nodes):
+            _move_before(view, first_user, positions)
+
+
+def _positions(graph: fx.Graph) -> dict[fx.Node, float]:
+    """Each node of ``graph`` by its place in the order, ascending (:func:`_move_before` keeps it)."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _move_before(node: fx.Node, user: fx.Node, positions: dict[fx.Node, float]) -> None:
+    """``node`` moved right before ``user``, with ``positions`` kept: the moved node takes the middle
+    of the gap it lands in, so that no move walks the graph (numbered again only where the gaps
+    of many moves into one place leave no number between two nodes)."""
+    below, above = positions[user.prev], positions[user]
+    user.prepend(node)
+    middle = (below + above) / 2
+    if below < middle < above:
+        positions[node] = middle
+    else:
+        positions.update(_positions(user.graph))
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:
@@ -261,7 +281,7 @@ def _through_views(nodes: list[fx.Node], transparent: set[fx.Node] = frozenset()
 def _param_view(gm: fx.GraphModule, buf: fx.Node, param: fx.Node, offset: int, fake_mode: Any) -> fx.Node:
     """``param`` as a view of the chunk buffer, in the buffer's dtype."""
     val = param.meta["val"]
-    stride = tuple(torch.empty(val.shape, device="meta").stride())
+    stride = make_contiguous_strides_for(val.shape)
     view = gm.graph.call_function(torch.ops.aten.as_strided.default, (buf, tuple(val.shape), stride, offset))
     with fake_mode:
         view.meta["val"] = torch.ops.aten.as_strided.default(buf.meta["val"], tuple(val.shape), stride, offset)

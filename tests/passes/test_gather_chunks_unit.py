@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from protrain_fx import meta
+from protrain_fx.passes import gather
 from protrain_fx.passes.pipeline import PassContext, attribute_blocks, gather_chunks, run_passes
 from tests.passes.graphs import count, graph_text, nodes_made_by, offloaded_mlp, outputs, record_for, trace
 from protrain_fx import settings
@@ -97,3 +98,36 @@ def test_disabled_by_name(monkeypatch):
     record.rewritten = run_passes([gather_chunks], PassContext(record))
     assert graph_text(forward, backward) == before
     assert record.gathered == [] and record.passes == []
+
+
+def _views_chain(n_views: int) -> tuple[torch.fx.Graph, torch.fx.Node, list[torch.fx.Node]]:
+    """A parameter whose ``n_views`` transposes are made at the start and read, all by one add, at
+    the end, after an unrelated chain of ops: each sinks right before the add."""
+    graph = torch.fx.Graph()
+    param, x = graph.placeholder("param"), graph.placeholder("x")
+    views = [graph.call_function(torch.ops.aten.t.default, (param,)) for _ in range(n_views)]
+    y = x
+    for _ in range(3):
+        y = graph.call_function(torch.ops.aten.relu.default, (y,))
+    total = graph.call_function(torch.ops.aten.add.Tensor, (y, views[0]))
+    for v in views[1:]:
+        total = graph.call_function(torch.ops.aten.add.Tensor, (total, v))
+    graph.output(total)
+    return graph, param, views
+
+
+def test_sinking_views_keeps_the_positions_of_the_graph_order():
+    """``_sink_views`` keeps the positions it is given in the graph's order as it moves views (a moved
+    view takes the middle of its gap; the graph is numbered again where no middle is left), so that
+    the positions a later parameter's views are sorted by are the graph's."""
+    for n_views, squeeze in ((3, False), (3, True)):
+        graph, param, views = _views_chain(n_views)
+        positions = gather._positions(graph)
+        if squeeze:  # no number between two neighbours: the first move numbers the graph again
+            nodes = list(graph.nodes)
+            positions.update({n: float(len(nodes)) for n in nodes[nodes.index(views[-1]) + 1:]})
+        gather._sink_views(param, positions)
+        order = list(graph.nodes)
+        assert all(v.next in v.users for v in views)  # each view right before its reader
+        assert all(positions[a] < positions[b] for a, b in zip(order, order[1:]))
+        graph.lint()

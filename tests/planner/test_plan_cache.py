@@ -48,9 +48,9 @@ def counted(monkeypatch):
         calls["search"] += 1
         return search(*args, **kwargs)
 
-    def counting_copy(gm):
+    def counting_copy(gm, **kwargs):
         calls["partitions"] += 1
-        return copy_graph(gm)
+        return copy_graph(gm, **kwargs)
 
     monkeypatch.setattr(activations, "search_activation_plan", counting_search)
     monkeypatch.setattr(backend, "_copy_graph_module", counting_copy)
