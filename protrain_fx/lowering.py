@@ -267,7 +267,8 @@ def probe_inductor(record: CapturedGraph, extra_patches: dict[str, Any], copy_gr
     try:
         # Inductor rewrites the graphs it lowers: copies (node values shared, so storages match)
         forward, backward = (_attributes_ordered_as(copy_graph(g), g) for g in (step.forward, step.backward))
-        probe_step = dataclasses.replace(step, forward=forward, backward=backward)
+        probe_step = dataclasses.replace(step, forward=forward, backward=backward,
+                                         held_gradients=record.config.accumulation_steps > 1)
         outputs = output_args(forward)
         saved = outputs[step.num_user_outputs:]  # AOTAutograd's order: saved tensors, then saved sizes
 

@@ -70,6 +70,10 @@ class StepGraphs:
     trainable_inputs: frozenset[str]
     #: Per offload handle id whose chunks the graphs gather: what the analysis counts of it.
     offload: Mapping[int, OffloadFacts] = dataclasses.field(default_factory=dict)
+    #: The device-resident trainable parameters' gradients are held from one step to the next
+    #: (gradient accumulation: every micro-batch after an optimizer step's first adds into them), so
+    #: they are live through the whole step, beside the new ones the backward graph returns.
+    held_gradients: bool = False
 
 
 @dataclass(frozen=True)
@@ -313,7 +317,8 @@ def step_rows(step: StepGraphs, fw_rows: list, bw_rows: list) -> list[tuple[str,
 def model_state(
     step: StepGraphs, device: torch.device, granule: int, end: int, optimizer_states_per_param: int
 ) -> ModelState:
-    """Parameters, inputs and optimizer state: live before the first node, through the whole step."""
+    """Parameters, inputs and optimizer state (and gradients, when held: ``StepGraphs.held_gradients``):
+    live before the first node, through the whole step."""
     state = ModelState({}, {}, [])
     params: list[_Buffer] = []
     trainable: set[int] = set()
@@ -345,6 +350,10 @@ def model_state(
     if step.backward is None or not step.trainable_inputs:
         return state
     for buf in params:
+        if buf.key in trainable and step.held_gradients:
+            state.optimizer.append(_Buffer(key=-(len(state.optimizer) + 1), nbytes=buf.nbytes, category="gradient",
+                                           name=f"{buf.name}.grad (held)", source="", alloc=0, last_use=end,
+                                           persistent=True, block=buf.block))
         if buf.key in trainable:
             for i in range(optimizer_states_per_param):
                 state.optimizer.append(
@@ -408,6 +417,8 @@ def finish_analysis(
         c: sum(b.nbytes for b in buffers if b.persistent and b.category == c)
         for c in ("parameter", "optimizer_state", "input")
     }
+    if held := sum(b.nbytes for b in buffers if b.persistent and b.category == "gradient"):
+        baseline["gradient"] = held  # held from the step before (StepGraphs.held_gradients)
     phase_bounds: dict[str, tuple[int, int]] = {}
     for i, (phase, _, _) in enumerate(rows):
         lo, _hi = phase_bounds.get(phase, (i, i))

@@ -216,7 +216,8 @@ def analyze_memory(ctx: PassContext) -> str | None:
     record = ctx.record
     if ctx.result.step is None:
         return None
-    step = dataclasses.replace(ctx.result.step, offload=_offload_facts(ctx.result.step))
+    step = dataclasses.replace(ctx.result.step, offload=_offload_facts(ctx.result.step),
+                               held_gradients=record.config.accumulation_steps > 1)
     m = memory.analyze_memory(
         step, optimizer_states_per_param=record.config.optimizer_states_per_param,
         label=f"graph {record.index}")
