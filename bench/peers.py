@@ -49,6 +49,9 @@ and optimizer offloaded); superoffload (the same with ``offload_optimizer.super_
 deepcompile (ZeRO-3 offload as FX passes, ``engine.compile()``); zenflow (ZeRO-2 with the optimizer
 offloaded, selective updates: not exact, timed as the mean over whole update intervals).
 Column ``exact`` says whether a system's update is AdamW's (its loss comparable with ours).
+An OOM records its traceback; with ``PEERS_OOM_REPORT=1`` the allocator's history is recorded from
+the end of the first step and the OOM records what held the device (``oom_blocks``: live bytes by
+the innermost frame of ours, a peer's or Inductor's generated code that allocated them).
 
 Protocols. ``--protocol B24`` (default) is one micro-batch per optimizer step; ``--protocol B24-L``
 (or ``--accumulate K``) accumulates 8 (K) micro-batches of ``--batch`` x ``--seq``, each its own
@@ -685,6 +688,8 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
         step(batches)
         sync()
         result["first_step_s"] = time.perf_counter() - phase
+        if cuda and os.environ.get(OOM_REPORT_ENV):  # after the compile: its many allocations unrecorded
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         for _ in range(warmup - 1):
             step(batches)
         sync()
@@ -720,7 +725,9 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
         if world and cuda:  # one more step, traced: the collectives' kernel time and what of it is exposed
             result.update(_collective_profile(lambda: step(batches), sync))
     except torch.OutOfMemoryError as e:
-        result.update(status="OOM", reason=str(e).splitlines()[0][:300])
+        result.update(status="OOM", reason=str(e).splitlines()[0][:300], traceback=traceback.format_exc()[-3000:])
+        if cuda and os.environ.get(OOM_REPORT_ENV):
+            result["oom_blocks"] = oom_blocks(torch.cuda.memory._snapshot())
     except MemoryError as e:  # protrain_fx's chunk store refuses, before allocating, what the host cannot hold
         result.update(status="refused_host_ram", reason=str(e).splitlines()[0][:300])
     except Exception as e:  # noqa: BLE001  a crash is a result too: recorded with its reason
@@ -806,6 +813,30 @@ def _replan(replan) -> dict | None:
 #: Environment variable: after a protrain run's timed steps, read the profile's inputs again on the
 #: same host (:func:`_reread`), the device steps that many times.
 REREAD_ENV = "PEERS_REREAD"
+#: Set (to anything): the allocator's history is recorded from the end of the first step, and an OOM
+#: records what held the device then (``oom_blocks``).
+OOM_REPORT_ENV = "PEERS_OOM_REPORT"
+#: Frames that say who allocated a block: the first one in these files, innermost first.
+_OWNER_PARTS = ("/protrain_fx/", "/bench/", "/examples/", "torchinductor_", "/deepspeed/")
+
+
+def oom_blocks(snapshot: dict, top: int = 40) -> list[dict]:
+    """The device's live blocks in ``snapshot`` (``torch.cuda.memory._snapshot()``) grouped by the
+    innermost frame in ``_OWNER_PARTS`` (blocks allocated before the recording have no frames: "before
+    the recording"), largest total first: ``{"owner", "bytes", "blocks", "sizes"}`` (the largest few)."""
+    groups: dict[str, list[int]] = {}
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            owner = next((f"{'/'.join(f['filename'].rsplit('/', 2)[-2:])}:{f['line']} {f['name']}" for f in frames
+                          if any(part in f["filename"] for part in _OWNER_PARTS)),
+                         "before the recording" if not frames else f"{frames[0]['filename']}:{frames[0]['line']}")
+            groups.setdefault(owner, []).append(int(block["size"]))
+    rows = [{"owner": k, "bytes": sum(v), "blocks": len(v), "sizes": sorted(v, reverse=True)[:4]}
+            for k, v in groups.items()]
+    return sorted(rows, key=lambda r: -r["bytes"])[:top]
 
 
 def _reread(device_steps: int) -> dict:

@@ -405,3 +405,22 @@ def test_the_compute_bound_is_the_cost_models_compute_and_no_run_beats_it():
     assert run["tokens_per_s"] < bound
     row = peers._row({**run, "compute_bound_tok_s": bound})
     assert f"{100 * run['tokens_per_s'] / bound:.0f}% of the compute bound" in row
+
+
+def test_oom_blocks_group_live_blocks_by_who_allocated_them():
+    """An OOM's report: live blocks by the innermost frame of ours (or generated code), blocks without
+    frames as allocated before the recording, freed blocks left out, largest total first."""
+    ours = {"filename": "/w/protrain_fx/runtime/offload/landing.py", "line": 162, "name": "_staged"}
+    torch_frame = {"filename": "/x/site-packages/torch/_ops.py", "line": 1, "name": "redispatch"}
+    snapshot = {"segments": [{"blocks": [
+        {"state": "active_allocated", "size": 100, "frames": [torch_frame, ours]},
+        {"state": "active_allocated", "size": 50, "frames": [torch_frame, ours]},
+        {"state": "inactive", "size": 10_000, "frames": [ours]},
+        {"state": "active_allocated", "size": 300},
+        {"state": "active_allocated", "size": 7, "frames": [torch_frame]},
+    ]}]}
+    rows = peers.oom_blocks(snapshot)
+    assert [(r["owner"], r["bytes"], r["blocks"]) for r in rows] == [
+        ("before the recording", 300, 1), ("offload/landing.py:162 _staged", 150, 2),
+        ("/x/site-packages/torch/_ops.py:1", 7, 1)]
+    assert rows[1]["sizes"] == [100, 50]
