@@ -144,7 +144,7 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
                 chunk_ops.wait_filled()
         chunk_ops.wait_filled()  # a fill's error, if it raised
     # measured against predicted when a plan was chosen; an offload's rates over the timed calls
-    return watch_first_step(record, compiled, peaks_before, lambda: _RunningHandle.open(record))
+    return watch_first_step(record, compiled, peaks_before, lambda: _RunningHandle.open(record), example_inputs)
 
 
 #: The partitioner's settings for a random op a plan recomputes (an attention on CUDA, whose kernels

@@ -87,7 +87,7 @@ def reset_peak(device: torch.device) -> None:
 
 def watch_first_step(
     record: CapturedGraph, compiled: Callable, peaks_before: Mapping[torch.device, int] | None = None,
-    open_offload: OpenOffload | None = None,
+    open_offload: OpenOffload | None = None, inputs: Sequence[Any] = (),
 ) -> Callable:
     """``compiled`` (the backend's callable for ``record``), measuring the first call made with grad
     enabled when ``record`` has an automatic plan: the memory counters when its forward starts, and
@@ -106,10 +106,11 @@ def watch_first_step(
     peak, and the new plan is measured to check that it fits.
 
     ``open_offload``: the backend's window on the offload whose chunks the plan placed
-    (:func:`_open_rate_window`), opened when the timed calls start."""
+    (:func:`_open_rate_window`), opened when the timed calls start. ``inputs``: the compile's example
+    inputs, whose trainable parameters :func:`_watch_held_gradients` looks at."""
     if record.auto_plan is None or record.memory is None:
         return compiled
-    compiled = _timing_calls(record, compiled, open_offload)
+    compiled = _watch_held_gradients(record, _timing_calls(record, compiled, open_offload), inputs)
     device = torch.device(record.memory.device)
     if STATE.reset_after_miss.pop(record.memory.device, False):
         reset_peak(device)
@@ -158,6 +159,54 @@ def watch_first_step(
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(on_grad)
         return out
+
+    if getattr(compiled, "_boxed_call", False):
+        call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+#: Training calls of a graph whose parameters :func:`_watch_held_gradients` looks at: by the second,
+#: a loop that accumulates or zeroes gradients to 0 instead of None holds them.
+HELD_GRADIENT_CALLS = 3
+
+
+def _watch_held_gradients(record: CapturedGraph, compiled: Callable, inputs: Sequence[Any]) -> Callable:
+    """``compiled``, looking at the start of its first :data:`HELD_GRADIENT_CALLS` training calls for
+    gradients its trainable device parameters hold from an earlier backward, which a plan counts only
+    with ``accumulation_steps`` above 1 (``StepGraphs.held_gradients``): gradient accumulation without
+    that option, or ``zero_grad(set_to_none=False)``. Found, one warning names their bytes, the
+    predicted peak with them and the cap, and the way out. Weak references: the model's parameters are
+    not kept alive by its compiled code."""
+    import weakref
+
+    step = record.step
+    if step is None or step.held_gradients or record.memory is None:
+        return compiled
+    device = torch.device(record.memory.device)
+    params = [weakref.ref(t) for t in inputs if isinstance(t, torch.nn.Parameter) and t.requires_grad
+              and t.device == device]
+    if not params:
+        return compiled
+    calls = 0
+
+    def call(*args: Any) -> Any:
+        nonlocal calls
+        if calls < HELD_GRADIENT_CALLS and torch.is_grad_enabled():
+            calls += 1
+            grads = [g for r in params if (p := r()) is not None and (g := p.grad) is not None and g.device == device]
+            if grads:
+                calls = HELD_GRADIENT_CALLS
+                held = sum(g.untyped_storage().nbytes() for g in grads)
+                auto = record.auto_plan
+                cap = f" of its cap {human_bytes(auto.allocated_cap_bytes)}" if auto is not None else ""
+                log.warning(
+                    "protrain_fx: graph %d: its parameters come to a training call holding %s of gradients from an "
+                    "earlier backward (gradient accumulation, or zero_grad(set_to_none=False)), which its plan did not "
+                    "count: the step's peak is up to %s, not the %s predicted%s. Pass options={'accumulation_steps': "
+                    "K} (micro-batches per optimizer step) so that the plan counts them, or zero the gradients to "
+                    "None", record.index, human_bytes(held), human_bytes(record.memory.peak_bytes + held),
+                    human_bytes(record.memory.peak_bytes), cap)
+        return compiled(*args)
 
     if getattr(compiled, "_boxed_call", False):
         call._boxed_call = True  # type: ignore[attr-defined]

@@ -638,6 +638,30 @@ def test_with_accumulation_the_plan_is_for_the_accumulated_step_and_one_step_of_
             parse_options({"accumulation_steps": bad})
 
 
+@pytest.mark.parametrize("said", [False, True])
+def test_gradients_held_into_a_training_call_are_counted_or_named(no_plan, monkeypatch, logged, said):
+    """A loop that accumulates micro-batches: with ``accumulation_steps`` the plan counts the gradients
+    held into the second call (``StepGraphs.held_gradients``) and nothing is said; without it, the
+    second call finds them, and one warning names their bytes and the option."""
+    _device_budget(monkeypatch, budget_for_peak(no_plan["peak"]))
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    options = {"codegen": "eager", **({"accumulation_steps": 2} if said else {})}
+    compiled = torch.compile(model, backend="protrain", options=options)
+    for _ in range(4):
+        compiled(*_batch()).backward()
+    (record,) = _train_graphs()
+    assert record.step.held_gradients is said
+    held = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    assert (record.memory.timeline.baseline_bytes.get("gradient") == held) is said
+    warned = [r.getMessage() for r in logged if "holding" in r.getMessage()]
+    if said:
+        assert not warned
+    else:
+        (message,) = warned
+        assert human_bytes(held) in message and "accumulation_steps" in message
+
+
 def test_a_measured_miss_compiles_the_graph_again_under_the_lowered_cap(no_plan, monkeypatch, logged):
     """The first step measured 3% over its cap (counters driven on the CPU): the graph is removed
     from Dynamo's cache, its next call compiles it again under the cap lowered by the miss (here a
