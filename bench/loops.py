@@ -192,7 +192,8 @@ def step_check(auto) -> dict:
     if check is not None:
         out.update(measured_step_s=check.measured_step_s, error_pct=check.error_pct,
                    predicted_priced_s=check.predicted_priced_s, priced_error_pct=check.priced_error_pct,
-                   with_around_s=check.with_around_s,
+                   with_around_s=check.with_around_s, around_estimate_s=check.predicted_around_s,
+                   first_estimate_s=check.first_estimate_s, first_estimate_error_pct=check.first_estimate_error_pct,
                    phases=None if check.phases is None else dataclasses.asdict(check.phases))
     return out
 

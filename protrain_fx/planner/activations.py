@@ -36,7 +36,7 @@ from protrain_fx.planner.problem import (
     device_op_times,
     problem_from_record,
 )
-from protrain_fx.planner.reserve import plan_cap, reserve_note, returned_outputs
+from protrain_fx.planner.reserve import outside_seconds, plan_cap, reserve_note, returned_outputs
 from protrain_fx.planner.result import AutoPlan
 from protrain_fx.planner import verify
 from protrain_fx.planner.verify import (
@@ -317,6 +317,7 @@ def chosen(
         reserve_bytes=reserve[0],
         reserve_source=reserve[1],
         returned=tuple(returned_outputs(record)),
+        around_estimate_s=outside_seconds(record),
         offload=offload,
         problem_s=problem_s,
         choose_s=time.perf_counter() - started if started is not None else 0.0,

@@ -475,7 +475,7 @@ def record_step_period(
     e = auto.estimate
     check = StepCheck(predicted_step_s=e.step_s, intervals_s=tuple(intervals_s), calls=calls,
                       calls_per_step=record.config.accumulation_steps, phases=phases,
-                      predicted_priced_s=e.fwd_s + e.bwd_s + e.opt_s)
+                      predicted_priced_s=e.fwd_s + e.bwd_s + e.opt_s, predicted_around_s=auto.around_estimate_s)
     auto.step_check = check
     log.info("protrain_fx: graph %d: %s", record.index, check.line())
     return check

@@ -80,7 +80,7 @@ from protrain_fx.handoffs import ChunkFacts, Placement
 from protrain_fx.plan import Plan
 from protrain_fx.planner import verify
 from protrain_fx.planner.judged import Judgment, judge_key, kept_for
-from protrain_fx.planner.reserve import ReturnedOutput, returned_outputs
+from protrain_fx.planner.reserve import ReturnedOutput, returned_outputs, returned_seconds
 from protrain_fx.planner.result import AutoPlan
 from protrain_fx.profile.cache import (
     device_name,
@@ -361,6 +361,7 @@ def _taken(entry: dict[str, Any], key: PlanKey, device: str, returned: tuple[Ret
         reserve_bytes=measured if known else entry["reserve_bytes"],
         reserve_source="measured" if known else entry["reserve_source"],
         returned=returned,
+        around_estimate_s=returned_seconds(returned, device),
         rate_spread=spread,
         offload=entry["offload"],
         choose_s=time.perf_counter() - started,

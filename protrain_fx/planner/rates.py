@@ -88,6 +88,9 @@ class StepCheck:
     #: The cost model's seconds for the graph and the optimizer (:attr:`StepPhases.priced_s`): the
     #: prediction without the accumulated micro-batches (``Estimate.fwd_s + bwd_s + opt_s``).
     predicted_priced_s: float | None = None
+    #: The user's code around the graph estimated before any step ran (``AutoPlan.around_estimate_s``:
+    #: a loss on the outputs returned to it); 0: nothing estimated.
+    predicted_around_s: float = 0.0
 
     @property
     def measured_step_s(self) -> float:
@@ -124,7 +127,21 @@ class StepCheck:
                      f"{self.phases.priced_s * 1e3:.1f} ms against {self.predicted_priced_s * 1e3:.1f} ms "
                      f"predicted ({err:+.1f}%); the step predicted with the code around the graph as measured: "
                      f"{around * 1e3:.1f} ms ({100 * (around / self.measured_step_s - 1):+.1f}%)")
+        if self.predicted_around_s:
+            line += (f"; with it estimated before the first step ({self.predicted_around_s * 1e3:.1f} ms): "
+                     f"{self.first_estimate_s * 1e3:.1f} ms ({self.first_estimate_error_pct:+.1f}%)")
         return line
+
+    @property
+    def first_estimate_s(self) -> float:
+        """The step as the plan predicted it before any step ran: the graph and the optimizer, and the
+        user's code around the graph estimated (:attr:`predicted_around_s`)."""
+        return self.predicted_step_s + self.predicted_around_s
+
+    @property
+    def first_estimate_error_pct(self) -> float:
+        """:attr:`first_estimate_s` against the measured period, in % of the measured."""
+        return 100 * (self.first_estimate_s / self.measured_step_s - 1)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,15 @@ stay under: the allocated cap less that reserve.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.capture import CapturedGraph
+from protrain_fx.machine import machine_for
 from protrain_fx.planner.budget import allocated_cap_bytes
 from protrain_fx.state import STATE
 
@@ -29,9 +32,16 @@ LARGE_OUTPUT_BYTES = 16 * 2**20
 #: Bytes per element of such an output kept under the cap for the user's code until a first step
 #: measures it: a loss in fp32 on it (``F.cross_entropy(logits.float(), y)``) holds an fp32 copy and
 #: its log-softmax at the forward's end, then the log-softmax and its gradient at the backward's
-#: start, 8 bytes per element (``docs/results.md#loss-outside-the-compiled-model``); a quarter more
-#: for a loss with one more fp32 temporary.
-OUTSIDE_BYTES_PER_ELEMENT = 10
+#: start, 8 bytes per element (``docs/results.md#loss-outside-the-compiled-model``). A loss that holds
+#: more is measured at the first step, and a plan over its cap then is chosen again.
+OUTSIDE_BYTES_PER_ELEMENT = 8
+
+#: Bytes an fp32 cross-entropy's eager kernels read plus write per element of the outputs it is computed
+#: on (``F.cross_entropy(logits.float(), y)``, forward and backward), counted as the cost model counts a
+#: kernel's traffic, inputs plus outputs: the cast 2 + 4, log_softmax 4 + 4, nll_loss's backward 4,
+#: log_softmax's backward 4 + 4 + 4, the cast back 4 + 2
+#: (``docs/results.md#the-estimate-on-each-card``).
+OUTSIDE_LOSS_BYTES_PER_ELEMENT = 36
 
 
 @dataclass(frozen=True)
@@ -101,3 +111,25 @@ def reserve_note(reserve: int, source: str) -> str:
     why = {"measured": "measured above the plan in an earlier first step on this device",
            "outputs": "for the user's code on the outputs returned to it (a loss)"}.get(source, source)
     return f", and {human_bytes(reserve)} {why}"
+
+
+def outside_seconds(record: CapturedGraph) -> float:
+    """Seconds a step of ``record`` is estimated to spend in the user's code on the large outputs
+    returned to it (:func:`returned_seconds`). No plan changes it; it completes a first plan's
+    prediction of the step the loop runs, until the first steps measure it
+    (``planner.rates.StepPhases.around_s``)."""
+    if record.memory is None:
+        return 0.0
+    return returned_seconds(returned_outputs(record), record.memory.device, record.config.machine)
+
+
+def returned_seconds(returned: Sequence[ReturnedOutput], device: str | torch.device,
+                     overrides: Mapping[str, Any] | None = None) -> float:
+    """Seconds of a loss on ``returned`` (forward and backward) on ``device``:
+    :data:`OUTSIDE_LOSS_BYTES_PER_ELEMENT` per element at the device's memory rate (``machine_for``,
+    with the option ``machine``'s ``overrides``), as the cost model prices a memory-bound kernel. 0
+    where nothing large is returned."""
+    if not returned:
+        return 0.0
+    machine = machine_for(torch.device(device), overrides)
+    return sum(o.numel for o in returned) * OUTSIDE_LOSS_BYTES_PER_ELEMENT / (machine.hbm_bytes * machine.hbm_efficiency)

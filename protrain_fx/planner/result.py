@@ -132,6 +132,9 @@ class AutoPlan:
     reserve_bytes: int = 0
     reserve_source: str = ""
     returned: tuple[ReturnedOutput, ...] = ()
+    #: Seconds a step spends in the user's code on ``returned`` (a loss), estimated before any step
+    #: ran (``planner.reserve.outside_seconds``): ``estimate.step_s`` prices the graph and the optimizer.
+    around_estimate_s: float = 0.0
     peak_check: PeakCheck | None = None
     step_check: StepCheck | None = None
     #: The host rates' spread the predicted step was averaged over (``search.spread.expected_estimate``; ``None``:
@@ -251,8 +254,9 @@ class AutoPlan:
             lines.append(
                 "  returned to your code: " + ", ".join(o.line() for o in self.returned)
                 + f"; what it computes on them (a loss) is outside the plan ({human_bytes(self.reserve_bytes)} kept "
-                "for it); computing the loss inside the compiled module (returned from forward) lowers the step's "
-                "peak by about that much"
+                f"for it, about {self.around_estimate_s * 1e3:.1f} ms a step estimated: the step with it "
+                f"{(self.estimate.step_s + self.around_estimate_s) * 1e3:.1f} ms); computing the loss inside the "
+                "compiled module (returned from forward) lowers the step's peak by about that much"
             )
         if self.search is not None:
             s = self.search

@@ -20,6 +20,7 @@ import torch
 
 import protrain_fx
 from protrain_fx.analysis.readable import human_bytes
+from protrain_fx.machine import machine_for
 from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx import backend
 from protrain_fx.plan import interleaved
@@ -570,8 +571,10 @@ def test_the_step_period_is_split_into_the_graph_the_code_around_it_and_the_opti
     return, the backward reaching the logits, the backward's end, before and after
     ``optimizer.step()``, the next call's start) into forward, loss, backward, optimizer and the
     rest. The cost model's part (forward, backward, optimizer) is set against its prediction, and the
-    step predicted with the code around the graph as measured is in the line."""
+    step predicted with the code around the graph as measured is in the line, and so is the step as
+    first predicted, with the loss on the returned logits estimated at the device's memory rate."""
     _device_budget(monkeypatch, 4 * budget_for_peak(no_plan["peak"]))
+    monkeypatch.setattr(reserve, "LARGE_OUTPUT_BYTES", 1024)  # the tiny GPT's logits count as large
     ticks = itertools.count()
     monkeypatch.setattr(first_step, "_phase_clock", lambda: float(next(ticks)))
     torch.manual_seed(0)
@@ -600,6 +603,14 @@ def test_the_step_period_is_split_into_the_graph_the_code_around_it_and_the_opti
     assert "forward 1000.0 ms, loss 1000.0, backward 1000.0, optimizer 1000.0, rest 2000.0" in line
     assert "the graph and the optimizer 3000.0 ms against" in line
     assert any("the code around the graph as measured" in r.getMessage() for r in logged)
+    cpu = machine_for(torch.device("cpu"))
+    numel = 4 * 32 * CONFIG.vocab_size
+    estimated = numel * reserve.OUTSIDE_LOSS_BYTES_PER_ELEMENT / (cpu.hbm_bytes * cpu.hbm_efficiency)
+    assert record.auto_plan.around_estimate_s == pytest.approx(estimated) and estimated > 0
+    assert check.predicted_around_s == record.auto_plan.around_estimate_s
+    assert check.first_estimate_s == pytest.approx(e.step_s + estimated)
+    assert f"with it estimated before the first step ({estimated * 1e3:.1f} ms)" in line
+    assert f"about {estimated * 1e3:.1f} ms a step estimated" in record.auto_plan.table()
     reads = next(ticks)
     optimizer.step()  # the hooks are removed with the window: no further mark
     compiled(idx).sum().backward()
