@@ -202,10 +202,12 @@ def test_tighter_budget_runs_a_plan_that_fits_exactly_as_eager(no_plan, capfd):
         assert saved[block] < no_plan["saved"][block], block
     if auto.plan.blocks_with("swap"):
         assert record.swapped
-    # predicted and analysed peaks fit under the budget with the allocator's headroom
+    # the analysed peak fits under the budget with the allocator's headroom; the cost model's, an
+    # upper bound of it, may lie above the cap: the search raised by its margin over the analysis
+    # (verify.raised_choice) chose the plan
     cap = allocated_cap_bytes(budget)
     assert auto.allocated_cap_bytes == cap < no_plan["peak"]
-    assert auto.predicted_peak_bytes <= cap and auto.estimate.peak_bytes == auto.predicted_peak_bytes
+    assert auto.estimate.peak_bytes == auto.predicted_peak_bytes >= record.memory.peak_bytes
     assert record.memory.peak_bytes == auto.analysed_peak_bytes <= cap
     assert budget_verdict(record.memory.peak_bytes, budget) == "fits"
     assert auto.estimate.step_s >= auto.empty_step_s > 0
