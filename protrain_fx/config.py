@@ -99,7 +99,8 @@ class ProtrainConfig:
         plan: an activation plan given by hand (per block: none / checkpoint / swap), applied to
             every captured graph; see ``protrain_fx.plan``.
         machine: overrides of the machine constants the rewrites place copies with (e.g.
-            ``{"h2d_bytes": 25e9, "d2h_bytes": 25e9}`` for a PCIe Gen4 card); see ``protrain_fx.machine``.
+            ``{"h2d_bytes": 25e9, "d2h_bytes": 25e9}`` for a PCIe Gen4 card; ``{"host_memory_apart": True}``
+            lets the automatic plans swap on the CPU as on a card); see ``protrain_fx.machine``.
         auto_plan: ``True`` (default): the backend chooses the activation plan when it has a budget:
             ``memory_budget``, or without one, for a step on a CUDA device, the memory this process can
             still reach there (``planner/budget.device_budget_bytes``). ``False``: it never chooses one; no
@@ -130,7 +131,7 @@ class ProtrainConfig:
     keep_node_order: bool = True
     verbose: bool = False
     plan: "Plan | None" = None
-    machine: Mapping[str, float] | None = None
+    machine: Mapping[str, float | bool] | None = None
     auto_plan: bool = True
     dry_run: bool = False
     verify: Verify = "auto"

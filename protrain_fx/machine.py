@@ -45,6 +45,11 @@ class Machine:
     #: A block swap leaves saved values smaller than this on the device: their copy saves next to no
     #: memory and its two ops cost more host time than the copy (layer-norm statistics, masks).
     min_swap_bytes: int = 1 << 20
+    #: Whether host memory, where a swap copies saved values, is apart from the device's memory. On a
+    #: CUDA card it is, and a swap frees card memory the budget counts; on the CPU "device" the copy
+    #: lands in the memory the budget counts, so a swap frees nothing and the automatic plans never
+    #: swap there (a plan by hand still may: it exercises the rewrite).
+    host_memory_apart: bool = True
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> Machine:
         if not overrides:
@@ -56,7 +61,10 @@ class Machine:
                 f"option 'machine': unknown key(s) {unknown}; accepted: {sorted(fields - {'name'})}"
             )
         for key, value in overrides.items():
-            if key != "name" and (
+            if isinstance(getattr(self, key), bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"option 'machine': {key}={value!r} must be True or False")
+            elif key != "name" and (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or value < 0
@@ -87,9 +95,11 @@ GENERIC_GPU = Machine(
     d2h_bytes=22e9,
     duplex_bytes=40e9,
 )
-#: CPU "device": swaps are synchronous copies there, so only relative numbers matter.
+#: CPU "device": swaps are synchronous copies there, so only relative numbers matter, and their copies
+#: stay in the one memory (``host_memory_apart``).
 CPU = Machine(
-    "CPU", flops=1e12, hbm_bytes=50e9, h2d_bytes=20e9, d2h_bytes=20e9, duplex_bytes=20e9, min_swap_bytes=0
+    "CPU", flops=1e12, hbm_bytes=50e9, h2d_bytes=20e9, d2h_bytes=20e9, duplex_bytes=20e9, min_swap_bytes=0,
+    host_memory_apart=False,
 )
 
 

@@ -7,7 +7,9 @@ For a train graph whose parameters stay on the device, with a budget and no plan
 2. If that peak fits the allocated cap (budget less headroom and reserve), nothing is rewritten.
 3. Otherwise :func:`activation_problem` describes the step to the cost model (roofline block times
    with measured matrix and attention ops on CUDA, this device's swap threshold, all parameters in
-   one unpadded chunk) and the search finds the fastest ``(n_swap, n_checkpoint)`` predicted to fit.
+   one unpadded chunk) and the search finds the fastest ``(n_swap, n_checkpoint)`` predicted to fit
+   (``n_swap = 0`` on the CPU, where a swap's copy stays in the memory the budget counts:
+   ``Machine.host_memory_apart``).
 4. The step is partitioned with that plan and analysed again; the analysis judges, the search is
    lowered or raised around it (``planner/verify.py``), and last the least-memory configs are tried.
 5. When nothing fits, :class:`~protrain_fx.search.search.NoPlanFits` names the smallest budget.
@@ -70,6 +72,7 @@ def machine_profile(machine: Machine) -> problem.MachineProfile:
         duplex_bytes_per_s=machine.duplex_bytes,
         cpu_adam_params_per_s=adam,
         gpu_adam_params_per_s=adam,
+        host_memory_apart=machine.host_memory_apart,
     )
 
 
@@ -114,7 +117,7 @@ def least_memory_configs(model: CostModel, n_persist: int, n_buffer: int, n_gpu_
     the least activations whatever the link does. Each is judged by the analysis like every trial
     (:func:`verified_choice`)."""
     N = model.n_blocks
-    pairs = [(s, c) for s in range(N + 1) for c in range(N + 1 - s)]
+    pairs = model.activation_pairs()
     act = {q: model.activation_peak(*q) for q in pairs}
     low = min(act.values())
     p, b, g = n_persist, n_buffer, n_gpu_optim

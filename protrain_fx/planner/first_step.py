@@ -597,18 +597,17 @@ def _least_margin(auto: AutoPlan) -> float:
 def _faster_plan_under(auto: AutoPlan, cap: int) -> Counts | None:
     """:func:`faster_plan_under` before the payback check."""
     model = CostModel(auto.problem)
-    c, N = auto.config, model.n_blocks
+    c = auto.config
     empty = Counts(c.n_persist, c.n_buffer, 0, 0, c.n_gpu_optim)
     if not auto.offload and c != empty and auto.empty_peak_bytes <= cap:  # judged, not estimated
         return empty
     margin = _least_margin(auto)
     best: tuple[float, Counts] | None = None
-    for s in range(N + 1):
-        for k in range(N + 1 - s):
-            config = Counts(c.n_persist, c.n_buffer, s, k, c.n_gpu_optim)
-            estimate = model.estimate(config)
-            if estimate.peak_bytes <= cap * margin and (best is None or estimate.step_s < best[0]):
-                best = (estimate.step_s, config)
+    for s, k in model.activation_pairs():
+        config = Counts(c.n_persist, c.n_buffer, s, k, c.n_gpu_optim)
+        estimate = model.estimate(config)
+        if estimate.peak_bytes <= cap * margin and (best is None or estimate.step_s < best[0]):
+            best = (estimate.step_s, config)
     if best is None or best[0] > auto.estimate.step_s * (1 - RAISE_MIN_GAIN) or best[1] == c:
         return None
     return best[1]

@@ -130,8 +130,7 @@ def choose_for_placed(
     cap, outside, source = plan_cap(record, budget)
     assert facts.placed is not None
     p, b, g = facts.placed.n_persist, facts.placed.n_buffer, facts.placed.n_gpu_optim
-    N = model.n_blocks
-    configs = [Counts(p, b, s, c, g) for s in range(N + 1) for c in range(N + 1 - s)]
+    configs = [Counts(p, b, s, c, g) for s, c in model.activation_pairs()]
     empty = configs[0]
     short: list[int] = []  # chunks held at once by plans the placed buffers cannot hold
 
@@ -303,6 +302,7 @@ def offload_machine(
         cpu_adam_params_per_s=measured.cpu_adam_params_per_s,
         gpu_adam_params_per_s=base.gpu_adam_params_per_s,
         gpu_bytes=base.gpu_bytes,
+        host_memory_apart=base.host_memory_apart,
     )
 
 

@@ -74,6 +74,18 @@ class MemoryModel:
         """What ``n_gpu_optim > 0`` adds: staging and :data:`DEVICE_STEPS_IN_FLIGHT` gradient buffers."""
         return self.problem.device_step_bytes + DEVICE_STEPS_IN_FLIGHT * self._buffer_bytes
 
+    @property
+    def max_swap(self) -> int:
+        """The most blocks a plan swaps: every block, or none where a swap frees no device memory
+        (``MachineProfile.host_memory_apart`` false: the CPU device, whose copies stay in its memory)."""
+        return self.n_blocks if self.problem.machine.host_memory_apart else 0
+
+    def activation_pairs(self) -> list[tuple[int, int]]:
+        """Every activation pair ``(n_swap, n_checkpoint)`` a plan may take, ``n_swap <= max_swap`` and
+        ``n_swap + n_checkpoint <= n_blocks``, by ``n_swap`` then ``n_checkpoint`` (``(0, 0)`` first)."""
+        N = self.n_blocks
+        return [(s, c) for s in range(self.max_swap + 1) for c in range(N + 1 - s)]
+
     def activation_peak(self, n_swap: int, n_checkpoint: int) -> int:
         """Peak activation bytes of the per-block walk of ``docs/DESIGN.md#the-cost-model`` ("Swap
         memory": a swapped block's bytes stay on the device until the rewrite's wait for their copy

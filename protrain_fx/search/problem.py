@@ -34,7 +34,10 @@ class MachineProfile:
     ``gpu_bytes`` is the device's memory (informational: the search takes its budget separately).
     ``device_step_bytes_per_s``: the rate, each way, of an offloaded chunk's optimizer step streamed
     through the GPU (``runtime/optim/device_adam.py``) as measured beside the CPU optimizer; 0 = not
-    measured, the shared copy rate (``min(one-way, duplex / 2)``) stands in."""
+    measured, the shared copy rate (``min(one-way, duplex / 2)``) stands in. ``host_memory_apart``:
+    a swapped block's copy leaves the device's memory (``protrain_fx.machine.Machine.host_memory_apart``);
+    where it does not (the CPU device), swapping frees nothing and every walk over the activation
+    counts keeps ``n_swap = 0`` (``MemoryModel.activation_pairs``)."""
 
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
@@ -43,16 +46,19 @@ class MachineProfile:
     gpu_adam_params_per_s: float
     gpu_bytes: int = 0
     device_step_bytes_per_s: float = 0.0
+    host_memory_apart: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name not in ("gpu_bytes", "device_step_bytes_per_s") and not (_is_number(v) and v > 0):
+            if f.name not in ("gpu_bytes", "device_step_bytes_per_s", "host_memory_apart") and not (_is_number(v) and v > 0):
                 raise ValueError(f"MachineProfile: {f.name}={v!r} must be a positive number (inf allowed)")
         _check_count("MachineProfile", "gpu_bytes", self.gpu_bytes)
         v = self.device_step_bytes_per_s
         if not (_is_number(v) and v >= 0):
             raise ValueError(f"MachineProfile: device_step_bytes_per_s={v!r} must be a number >= 0 (0: not measured)")
+        if not isinstance(self.host_memory_apart, bool):
+            raise ValueError(f"MachineProfile: host_memory_apart={self.host_memory_apart!r} must be True or False")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -4,7 +4,8 @@
 whose predicted peak fits ``budget_bytes - reserve_bytes``, over every valid config:
 ``n_persist`` in ``0..n_chunks``; ``n_buffer`` in ``min_buffers(n_persist)..n_chunks - n_persist``
 (0 only when every chunk persists; ``min_buffers`` = the most non-persistent chunks one block uses);
-``n_swap + n_checkpoint <= n_blocks``. Among equally fast configs it returns the first one it finds.
+``n_swap + n_checkpoint <= n_blocks``, with ``n_swap = 0`` where a swap frees no device memory
+(``CostModel.activation_pairs``). Among equally fast configs it returns the first one it finds.
 
 What the pruning relies on (all properties of the cost model, :mod:`protrain_fx.search.cost`, stated
 in ``docs/DESIGN.md#the-cost-model`` and tested):
@@ -159,8 +160,7 @@ class _Tables:
 
     @classmethod
     def build(cls, model: CostModel) -> _Tables:
-        N = model.n_blocks
-        pairs = [(s, c) for s in range(N + 1) for c in range(N + 1 - s)]
+        pairs = model.activation_pairs()
         act = {q: model.activation_peak(*q) for q in pairs}
         by_act = sorted(pairs, key=lambda q: (act[q], q))
         rec = {q: sum(model.recomputes(*q)) for q in pairs}
@@ -231,7 +231,7 @@ def _first_incumbent(model: CostModel, persists: range, cap_all: int, tab: _Tabl
     all, checkpoint all, least recompute that fits the most buffers), each with the most buffers it
     fits with; without device steps (``n_gpu_optim = 0``), which the later walks start from."""
     N = model.n_blocks
-    probes = [(0, 0), (N, 0), (0, N)]
+    probes = [(0, 0), (model.max_swap, 0), (0, N)]
     g = 0
     for p in persists:
         buffers = model.buffer_range(p)

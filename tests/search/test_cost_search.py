@@ -132,6 +132,27 @@ def test_search_equals_brute_force_on_random_problems() -> None:
     assert checked == 150
 
 
+def test_where_a_swap_frees_no_device_memory_the_search_never_swaps() -> None:
+    """``MachineProfile.host_memory_apart`` false (the CPU device, whose swap copies stay in the memory
+    the budget counts): the search is brute force over the configs with ``n_swap = 0``, down to the
+    smallest budget it names; the same problems with their host apart swap at some budgets."""
+    swapped = 0
+    for seed in range(10):
+        apart = make_problem(seed, n_blocks=2 + seed % 4)
+        one_memory = dataclasses.replace(apart, machine=dataclasses.replace(apart.machine, host_memory_apart=False))
+        table = [row for row in brute_force(one_memory) if row[0].n_swap == 0]
+        assert CostModel(one_memory).activation_pairs() == sorted({(c.n_swap, c.n_checkpoint) for c, *_ in table})
+        for budget in budgets(table, 5):
+            got = search(one_memory, budget)
+            assert got.best.n_swap == 0 and got.estimate.step_s == best_under(table, budget), (seed, budget)
+            assert got.evaluated + got.pruned == got.total == len(table)
+            swapped += search(apart, budget).best.n_swap > 0
+        with pytest.raises(NoPlanFits) as info:
+            search(one_memory, min(peak for *_, peak in table) - 1)
+        assert info.value.min_budget_bytes == min(peak for *_, peak in table)
+    assert swapped > 0
+
+
 def test_pruning_never_drops_the_optimum_and_prunes() -> None:
     pruned_any = False
     for seed in range(100, 115):
