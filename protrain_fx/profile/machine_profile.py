@@ -264,6 +264,23 @@ def measure_machine(
 
 
 @keeps_rng
+def kept_device_step_rate(rates: dict, parts: Sequence[int], load_key: str) -> float:
+    """The device-step rate a profile file's ``"device_step_by_layout"`` (``rates``) keeps for the
+    chunk layout ``parts`` beside the load ``load_key`` (``"matmul"``, or ``"ops:<digest>"`` of a
+    model's ops), else 0. For a model's ops, the layout measured beside that model's ops at other sizes
+    (another input shape) stands in, the median of those: measured again, it would take seconds of
+    every new shape's compile, and device memory beside the chunks the running graph placed (at a
+    minimum budget, more than it leaves)."""
+    layout = layout_key(parts)
+    got = rates.get(f"{layout}|{load_key}")
+    if isinstance(got, dict) and (rate := _median_rate([got.get("device_step_bytes_per_s")])):
+        return rate
+    if not load_key.startswith("ops:"):
+        return 0.0
+    return _median_rate([v.get("device_step_bytes_per_s") for k, v in rates.items()
+                         if k.startswith(f"{layout}|ops:") and isinstance(v, dict)])
+
+
 def device_step_rate(
     device: torch.device | str,
     parts: Sequence[int],
@@ -279,7 +296,8 @@ def device_step_rate(
     the model's own compute-bound kernels (``profile/ops.compute_load`` of ``load_nodes``, the
     captured forward and backward graphs' nodes; 8192^3 matrix products where there are none), as
     each step's 14 bytes a parameter copied out over the median step's own span (first copy in to
-    last copy out, as ``runtime/offload/step_window.StepWindow`` times training's steps); once per layout and load, with
+    last copy out, as ``runtime/offload/step_window.StepWindow`` times training's steps); once per layout and load
+    (:func:`kept_device_step_rate`: another input shape of the model reads its layout's rate), with
     one progress line, kept in ``device``'s profile file (``"device_step_by_layout"``, with the
     round's rate, as :func:`_device_step_bytes_per_s` reads one, and the CPU step's rate beside the
     device steps, for comparison with training's). 0 where there is nothing to measure: not CUDA, no
@@ -312,8 +330,7 @@ def device_step_rate(
     data = json.loads(path.read_text(encoding="utf-8"))
     rates = data.setdefault("device_step_by_layout", {})
     key = f"{layout_key(parts)}|{load_key}"
-    got = rates.get(key)
-    if not refresh and isinstance(got, dict) and (rate := _median_rate([got.get("device_step_bytes_per_s")])):
+    if not refresh and (rate := kept_device_step_rate(rates, parts, load_key)):
         return rate
 
     n = sum(parts)

@@ -429,3 +429,23 @@ def test_a_cards_own_rates_are_measured_once_cached_and_priced_with(tmp_path, mo
     assert priced.hbm_efficiency == machine.MEASURED_HBM_EFFICIENCY
     assert machine.machine_for(torch.device("cuda"), {"hbm_bytes": 1e12}).hbm_bytes == 1e12  # the option still wins
     assert machine_profile.card_machine("cpu", cache=tmp_path) is None
+
+
+def test_a_layout_beside_its_models_ops_at_other_sizes_reads_the_rate_kept_for_them():
+    """Another input shape of a model (its ops at other sizes: another ``ops:`` load) reads the device-step
+    rate of its chunk layout measured beside the first shape's; the stand-in matrix products do not
+    stand in for a model's ops, nor another layout's rates."""
+    from protrain_fx.profile.device import layout_key
+    from protrain_fx.profile.machine_profile import kept_device_step_rate
+
+    parts, other = [3 * 2**20, 64, 2**20], [2**20, 64]
+    rates = {f"{layout_key(parts)}|ops:aaaa": {"device_step_bytes_per_s": 2e10},
+             f"{layout_key(parts)}|ops:bbbb": {"device_step_bytes_per_s": 4e10},
+             f"{layout_key(parts)}|matmul": {"device_step_bytes_per_s": 9e10},
+             f"{layout_key(other)}|ops:cccc": {"device_step_bytes_per_s": 7e10}}
+    assert kept_device_step_rate(rates, parts, "ops:aaaa") == 2e10  # its own
+    assert kept_device_step_rate(rates, parts, "ops:dddd") == 3e10  # the median beside the model's other shapes
+    assert kept_device_step_rate(rates, parts, "matmul") == 9e10
+    del rates[f"{layout_key(parts)}|matmul"]
+    assert kept_device_step_rate(rates, parts, "matmul") == 0.0  # measured: no model's ops stand in for products
+    assert kept_device_step_rate(rates, [5, 6], "ops:aaaa") == 0.0  # another layout: measured

@@ -221,6 +221,9 @@ def test_the_device_step_rate_of_a_chunk_layout_is_measured_once_and_kept(tmp_pa
 
     monkeypatch.setattr(profile_device, "device_step_spans", measure_again)
     assert machine_profile.device_step_rate("cuda", parts, load_nodes=nodes, cache=tmp_path) == rate
+    # another input shape of the model: its ops at other sizes read the layout's rate beside the first ones
+    other = list(make_fx(lambda a: a @ a.T, tracing_mode="fake")(x[:2048]).graph.nodes)
+    assert machine_profile.device_step_rate("cuda", parts, load_nodes=other, cache=tmp_path) == rate
     with pytest.raises(AssertionError, match="measured again"):  # another layout is measured
         machine_profile.device_step_rate("cuda", parts[::-1], cache=tmp_path)
 
