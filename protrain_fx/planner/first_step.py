@@ -194,9 +194,9 @@ def _watch_held_gradients(record: CapturedGraph, compiled: Callable, inputs: Seq
         if calls < HELD_GRADIENT_CALLS and torch.is_grad_enabled():
             calls += 1
             grads = [g for r in params if (p := r()) is not None and (g := p.grad) is not None and g.device == device]
-            if grads:
+            held = sum(g.untyped_storage().nbytes() for g in grads)  # (an offloaded parameter's: a shell of 0)
+            if held:
                 calls = HELD_GRADIENT_CALLS
-                held = sum(g.untyped_storage().nbytes() for g in grads)
                 auto = record.auto_plan
                 cap = f" of its cap {human_bytes(auto.allocated_cap_bytes)}" if auto is not None else ""
                 log.warning(

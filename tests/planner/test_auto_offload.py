@@ -10,6 +10,7 @@ machine running the tests.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -20,6 +21,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT, gpt_config, random_batch
+from protrain_fx.analysis.readable import human_bytes
 from protrain_fx.plan import from_counts
 from protrain_fx.planner import first_step, verify
 from protrain_fx.planner import offload as autooffload
@@ -27,7 +29,7 @@ from protrain_fx.planner.budget import allocated_cap_bytes, budget_for_peak
 from protrain_fx.search.cost import CostModel
 from protrain_fx.search.problem import Counts, MachineProfile
 from protrain_fx.search.search import NoPlanFits
-from tests.planner.test_auto_plan import _no_plan_fits
+from tests.planner.test_auto_plan import _no_plan_fits, logged  # noqa: F401  (logged: a fixture)
 from tests.runtime.test_offload import (
     CHUNK,
     CONFIG,
@@ -675,3 +677,32 @@ def test_a_plan_whose_rewrite_holds_more_chunks_than_its_buffers_is_placed_again
     assert "chunk buffers in its rewritten step; placed again with them" in caplog.text
     _assert_same_params(handle, model, reference)
     handle.close()
+
+
+@pytest.mark.parametrize("said", [False, True])
+def test_accumulating_micro_batches_hold_the_persistent_chunks_gradients_counted_or_named(logged, said):
+    """Micro-batches accumulated with ``handle.accumulate()``: the persistent chunks' parameters hold
+    their gradients into the next micro-batch. With ``accumulation_steps`` the chosen plan counts them
+    (the analysis' held gradients); without it, one warning names their bytes and the option. The
+    updates stay exactly eager's either way."""
+    model, reference, opt, ref_opt, handle, compiled = _setup(TIGHT, **({"accumulation_steps": 2} if said else {}))
+    for step in range(2):
+        for micro in range(2):
+            idx, targets = _batch(2 * step + micro)
+            loss, ref_loss = compiled(idx, targets), reference(idx, targets)
+            assert torch.equal(loss, ref_loss), (step, micro)
+            with handle.accumulate() if micro == 0 else contextlib.nullcontext():
+                (loss / 2).backward()
+            (ref_loss / 2).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    _assert_same_params(handle, model, reference)
+    record = _train_record()
+    assert 0 < handle.n_persist and record.step.held_gradients is said
+    persistent = sum(p.untyped_storage().nbytes() for p in model.parameters() if p.requires_grad)
+    assert (record.memory.timeline.baseline_bytes.get("gradient") == persistent) is said
+    warned = [r.getMessage() for r in logged if "holding" in r.getMessage()]
+    assert len(warned) == (0 if said else 1)
+    if not said:
+        assert human_bytes(persistent) in warned[0] and "accumulation_steps" in warned[0]
