@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
@@ -177,8 +178,6 @@ def _watch_held_gradients(record: CapturedGraph, compiled: Callable, inputs: Seq
     that option, or ``zero_grad(set_to_none=False)``. Found, one warning names their bytes, the
     predicted peak with them and the cap, and the way out. Weak references: the model's parameters are
     not kept alive by its compiled code."""
-    import weakref
-
     step = record.step
     if step is None or step.held_gradients or record.memory is None:
         return compiled
