@@ -361,7 +361,7 @@ def _taken(entry: dict[str, Any], key: PlanKey, device: str, returned: tuple[Ret
         reserve_bytes=measured if known else entry["reserve_bytes"],
         reserve_source="measured" if known else entry["reserve_source"],
         returned=returned,
-        around_estimate_s=returned_seconds(returned, device),
+        around_estimate_s=returned_seconds(returned, device, key.parts.get("machine")),  # the option's overrides
         rate_spread=spread,
         offload=entry["offload"],
         choose_s=time.perf_counter() - started,
