@@ -490,6 +490,7 @@ def _build_offload(spec: str, size: str, device: str, accumulate: int = 1, clip:
     run = torch.compile(model, backend="protrain", options=options)
     loss_fn = _loss_fn(run, size)
     last_busy, last_wait, last_landing = [0.0], [0.0], [handle.landing_wait_s]
+    last_adds = [0.0, 0.0]  # the store's accumulated adds: staging waits, seconds adding
 
     untimed = [False]  # run_one's stream phase: no events, no sync, no breakdown
 
@@ -533,6 +534,7 @@ def _build_offload(spec: str, size: str, device: str, accumulate: int = 1, clip:
             events[3].record()
             events[3].synchronize()
             busy = worker.busy_s if worker else 0.0
+            adds = handle.store.adds if handle.store else None
             # device steps still running are reported with the next step (no sync to perturb it)
             timing = (device_adam.timing or []) if device_adam else []
             n_done = next((i for i, t in enumerate(timing) if not t[2].query()), len(timing))  # in stream order
@@ -547,12 +549,19 @@ def _build_offload(spec: str, size: str, device: str, accumulate: int = 1, clip:
                 "device_optimizer_wait_s": (device_adam.wait_s if device_adam else 0.0) - last_wait[0],
                 # backward's thread waiting for a lean chunk's gradient landing buffer
                 "landing_wait_s": handle.landing_wait_s - last_landing[0],
+                # accumulated micro-batches: backward's thread waiting for a staging buffer (the adds
+                # behind), and the worker's seconds adding (runtime/store/grad_adds.py)
+                "staging_wait_s": adds.staging_wait_s - last_adds[0] if adds else 0.0,
+                "host_add_s": adds.add_s - last_adds[1] if adds else 0.0,
+                "staging_buffers": adds.staging_bytes // max(1, handle.store.chunk_numel * handle.store.compute_dtype.itemsize)
+                if adds else 0,
                 # each device step: chunk, seconds from its first copy in to its last copy out, and
                 # when it started after this step's backward started
                 "device_steps": [(c, a.elapsed_time(b) / 1e3, events[1].elapsed_time(a) / 1e3) for c, a, b in timed],
             })
             del timing[:n_done]
             last_landing[0] = handle.landing_wait_s
+            last_adds[:] = (adds.staging_wait_s, adds.add_s) if adds else (0.0, 0.0)
             last_busy[0] = busy
             last_wait[0] = device_adam.wait_s if device_adam else 0.0
         return torch.stack(losses).float().mean()

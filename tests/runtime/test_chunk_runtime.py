@@ -515,6 +515,41 @@ def test_accumulated_adds_run_on_the_worker_from_two_staging_buffers_and_are_wai
     assert store.host_bytes() == 3 * 16 * 16 + store.adds.staging_bytes
 
 
+@pytest.mark.parametrize("spare_chunks, buffers", [(6, 3), (3, 2), (0, 2)])
+def test_accumulating_takes_a_staging_buffer_per_landing_chunk_within_half_the_spare_host_memory(
+        monkeypatch, spare_chunks, buffers):
+    # Three chunks land an add each micro-batch; the store's limit leaves room for ``spare_chunks``
+    # chunks of staging, half of which the adds may take. With a buffer per chunk the third landing
+    # does not wait for the held-back worker; with two it does.
+    from protrain_fx.runtime.store import grad_adds
+
+    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
+    store = ChunkStore(_layout(model, 64), _named(model), pin_memory=False)
+    per = store.chunk_numel * 4
+    store.adds.accumulating(3, store.host_bytes() + spare_chunks * per, store.host_bytes)
+    store.adds.accumulating(3, None, store.host_bytes)  # decided once
+    assert store.adds.limit == buffers
+    release, add = threading.Event(), grad_adds._add
+
+    def held_back(dsts, srcs):
+        release.wait(timeout=10)
+        add(dsts, srcs)
+
+    monkeypatch.setattr(grad_adds, "_add", held_back)
+    with OptimizerWorker(lambda chunk_id: None) as worker:
+        store.adds.run = worker.run
+        for c in range(3):
+            store.write_grad(c, torch.ones(16), accumulate=True)  # nothing held: written here
+        threading.Timer(0.05, release.set).start()
+        for c in range(3):
+            store.write_grad(c, torch.ones(16), accumulate=True)  # adds, held back until the release
+        assert (store.adds.staging_wait_s > 0) == (buffers < 3)
+        release.set()
+        for c in range(3):
+            assert torch.equal(store.grad_fp32(c), torch.full((16,), 2.0)), c
+    assert store.adds.staging_bytes == buffers * per and store.adds.add_s > 0
+
+
 def test_a_failed_accumulated_add_is_raised_where_the_gradient_is_waited_for(monkeypatch):
     from protrain_fx.runtime.store import grad_adds
 

@@ -219,7 +219,7 @@ def test_the_device_step_rate_of_a_chunk_layout_is_measured_once_and_kept(tmp_pa
     def measure_again(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(profile_device, "device_step_spans", measure_again)
+    monkeypatch.setattr(machine_profile, "device_step_spans", measure_again)  # the name device_step_rate calls
     assert machine_profile.device_step_rate("cuda", parts, load_nodes=nodes, cache=tmp_path) == rate
     # another input shape of the model: its ops at other sizes read the layout's rate beside the first ones
     other = list(make_fx(lambda a: a @ a.T, tracing_mode="fake")(x[:2048]).graph.nodes)

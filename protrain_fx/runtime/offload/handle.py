@@ -463,6 +463,9 @@ class OffloadHandle(StateDicts, Landing):
     def accumulate(self) -> Iterator[None]:
         """Backward passes inside add their gradients without stepping (micro-batches of one step)."""
         previous, self._accumulating = self._accumulating, True
+        if self.store is not None:  # each micro-batch adds every landing chunk's gradient on the host
+            self.store.adds.accumulating(len(self.layout.chunks) - self.n_gpu_optim, self.options.available_host_bytes,
+                                         self.store.host_bytes)
         try:
             yield
         finally:

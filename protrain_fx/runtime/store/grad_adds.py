@@ -31,15 +31,26 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
+from protrain_fx.runtime.store.host_memory import AUTO_HOST_RESERVE, available_host_bytes
 from protrain_fx.runtime.store.pinned import host_empty
 
-__all__ = ["STAGING_BUFFERS", "PendingAdds"]
+__all__ = ["ACCUMULATING_STAGING_BUFFERS", "ACCUMULATING_STAGING_SHARE", "STAGING_BUFFERS", "PendingAdds"]
 
 #: Staging buffers of accumulated landings: one takes the next chunk's copy from the device while
 #: the worker adds the other's (double buffering). More help only while the worker's adds fall
 #: behind the landings, which ``PendingAdds.staging_wait_s`` shows. Bounds the host memory they
-#: take to two chunks of the compute dtype.
+#: take to two chunks of the compute dtype outside accumulation.
 STAGING_BUFFERS = 2
+
+#: Most staging buffers while a handle accumulates micro-batches (:meth:`PendingAdds.accumulating`):
+#: every offloaded chunk then lands an add per micro-batch, and with two buffers the backward waits
+#: for the worker's adds chunk by chunk; with one per landing chunk, one micro-batch's adds run on
+#: beside the next one's forward (``docs/results.md#b24-l-at-42b``).
+ACCUMULATING_STAGING_BUFFERS = 16
+
+#: Share of the host memory spare beyond the store's (``host_memory.AUTO_HOST_RESERVE`` kept free,
+#: or the store's own limit) that the accumulating staging buffers may take.
+ACCUMULATING_STAGING_SHARE = 0.5
 
 Runner = Callable[[Callable[[], None]], "Future[None]"]
 
@@ -68,6 +79,27 @@ class PendingAdds:
         self.queued = 0
         #: Seconds the landing thread waited for a staging buffer (the worker's adds behind).
         self.staging_wait_s = 0.0
+        #: Seconds the adds themselves took (on the worker, after their copies ended).
+        self.add_s = 0.0
+        #: Staging buffers made at most (raised once by :meth:`accumulating`).
+        self.limit = STAGING_BUFFERS
+        self._widened = False
+
+    def accumulating(self, landing_chunks: int, limit_bytes: int | None, used_bytes: Callable[[], int]) -> None:
+        """Allow one staging buffer per chunk that lands an add each micro-batch (``landing_chunks``),
+        at most :data:`ACCUMULATING_STAGING_BUFFERS` and :data:`ACCUMULATING_STAGING_SHARE` of the
+        host memory spare: ``limit_bytes - used_bytes()`` where the store has a limit, else what the
+        host has available beyond ``AUTO_HOST_RESERVE``. Never fewer than :data:`STAGING_BUFFERS`;
+        decided once (the buffers are made as landings need them)."""
+        if self._widened:
+            return
+        self._widened = True
+        if limit_bytes is not None:
+            spare = limit_bytes - used_bytes()
+        else:
+            spare = (available_host_bytes() or 0) - AUTO_HOST_RESERVE
+        fit = int(ACCUMULATING_STAGING_SHARE * max(0, spare)) // (self._numel * self._dtype.itemsize)
+        self.limit = max(self.limit, min(ACCUMULATING_STAGING_BUFFERS, landing_chunks, fit))
 
     @property
     def staging_bytes(self) -> int:
@@ -113,7 +145,9 @@ class PendingAdds:
             try:
                 for event in events:
                     event.synchronize()
+                start = time.perf_counter()
                 _add(dsts, views)
+                self.add_s += time.perf_counter() - start  # (the worker's thread alone writes it)
             except BaseException as error:
                 error.add_note(f"(adding an accumulated gradient into chunk {chunk_id} on the host)")
                 raise
@@ -154,9 +188,9 @@ class PendingAdds:
         return future
 
     def _take(self) -> torch.Tensor:
-        """A free staging buffer: a new one while fewer than :data:`STAGING_BUFFERS` exist, else the
-        oldest once its add is done (the worker is then behind the landings)."""
-        if self._made < STAGING_BUFFERS and not (self._staging and _idle(self._staging[0][1])):
+        """A free staging buffer: a new one while fewer than :attr:`limit` exist, else the oldest
+        once its add is done (the worker is then behind the landings)."""
+        if self._made < self.limit and not (self._staging and _idle(self._staging[0][1])):
             self._made += 1
             return host_empty(self._numel, self._dtype, self._pinned)
         buffer, future = self._staging.popleft()
