@@ -51,7 +51,10 @@ offloaded, selective updates: not exact, timed as the mean over whole update int
 Column ``exact`` says whether a system's update is AdamW's (its loss comparable with ours).
 An OOM records its traceback; with ``PEERS_OOM_REPORT=1`` the allocator's history is recorded from
 the end of the first step and the OOM records what held the device (``oom_blocks``: live bytes by
-the innermost frame of ours, a peer's or Inductor's generated code that allocated them).
+the innermost frame of ours, a peer's or Inductor's generated code that allocated them). With
+``PEERS_TRACE=N`` a protrain run traces N more steps under ``torch.profiler`` after its timed ones
+(``trace``: the top kernels, copies and CPU ops by time and the device's busy time a step, as
+``bench/loops.py``'s ``trace`` flag records).
 
 Protocols. ``--protocol B24`` (default) is one micro-batch per optimizer step; ``--protocol B24-L``
 (or ``--accumulate K``) accumulates 8 (K) micro-batches of ``--batch`` x ``--seq``, each its own
@@ -733,6 +736,10 @@ def run_one(size: str, system: str, *, steps: int, warmup: int, batch: int, seq:
         result.update(status="ok", step_s=step_s, step_times_s=times, loss=float(loss.item()))
         if world and cuda:  # one more step, traced: the collectives' kernel time and what of it is exposed
             result.update(_collective_profile(lambda: step(batches), sync))
+        if system.startswith("protrain") and int(os.environ.get(TRACE_ENV) or 0) > 0:
+            from loops import traced
+
+            result["trace"] = traced(lambda: step(batches), cuda, steps=int(os.environ[TRACE_ENV]))
     except torch.OutOfMemoryError as e:
         result.update(status="OOM", reason=str(e).splitlines()[0][:300], traceback=traceback.format_exc()[-3000:])
         if cuda and os.environ.get(OOM_REPORT_ENV):
@@ -825,6 +832,8 @@ REREAD_ENV = "PEERS_REREAD"
 #: Set (to anything): the allocator's history is recorded from the end of the first step, and an OOM
 #: records what held the device then (``oom_blocks``).
 OOM_REPORT_ENV = "PEERS_OOM_REPORT"
+#: Set to N > 0: a protrain run traces N more steps after its timed ones (``loops.traced``; ``trace``).
+TRACE_ENV = "PEERS_TRACE"
 #: Frames that say who allocated a block: the first one in these files, innermost first.
 _OWNER_PARTS = ("/protrain_fx/", "/bench/", "/examples/", "torchinductor_", "/deepspeed/")
 

@@ -368,6 +368,18 @@ def test_clipping_is_each_systems_own():
     assert "gradient_clipping" not in configs.deepspeed_config("superoffload", micro_batch=8)
 
 
+def test_a_traced_protrain_run_records_its_top_ops(monkeypatch):
+    """``PEERS_TRACE=1``: one more step under ``torch.profiler`` after the timed ones, its top CPU ops kept."""
+    monkeypatch.setenv(peers.TRACE_ENV, "1")
+    result = peers.run_one("tiny", "protrain", steps=1, warmup=1, batch=2, seq=16, cap_gib=0.0, device="cpu")
+    assert result["status"] == "ok", result.get("reason")
+    trace = result["trace"]
+    assert trace["wall_s_per_step"] > 0 and trace["top_cpu"] and all(op["cpu_ms"] >= 0 for op in trace["top_cpu"])
+    monkeypatch.setenv(peers.TRACE_ENV, "0")
+    assert "trace" not in peers.run_one("tiny", "protrain", steps=1, warmup=1, batch=2, seq=16, cap_gib=0.0,
+                                        device="cpu")
+
+
 def test_accumulated_steps_average_the_micro_batches_losses_and_count_their_tokens():
     result = peers.run_one("tiny", "eager", steps=1, warmup=1, batch=2, seq=16, cap_gib=0.0, device="cpu",
                            accumulate=3)
