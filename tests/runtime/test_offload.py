@@ -333,7 +333,7 @@ def test_gradient_accumulation_equals_the_summed_gradients(settings, monkeypatch
     assert store.adds.queued == len(threads) == (1 + 2) * trainable  # k - 1 adds per chunk and step
     assert threading.get_ident() not in threads and len(set(threads)) == 1  # the worker's thread
     # accumulating: a staging buffer per landing chunk at most (the host has room for these), reused
-    landing = len(handle.layout.chunks) - handle.n_gpu_optim
+    landing = len(handle.layout.chunks) - handle.n_persist
     assert store.adds.limit == min(grad_adds.ACCUMULATING_STAGING_BUFFERS, landing) > grad_adds.STAGING_BUFFERS
     assert grad_adds.STAGING_BUFFERS * store.chunk_numel * 4 <= store.adds.staging_bytes
     assert store.adds.staging_bytes <= store.adds.limit * store.chunk_numel * 4

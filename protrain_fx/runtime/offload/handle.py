@@ -463,8 +463,8 @@ class OffloadHandle(StateDicts, Landing):
     def accumulate(self) -> Iterator[None]:
         """Backward passes inside add their gradients without stepping (micro-batches of one step)."""
         previous, self._accumulating = self._accumulating, True
-        if self.store is not None:  # each micro-batch adds every landing chunk's gradient on the host
-            self.store.adds.accumulating(len(self.layout.chunks) - self.n_gpu_optim, self.options.available_host_bytes,
+        if self.store is not None:  # each micro-batch adds every offloaded chunk's gradient on the host
+            self.store.adds.accumulating(len(self.layout.chunks) - self.n_persist, self.options.available_host_bytes,
                                          self.store.host_bytes)
         try:
             yield

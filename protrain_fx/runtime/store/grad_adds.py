@@ -147,7 +147,7 @@ class PendingAdds:
                     event.synchronize()
                 start = time.perf_counter()
                 _add(dsts, views)
-                self.add_s += time.perf_counter() - start  # (the worker's thread alone writes it)
+                self.add_s += time.perf_counter() - start  # (jobs run one at a time, in one thread)
             except BaseException as error:
                 error.add_note(f"(adding an accumulated gradient into chunk {chunk_id} on the host)")
                 raise
