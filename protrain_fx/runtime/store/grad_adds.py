@@ -45,7 +45,8 @@ STAGING_BUFFERS = 2
 #: Most staging buffers while a handle accumulates micro-batches (:meth:`PendingAdds.accumulating`):
 #: every offloaded chunk then lands an add per micro-batch, and with two buffers the backward waits
 #: for the worker's adds chunk by chunk; with one per landing chunk, one micro-batch's adds run on
-#: beside the next one's forward (``docs/results.md#b24-l-at-42b``).
+#: beside the next one's forward. 16 bounds their pinned memory to 16 chunks; B24-L's 4.2B step makes 7
+#: (``docs/results.md#b24-l-at-42b``).
 ACCUMULATING_STAGING_BUFFERS = 16
 
 #: Share of the host memory spare beyond the store's (``host_memory.AUTO_HOST_RESERVE`` kept free,
