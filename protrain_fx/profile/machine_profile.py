@@ -10,13 +10,14 @@ measuring; ``refresh=True`` measures again. Rates are bytes or parameters per se
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -60,6 +61,19 @@ from protrain_fx.search import problem
 log = logging.getLogger("protrain_fx")
 
 
+@contextlib.contextmanager
+def _timed(seconds: dict, what: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``seconds[what]`` (a profile file's ``"seconds"``) and log
+    them: the profile is part of a first compile's wait, and its parts are what can be shortened."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        took = time.perf_counter() - start
+        seconds[what] = round(seconds.get(what, 0.0) + took, 3)
+        log.info("protrain_fx: measuring %s took %.1f s", what, took)
+
+
 #: The keys of a card's rates (``profile/device.card_rates``), all required in its file.
 CARD_KEYS = ("flops", "hbm_bytes", "h2d_bytes", "d2h_bytes", "duplex_bytes")
 
@@ -95,7 +109,8 @@ def card_machine(
         progress.note(f"protrain_fx: measuring {device_name(device)} (matrix products, memory and link bandwidth; "
                       f"once, cached in {path})")
         try:
-            rates = card_rates(device)
+            with _timed({}, "the card's rates"):
+                rates = card_rates(device)
         except torch.OutOfMemoryError:  # a budget too tight for it: the table's numbers stand in
             log.info("protrain_fx: %s could not be measured within the memory this process may use; its plans "
                      "use the table's rates", device_name(device))
@@ -157,7 +172,8 @@ def chunk_adam_rate(
         progress.note(f"protrain_fx: measuring the CPU step of a {n / 2**20:.3g}M-parameter chunk on {device_name(device)} "
                       f"({'again: the fastest of readings apart in time is kept' if taken else 'once'}, cached in {path})")
         busy = wait_for_quiet_cpus(device, "the CPU step")
-        taken.append(_chunk_adam_params_per_s(device.type == "cuda", n, repeat))
+        with _timed(data.setdefault("seconds", {}), f"the CPU step of {n}-parameter chunks"):
+            taken.append(_chunk_adam_params_per_s(device.type == "cuda", n, repeat))
         if busy is not None:
             data.setdefault("busy_elsewhere", []).append([f"cpu_adam_by_chunk {n}", busy])
         if device.type == "cuda":
@@ -223,12 +239,17 @@ def measure_machine(
     # the two rates training pays on every step: medians of more rounds (a median of 3 rounds reads
     # well above training now and then)
     busy = wait_for_quiet_cpus(device, "the CPU step")
-    cpu_adam = _chunk_adam_params_per_s(device.type == "cuda", adam_params, 2 * repeat + 1)
+    seconds: dict[str, float] = {}
+    with _timed(seconds, "the CPU step"):
+        cpu_adam = _chunk_adam_params_per_s(device.type == "cuda", adam_params, 2 * repeat + 1)
     stand_ins: list[str] = []
     if device.type == "cuda":
-        h2d, d2h, duplex = _cuda_copy_rates(device, copy_bytes, repeat)
-        gpu_adam = _adam_params_per_s(device, adam_params, repeat)
-        device_step = _device_step_bytes_per_s(DEVICE_STEP_PARAMS, repeat=2 * repeat + 1)
+        with _timed(seconds, "the copy rates"):
+            h2d, d2h, duplex = _cuda_copy_rates(device, copy_bytes, repeat)
+        with _timed(seconds, "the device's AdamW"):
+            gpu_adam = _adam_params_per_s(device, adam_params, repeat)
+        with _timed(seconds, "the device steps"):
+            device_step = _device_step_bytes_per_s(DEVICE_STEP_PARAMS, repeat=2 * repeat + 1)
         gpu_bytes = int(torch.cuda.get_device_properties(device).total_memory)
         torch.cuda.empty_cache()  # the measurement's blocks go back (a compile may be measuring under a budget)
     else:
@@ -257,6 +278,7 @@ def measure_machine(
         "profile": profile.to_dict(),
         # per CPU measurement: what, and the fraction of the host's CPUs busy elsewhere as it started
         "busy_elsewhere": [["machine", busy]] if busy is not None else [],
+        "seconds": seconds,  # per measurement, with those of later ones (the profile's share of a first compile)
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_json(path, data)
@@ -340,15 +362,18 @@ def device_step_rate(
         progress.note(f"protrain_fx: not measuring device steps of this chunk layout: it pins {need / 2**30:.1f} GiB and "
                       f"{available / 2**30:.1f} GiB of host memory are available")
         return 0.0
-    load = compute_load(load_nodes, device) if signatures else None
+    seconds = data.setdefault("seconds", {})
+    with _timed(seconds, "the model's ops as load"):
+        load = compute_load(load_nodes, device) if signatures else None
     beside, what = (load[0], f"{len(load[1])} of the model's ops") if load else ("matmul", "matrix products")
     progress.note(f"protrain_fx: measuring device steps of chunks of {n / 2**20:.3g}M parameters in {len(parts)} tensors "
                   f"on {device_name(device)} beside {what} (once per layout, cached in {path})")
     busy = wait_for_quiet_cpus(device, "the device steps beside the CPU step")
     cpu: list[float] = []
     steps: list[float] = []
-    spans = device_step_spans(n, LAYOUT_STEP_CHUNKS, repeat, cpu=True, beside=beside, parts=parts,
-                              cpu_rates=cpu, step_spans=steps)
+    with _timed(seconds, f"device steps of the {layout_key(parts)} layout"):
+        spans = device_step_spans(n, LAYOUT_STEP_CHUNKS, repeat, cpu=True, beside=beside, parts=parts,
+                                  cpu_rates=cpu, step_spans=steps)
     if load is not None and load[0].out_of_memory:
         what += ", until the device ran out of memory"
     del load, beside

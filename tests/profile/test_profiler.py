@@ -275,6 +275,10 @@ def test_cpu_chunk_rate_is_measured_per_chunk_size_and_cached(tmp_path, monkeypa
     # the profile itself is untouched, and the rates live in its file
     data = json.loads(profile_cache.cache_path("cpu", tmp_path).read_text())
     assert set(data["cpu_adam_by_chunk"]) == {str(granule), str(2 * granule)}
+    # each measurement's seconds are kept beside its rate (a first compile's wait, taken apart)
+    assert set(data["seconds"]) == {"the CPU step", f"the CPU step of {granule}-parameter chunks",
+                                    f"the CPU step of {2 * granule}-parameter chunks"}
+    assert all(s >= 0 for s in data["seconds"].values()) and data["seconds"]["the CPU step"] > 0
     assert machine_profile.measure_machine("cpu", cache=tmp_path, **kw).cpu_adam_params_per_s == data["profile"]["cpu_adam_params_per_s"]
 
 
