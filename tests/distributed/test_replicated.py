@@ -95,13 +95,20 @@ def _train_replicated(rank: int, world: int, micro: int) -> dict:
     same = common.full_params(handle.state_dict(model), reference)
     reduced = handle.grad_sync.reduced
     handle.close()
+    torch._dynamo.reset()  # the next model of this class compiles for its own chunks
     return {"losses": same_losses, "params": same, "reduced": reduced, "threads": handle.group.local_world_size}
 
 
+def _train_replicated_each(rank: int, world: int, micros: tuple[int, ...]) -> list[dict]:
+    """:func:`_train_replicated` for each micro-batch count, one model after the other, in one start of the
+    ranks (a start is most of a run: each rank imports torch and joins the group)."""
+    return [_train_replicated(rank, world, micro) for micro in micros]
+
+
 def test_every_chunk_on_the_device_trains_as_eager_on_the_averaged_gradients():
-    for micro in (1, 2):  # 2: a micro-batch under handle.accumulate(), reduced once at the last
-        ranks = run_ranks(_train_replicated, micro)
-        for result in ranks:
+    micros = (1, 2)  # 2: a micro-batch under handle.accumulate(), reduced once at the last
+    for results in zip(*run_ranks(_train_replicated_each, micros)):  # per micro-batch count, each rank's
+        for result in results:
             assert all(result["losses"]), result["losses"]
             assert all(result["params"].values()), [n for n, ok in result["params"].items() if not ok]
             assert result["reduced"] == 3 * len(result["params"])  # each parameter once per step (tied: once)
