@@ -122,7 +122,7 @@ def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredC
             spans.append((span[0], span[-1], hid, chunk, params, span))
     done = []
     spans.sort(key=lambda s: order[s[0]])
-    releases: list[fx.Node] = []
+    releases: list[tuple[fx.Node, fx.Node]] = []  # (release, the node it follows)
     for number, (first, last, hid, chunk, params, span) in enumerate(spans):
         fake_mode = detect_fake_mode([p.meta["val"] for p in params])
         buffer_dtype = chunk_ops.handle(hid).store.compute_dtype  # what chunk_gather returns
@@ -133,8 +133,12 @@ def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredC
         readers_done = _tensor_results([n for n in touched if not meta.is_view(n) and n not in folded])
         last_touched = max([n for n in [*touched, *readers_done] if n not in folded], key=lambda n: order.get(n, -1),
                            default=last)
-        position = {n: i for i, n in enumerate(gm.graph.nodes)}
-        after = [r for r in releases if position[r] < position[first]]  # their tokens: ordering only
+        # releases before ``first`` (their tokens: ordering only): each sits right after its anchor
+        if first in order and all(a in order for _, a in releases):
+            after = [r for r, a in releases if order[a] < order[first]]
+        else:  # an anchor this pass made: the graph's order as it is now
+            position = {n: i for i, n in enumerate(gm.graph.nodes)}
+            after = [r for r, _ in releases if position[r] < position[first]]
         with gm.graph.inserting_before(first):
             buf = gm.graph.call_function(_ops.chunk_gather.default, (hid, chunk, number, params[0], after))
             with fake_mode:
@@ -167,7 +171,7 @@ def _rewrite_reads(gm: fx.GraphModule, info: dict, phase: str) -> list[GatheredC
             with fake_mode:
                 release.meta["val"] = _ops.chunk_release.default(buf.meta["val"], [], hid, chunk)
             _tag(release, last, phase)
-        releases.append(release)
+        releases.append((release, last_touched))
         done.append(
             GatheredChunk(phase, hid, chunk, tuple(info[p.name][3] for p in params), gather_before, last_touched.name)
         )
