@@ -60,7 +60,7 @@ from protrain_fx.inspect import structured
 from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
 from protrain_fx.planner.plan_cache import judgments, plan_key, reuse_or_choose
 from protrain_fx.planner.verify import Rewrite
-from protrain_fx.profile.machine_profile import measure_ahead, wait_ahead
+from protrain_fx.profile.machine_profile import card_machine
 from protrain_fx.runtime.offload import chunk_ops
 from protrain_fx.runtime.offload.step_window import StepWindow
 from protrain_fx.runtime.parallel import distributed
@@ -129,9 +129,9 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
     # The phases' seconds go to record.phases, and to a progress line on a terminal (progress.py).
     with progress.recording(record.phases, title=f"protrain_fx: graph {record.index}", since=started) as shown:
         cuda = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
-        if cuda is not None:  # the card's rates (every plan prices it at them), an offload's machine: beside capture
-            handle = deferred_handle(record)
-            measure_ahead(cuda, handle.chunk_params if handle is not None else None)
+        if cuda is not None:  # every plan and rewrite of this process prices the card at its own rates
+            with progress.phase("machine", "measuring the machine"), unset_fake_temporarily():
+                card_machine(cuda)
         shown.begin("capture", "capture (Dynamo, AOTAutograd)", since=started)  # ended by the partitioner
         if config.codegen == "eager":
             compiled = _compile_eager(gm, example_inputs, record)
@@ -143,7 +143,6 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
             with progress.phase("store", "filling the chunk store"):
                 chunk_ops.wait_filled()
         chunk_ops.wait_filled()  # a fill's error, if it raised
-        wait_ahead()  # (a graph with no backward plans nothing: nothing waited for it)
     # measured against predicted when a plan was chosen; an offload's rates over the timed calls
     return watch_first_step(record, compiled, peaks_before, lambda: _RunningHandle.open(record), example_inputs)
 
@@ -290,7 +289,6 @@ class _Partitioner(CustomPartitionerFn):
 
     def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         progress.end("capture")  # AOTAutograd has traced the joint graph
-        wait_ahead(phase=True)  # what measure_ahead started beside the capture
         with progress.phase("planning"):
             graphs = self._partition(joint, joint_inputs, **kwargs)
         record = self.record

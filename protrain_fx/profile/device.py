@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from protrain_fx.chunks import ParamInfo, pack
-from protrain_fx.profile import data_generator
 from protrain_fx.profile.cache import MiB
 from protrain_fx.profile.load import (
     _deep_queue_until,
@@ -122,9 +121,8 @@ def _best_event_s(run: Callable[[], Any], repeat: int) -> float:
 
 def _matmul_flops(device: torch.device, repeat: int) -> float:
     n = CARD_MATMUL_SIZE
-    gen = data_generator(device)
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device, generator=gen)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device, generator=gen)
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     return 2 * n**3 / _best_event_s(lambda: torch.mm(a, b), repeat)
 
 

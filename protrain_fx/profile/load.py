@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 
-from protrain_fx.profile import data_generator
 from protrain_fx.profile.cache import MiB
 
 
@@ -27,7 +26,7 @@ def _matmuls_until(done: Callable[[], bool], size: int = 8192) -> None:
     """Run bf16 matrix products of ``size`` x ``size`` (at 8192, about as long as a large model's
     backward products) on this thread's stream until ``done()``: a stand-in for backward's kernels,
     which hold the SMs that the device steps' update kernels queue for."""
-    x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda", generator=data_generator("cuda"))
+    x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     while not done():
         for _ in range(4):
             torch.mm(x, x)
@@ -42,7 +41,7 @@ def _deep_queue_until(done: Callable[[], bool], size: int = 8192, depth: int = 4
     runs; with ``drain``, it does when it returns (so a caller that returns often, as ``while_waiting``
     does, is held up by that drain); without, the kernels still queued run on after it returns, as
     backward's do while its thread waits for room for the next device step."""
-    x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda", generator=data_generator("cuda"))
+    x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     big = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").fill_(1.0)
     marks: list[torch.cuda.Event] = []
     while not done():

@@ -11,13 +11,11 @@ measuring; ``refresh=True`` measures again. Rates are bytes or parameters per se
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import json
 import logging
 import os
 import statistics
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -26,7 +24,7 @@ from torch import fx
 
 from protrain_fx import progress
 from protrain_fx.machine import Machine, remember_card
-from protrain_fx.profile import _ahead, keeps_rng, on_ahead_thread
+from protrain_fx.profile import keeps_rng
 from protrain_fx.profile.cache import (
     CACHE_VERSION,
     _granule,
@@ -76,68 +74,6 @@ def _timed(seconds: dict, what: str) -> Iterator[None]:
         log.info("protrain_fx: measuring %s took %.1f s", what, took)
 
 
-#: The thread measuring ahead (:func:`measure_ahead`), until a measurement of another thread has waited for it.
-_ahead_thread: list[threading.Thread] = []
-_ahead_lock = threading.Lock()
-
-
-def measure_ahead(device: torch.device | str, chunk_params: int | None = None) -> bool:
-    """Start measuring what a first compile's plan will read, on a thread of its own, while the
-    compile captures the step: the card's rates (:func:`card_machine`), and for an offload whose
-    counts the backend chooses (``chunk_params``: its chunks' parameters) the machine profile
-    (:func:`measure_machine`) and a first reading of the CPU step at the chunks' size
-    (:func:`chunk_adam_rate`). Whatever is cached already reads in an instant. Returns whether a
-    thread started (CUDA only, and no profile pinned).
-
-    Why: capture traces on the CPU with fake tensors and leaves the GPU idle for many seconds, and
-    these measurements need nothing of the graph; the ones that do (the device steps beside the
-    model's own kernels, the second CPU reading) follow in the plan, as before. Every measurement of
-    another thread first waits for this one (:func:`wait_ahead`), so no two measurements share the
-    machine, and a failure here (an out-of-memory under a tight budget) is left for that thread's own
-    call to meet and report."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available() or pinned_profile(device) is not None:
-        return False
-    wait_ahead()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    context = contextvars.copy_context()  # the compile's progress line gets its notes
-
-    def measure() -> None:
-        _ahead.on = True
-        try:
-            torch.cuda.set_device(index)
-            card_machine(device)
-            if chunk_params:
-                measure_machine(device)
-                chunk_adam_rate(device, chunk_params)
-            torch.cuda.synchronize(index)
-        except Exception as e:  # noqa: BLE001 -- met again, and reported, by the compile's own call
-            log.debug("protrain_fx: measuring ahead stopped: %s: %s", type(e).__name__, e)
-
-    thread = threading.Thread(target=context.run, args=(measure,), name="protrain_fx-measure-ahead", daemon=True)
-    with _ahead_lock:
-        _ahead_thread.append(thread)
-    thread.start()
-    return True
-
-
-def wait_ahead(*, phase: bool = False) -> None:
-    """Wait for the measurement :func:`measure_ahead` started, if one runs (not on its own thread);
-    with ``phase``, the wait is the compile's ``machine`` phase (``progress.py``)."""
-    if on_ahead_thread():
-        return
-    while True:
-        with _ahead_lock:
-            if not _ahead_thread:
-                return
-            thread = _ahead_thread[0]
-        with progress.phase("machine", "measuring the machine") if phase else contextlib.nullcontext():
-            thread.join()
-        with _ahead_lock:
-            if _ahead_thread and _ahead_thread[0] is thread:
-                _ahead_thread.pop(0)
-
-
 #: The keys of a card's rates (``profile/device.card_rates``), all required in its file.
 CARD_KEYS = ("flops", "hbm_bytes", "h2d_bytes", "d2h_bytes", "duplex_bytes")
 
@@ -158,7 +94,6 @@ def card_machine(
     Why measured: the estimate's memory-bound kernels run at the card's bandwidth, and a table keyed
     by name put an H100 at a generic card's (a third of its own), 40-50% off the step
     (``docs/results.md#the-estimate-on-each-card``)."""
-    wait_ahead()
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -221,7 +156,6 @@ def chunk_adam_rate(
 
     A pinned profile (``profile.cache.pin_machine_profile``) measures nothing: its CPU rate is every
     chunk size's."""
-    wait_ahead()
     device = torch.device(device)
     if (pinned := pinned_profile(device, cache)) is not None:
         return pinned.cpu_adam_params_per_s
@@ -290,7 +224,6 @@ def measure_machine(
       the host's physical memory (0 when unknown). The device step's rate is not measured (0: the
       cost model prices it at the shared copy rate).
     """
-    wait_ahead()
     device = torch.device(device)
     if (pinned := pinned_profile(device, cache)) is not None:
         return pinned
@@ -403,7 +336,6 @@ def device_step_rate(
     (``search/cost.CostModel._dev_refetch``), and training's rate is compared without them
     (``planner/rates.alone_rate``). A pinned profile (``profile.cache.pin_machine_profile``)
     measures nothing: its device-step rate is every layout's."""
-    wait_ahead()
     device = torch.device(device)
     parts = [int(x) for x in parts]
     if parts and min(parts) <= 0:

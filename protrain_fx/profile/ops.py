@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import flop_registry
 
 from protrain_fx import meta, progress
-from protrain_fx.profile import data_generator, keeps_rng
+from protrain_fx.profile import keeps_rng
 from protrain_fx.profile.cache import _write_json, cache_path, device_name
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ CLOCK_WARMUP_S = 0.2
 
 def warm_clocks(device: torch.device) -> None:
     """Keep ``device`` busy with matrix products for :data:`CLOCK_WARMUP_S`, so timings start at its working clocks."""
-    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16, generator=data_generator(device))
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     deadline = time.perf_counter() + CLOCK_WARMUP_S
     while time.perf_counter() < deadline:
         for _ in range(8):
@@ -256,9 +256,9 @@ def _real_tensor(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
     extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
     if dtype.is_floating_point or dtype.is_complex:
         if dtype.itemsize >= 2:
-            flat = torch.empty(extent, dtype=dtype, device=dev).normal_(generator=data_generator(dev)).mul_(0.02)
+            flat = torch.empty(extent, dtype=dtype, device=dev).normal_().mul_(0.02)
         else:  # float8: no normal_ kernel
-            flat = torch.empty(extent, device=dev).normal_(generator=data_generator(dev)).mul_(0.02).to(dtype)
+            flat = torch.empty(extent, device=dev).normal_().mul_(0.02).to(dtype)
     else:
         flat = torch.zeros(extent, dtype=dtype, device=dev)
     return flat.as_strided(shape, stride)
