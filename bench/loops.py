@@ -160,7 +160,11 @@ def prediction() -> dict:
     """The newest training graph's prediction in force: analysed peak and the plan's reserve."""
     import protrain_fx
 
-    records = [g for g in protrain_fx.captured_graphs() if g.backward is not None and g.memory is not None]
+    from protrain_fx.beside import waiting_graphs
+
+    waiting = waiting_graphs()  # compiled beside training, not running yet
+    records = [g for g in protrain_fx.captured_graphs()
+               if g.backward is not None and g.memory is not None and g.index not in waiting]
     if not records:
         return {}
     record = records[-1]
@@ -401,7 +405,8 @@ def run_one(run: dict, args) -> dict:
                                 "n_gpu_optim": handle.n_gpu_optim, "chunks": len(handle.layout.chunks),
                                 "host_bytes": handle.store.host_bytes() if handle.store else 0,
                                 "n_lean": handle.n_lean, "n_spill": handle.n_spill,
-                                "disk_bytes": handle.store.spill_bytes if handle.store else 0}
+                                "disk_bytes": handle.store.spill_bytes if handle.store else 0,
+                                "fill_s": handle.store.fill_s if handle.store else None}
             if handle.store is not None and handle.store.residency is not None:
                 result["spill_io"] = handle.store.residency.stats()
         result["inductor_s"] = inductor_seconds(kernel_timers)

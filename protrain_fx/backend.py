@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.nn.parallel import DistributedDataParallel
 
-from protrain_fx import heap, progress
+from protrain_fx import beside, heap, progress
 from protrain_fx.aot_cache import Hit, Relaunch, aot_cache_for, open_relaunch
 from protrain_fx.analysis.blocks import block_at_end
 from protrain_fx.analysis.memory import StepGraphs
@@ -96,7 +96,7 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
     started = _frame_compile_started()
     config = parse_options(options)
     expandable_segments(next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None))
-    peaks_before = peaks_at_compile_start()
+    peaks_before = None if beside.compiling_beside() else peaks_at_compile_start()  # (beside: the switch resets)
     record = new_record(config, gm, example_inputs, inside_block=block_at_end(gm) or _frame_is_a_block())
     if any(chunk_ops.orphaned(t) for t in record.real_inputs()):
         raise UnsupportedError(
@@ -144,7 +144,9 @@ def _protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = 
                 chunk_ops.wait_filled()
         chunk_ops.wait_filled()  # a fill's error, if it raised
     # measured against predicted when a plan was chosen; an offload's rates over the timed calls
-    return watch_first_step(record, compiled, peaks_before, lambda: _RunningHandle.open(record), example_inputs)
+    again = beside.CompileAgain(record, gm, example_inputs, lambda g, inputs: _protrain(g, inputs, record.config))
+    return again.switch(watch_first_step(record, compiled, peaks_before, lambda: _RunningHandle.open(record),
+                                         example_inputs, again))
 
 
 #: The partitioner's settings for a random op a plan recomputes (an attention on CUDA, whose kernels
@@ -574,8 +576,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
         phase = "inference" if kwargs.get("is_inference") else "backward" if kwargs.get("is_backward") else "forward"
         if phase == "inference":  # no backward: our partitioner never ran
             _record_inference(record, graph, inputs)
-        # the backward is lowered at the first backward(), after the compile's recording closed
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:  # (a backward lowered lazily: after the compile's recording closed)
             if progress.current() is None:
                 stack.enter_context(progress.recording(record.phases, title=f"protrain_fx: graph {record.index} ({phase})"))
             with progress.phase("codegen", f"Inductor codegen ({phase})"):
@@ -593,9 +594,10 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
         return compiled
 
     # AOTAutograd's cache stays off but where a relaunch may load the step planned (aot_cache.py):
-    # a hit skips partitioning, and with it our passes.
+    # a hit skips partitioning, and with it our passes. The backward is lowered now, not at the first
+    # backward: the chunk store fills beside both lowerings, and the first step waits for neither.
     relaunch = open_relaunch(record)
-    with aot_cache_for(relaunch):
+    with aot_cache_for(relaunch), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile,
                               config_patches=_compile_patches(record, relaunch))
     if relaunch is not None and relaunch.hit is not None:

@@ -295,7 +295,13 @@ def watch_break_lines() -> None:
 
 
 def _compiling_code() -> types.CodeType | None:
-    """The code object Dynamo is compiling now (its root frame's), or ``None`` outside Dynamo."""
+    """The code object Dynamo is compiling now (its root frame's), or ``None`` outside Dynamo; on
+    the thread that compiles a graph again beside training, that graph's (``beside.py``)."""
+    from protrain_fx.beside import code_compiled_beside
+
+    again = code_compiled_beside()
+    if again is not None:
+        return again
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 

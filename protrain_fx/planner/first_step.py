@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -56,6 +56,18 @@ log = logging.getLogger("protrain_fx")
 OpenOffload = Callable[[], "RunningOffload | None"]
 
 
+class CompileAgain(Protocol):
+    """How the backend compiles a graph again beside training (``beside.py``), lent to the watch of
+    its first steps."""
+
+    @property
+    def pending(self) -> bool:
+        """Whether that compile runs now (the calls meanwhile share the host with it: not timed)."""
+
+    def start(self) -> bool:
+        """Start it; ``False`` where the graph is compiled again at its next call instead."""
+
+
 #: The clock of those starts (a test drives it).
 _clock = time.perf_counter
 
@@ -88,7 +100,7 @@ def reset_peak(device: torch.device) -> None:
 
 def watch_first_step(
     record: CapturedGraph, compiled: Callable, peaks_before: Mapping[torch.device, int] | None = None,
-    open_offload: OpenOffload | None = None, inputs: Sequence[Any] = (),
+    open_offload: OpenOffload | None = None, inputs: Sequence[Any] = (), again: CompileAgain | None = None,
 ) -> Callable:
     """``compiled`` (the backend's callable for ``record``), measuring the first call made with grad
     enabled when ``record`` has an automatic plan: the memory counters when its forward starts, and
@@ -108,10 +120,11 @@ def watch_first_step(
 
     ``open_offload``: the backend's window on the offload whose chunks the plan placed
     (:func:`_open_rate_window`), opened when the timed calls start. ``inputs``: the compile's example
-    inputs, whose trainable parameters :func:`_watch_held_gradients` looks at."""
+    inputs, whose trainable parameters :func:`_watch_held_gradients` looks at. ``again``: how a faster
+    plan the first step finds is compiled beside training (:func:`record_first_step`)."""
     if record.auto_plan is None or record.memory is None:
         return compiled
-    compiled = _watch_held_gradients(record, _timing_calls(record, compiled, open_offload), inputs)
+    compiled = _watch_held_gradients(record, _timing_calls(record, compiled, open_offload, again), inputs)
     device = torch.device(record.memory.device)
     if STATE.reset_after_miss.pop(record.memory.device, False):
         reset_peak(device)
@@ -148,7 +161,7 @@ def watch_first_step(
         def finish() -> None:
             end = memory_counters(device)
             if end is not None:
-                record_first_step(record, start, end)
+                record_first_step(record, start, end, again)
 
         def on_grad(_grad: torch.Tensor) -> None:
             nonlocal queued
@@ -212,9 +225,11 @@ def _watch_held_gradients(record: CapturedGraph, compiled: Callable, inputs: Seq
     return call
 
 
-def _timing_calls(record: CapturedGraph, compiled: Callable, open_offload: OpenOffload | None = None) -> Callable:
+def _timing_calls(record: CapturedGraph, compiled: Callable, open_offload: OpenOffload | None = None,
+                  again: CompileAgain | None = None) -> Callable:
     """``compiled``, noting when its training calls start until :data:`STEP_TIMED_CALLS` have, then
-    :func:`record_step_period`. Calls without grad are not training steps and are not counted. When
+    :func:`record_step_period`. Calls without grad are not training steps and are not counted, nor
+    are those made while the graph is compiled again beside training (``again``). When
     the rates measured over those calls re-plan the running step (:func:`_close_rate_window`), as
     many calls after the next one are timed too, against the new prediction (``Replan.step_check``)."""
     starts: list[float] = []
@@ -234,7 +249,8 @@ def _timing_calls(record: CapturedGraph, compiled: Callable, open_offload: OpenO
     def call(*args: Any) -> Any:
         nonlocal after
         timed = False
-        if len(starts) < (after or (first, last))[1] and torch.is_grad_enabled():
+        if (len(starts) < (after or (first, last))[1] and torch.is_grad_enabled()
+                and (again is None or not again.pending)):
             starts.append(_clock())
             if len(starts) == first:
                 window.extend(_open_rate_window(record, open_offload))  # none without offloaded optimizer steps
@@ -480,7 +496,8 @@ def record_step_period(
     return check
 
 
-def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[int, int]) -> PeakCheck | None:
+def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[int, int],
+                      again: CompileAgain | None = None) -> PeakCheck | None:
     """The bookkeeping of :func:`watch_first_step`, from plain numbers: ``start`` and ``end`` are
     ``(memory_allocated, max_memory_allocated)`` at the forward's start and the backward's end.
     Stores a :class:`PeakCheck` on ``record.auto_plan`` and logs it, and keeps what the step held
@@ -491,8 +508,9 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
     with was an estimate and, with the measured one, the cost model finds a plan
     :data:`RAISE_MIN_GAIN` faster (:func:`faster_plan_under`); that plan is judged first by the
     compile again (``planner.verify.faster_after_first_step``), which keeps the plan that ran when
-    it does not fit. Returns ``None`` (logged) when the
-    step did not raise the process' peak, whose value is then unknown."""
+    it does not fit. A faster plan (not a miss) is compiled beside training where ``again`` starts
+    that compile (``beside.py``): the plan in force trains until it ends. Returns ``None`` (logged)
+    when the step did not raise the process' peak, whose value is then unknown."""
     auto, memory = record.auto_plan, record.memory
     assert auto is not None and memory is not None
     # Data-parallel: every rank judges the largest of the ranks' numbers (the plan must fit each).
@@ -540,6 +558,13 @@ def record_first_step(record: CapturedGraph, start: tuple[int, int], end: tuple[
     code = record.dynamo_code
     if code is not None and not check.over:  # the compile again judges the faster plan first
         STATE.faster_plan[(device, code)] = (auto.config, auto.how, better)
+        if again is not None and again.start():
+            auto.recompile = True
+            log.info("protrain_fx: graph %d: %s; this graph is compiled again beside training, and the plan in force "
+                     "trains until that compile ends; it and every later plan on %s keep %s under their cap for the "
+                     "code around the graph, as measured", record.index, why, device,
+                     human_bytes(STATE.measured_outside[device]))
+            return check
     if code is not None:  # the next call compiles this graph again, with the measured reserve
         from torch._dynamo.eval_frame import remove_from_cache
 

@@ -64,7 +64,11 @@ log = logging.getLogger("protrain_fx")
 @contextlib.contextmanager
 def _timed(seconds: dict, what: str) -> Iterator[None]:
     """Add the seconds the block takes to ``seconds[what]`` (a profile file's ``"seconds"``) and log
-    them: the profile is part of a first compile's wait, and its parts are what can be shortened."""
+    them: the profile is part of a first compile's wait, and its parts are what can be shortened.
+    Never on a compile beside training (``beside.refuse_measuring``)."""
+    from protrain_fx.beside import refuse_measuring
+
+    refuse_measuring(what)
     start = time.perf_counter()
     try:
         yield

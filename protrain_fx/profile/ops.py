@@ -144,7 +144,9 @@ def measure_op_times(
     missing = [sig for sig in first if sig not in known]
     if not missing:
         return known
+    from protrain_fx.beside import refuse_measuring
 
+    refuse_measuring(f"{len(missing)} of the model's ops")
     progress.note(f"protrain_fx: timing {len(missing)} matrix/attention ops on {device_name(device)} "
                   f"(once, cached in {path})")
     measured: dict[str, float] = {}
