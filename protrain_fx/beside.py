@@ -32,7 +32,7 @@ import time
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -132,10 +132,18 @@ class Switch:
         """Run ``compile_again`` (the backend compiling graph ``index`` again) on a thread of its own."""
         assert self._pending is None, "one compile beside training at a time"
         self._index = index
-        pool = ThreadPoolExecutor(1, thread_name_prefix="protrain_fx compile beside training")
-        self._pending = pool.submit(compile_again)
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(compile_again())
+            except BaseException as e:  # noqa: BLE001 -- handed to the training thread at the switch
+                future.set_exception(e)
+
+        self._pending = future
         _SWITCHES.add(self)
-        pool.shutdown(wait=False)  # its thread ends with the compile
+        # a daemon: a process that ends its training while the compile runs does not wait for it
+        threading.Thread(target=run, name="protrain_fx compile beside training", daemon=True).start()
 
     def wait(self) -> None:
         """Wait for a compile beside training to end (the next call then runs its plan)."""
