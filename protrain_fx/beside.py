@@ -13,7 +13,7 @@ The compile holds Dynamo's compile lock for its whole length (a frame the traini
 meanwhile waits for it, as it would for the compile now), traces under the autocast and grad mode
 the graph was first compiled under (a thread's own), lowers the backward too (the backend lowers it
 with the forward, never at the first backward on the training thread), measures nothing (readings
-taken beside training are not the machine's: :func:`refuse_measuring`), and resets no peak
+taken beside training are not the machine's: ``state.refuse_measuring``), and resets no peak
 statistics while training raises them: the switch resets them, so that the new plan's first step is
 measured.
 
@@ -36,8 +36,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from torch._dynamo import config as dynamo_config
+from torch._dynamo import convert_frame
 
+from protrain_fx import state
 from protrain_fx.capture import captured_graphs
+from protrain_fx.planner import first_step
 from protrain_fx.runtime.parallel import distributed
 
 log = logging.getLogger("protrain_fx")
@@ -47,18 +51,10 @@ log = logging.getLogger("protrain_fx")
 #: next call, whose Dynamo capture sees the inputs of that call.
 REMADE_INPUT_BYTES = 256 * 2**20
 
-_LOCAL = threading.local()
-
-
 def compiling_beside() -> bool:
     """Whether this thread compiles a graph again beside training (the backend resets no peak
     statistics then: the switch does)."""
-    return getattr(_LOCAL, "code", None) is not None
-
-
-def code_compiled_beside() -> types.CodeType | None:
-    """The Dynamo code object whose graph this thread compiles again (``None`` on any other thread)."""
-    return getattr(_LOCAL, "code", None)
+    return state.compiling_beside() is not None
 
 
 def compiles_beside(device: torch.device) -> bool:
@@ -120,9 +116,7 @@ class Switch:
             self.waiting = ()
             return
         if self._device is not None:
-            from protrain_fx.planner.first_step import reset_peak
-
-            reset_peak(self._device)  # the new plan's first step is measured
+            first_step.reset_peak(self._device)  # the new plan's first step is measured
         self._compiled = compiled
         self.switched_at = time.perf_counter()
         self.waiting = ()
@@ -203,19 +197,6 @@ class CompileAgain:
         return True
 
 
-class MeasuringBeside(RuntimeError):
-    """A compile beside training was about to measure the machine or the model's ops: readings taken
-    while training runs are not the machine's, and they would be cached."""
-
-
-def refuse_measuring(what: str) -> None:
-    """Raise :class:`MeasuringBeside` on the thread that compiles beside training (the profile's and
-    the op timings' entry points call this before they measure ``what``). Compiled again, a graph
-    finds its rates cached by its first compile; a compile that would measure gives up instead."""
-    if compiling_beside():
-        raise MeasuringBeside(f"the compile beside training would measure {what} while training runs")
-
-
 def ambient_state() -> dict[str, Any]:
     """This thread's state that AOTAutograd traces a graph under, beyond the graph itself: grad mode and
     autocast (Dynamo compiles under the user's, which a thread of its own does not have)."""
@@ -278,12 +259,9 @@ def compiling(code: types.CodeType | None) -> Iterator[None]:
     for the whole process, and a compiled module called while it is up refuses to run ("using FX to
     symbolically trace a dynamo-optimized function"): the training thread's calls would meet the
     compile's tracing; Dynamo's ``force_compile_during_fx_trace`` lets them run as compiled."""
-    from torch._dynamo import config as dynamo_config
-    from torch._dynamo import convert_frame
-
-    _LOCAL.code = code
+    state.set_compiling_beside(code)
     try:
         with convert_frame.compile_lock, dynamo_config.patch(force_compile_during_fx_trace=True):
             yield
     finally:
-        _LOCAL.code = None
+        state.set_compiling_beside(None)

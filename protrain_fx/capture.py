@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from protrain_fx.config import ProtrainConfig
-from protrain_fx.state import STATE
+from protrain_fx.state import STATE, compiling_beside
 
 # The record is data only: the types of what later phases return are named in comments, not
 # imported (capture sits below analysis, planner and passes).
@@ -297,9 +297,7 @@ def watch_break_lines() -> None:
 def _compiling_code() -> types.CodeType | None:
     """The code object Dynamo is compiling now (its root frame's), or ``None`` outside Dynamo; on
     the thread that compiles a graph again beside training, that graph's (``beside.py``)."""
-    from protrain_fx.beside import code_compiled_beside
-
-    again = code_compiled_beside()
+    again = compiling_beside()
     if again is not None:
         return again
     try:

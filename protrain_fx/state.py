@@ -16,7 +16,8 @@ first steps and read by later ones:
 * ``warned_not_averaged``: whether the warning that nothing averages a data-parallel graph's
   gradients was given (``backend.py``; once a process);
 * ``break_lines``: the user's line of each graph break Dynamo logged, by reason (``capture.py``);
-* what runtime components register with :meth:`ProcessState.on_reset` (the swap ops' pinned host pool).
+* what runtime components register with :meth:`ProcessState.on_reset` (the swap ops' pinned host pool);
+* per thread, the graph a thread compiles again beside training (:func:`compiling_beside`).
 
 ``protrain_fx.reset()`` (that is, :meth:`ProcessState.reset`) forgets all of it; ``torch._dynamo.reset()``
 is still needed to compile again. Offloaded models are not forgotten: their chunk stores belong to
@@ -80,3 +81,30 @@ class ProcessState:
 
 #: The one state of this process.
 STATE = ProcessState()
+
+_THREAD = threading.local()
+
+
+def set_compiling_beside(code: Any) -> None:
+    """Mark this thread as compiling the graph of Dynamo's ``code`` again beside training
+    (``beside.py``; ``None``: no longer). Read below the backend (capture, the profile), which must not
+    import it."""
+    _THREAD.code = code
+
+
+def compiling_beside() -> Any:
+    """The Dynamo code object whose graph this thread compiles again beside training, else ``None``."""
+    return getattr(_THREAD, "code", None)
+
+
+class MeasuringBeside(RuntimeError):
+    """A compile beside training was about to measure the machine or the model's ops: readings taken
+    while training runs are not the machine's, and they would be cached."""
+
+
+def refuse_measuring(what: str) -> None:
+    """Raise :class:`MeasuringBeside` on a thread that compiles beside training (the profile's and the
+    op timings' entry points call this before they measure ``what``). Compiled again, a graph finds
+    its rates cached by its first compile; a compile that would measure gives up instead."""
+    if compiling_beside() is not None:
+        raise MeasuringBeside(f"the compile beside training would measure {what} while training runs")

@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from protrain_fx import progress
+from protrain_fx.state import refuse_measuring
 from protrain_fx.machine import Machine, remember_card
 from protrain_fx.profile import keeps_rng
 from protrain_fx.profile.cache import (
@@ -65,9 +66,7 @@ log = logging.getLogger("protrain_fx")
 def _timed(seconds: dict, what: str) -> Iterator[None]:
     """Add the seconds the block takes to ``seconds[what]`` (a profile file's ``"seconds"``) and log
     them: the profile is part of a first compile's wait, and its parts are what can be shortened.
-    Never on a compile beside training (``beside.refuse_measuring``)."""
-    from protrain_fx.beside import refuse_measuring
-
+    Never on a compile beside training (``state.refuse_measuring``)."""
     refuse_measuring(what)
     start = time.perf_counter()
     try:

@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import flop_registry
 
 from protrain_fx import meta, progress
+from protrain_fx.state import refuse_measuring
 from protrain_fx.profile import keeps_rng
 from protrain_fx.profile.cache import _write_json, cache_path, device_name
 
@@ -144,8 +145,6 @@ def measure_op_times(
     missing = [sig for sig in first if sig not in known]
     if not missing:
         return known
-    from protrain_fx.beside import refuse_measuring
-
     refuse_measuring(f"{len(missing)} of the model's ops")
     progress.note(f"protrain_fx: timing {len(missing)} matrix/attention ops on {device_name(device)} "
                   f"(once, cached in {path})")
