@@ -39,7 +39,7 @@ import torch
 from torch._dynamo import config as dynamo_config
 from torch._dynamo import convert_frame
 
-from protrain_fx import state
+from protrain_fx import settings, state
 from protrain_fx.capture import captured_graphs
 from protrain_fx.planner import first_step
 from protrain_fx.runtime.parallel import distributed
@@ -57,10 +57,16 @@ def compiling_beside() -> bool:
     return state.compiling_beside() is not None
 
 
+#: Whether a faster plan compiles beside training where ``PROTRAIN_COMPILE_BESIDE`` is unset.
+BY_DEFAULT = True
+
+
 def compiles_beside(device: torch.device) -> bool:
-    """Whether a faster plan for a step on ``device`` is compiled beside training (module docstring)."""
-    return (device.type == "cuda" and distributed.active() is None
-            and not torch.are_deterministic_algorithms_enabled())
+    """Whether a faster plan for a step on ``device`` is compiled beside training (module docstring;
+    ``PROTRAIN_COMPILE_BESIDE=0`` keeps it at the next call everywhere)."""
+    wanted = settings.compile_beside()
+    return (BY_DEFAULT if wanted is None else wanted) and (
+        device.type == "cuda" and distributed.active() is None and not torch.are_deterministic_algorithms_enabled())
 
 
 _SWITCHES: "weakref.WeakSet[Switch]" = weakref.WeakSet()

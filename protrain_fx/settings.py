@@ -10,6 +10,8 @@ variable                      read by                effect (``docs/options.md``
 ``PROTRAIN_DISABLE_PASSES``   :func:`disabled_passes`  rewrites skipped (debugging)
 ``PROTRAIN_DUMP_DIR``         :func:`dump_dir`       every graph written after each pass
 ``PROTRAIN_SPILL_DIR``        :func:`spill_dir`      where the chunk store spills optimizer state
+``PROTRAIN_COMPILE_BESIDE``   :func:`compile_beside`  ``1`` / ``0``: a faster plan found at the first
+                                                     step compiles beside training, or before the next call
 ``PYTORCH_CUDA_ALLOC_CONF``,  :func:`allocator_conf`  the user's allocator settings (expandable
 ``PYTORCH_ALLOC_CONF``                               segments are left as set there)
 ``LOCAL_WORLD_SIZE``,         :func:`local_ranks`    torchrun's ranks on this node
@@ -35,12 +37,14 @@ PLAN_CACHE = "PROTRAIN_PLAN_CACHE"
 DISABLE_PASSES = "PROTRAIN_DISABLE_PASSES"
 DUMP_DIR = "PROTRAIN_DUMP_DIR"
 SPILL_DIR = "PROTRAIN_SPILL_DIR"
+COMPILE_BESIDE = "PROTRAIN_COMPILE_BESIDE"
 #: The variables through which PyTorch reads the caching allocator's configuration.
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 #: :func:`patch`'s keywords -> the variable each sets.
 VARIABLES = {"cache_dir": CACHE_DIR, "progress": PROGRESS, "plan_cache": PLAN_CACHE,
-             "disable_passes": DISABLE_PASSES, "dump_dir": DUMP_DIR, "spill_dir": SPILL_DIR}
+             "disable_passes": DISABLE_PASSES, "dump_dir": DUMP_DIR, "spill_dir": SPILL_DIR,
+             "compile_beside": COMPILE_BESIDE}
 
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
@@ -56,6 +60,13 @@ def progress() -> bool | None:
     """``PROTRAIN_PROGRESS``: ``True`` for ``1`` (``true``, ``on``, ``yes``), ``False`` for ``0``
     (``false``, ``off``, ``no``), ``None`` when unset or anything else (the stream decides)."""
     value = os.environ.get(PROGRESS, "").strip().lower()
+    return False if value in _OFF else True if value in _ON else None
+
+
+def compile_beside() -> bool | None:
+    """``PROTRAIN_COMPILE_BESIDE``: ``True`` for ``1`` (``true``, ``on``, ``yes``), ``False`` for ``0``
+    (``false``, ``off``, ``no``), ``None`` when unset or anything else (``beside.py`` decides)."""
+    value = os.environ.get(COMPILE_BESIDE, "").strip().lower()
     return False if value in _OFF else True if value in _ON else None
 
 

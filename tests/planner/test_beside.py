@@ -18,7 +18,7 @@ import torch
 
 import protrain_fx
 from examples.gpt import GPT
-from protrain_fx import backend, beside
+from protrain_fx import backend, beside, settings
 from protrain_fx.planner import first_step, reserve
 from tests.planner.test_auto_plan import CONFIG, _batch, _device_budget, _loss_outside, _train_graphs, logged  # noqa: F401
 from tests.planner.test_auto_plan import budget_for_peak
@@ -178,13 +178,19 @@ def test_inputs_gone_are_made_again_and_large_ones_keep_the_compile_before_the_n
     assert beside.remade_inputs([None], huge) is None
 
 
-@pytest.mark.parametrize("why", ["cpu", "deterministic"])
+@pytest.mark.parametrize("why", ["cpu", "deterministic", "setting"])
 def test_where_the_re_plan_stays_a_compile_before_the_next_call(why, monkeypatch):
+    cuda = torch.device("cuda", 0)
     if why == "cpu":
         assert not beside.compiles_beside(torch.device("cpu"))
-    else:
+    elif why == "deterministic":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-        assert not beside.compiles_beside(torch.device("cuda", 0))
+        assert not beside.compiles_beside(cuda)
+    else:
+        with settings.patch(compile_beside="0"):
+            assert not beside.compiles_beside(cuda)
+        with settings.patch(compile_beside="1"):
+            assert beside.compiles_beside(cuda)
 
 
 def test_the_training_thread_runs_its_compiled_step_while_the_compile_traces():
