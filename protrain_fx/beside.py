@@ -51,6 +51,7 @@ log = logging.getLogger("protrain_fx")
 #: next call, whose Dynamo capture sees the inputs of that call.
 REMADE_INPUT_BYTES = 256 * 2**20
 
+
 def compiling_beside() -> bool:
     """Whether this thread compiles a graph again beside training (the backend resets no peak
     statistics then: the switch does)."""
@@ -214,15 +215,15 @@ def ambient_state() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def ambient_as(state: dict[str, Any]) -> Iterator[None]:
-    """This thread under ``state`` (:func:`ambient_state`) for the block."""
+def ambient_as(ambient: dict[str, Any]) -> Iterator[None]:
+    """This thread under ``ambient`` (:func:`ambient_state`) for the block."""
     cache = torch.is_autocast_cache_enabled()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.set_grad_enabled(state["grad"]))
-        for device_type, (enabled, dtype) in state["autocast"].items():
+        stack.enter_context(torch.set_grad_enabled(ambient["grad"]))
+        for device_type, (enabled, dtype) in ambient["autocast"].items():
             if enabled:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
-        torch.set_autocast_cache_enabled(state["autocast_cache"])
+        torch.set_autocast_cache_enabled(ambient["autocast_cache"])
         try:
             yield
         finally:
@@ -261,10 +262,10 @@ def _extent(shape: Sequence[int], stride: Sequence[int]) -> int:
 @contextlib.contextmanager
 def compiling(code: types.CodeType | None) -> Iterator[None]:
     """This thread compiles the graph of Dynamo's ``code`` again, beside training, under Dynamo's
-    compile lock (module docstring). FX marks its tracing in one flag
-    for the whole process, and a compiled module called while it is up refuses to run ("using FX to
-    symbolically trace a dynamo-optimized function"): the training thread's calls would meet the
-    compile's tracing; Dynamo's ``force_compile_during_fx_trace`` lets them run as compiled."""
+    compile lock (module docstring). FX marks its tracing in one flag for the whole process, and a
+    compiled module called while it is up refuses to run ("using FX to symbolically trace a
+    dynamo-optimized function"): the training thread's calls would meet the compile's tracing;
+    Dynamo's ``force_compile_during_fx_trace`` lets them run as compiled."""
     state.set_compiling_beside(code)
     try:
         with convert_frame.compile_lock, dynamo_config.patch(force_compile_during_fx_trace=True):
