@@ -5,7 +5,8 @@ CUDA memory counters at the forward's start and at the end of the backward its o
 callback queued on the autograd engine) and hands them to :func:`record_first_step`: a
 :class:`~protrain_fx.planner.result.PeakCheck`, the measured reserve for the code around the graph,
 and, after a miss or when that reserve allows a faster plan, the graph removed from Dynamo's cache
-so that its next call compiles it again. Calls 3 to 8 (``STEP_TIMED_CALLS``; with gradient
+so that its next call compiles it again (a faster plan on CUDA compiles beside training instead:
+``beside.py``). Calls 3 to 8 (``STEP_TIMED_CALLS``; with gradient
 accumulation, as many from the third as one optimizer step has) are timed against the predicted step, and an offloaded step's optimizer rates over them may re-plan ``n_gpu_optim``.
 Peak statistics are reset only when the compile itself raised them, or after a miss; off CUDA
 nothing is measured (tests replace :func:`memory_counters`).
