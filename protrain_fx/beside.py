@@ -73,6 +73,11 @@ def compiles_beside(device: torch.device) -> bool:
 _SWITCHES: "weakref.WeakSet[Switch]" = weakref.WeakSet()
 
 
+def compiling_now() -> bool:
+    """Whether a compile beside training runs now, for any graph of this process."""
+    return any(switch.pending for switch in list(_SWITCHES))
+
+
 def waiting_graphs() -> set[int]:
     """Indexes of the graphs compiled beside training that no call has run yet (their plan is not in
     force: the graph they replace still trains)."""
