@@ -25,6 +25,7 @@ from examples.gpt import GPT, gpt_config, random_batch
 from protrain_fx import beside, settings
 from protrain_fx.planner import first_step, reserve
 from protrain_fx.planner.budget import budget_for_peak
+from tests.planner.test_auto_plan import logged  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -49,18 +50,7 @@ def _train_graphs():
     return [g for g in protrain_fx.captured_graphs() if g.has_backward]
 
 
-@pytest.fixture
-def warnings_logged():
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("protrain_fx")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-
-
-def test_a_faster_plan_compiles_beside_training_and_runs_from_a_later_call(monkeypatch, warnings_logged):
+def test_a_faster_plan_compiles_beside_training_and_runs_from_a_later_call(monkeypatch, logged):
     monkeypatch.setattr(first_step, "REPLAN_PAYBACK_STEPS", math.inf)  # a small model's saving repays no compile
     batch = random_batch(CONFIG, 8, CONFIG.block_size, device="cuda", generator=torch.Generator().manual_seed(0))
     numel = batch[0].numel() * CONFIG.vocab_size
@@ -113,6 +103,7 @@ def test_a_faster_plan_compiles_beside_training_and_runs_from_a_later_call(monke
     check = new.auto_plan.peak_check
     assert check is not None and not check.over, check  # measured on the device after the switch, under its cap
     assert beside_calls >= 1
-    assert not warnings_logged, [r.getMessage() for r in warnings_logged]
+    warned = [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
+    assert not warned, warned
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     torch.testing.assert_close(torch.tensor(after), torch.tensor(eager), rtol=2e-2, atol=0)
