@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -101,7 +100,6 @@ class Switch:
         self._device = device
         self._pending: Future | None = None
         self._index = -1
-        self.switched_at: float | None = None  # ``time.perf_counter()`` of the switch
         #: Indexes of the graphs the compile beside training made, until the switch to them.
         self.waiting: tuple[int, ...] = ()
         if getattr(compiled, "_boxed_call", False):
@@ -130,7 +128,6 @@ class Switch:
         if self._device is not None:
             first_step.reset_peak(self._device)  # the new plan's first step is measured
         self._compiled = compiled
-        self.switched_at = time.perf_counter()
         self.waiting = ()
         log.info("protrain_fx: graph %d: the plan compiled beside training runs from this call on", self._index)
 
@@ -174,9 +171,12 @@ class CompileAgain:
 
     def switch(self, compiled: Callable) -> Callable:
         """``compiled`` (the backend's callable for the graph) behind the :class:`Switch` that later
-        runs the graph compiled again."""
+        runs the graph compiled again; as it is for a graph without an automatic plan (no first step
+        is measured, nothing is compiled again)."""
         memory = self._record.memory
-        self._switch = Switch(compiled, torch.device(memory.device) if memory is not None else None)
+        if self._record.auto_plan is None or memory is None:
+            return compiled
+        self._switch = Switch(compiled, torch.device(memory.device))
         return self._switch
 
     @property

@@ -23,7 +23,6 @@ import torch
 from torch import fx
 
 from protrain_fx import progress
-from protrain_fx.state import refuse_measuring
 from protrain_fx.machine import Machine, remember_card
 from protrain_fx.profile import keeps_rng
 from protrain_fx.profile.cache import (
@@ -58,6 +57,7 @@ from protrain_fx.profile.host import (
 from protrain_fx.profile.ops import compute_load, distinct_calls
 from protrain_fx.runtime.store.host_memory import available_host_bytes
 from protrain_fx.search import problem
+from protrain_fx.state import refuse_measuring
 
 log = logging.getLogger("protrain_fx")
 

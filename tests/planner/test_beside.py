@@ -160,7 +160,7 @@ def test_a_compile_beside_training_that_fails_leaves_the_plan_in_force(monkeypat
     switch.start(7, fails)
     switch.wait()
     assert switch(torch.ones(1)).item() == 2  # the plan in force
-    assert not switch.pending and switch.switched_at is None
+    assert not switch.pending and switch.waiting == ()
     (warning,) = [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
     assert "graph 7" in warning and "lowering failed" in warning and "plan in force goes on" in warning
 
