@@ -15,7 +15,9 @@ the graph was first compiled under (a thread's own), lowers the backward too (th
 with the forward, never at the first backward on the training thread), measures nothing (readings
 taken beside training are not the machine's: ``state.refuse_measuring``), and resets no peak
 statistics while training raises them: the switch resets them, so that the new plan's first step is
-measured.
+measured. While it runs, Python's thread switch interval is short (:data:`SWITCH_INTERVAL_S`): the
+training thread gives the GIL up at every torch op and would otherwise wait for the compile's Python
+to give it back each time.
 
 A compile that fails leaves the plan in force (logged). The re-plan stays where it was, a compile
 before the next call, on the CPU (the compile would take the cores the step runs on), in a process
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import types
 import weakref
@@ -49,6 +52,34 @@ log = logging.getLogger("protrain_fx")
 #: again, empty, on their device, up to this many bytes in all; above it the re-plan waits for the
 #: next call, whose Dynamo capture sees the inputs of that call.
 REMADE_INPUT_BYTES = 256 * 2**20
+
+#: Python's thread switch interval while a compile runs beside training (seconds; the interpreter's
+#: default is 5 ms). Every torch op the training thread calls releases the GIL and waits to take it
+#: back from the compile's Python (tracing, lowering, codegen) for up to the interval: at 5 ms the
+#: 4.2B's offloaded step took 15-38 s against 1.3 s while its plan compiled beside it
+#: (``docs/results.md#time-to-the-first-steps``).
+SWITCH_INTERVAL_S = 1e-5
+
+_switching_lock = threading.Lock()
+_switching = [0, 0.0]  # compiles beside training running, the interval before the first began
+
+
+@contextlib.contextmanager
+def fine_switching() -> Iterator[None]:
+    """Python's switch interval at :data:`SWITCH_INTERVAL_S` while any compile beside training runs;
+    the interval set before the first is back when the last ends."""
+    with _switching_lock:
+        if _switching[0] == 0:
+            _switching[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(SWITCH_INTERVAL_S, _switching[1]))
+        _switching[0] += 1
+    try:
+        yield
+    finally:
+        with _switching_lock:
+            _switching[0] -= 1
+            if _switching[0] == 0:
+                sys.setswitchinterval(_switching[1])
 
 
 def compiling_beside() -> bool:
@@ -139,7 +170,9 @@ class Switch:
 
         def run() -> None:
             try:
-                future.set_result(compile_again())
+                with fine_switching():
+                    result = compile_again()
+                future.set_result(result)
             except BaseException as e:  # noqa: BLE001 -- handed to the training thread at the switch
                 future.set_exception(e)
 

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import logging
 import math
+import sys
 import threading
 
 import pytest
@@ -163,6 +164,39 @@ def test_a_compile_beside_training_that_fails_leaves_the_plan_in_force(monkeypat
     assert not switch.pending and switch.waiting == ()
     (warning,) = [r.getMessage() for r in logged if r.levelno >= logging.WARNING]
     assert "graph 7" in warning and "lowering failed" in warning and "plan in force goes on" in warning
+
+
+def test_the_switch_interval_is_short_while_any_compile_runs_beside_training():
+    """Python's switch interval is :data:`beside.SWITCH_INTERVAL_S` from the first compile beside
+    training to the end of the last (two here, one failing), and the one set before comes back."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        gates = [threading.Event(), threading.Event()]
+        seen = []
+
+        def compile_again(gate: threading.Event, fail: bool):
+            def run():
+                seen.append(sys.getswitchinterval())
+                gate.wait(10)
+                if fail:
+                    raise RuntimeError("lowering failed")
+                return lambda x: x
+            return run
+
+        first, second = beside.Switch(lambda x: x, None), beside.Switch(lambda x: x, None)
+        first.start(0, compile_again(gates[0], fail=True))
+        second.start(1, compile_again(gates[1], fail=False))
+        gates[0].set()
+        first.wait()
+        short = pytest.approx(beside.SWITCH_INTERVAL_S, rel=1e-3)  # (kept in microseconds)
+        assert sys.getswitchinterval() == short  # the second still compiles
+        gates[1].set()
+        second.wait()
+        assert seen == [short] * 2
+        assert sys.getswitchinterval() == pytest.approx(0.004, rel=1e-3)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_inputs_gone_are_made_again_and_large_ones_keep_the_compile_before_the_next_call():

@@ -169,12 +169,13 @@ def test_a_re_plan_of_the_device_steps_keeps_training_within_the_budget(machine_
     steps = 2 * last + 1 - first  # through the calls timed after the re-plan
     model, batch, eager, all_on_device = _model_and_eager(machine_cache, monkeypatch, steps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16)
+    # chunks of 32 MiB: enough of them that some budget offloads a few and steps one of those on the device
+    handle = protrain_fx.offload(model, optimizer, device="cuda", compute_dtype=torch.bfloat16, chunk_bytes=32 * 2**20)
     torch.cuda.empty_cache()
     n_chunks = len(handle.layout.chunks)
     # the largest budget whose plan offloads some chunk (a host store) and steps some on the device: one
     # fewer device step always fits the plan's room (a plan with none may have no room for one)
-    for fraction in (0.6, 0.45, 0.3, 0.2):
+    for fraction in (0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2):
         budget = int(fraction * all_on_device)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             report = protrain_fx.what_fits(model, *batch, memory_budget=budget)
