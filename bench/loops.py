@@ -30,7 +30,9 @@ Time to each step: every step's entry holds ``since_launch_s``, seconds from the
 (before ``import torch``) to the step's end, and the run its compiles' phases (``phases``: one dict
 per graph, ``CapturedGraph.phases``) and Inductor's own timers summed over the process
 (``inductor_s``: ``torch._dynamo.utils.compilation_time_metrics``, the kernels' source written and
-defined apart, and how many graphs Inductor lowered). With ``--cache-dir DIR`` each run has its own
+defined apart, and how many graphs Inductor lowered). A step's ``beside`` says whether a faster plan
+compiled beside training (``protrain_fx/beside.py``) as it started or ended; the summary line gives
+those steps' median time against the steps after the switch. With ``--cache-dir DIR`` each run has its own
 Inductor, Triton and protrain_fx caches under ``DIR/<run>``, empty at its first run: a spec named
 twice runs the second time on the caches the first left (a second launch).
 
@@ -327,6 +329,7 @@ def run_one(run: dict, args) -> dict:
 
     import protrain_fx
     from protrain_fx.backend import register
+    from protrain_fx.beside import compiling_now
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("protrain_fx").setLevel(logging.INFO)  # the plan tables and first-step checks, in the log
@@ -378,12 +381,13 @@ def run_one(run: dict, args) -> dict:
             if cuda:
                 torch.cuda.current_stream().synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            beside_before = compiling_now()
             start = time.perf_counter()
             loss = train_step()
             if cuda:  # as the loop's loss.item() does: the step's own stream, not the side streams'
                 torch.cuda.current_stream().synchronize()  # optimizer work that overlaps the next forward
             entry = {"step": step, "s": time.perf_counter() - start, "since_launch_s": time.time() - launched,
-                     "loss": float(loss.item()), **prediction()}
+                     "loss": float(loss.item()), "beside": beside_before or compiling_now(), **prediction()}
             if cuda:
                 entry["peak_bytes"] = torch.cuda.max_memory_allocated()
                 entry["reserved_bytes"] = torch.cuda.max_memory_reserved()
@@ -502,6 +506,12 @@ def _line(r: dict) -> str:
         c = r["counts"]
         tps += f", {c['n_spill']} chunk(s)' state on disk ({c['disk_bytes'] / 2**30:.2f} GiB)"
     steps = r["steps"]
+    beside = [e["s"] for e in steps[1:] if e.get("beside")]
+    if beside:  # steps that ran while a faster plan compiled beside them, against the later steps
+        last = max(i for i, e in enumerate(steps) if i and e.get("beside"))
+        later = [e["s"] for e in steps[last + 1:]]
+        tps += (f", {len(beside)} step(s) beside a compile (median {statistics.median(beside):.2f} s"
+                + (f" against {statistics.median(later):.2f} s after it)" if later else ")"))
     to = f", step 1 at {steps[0]['since_launch_s']:.0f} s, step {len(steps)} at {steps[-1]['since_launch_s']:.0f} s" if steps else ""
     launch = f" ({r['launch']} launch)" if "launch" in r else ""
     return f"{r['spec']}{launch}: ok, {tps}, {r.get('recompiles')} recompile(s){worst}{to}, wall {r['wall_s']:.0f} s"

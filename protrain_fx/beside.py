@@ -53,11 +53,9 @@ log = logging.getLogger("protrain_fx")
 #: next call, whose Dynamo capture sees the inputs of that call.
 REMADE_INPUT_BYTES = 256 * 2**20
 
-#: Python's thread switch interval while a compile runs beside training (seconds; the interpreter's
-#: default is 5 ms). Every torch op the training thread calls releases the GIL and waits to take it
-#: back from the compile's Python (tracing, lowering, codegen) for up to the interval: at 5 ms the
-#: 4.2B's offloaded step took 15-38 s against 1.3 s while its plan compiled beside it
-#: (``docs/results.md#time-to-the-first-steps``).
+#: Python's thread switch interval (seconds) while a compile runs beside training, against the
+#: interpreter's 5 ms: each torch op of the training thread gives the GIL up and waits up to this long
+#: to get it back from the compile's Python (``docs/results.md#time-to-the-first-steps``).
 SWITCH_INTERVAL_S = 1e-5
 
 _switching_lock = threading.Lock()

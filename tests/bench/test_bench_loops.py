@@ -1,4 +1,4 @@
-"""``bench/loops.py``'s run specs: what each names, and the specs it refuses before anything runs."""
+"""``bench/loops.py``: the run specs (what each names, and those refused before anything runs) and the summary line."""
 
 from __future__ import annotations
 
@@ -39,3 +39,14 @@ def test_a_spec_names_model_size_loss_and_flags():
 def test_a_bad_spec_is_refused_naming_what_is_wrong(spec, named):
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
         loops.parse_run(spec)
+
+
+def test_the_summary_line_sets_steps_beside_a_compile_against_those_after_it():
+    steps = [{"s": 30.0, "since_launch_s": 40.0}, {"s": 2.0, "beside": True}, {"s": 4.0, "beside": True},
+             {"s": 3.0, "beside": True}, {"s": 1.0}, {"s": 1.5, "since_launch_s": 60.0}]
+    run = {"spec": "gpt:4.2B:outside:offload", "status": "ok", "steps": steps, "tokens_per_s": 6000.0,
+           "recompiles": 1, "wall_s": 70.0}
+    line = loops._line(run)
+    assert "3 step(s) beside a compile (median 3.00 s against 1.25 s after it)" in line, line
+    del run["steps"][1:4]
+    assert "beside" not in loops._line(run)
