@@ -146,7 +146,8 @@ def lower(
     # takes a second: only when none is kept)
     pristine = copy_graph(gm) if kept_plan(key) is None else None
     fx_keys: list[str] = []
-    with inductor_config.patch(lowering_patches(record, lowered)), _no_shape_env(gm), _fx_graph_keys(fx_keys):
+    with inductor_config.patch(lowering_patches(record, lowered)), _no_shape_env(gm), _fx_graph_keys(fx_keys), \
+            _in_this_process():
         compiled = compile_fn(gm, inputs, **kwargs)
     graph = lowered.pop("graph", None)
     if graph is None:
@@ -162,7 +163,7 @@ def lower(
         if context is not None and context.output_strides is not None:
             context.output_strides.clear()  # the hit handed them back; the lowering again hands them back anew
         with inductor_config.patch({**lowering_patches(record, lowered), "fx_graph_cache": False}), \
-                _no_shape_env(pristine):
+                _no_shape_env(pristine), _in_this_process():
             compiled = compile_fn(pristine, inputs, **kwargs)
         graph = lowered.pop("graph", None)
         if graph is None:
@@ -171,6 +172,31 @@ def lower(
     for k in (key, *fx_keys[-1:]):
         keep_plan(k, plan)
     return compiled, plan
+
+
+@contextlib.contextmanager
+def _in_this_process() -> Iterator[None]:
+    """Inductor's codegen in this process, whatever ``TORCHINDUCTOR_FX_COMPILE_MODE`` says: in a child
+    process (``subprocess``, ``async+``, ``progressive+``) the hooks of :func:`lowering_patches` do not
+    run (Inductor does not send its private settings there), so chunk buffers could be reused and no
+    allocation plan is read. Inductor reads the mode from module globals at each codegen."""
+    from torch._inductor import compile_fx
+
+    names = ("fx_compile_mode", "fx_compile_async", "fx_compile_progressive")
+    saved = {n: getattr(compile_fx, n) for n in names if hasattr(compile_fx, n)}
+    if saved.get("fx_compile_mode", compile_fx.FxCompileMode.NORMAL) != compile_fx.FxCompileMode.NORMAL or any(
+            saved.get(n) for n in names[1:]):
+        log.debug("protrain_fx: TORCHINDUCTOR_FX_COMPILE_MODE is not followed for the graphs protrain_fx lowers: "
+                  "they are lowered in this process")
+    for name, value in (("fx_compile_mode", compile_fx.FxCompileMode.NORMAL), ("fx_compile_async", False),
+                        ("fx_compile_progressive", False)):
+        if name in saved:
+            setattr(compile_fx, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(compile_fx, name, value)
 
 
 @contextlib.contextmanager

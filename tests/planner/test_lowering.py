@@ -8,11 +8,13 @@ take most of a CPU lowering's time)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._inductor.codecache import FxGraphCache
 
 import protrain_fx
@@ -168,3 +170,37 @@ def test_a_trial_leaves_no_static_mark_that_would_key_the_next_trial_apart_from_
     trials = [p for p in seen if p[0] == "forward"]
     assert len(trials) >= 2, seen  # at least two trials' forwards after a backward
     assert all(not stray for _, stray in seen), seen
+
+
+
+
+def test_an_inductor_compile_mode_out_of_this_process_leaves_our_lowerings_in_it(monkeypatch):
+    """``TORCHINDUCTOR_FX_COMPILE_MODE=subprocess`` moves Inductor's codegen to a child process, where
+    the hooks of :func:`lowering.lowering_patches` do not go (chunk buffers kept from reuse, the
+    allocation plan read): the graphs the backend lowers are lowered in this process all the same,
+    and the step is eager's. (A 4-block model with the loss outside: Inductor sends its graphs to
+    the child; the 2-block tiny one it keeps in the process.)"""
+    from torch._inductor import compile_fx
+
+    monkeypatch.setattr(compile_fx, "fx_compile_mode", compile_fx.FxCompileMode.SUBPROCESS)
+    stats = type(compile_fx.FxCompile._compile_stats)(compile_fx.FxCompile._compile_stats.default_factory)
+    monkeypatch.setattr(compile_fx.FxCompile, "_compile_stats", stats)  # codegens per kind of compile
+    _emptied()
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    cfg = gpt_config("small", n_layer=4)
+    idx, targets = random_batch(cfg, 2, 64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="protrain", options={"memory_budget": 2**30})
+    loss = F.cross_entropy(compiled(idx).view(-1, cfg.vocab_size), targets.view(-1))
+    loss.backward()
+    (record,) = protrain_fx.captured_graphs()
+    assert set(record.rewritten.inductor_plans) == {"forward", "backward"}
+    assert list(stats) == [compile_fx._InProcessFxCompile]
+    eager = F.cross_entropy(reference(idx).view(-1, cfg.vocab_size), targets.view(-1))
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
