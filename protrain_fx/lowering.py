@@ -182,16 +182,14 @@ def _in_this_process() -> Iterator[None]:
     allocation plan is read. Inductor reads the mode from module globals at each codegen."""
     from torch._inductor import compile_fx
 
-    names = ("fx_compile_mode", "fx_compile_async", "fx_compile_progressive")
-    saved = {n: getattr(compile_fx, n) for n in names if hasattr(compile_fx, n)}
-    if saved.get("fx_compile_mode", compile_fx.FxCompileMode.NORMAL) != compile_fx.FxCompileMode.NORMAL or any(
-            saved.get(n) for n in names[1:]):
+    wanted = {"fx_compile_mode": compile_fx.FxCompileMode.NORMAL, "fx_compile_async": False,
+              "fx_compile_progressive": False}
+    saved = {name: getattr(compile_fx, name) for name in wanted}
+    if saved != wanted:
         log.debug("protrain_fx: TORCHINDUCTOR_FX_COMPILE_MODE is not followed for the graphs protrain_fx lowers: "
                   "they are lowered in this process")
-    for name, value in (("fx_compile_mode", compile_fx.FxCompileMode.NORMAL), ("fx_compile_async", False),
-                        ("fx_compile_progressive", False)):
-        if name in saved:
-            setattr(compile_fx, name, value)
+    for name, value in wanted.items():
+        setattr(compile_fx, name, value)
     try:
         yield
     finally:
