@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.nn.parallel import DistributedDataParallel
 
-from protrain_fx import beside, heap, progress
+from protrain_fx import beside, codegen_child, heap, progress
 from protrain_fx.aot_cache import Hit, Relaunch, aot_cache_for, open_relaunch
 from protrain_fx.analysis.blocks import block_at_end
 from protrain_fx.analysis.memory import StepGraphs
@@ -288,11 +288,13 @@ class _Partitioner(CustomPartitionerFn):
     def __init__(self, record: CapturedGraph, relaunch: Relaunch | None = None) -> None:
         self.record = record
         self.relaunch = relaunch
+        self.handed: tuple[fx.GraphModule, fx.GraphModule] | None = None  # the graphs AOTAutograd lowers
 
     def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         progress.end("capture")  # AOTAutograd has traced the joint graph
         with progress.phase("planning"):
             graphs = self._partition(joint, joint_inputs, **kwargs)
+        self.handed = graphs
         record = self.record
         if record.auto_plan is not None:  # after the phase: its table has the planning's seconds
             log.info("protrain_fx: %s", record.auto_plan.table(record.index))
@@ -572,14 +574,31 @@ def _step_graphs(forward: fx.GraphModule, backward: fx.GraphModule | None, num_u
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record: CapturedGraph) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    relaunch = open_relaunch(record)
+    partitioner = _Partitioner(record, relaunch)
+    in_child: list[codegen_child.Pending] = []  # the backward, sent to a child to lower beside the forward
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    device = next((t.device for t in tensors if t.device.type == "cuda"), tensors[0].device if tensors else None)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # a training step: a backward to send
+        codegen_child.warm(device)
+
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         phase = "inference" if kwargs.get("is_inference") else "backward" if kwargs.get("is_backward") else "forward"
         if phase == "inference":  # no backward: our partitioner never ran
             _record_inference(record, graph, inputs)
+        if phase == "forward" and partitioner.handed is not None and codegen_child.enabled(device):
+            context = torch._guards.TracingContext.try_get()
+            donated = getattr(getattr(context, "fw_metadata", None), "bw_donated_idxs", None)
+            sent = codegen_child.send_backward(record.index, partitioner.handed[1], donated,
+                                               record.config.keep_node_order)
+            in_child.extend([sent] if sent is not None else [])
         with contextlib.ExitStack() as stack:  # (a backward lowered lazily: after the compile's recording closed)
             if progress.current() is None:
                 stack.enter_context(progress.recording(record.phases, title=f"protrain_fx: graph {record.index} ({phase})"))
             with progress.phase("codegen", f"Inductor codegen ({phase})"):
+                if phase == "backward" and in_child:
+                    codegen_child.wait(in_child.pop(), record.index)  # its code then hits Inductor's cache
+                    codegen_child.shut()  # (a CUDA context it made goes before the first step)
                 compiled, plan = lower(record, graph, list(inputs), phase, compile_fx_inner, _copy_graph_module, **kwargs)
         if record.rewritten is not None and record.step is not None:
             if plan is not None:
@@ -596,10 +615,12 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
     # AOTAutograd's cache stays off but where a relaunch may load the step planned (aot_cache.py):
     # a hit skips partitioning, and with it our passes. The backward is lowered now, not at the first
     # backward: the chunk store fills beside both lowerings, and the first step waits for neither.
-    relaunch = open_relaunch(record)
-    with aot_cache_for(relaunch), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                              config_patches=_compile_patches(record, relaunch))
+    try:
+        with aot_cache_for(relaunch), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                                  config_patches={"custom_partitioner_fn": partitioner})
+    finally:
+        codegen_child.shut()  # (already, where it lowered the backward)
     if relaunch is not None and relaunch.hit is not None:
         _store_hit(record, relaunch.hit)
     return compiled

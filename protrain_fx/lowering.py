@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from protrain_fx import codegen_child
 from protrain_fx.analysis.inductor_memory import GraphPlan, PlanRow, analyze_inductor_memory, read_inductor_plan
 from protrain_fx.analysis.memory import MemoryAnalysis, output_args
 from protrain_fx.capture import CapturedGraph
@@ -310,6 +311,11 @@ def probe_inductor(record: CapturedGraph, extra_patches: dict[str, Any], copy_gr
             tensors_saved_for_backwards_slice=slice(step.num_user_outputs, step.num_user_outputs + n_tensors),
             num_symints_saved_for_bw=len(saved) - n_tensors))  # backward takes the sizes first
         placeholders = [n.name for n in forward.graph.nodes if n.op == "placeholder"]
+        device = next((v.device for n in forward.graph.nodes if n.op == "placeholder"
+                       and isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"), None)
+        # the backward lowered by a child beside this process's forward (codegen_child.py)
+        sent = codegen_child.send_backward(record.index, backward, donated, record.config.keep_node_order) \
+            if codegen_child.enabled(device) else None
         plans = {}
         for phase, gm in (("forward", forward), ("backward", backward)):
             inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
@@ -326,6 +332,8 @@ def probe_inductor(record: CapturedGraph, extra_patches: dict[str, Any], copy_gr
             context = TracingContext(detect_fake_mode(inputs))
             context.fw_metadata = SimpleNamespace(bw_donated_idxs=donated, static_input_indices=static)
             unmark_static(inputs)  # as the compile's own inputs: marked static by this lowering only
+            if phase == "backward" and sent is not None:
+                codegen_child.wait(sent, record.index)  # its code then hits Inductor's cache
             try:
                 with tracing(context), inductor_config.patch(extra_patches):
                     _, plan = lower(record, gm, inputs, phase, compile_fx_inner, copy_graph,

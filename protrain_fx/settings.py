@@ -12,6 +12,8 @@ variable                      read by                effect (``docs/options.md``
 ``PROTRAIN_SPILL_DIR``        :func:`spill_dir`      where the chunk store spills optimizer state
 ``PROTRAIN_COMPILE_BESIDE``   :func:`compile_beside`  ``1`` / ``0``: a faster plan found at the first
                                                      step compiles beside training, or before the next call
+``PROTRAIN_CODEGEN_CHILD``    :func:`codegen_child`  ``1`` / ``0``: a child process lowers the backward
+                                                     beside the forward (``codegen_child.py``)
 ``PYTORCH_CUDA_ALLOC_CONF``,  :func:`allocator_conf`  the user's allocator settings (expandable
 ``PYTORCH_ALLOC_CONF``                               segments are left as set there)
 ``LOCAL_WORLD_SIZE``,         :func:`local_ranks`    torchrun's ranks on this node
@@ -38,13 +40,14 @@ DISABLE_PASSES = "PROTRAIN_DISABLE_PASSES"
 DUMP_DIR = "PROTRAIN_DUMP_DIR"
 SPILL_DIR = "PROTRAIN_SPILL_DIR"
 COMPILE_BESIDE = "PROTRAIN_COMPILE_BESIDE"
+CODEGEN_CHILD = "PROTRAIN_CODEGEN_CHILD"
 #: The variables through which PyTorch reads the caching allocator's configuration.
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 #: :func:`patch`'s keywords -> the variable each sets.
 VARIABLES = {"cache_dir": CACHE_DIR, "progress": PROGRESS, "plan_cache": PLAN_CACHE,
              "disable_passes": DISABLE_PASSES, "dump_dir": DUMP_DIR, "spill_dir": SPILL_DIR,
-             "compile_beside": COMPILE_BESIDE}
+             "compile_beside": COMPILE_BESIDE, "codegen_child": CODEGEN_CHILD}
 
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
@@ -67,6 +70,13 @@ def compile_beside() -> bool | None:
     """``PROTRAIN_COMPILE_BESIDE``: ``True`` for ``1`` (``true``, ``on``, ``yes``), ``False`` for ``0``
     (``false``, ``off``, ``no``), ``None`` when unset or anything else (``beside.py`` decides)."""
     value = os.environ.get(COMPILE_BESIDE, "").strip().lower()
+    return False if value in _OFF else True if value in _ON else None
+
+
+def codegen_child() -> bool | None:
+    """``PROTRAIN_CODEGEN_CHILD``: ``True`` for ``1`` (``true``, ``on``, ``yes``), ``False`` for ``0``
+    (``false``, ``off``, ``no``), ``None`` when unset or anything else (``codegen_child.py`` decides)."""
+    value = os.environ.get(CODEGEN_CHILD, "").strip().lower()
     return False if value in _OFF else True if value in _ON else None
 
 

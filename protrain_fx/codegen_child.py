@@ -1,0 +1,211 @@
+"""The backward graph's Inductor codegen in a child process, beside the forward's in this one.
+
+AOTAutograd hands Inductor a training step's forward graph, then its backward graph, and each
+lowering is Python that holds this process's GIL for tens of seconds at a billion parameters
+(``docs/results.md#time-to-the-first-steps``). Here a child process (Inductor's own ``SubprocPool``:
+a fresh interpreter, not a fork, so the user's script is never imported again) lowers the backward
+graph as the compile will (:func:`protrain_fx.lowering.lower`, with AOTAutograd's arguments) while
+this process lowers the forward. The child's code lands in Inductor's FX graph cache and its
+allocation plan in ours (``lowering.keep_plan``, a file), so the compile's own lowering of the
+backward is a cache hit that reads the plan back.
+
+Never wrong, at worst not faster: where the child's lowering is keyed apart from the compile's (the
+forward's output strides restride the backward's inputs, a setting the child cannot see), or fails,
+or the FX graph cache is off, the compile lowers the backward itself as it would without the child.
+
+Where: a step on a CUDA device (Triton's codegen is the Python this saves; a CPU step's C++ compile
+already keeps the cores busy), and not in a compile beside training, whose child would hold a CUDA
+context's device memory beside the running plan. The child goes when the compile that started it has
+lowered its backward: a CUDA context it made to load the kernels goes with it.
+``PROTRAIN_CODEGEN_CHILD=1`` / ``0`` turns it on everywhere / off (``protrain_fx.settings``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from protrain_fx import settings, state
+
+log = logging.getLogger("protrain_fx")
+
+#: The environment the child's caches are found by (it inherits the rest of this process's).
+_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PROTRAIN_CACHE_DIR")
+
+#: Inductor settings the child sets itself: our hooks, which do not pickle as themselves (their
+#: ``__reduce__`` is a token for Inductor's cache key).
+_OWN_SETTINGS = ("custom_partitioner_fn", "_post_fusion_custom_pass")
+
+_lock = threading.Lock()
+_pool: Any = None
+_warmed: Future | None = None
+
+
+@dataclass
+class Pending:
+    """A backward lowering sent to the child, and the seconds sending it took here."""
+
+    future: Future
+    send_s: float
+
+
+def enabled(device: torch.device | None) -> bool:
+    """Whether a child lowers the backward of a step on ``device`` (module docstring): and Inductor's
+    FX graph cache is on, as the child's code reaches this process only through it."""
+    from torch._inductor import config as inductor_config
+
+    wanted = settings.codegen_child()
+    if wanted is False or state.compiling_beside() is not None:
+        return False
+    if not inductor_config.fx_graph_cache or inductor_config.force_disable_caches:
+        return False
+    return wanted is True or (device is not None and device.type == "cuda")
+
+
+def _get_pool() -> Any:
+    global _pool, _warmed
+    with _lock:
+        if _pool is None:
+            import atexit
+
+            from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
+
+            _pool = SubprocPool(1, kind=SubprocKind.SPAWN)
+            atexit.register(_pool.shutdown)
+            _warmed = _pool.submit(_warm_in_child)
+        return _pool
+
+
+def warm(device: torch.device | None) -> None:
+    """Start the child now, so that its imports (torch, Inductor, this package) overlap the capture
+    that comes before any lowering."""
+    if enabled(device):
+        try:
+            _get_pool()
+        except Exception as e:  # noqa: BLE001 -- no child: the compile lowers everything itself
+            log.debug("protrain_fx: no codegen child: %s", e)
+
+
+def shut() -> None:
+    """Stop the child (a later compile starts another)."""
+    global _pool, _warmed
+    with _lock:
+        pool, _pool, _warmed = _pool, None, None
+    if pool is not None:
+        try:
+            pool.shutdown()
+        except Exception as e:  # noqa: BLE001
+            log.debug("protrain_fx: the codegen child did not shut down cleanly: %s", e)
+
+
+def _warm_in_child() -> int:
+    import torch._inductor.compile_fx  # noqa: F401
+
+    import protrain_fx.backend  # noqa: F401 -- our custom ops, registered on import
+
+    return os.getpid()
+
+
+def send_backward(index: int, gm: fx.GraphModule, bw_donated_idxs: Any, keep_node_order: bool) -> Pending | None:
+    """Send the backward graph ``gm`` (the one AOTAutograd will hand Inductor, with its placeholders'
+    values as inputs) to the child to lower; ``None`` where it cannot be sent (a
+    setting or a graph that does not pickle: the compile lowers it then)."""
+    from torch._inductor import config as inductor_config
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    from protrain_fx.lowering import unmark_static
+
+    start = time.perf_counter()
+    try:
+        settings = {k: v for k, v in inductor_config.save_config_portable(ignore_private_configs=False).items()
+                    if k not in _OWN_SETTINGS}
+        pickle.dumps(settings)  # every setting must cross as itself
+        inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        unmark_static(inputs)
+        job = {"gm": gm, "inputs": inputs, "index": index, "settings": settings,
+               "attribute_order": list(gm.__dict__), "bw_donated_idxs": bw_donated_idxs,
+               "keep_node_order": keep_node_order, "grad": torch.is_grad_enabled()}
+        payload = GraphPickler.dumps(job, Options(ops_filter=None))
+    except Exception as e:  # noqa: BLE001
+        log.info("protrain_fx: graph %d: the backward is lowered in this process (it could not be sent to a "
+                 "child: %s: %s)", index, type(e).__name__, e)
+        return None
+    env = {k: os.environ[k] for k in _CACHE_ENV if k in os.environ}
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    from protrain_fx.profile.cache import cache_dir
+
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+    env.setdefault("PROTRAIN_CACHE_DIR", str(cache_dir()))
+    future = _get_pool().submit(_lower_in_child, payload, env)
+    send_s = time.perf_counter() - start
+    log.info("protrain_fx: graph %d: the backward sent to a child process to lower beside the forward (%.1f s, "
+             "%.1f MB)", index, send_s, len(payload) / 1e6)
+    return Pending(future, send_s)
+
+
+def wait(pending: Pending, index: int) -> float | None:
+    """Wait for the child's lowering; its seconds, or ``None`` where it failed (logged)."""
+    start = time.perf_counter()
+    try:
+        result = pending.future.result()
+    except Exception as e:  # noqa: BLE001 -- the compile lowers the backward itself
+        log.info("protrain_fx: graph %d: the child's lowering of the backward failed (%s); lowered here",
+                 index, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return None
+    waited = time.perf_counter() - start
+    log.info("protrain_fx: graph %d: the child lowered the backward in %.1f s (waited %.1f s for it)", index,
+             result["seconds"], waited)
+    return float(result["seconds"])
+
+
+def _lower_in_child(payload: bytes, env: dict[str, str]) -> dict[str, Any]:
+    os.environ.update(env)
+    import contextlib
+
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner, count_tangents
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from protrain_fx.backend import _copy_graph_module, _Partitioner
+    from protrain_fx.lowering import aot_kwargs, lower
+    from protrain_fx.analysis.memory import output_args
+
+    start = time.perf_counter()
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    job = GraphPickler.loads(payload, fake_mode)
+    gm: fx.GraphModule = job["gm"]
+    attributes = dict(gm.__dict__)  # in the order the compile's graph has them: Inductor's key pickles it
+    gm.__dict__.clear()
+    gm.__dict__.update({k: attributes[k] for k in job["attribute_order"] if k in attributes})
+    gm.__dict__.update({k: v for k, v in attributes.items() if k not in gm.__dict__})
+    inputs = job["inputs"]
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    out.meta["user_visible_output_idxs"] = [i for i, v in enumerate(output_args(gm)) if isinstance(v, fx.Node)] \
+        if inductor_config.bw_outputs_user_visible else []
+    static = list(range(count_tangents(gm)))
+    context = TracingContext(fake_mode)
+    context.fw_metadata = SimpleNamespace(bw_donated_idxs=job["bw_donated_idxs"], static_input_indices=static)
+    record = SimpleNamespace(index=job["index"], config=SimpleNamespace(keep_node_order=job["keep_node_order"]))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(inductor_config.patch(job["settings"]))
+        stack.enter_context(inductor_config.patch({"custom_partitioner_fn": _Partitioner(None)}))  # its token
+        stack.enter_context(tracing(context))
+        stack.enter_context(torch.set_grad_enabled(job["grad"]))
+        stack.enter_context(torch._C._DisableAutocast())
+        _, plan = lower(record, gm, inputs, "backward", compile_fx_inner, _copy_graph_module,
+                        **aot_kwargs("backward", static))
+    return {"seconds": time.perf_counter() - start, "planned": plan is not None}

@@ -1,0 +1,91 @@
+"""The backward lowered in a child process beside the forward (``protrain_fx/codegen_child.py``).
+
+CPU, ``PROTRAIN_CODEGEN_CHILD=1`` (on a CPU step the child is off unless asked for), the 2-block tiny
+GPT of ``test_lowering.py`` with Inductor's FX graph cache and the allocation plans kept emptied first:
+the compile's own lowering of the backward must be a hit on the child's entry, with the child's
+allocation plan read back and the gradients of a compile without the child."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protrain_fx import codegen_child, settings, state
+from protrain_fx.planner.budget import budget_for_peak
+from tests.planner.test_auto_plan import logged  # noqa: F401
+from tests.planner.test_lowering import _cache_counts, _emptied, _step
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """The step compiled without the child: its peak and gradients."""
+    _emptied()
+    with settings.patch(codegen_child="0"):
+        hits, misses = _cache_counts()
+        record, grads = _step({"auto_plan": False})
+        assert (_cache_counts()[0] - hits, _cache_counts()[1] - misses) == (0, 2)
+    return record, grads
+
+
+def test_the_compile_hits_the_backward_the_child_lowered_and_reads_its_plan(alone, logged):  # noqa: F811
+    plain, grads = alone
+    _emptied()
+    logged.clear()
+    hits, misses = _cache_counts()
+    with settings.patch(codegen_child="1"):
+        record, got = _step({"auto_plan": False})
+    # this process lowered the forward (a miss) and found the child's backward (a hit)
+    assert (_cache_counts()[0] - hits, _cache_counts()[1] - misses) == (1, 1)
+    messages = [r.getMessage() for r in logged]
+    assert any("the child lowered the backward" in m for m in messages), messages
+    assert not any("lowered again" in m for m in messages)  # the child's plan was kept for the hit
+    assert set(record.rewritten.inductor_plans) == {"forward", "backward"}
+    assert record.memory.peak_bytes == plain.memory.peak_bytes
+    for name, g in grads.items():  # (Inductor's CPU embedding backward adds with atomics: not bit-exact run to run)
+        torch.testing.assert_close(got[name], g, msg=name)
+    assert codegen_child._pool is None  # gone with the compile that started it
+
+
+def test_a_trial_lowering_sends_its_backward_to_the_child_and_the_compile_hits_both(alone):
+    plain, grads = alone
+    budget = budget_for_peak(plain.memory.peak_bytes) * 4  # the step fits as it is: one trial
+    _emptied()
+    hits, misses = _cache_counts()
+    with settings.patch(codegen_child="1"):
+        judged, got = _step({"memory_budget": budget, "verify": "inductor"})
+    # the trial lowered the forward here (a miss) and hit the child's backward; the compile hit both
+    assert (_cache_counts()[0] - hits, _cache_counts()[1] - misses) == (3, 1)
+    assert judged.auto_plan.judged_by == "inductor" and judged.auto_plan.trials_run == 1
+    assert judged.memory.peak_bytes == judged.auto_plan.analysed_peak_bytes == plain.memory.peak_bytes
+    for name, g in grads.items():
+        torch.testing.assert_close(got[name], g, msg=name)
+
+
+def test_a_child_that_fails_leaves_the_backward_to_this_process(alone, monkeypatch, logged):  # noqa: F811
+    plain, grads = alone
+    _emptied()
+    monkeypatch.setattr(codegen_child, "_lower_in_child", int)  # int(payload, env) raises in the child
+    logged.clear()
+    with settings.patch(codegen_child="1"):
+        record, got = _step({"auto_plan": False})
+    assert any("the child's lowering of the backward failed" in r.getMessage() for r in logged)
+    assert record.memory.peak_bytes == plain.memory.peak_bytes
+    for name, g in grads.items():
+        torch.testing.assert_close(got[name], g, msg=name)
+
+
+def test_the_child_lowers_for_cuda_steps_unless_told_and_never_beside_training():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    with settings.patch(codegen_child=None):
+        assert not codegen_child.enabled(cpu) and codegen_child.enabled(cuda)
+    with settings.patch(codegen_child="0"):
+        assert not codegen_child.enabled(cuda)
+    with settings.patch(codegen_child="1"):
+        assert codegen_child.enabled(cpu)
+        state.set_compiling_beside(object())  # a compile beside training: its child would hold device memory
+        try:
+            assert not codegen_child.enabled(cuda) and not codegen_child.enabled(cpu)
+        finally:
+            state.set_compiling_beside(None)
+        with torch._inductor.config.patch(fx_graph_cache=False):  # the child's code could not reach the compile
+            assert not codegen_child.enabled(cpu)
