@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from protrain_fx import settings, state
+from protrain_fx.runtime.offload import chunk_ops
 
 log = logging.getLogger("protrain_fx")
 
@@ -121,7 +122,7 @@ def send_backward(index: int, gm: fx.GraphModule, bw_donated_idxs: Any, keep_nod
     values as inputs) to the child to lower; ``None`` where it cannot be sent (a
     setting or a graph that does not pickle: the compile lowers it then)."""
     from torch._inductor import config as inductor_config
-    from torch.fx._graph_pickler import GraphPickler, Options
+    from torch.fx._graph_pickler import Options
 
     from protrain_fx.lowering import unmark_static
 
@@ -132,10 +133,12 @@ def send_backward(index: int, gm: fx.GraphModule, bw_donated_idxs: Any, keep_nod
         pickle.dumps(settings)  # every setting must cross as itself
         inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
         unmark_static(inputs)
-        job = {"gm": gm, "inputs": inputs, "index": index, "settings": settings,
+        gather = getattr(torch.ops.protrain, "chunk_gather", None)
+        hids = {n.args[0] for n in gm.graph.nodes if gather is not None and n.target is gather.default}
+        job = {"gm": gm, "inputs": inputs, "buffer_shapes": chunk_ops.buffer_shapes(hids), "index": index, "settings": settings,
                "attribute_order": list(gm.__dict__), "bw_donated_idxs": bw_donated_idxs,
                "keep_node_order": keep_node_order, "grad": torch.is_grad_enabled()}
-        payload = GraphPickler.dumps(job, Options(ops_filter=None))
+        payload = _pickler().dumps(job, Options(ops_filter=None))
     except Exception as e:  # noqa: BLE001
         log.info("protrain_fx: graph %d: the backward is lowered in this process (it could not be sent to a "
                  "child: %s: %s)", index, type(e).__name__, e)
@@ -154,14 +157,41 @@ def send_backward(index: int, gm: fx.GraphModule, bw_donated_idxs: Any, keep_nod
     return Pending(future, send_s)
 
 
+def _pickler() -> type:
+    """torch's ``GraphPickler``, able to send a view's fake value: torch's takes the fake mode off the
+    view's description but not off its base's, and the mode does not pickle (a chunk's parameters are
+    views of the buffer ``chunk_gather`` returns)."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx._graph_pickler import GraphPickler
+
+    def bare(desc: Any) -> Any:
+        if getattr(desc, "base", None) is None:
+            return desc
+        return dataclasses.replace(desc, base=bare(dataclasses.replace(desc.base, fake_mode=None)))
+
+    class Pickler(GraphPickler):
+        def reducer_override(self, obj: object) -> Any:
+            reduced = super().reducer_override(obj)
+            if isinstance(obj, FakeTensor) and reduced is not NotImplemented:
+                data = reduced[1][0]
+                data.metadata = bare(data.metadata)
+            return reduced
+
+    return Pickler
+
+
 def wait(pending: Pending, index: int) -> float | None:
     """Wait for the child's lowering; its seconds, or ``None`` where it failed (logged)."""
     start = time.perf_counter()
     try:
         result = pending.future.result()
     except Exception as e:  # noqa: BLE001 -- the compile lowers the backward itself
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        said = next((line for line in reversed(lines) if "Error" in line.split(":")[0]), lines[-1] if lines else "")
         log.info("protrain_fx: graph %d: the child's lowering of the backward failed (%s); lowered here",
-                 index, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+                 index, said or type(e).__name__)
         return None
     waited = time.perf_counter() - start
     log.info("protrain_fx: graph %d: the child lowered the backward in %.1f s (waited %.1f s for it)", index,
@@ -193,6 +223,7 @@ def _lower_in_child(payload: bytes, env: dict[str, str]) -> dict[str, Any]:
     gm.__dict__.update({k: attributes[k] for k in job["attribute_order"] if k in attributes})
     gm.__dict__.update({k: v for k, v in attributes.items() if k not in gm.__dict__})
     inputs = job["inputs"]
+    chunk_ops.adopt_buffer_shapes(job["buffer_shapes"])  # the chunk buffers' fake values, without the handles
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     out.meta["user_visible_output_idxs"] = [i for i, v in enumerate(output_args(gm)) if isinstance(v, fx.Node)] \
         if inductor_config.bw_outputs_user_visible else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import protrain_fx
 from protrain_fx import codegen_child, settings, state
 from protrain_fx.planner.budget import budget_for_peak
 from tests.planner.test_auto_plan import logged  # noqa: F401
@@ -89,3 +90,28 @@ def test_the_child_lowers_for_cuda_steps_unless_told_and_never_beside_training()
             state.set_compiling_beside(None)
         with torch._inductor.config.patch(fx_graph_cache=False):  # the child's code could not reach the compile
             assert not codegen_child.enabled(cpu)
+
+
+def test_an_offloaded_step_lowered_by_the_child_keeps_its_chunk_buffers_and_trains_like_eager(logged):  # noqa: F811
+    """The child lowers with our hooks: the backward's allocation plan (chunk buffers never reused) is
+    the one this process reads lowering it itself, to the row, and the step trains as eager does."""
+    from tests.runtime.test_offload import _batch, _setup
+
+    plans = {}
+    for child in ("0", "1"):
+        _emptied()
+        torch._dynamo.reset()
+        protrain_fx.reset()
+        logged.clear()
+        with settings.patch(codegen_child=child):
+            model, reference, opt, ref_opt, handle, compiled = _setup(1, 2, codegen="inductor")
+            loss, ref_loss = compiled(*_batch(0)), reference(*_batch(0))
+            loss.backward(), ref_loss.backward()
+            opt.step(), ref_opt.step()  # the step reads the gradients the backward handed over
+            torch.testing.assert_close(compiled(*_batch(1)), reference(*_batch(1)), rtol=1e-5, atol=0)
+        record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
+        assert any(n.target is torch.ops.protrain.chunk_gather.default for n in record.backward.graph.nodes)
+        plans[child] = record.rewritten.inductor_plans["backward"]
+        assert any("the child lowered the backward" in r.getMessage() for r in logged) == (child == "1")
+        handle.close()
+    assert plans["1"] == plans["0"]

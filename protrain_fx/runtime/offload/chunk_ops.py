@@ -187,10 +187,29 @@ def chunk_gather(
     return handle(hid).gather(chunk)
 
 
+#: Handle id -> (buffer numel, dtype, device) of handles that live in another process: a child that
+#: lowers a graph of this process's handles (``protrain_fx/codegen_child.py``) propagates fake
+#: values through their gathers.
+_buffer_shapes: dict[int, tuple[int, torch.dtype, torch.device]] = {}
+
+
+def buffer_shapes(hids: Any) -> dict[int, tuple[int, torch.dtype, torch.device]]:
+    """What :func:`chunk_gather`'s fake values need of each handle in ``hids``, for another process."""
+    return {hid: (handle(hid).store.full_numel, handle(hid).store.compute_dtype, handle(hid).device) for hid in hids}
+
+
+def adopt_buffer_shapes(shapes: dict[int, tuple[int, torch.dtype, torch.device]]) -> None:
+    """In a process without the handles: :func:`chunk_gather`'s fake values from ``shapes``."""
+    _buffer_shapes.update(shapes)
+
+
 @chunk_gather.register_fake
 def _chunk_gather_fake(
     hid: int, chunk: int, span: int, shell: torch.Tensor | None, after: list[torch.Tensor]
 ) -> torch.Tensor:
+    if hid in _buffer_shapes and _handles.get(hid) is None:
+        numel, dtype, device = _buffer_shapes[hid]
+        return torch.empty(numel, dtype=dtype, device=device)
     h = handle(hid)
     return torch.empty(h.store.full_numel, dtype=h.store.compute_dtype, device=h.device)
 
