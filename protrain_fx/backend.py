@@ -11,20 +11,17 @@ pass pipeline runs there. Code generation is Inductor (with our partitioner inst
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import inspect
 import logging
 import re
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.nn.parallel import DistributedDataParallel
@@ -57,7 +54,8 @@ from protrain_fx.planner.first_step import peaks_at_compile_start, watch_first_s
 from protrain_fx.planner.fit import answer, answer_offload, planning_budget
 from protrain_fx.planner.offload import choose_for_placed, choose_offload
 from protrain_fx.inspect import structured
-from protrain_fx.lowering import SOURCE_HASH, lower, probe_inductor
+from protrain_fx.lowering import PartitionerToken, lower, probe_inductor
+from protrain_fx.lowering import copy_graph_module as _copy_graph_module  # (a name the tests count copies by)
 from protrain_fx.planner.plan_cache import judgments, plan_key, reuse_or_choose
 from protrain_fx.planner.verify import Rewrite
 from protrain_fx.profile.machine_profile import card_machine
@@ -281,7 +279,7 @@ class _NoteHandler(logging.Handler):
             self.handleError(record)
 
 
-class _Partitioner(CustomPartitionerFn):
+class _Partitioner(PartitionerToken):
     """Min-cut partition, then record the graphs and run our passes on them. ``relaunch``: the
     compile's use of AOTAutograd's cache (``aot_cache.py``), armed with the plan applied."""
 
@@ -371,14 +369,14 @@ class _Partitioner(CustomPartitionerFn):
             # Judged on the device the step's memory is analysed for (an offloaded model's inputs
             # can sit on the host): "auto" lowers with Inductor only for a CUDA step.
             record.probe_inductor = progress.timed("trial lowerings")(lambda: (
-                probe_inductor(record, _compile_patches(record), _copy_graph_module)
+                probe_inductor(record, _compile_patches(record), _copy_graph_module, codegen_child.start)
                 if user_config.verify_for(record.memory.device) == "inductor" else None
             ))
 
         if dry_run:
             # what the compile's Inductor code peaks at, where the plan is judged without lowering it
             lower = progress.timed("trial lowerings")(lambda: probe_inductor(record, _compile_patches(record),
-                                                                               _copy_graph_module))
+                                                                               _copy_graph_module, codegen_child.start))
             given = record.budget
             record.budget = planning_budget(given)  # planned as if unbounded when none
             if facts is not None and placer is not None:
@@ -413,12 +411,6 @@ class _Partitioner(CustomPartitionerFn):
             return forward, _copy_graph_module(backward)
         return forward, backward
 
-    def uuid(self) -> Any:
-        return SOURCE_HASH
-
-    def __reduce__(self):
-        # Inductor pickles its config into cache keys; the uuid stands for this partitioner.
-        return (str, (self.uuid(),))
 
 
 def deferred_handle(record: CapturedGraph) -> OffloadHandle | None:
@@ -536,20 +528,6 @@ def _check_automatic_offload(record: CapturedGraph, *, answering: bool) -> None:
         )
 
 
-def _copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModule:
-    """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own. ``lazy``: its code is
-    written when first read or run (a trial's joint graph is partitioned, never run)."""
-    with warnings.catch_warnings():
-        # Copying a graph whose nodes hold pytree specs (a model called with keyword arguments)
-        # rebuilds each LeafSpec through torch's deprecated isinstance check: torch's warning, not
-        # the user's to act on.
-        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        graph = copy.deepcopy(gm.graph)
-    copied = _LazyGraphModule(gm, graph) if lazy else fx.GraphModule(gm, graph)
-    copied.meta = dict(getattr(gm, "meta", {}))
-    return copied
-
-
 def _step_graphs(forward: fx.GraphModule, backward: fx.GraphModule | None, num_user_outputs: int,
                  static_indices: set[int]) -> StepGraphs:
     """Which forward placeholders are model state (AOT's static-lifetime inputs) and which get grads."""
@@ -576,7 +554,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
 
     relaunch = open_relaunch(record)
     partitioner = _Partitioner(record, relaunch)
-    in_child: list[codegen_child.Pending] = []  # the backward, sent to a child to lower beside the forward
+    waits: list[Callable[[], None]] = []  # for the backward, sent to a child to lower beside the forward
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     device = next((t.device for t in tensors if t.device.type == "cuda"), tensors[0].device if tensors else None)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # a training step: a backward to send
@@ -586,18 +564,19 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
         phase = "inference" if kwargs.get("is_inference") else "backward" if kwargs.get("is_backward") else "forward"
         if phase == "inference":  # no backward: our partitioner never ran
             _record_inference(record, graph, inputs)
-        if phase == "forward" and partitioner.handed is not None and codegen_child.enabled(device):
+        auto = record.auto_plan  # a plan a trial lowered is in Inductor's cache: nothing for a child to do
+        if phase == "forward" and partitioner.handed is not None and not (auto and auto.judged_by == "inductor"
+                                                                           and not auto.from_cache):
             context = torch._guards.TracingContext.try_get()
             donated = getattr(getattr(context, "fw_metadata", None), "bw_donated_idxs", None)
-            sent = codegen_child.send_backward(record.index, partitioner.handed[1], donated,
-                                               record.config.keep_node_order)
-            in_child.extend([sent] if sent is not None else [])
+            waits.append(codegen_child.start(record.index, partitioner.handed[1], donated,
+                                             record.config.keep_node_order, device))
         with contextlib.ExitStack() as stack:  # (a backward lowered lazily: after the compile's recording closed)
             if progress.current() is None:
                 stack.enter_context(progress.recording(record.phases, title=f"protrain_fx: graph {record.index} ({phase})"))
             with progress.phase("codegen", f"Inductor codegen ({phase})"):
-                if phase == "backward" and in_child:
-                    codegen_child.wait(in_child.pop(), record.index)  # its code then hits Inductor's cache
+                if phase == "backward" and waits:
+                    waits.pop()()  # the child's code then hits Inductor's cache
                     codegen_child.shut()  # (a CUDA context it made goes before the first step)
                 compiled, plan = lower(record, graph, list(inputs), phase, compile_fx_inner, _copy_graph_module, **kwargs)
         if record.rewritten is not None and record.step is not None:

@@ -22,69 +22,77 @@ lowered its backward: a CUDA context it made to load the kernels goes with it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import pickle
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._guards import TracingContext, tracing
+from torch._inductor import config as inductor_config
+from torch._inductor.compile_fx import compile_fx_inner, count_tangents
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx._graph_pickler import GraphPickler, Options
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from protrain_fx import settings, state
+from protrain_fx.analysis.memory import output_args
+from protrain_fx.lowering import PartitionerToken, aot_kwargs, copy_graph_module, lower, unmark_static
+from protrain_fx.runtime import swap  # noqa: F401 -- the swap ops, registered on import, for the child's graphs
 from protrain_fx.runtime.offload import chunk_ops
+from protrain_fx.runtime.store.host_memory import available_host_bytes
 
 log = logging.getLogger("protrain_fx")
-
-#: The environment the child's caches are found by (it inherits the rest of this process's).
-_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PROTRAIN_CACHE_DIR")
 
 #: Inductor settings the child sets itself: our hooks, which do not pickle as themselves (their
 #: ``__reduce__`` is a token for Inductor's cache key).
 _OWN_SETTINGS = ("custom_partitioner_fn", "_post_fusion_custom_pass")
 
+#: Host memory that must stay available beside a chunk store still filling for a child to be started:
+#: its interpreter, its Triton compile workers and the graph it lowers. A margin, not a measurement
+#: (a model whose store nearly fills the host, as 10B on a 128 GiB host, lowers without the child).
+HOST_MARGIN_BYTES = 16 * 2**30
+
+#: The compile waits for the child's backward at most this long, or this many times as long as the
+#: forward's lowering took beside it, whichever is longer; then it lowers the backward itself (a child
+#: that hangs must not hang the compile). The backward's lowering takes up to about three times the
+#: forward's (``docs/results.md#time-to-the-first-steps``).
+WAIT_MIN_S = 120.0
+WAIT_FACTOR = 4.0
+
+#: How long stopping the child may take before it is killed (its own workers then end themselves).
+SHUT_WAIT_S = 10.0
+
 _lock = threading.Lock()
 _pool: Any = None
-_warmed: Future | None = None
 
 
 @dataclass
 class Pending:
-    """A backward lowering sent to the child, and the seconds sending it took here."""
+    """A backward lowering sent to the child: when, and the seconds sending it took here."""
 
     future: Future
+    sent_at: float
     send_s: float
 
 
 def enabled(device: torch.device | None) -> bool:
     """Whether a child lowers the backward of a step on ``device`` (module docstring): and Inductor's
     FX graph cache is on, as the child's code reaches this process only through it."""
-    from torch._inductor import config as inductor_config
-
     wanted = settings.codegen_child()
     if wanted is False or state.compiling_beside() is not None:
         return False
     if not inductor_config.fx_graph_cache or inductor_config.force_disable_caches:
         return False
     return wanted is True or (device is not None and device.type == "cuda")
-
-
-def _get_pool() -> Any:
-    global _pool, _warmed
-    with _lock:
-        if _pool is None:
-            import atexit
-
-            from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
-
-            _pool = SubprocPool(1, kind=SubprocKind.SPAWN)
-            atexit.register(_pool.shutdown)
-            _warmed = _pool.submit(_warm_in_child)
-        return _pool
 
 
 def warm(device: torch.device | None) -> None:
@@ -97,124 +105,139 @@ def warm(device: torch.device | None) -> None:
             log.debug("protrain_fx: no codegen child: %s", e)
 
 
+def start(index: int, gm: fx.GraphModule, bw_donated_idxs: Any, keep_node_order: bool,
+          device: torch.device | None) -> Callable[[], None]:
+    """Where :func:`enabled`, send the backward graph ``gm`` to the child (:func:`send_backward`);
+    what to call before this process lowers it: waits for the child (a no-op where none was sent)."""
+    sent = send_backward(index, gm, bw_donated_idxs, keep_node_order) if enabled(device) else None
+    return (lambda: None) if sent is None else (lambda: wait(sent, index))
+
+
 def shut() -> None:
-    """Stop the child (a later compile starts another)."""
-    global _pool, _warmed
+    """Stop the child (a later compile starts another): killed where it does not stop within
+    :data:`SHUT_WAIT_S` (a job still running)."""
+    global _pool
     with _lock:
-        pool, _pool, _warmed = _pool, None, None
-    if pool is not None:
+        pool, _pool = _pool, None
+    if pool is None:
+        return
+
+    def stop() -> None:
         try:
             pool.shutdown()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 -- (subprocess.TimeoutExpired among them)
             log.debug("protrain_fx: the codegen child did not shut down cleanly: %s", e)
+
+    stopping = threading.Thread(target=stop, name="protrain_fx codegen child stop", daemon=True)
+    stopping.start()
+    stopping.join(SHUT_WAIT_S)
+    if stopping.is_alive():
+        pool.process.kill()
+
+
+def _get_pool() -> Any:
+    global _pool
+    with _lock:
+        if _pool is None:
+            import atexit
+
+            from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
+
+            _pool = SubprocPool(1, kind=SubprocKind.SPAWN)
+            atexit.register(_pool.shutdown)
+            _pool.submit(_warm_in_child)
+        return _pool
 
 
 def _warm_in_child() -> int:
-    import torch._inductor.compile_fx  # noqa: F401
-
-    import protrain_fx.backend  # noqa: F401 -- our custom ops, registered on import
-
-    return os.getpid()
+    return os.getpid()  # (unpickling this function imported this module, Inductor and our ops)
 
 
 def send_backward(index: int, gm: fx.GraphModule, bw_donated_idxs: Any, keep_node_order: bool) -> Pending | None:
     """Send the backward graph ``gm`` (the one AOTAutograd will hand Inductor, with its placeholders'
-    values as inputs) to the child to lower; ``None`` where it cannot be sent (a
-    setting or a graph that does not pickle: the compile lowers it then)."""
-    from torch._inductor import config as inductor_config
-    from torch.fx._graph_pickler import Options
-
-    from protrain_fx.lowering import unmark_static
-
-    start = time.perf_counter()
+    values as inputs) to the child to lower; ``None`` where it is not sent: the host's memory is short
+    beside a chunk store still filling (:data:`HOST_MARGIN_BYTES`), or a setting or the graph does not
+    pickle (the compile lowers it then)."""
+    available = available_host_bytes()
+    still_filling = chunk_ops.filling_host_bytes()
+    if available is not None and available - still_filling < HOST_MARGIN_BYTES:
+        log.info("protrain_fx: graph %d: the backward is lowered in this process: %.1f GiB of host memory are "
+                 "available and chunk stores still filling take up to %.1f GiB of them (a child needs %.0f GiB "
+                 "beside them)", index, available / 2**30, still_filling / 2**30, HOST_MARGIN_BYTES / 2**30)
+        return None
+    begin = time.perf_counter()
     try:
-        settings = {k: v for k, v in inductor_config.save_config_portable(ignore_private_configs=False).items()
+        portable = {k: v for k, v in inductor_config.save_config_portable(ignore_private_configs=False).items()
                     if k not in _OWN_SETTINGS}
-        pickle.dumps(settings)  # every setting must cross as itself
+        pickle.dumps(portable)  # every setting must cross as itself
         inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
         unmark_static(inputs)
         gather = getattr(torch.ops.protrain, "chunk_gather", None)
         hids = {n.args[0] for n in gm.graph.nodes if gather is not None and n.target is gather.default}
-        job = {"gm": gm, "inputs": inputs, "buffer_shapes": chunk_ops.buffer_shapes(hids), "index": index, "settings": settings,
-               "attribute_order": list(gm.__dict__), "bw_donated_idxs": bw_donated_idxs,
+        job = {"gm": gm, "inputs": inputs, "buffer_shapes": chunk_ops.buffer_shapes(hids), "index": index,
+               "settings": portable, "attribute_order": list(gm.__dict__), "bw_donated_idxs": bw_donated_idxs,
                "keep_node_order": keep_node_order, "grad": torch.is_grad_enabled()}
-        payload = _pickler().dumps(job, Options(ops_filter=None))
+        payload = _Pickler.dumps(job, Options(ops_filter=None))
     except Exception as e:  # noqa: BLE001
         log.info("protrain_fx: graph %d: the backward is lowered in this process (it could not be sent to a "
                  "child: %s: %s)", index, type(e).__name__, e)
         return None
-    env = {k: os.environ[k] for k in _CACHE_ENV if k in os.environ}
-    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
-
-    from protrain_fx.profile.cache import cache_dir
-
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
-    env.setdefault("PROTRAIN_CACHE_DIR", str(cache_dir()))
-    future = _get_pool().submit(_lower_in_child, payload, env)
-    send_s = time.perf_counter() - start
+    future = _get_pool().submit(_lower_in_child, payload, settings.cache_env())
+    send_s = time.perf_counter() - begin
     log.info("protrain_fx: graph %d: the backward sent to a child process to lower beside the forward (%.1f s, "
              "%.1f MB)", index, send_s, len(payload) / 1e6)
-    return Pending(future, send_s)
-
-
-def _pickler() -> type:
-    """torch's ``GraphPickler``, able to send a view's fake value: torch's takes the fake mode off the
-    view's description but not off its base's, and the mode does not pickle (a chunk's parameters are
-    views of the buffer ``chunk_gather`` returns)."""
-    import dataclasses
-
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx._graph_pickler import GraphPickler
-
-    def bare(desc: Any) -> Any:
-        if getattr(desc, "base", None) is None:
-            return desc
-        return dataclasses.replace(desc, base=bare(dataclasses.replace(desc.base, fake_mode=None)))
-
-    class Pickler(GraphPickler):
-        def reducer_override(self, obj: object) -> Any:
-            reduced = super().reducer_override(obj)
-            if isinstance(obj, FakeTensor) and reduced is not NotImplemented:
-                data = reduced[1][0]
-                data.metadata = bare(data.metadata)
-            return reduced
-
-    return Pickler
+    return Pending(future, time.perf_counter(), send_s)
 
 
 def wait(pending: Pending, index: int) -> float | None:
-    """Wait for the child's lowering; its seconds, or ``None`` where it failed (logged)."""
-    start = time.perf_counter()
+    """Wait for the child's lowering (at most :data:`WAIT_MIN_S` or :data:`WAIT_FACTOR` times the
+    seconds since it was sent); its seconds, or ``None`` where it failed or took longer (logged; the
+    child is stopped then)."""
+    begin = time.perf_counter()
+    limit = max(WAIT_MIN_S, WAIT_FACTOR * (begin - pending.sent_at))
     try:
-        result = pending.future.result()
+        result = pending.future.result(timeout=limit)
+    except TimeoutError:
+        log.info("protrain_fx: graph %d: the child had not lowered the backward %.0f s after the forward's lowering "
+                 "ended; lowered here", index, limit)
+        shut()
+        return None
     except Exception as e:  # noqa: BLE001 -- the compile lowers the backward itself
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         said = next((line for line in reversed(lines) if "Error" in line.split(":")[0]), lines[-1] if lines else "")
         log.info("protrain_fx: graph %d: the child's lowering of the backward failed (%s); lowered here",
                  index, said or type(e).__name__)
         return None
-    waited = time.perf_counter() - start
     log.info("protrain_fx: graph %d: the child lowered the backward in %.1f s (waited %.1f s for it)", index,
-             result["seconds"], waited)
+             result["seconds"], time.perf_counter() - begin)
     return float(result["seconds"])
 
 
+def _bare(desc: Any) -> Any:
+    """A tensor description with no fake mode on its base either (the mode does not pickle)."""
+    if getattr(desc, "base", None) is None:
+        return desc
+    return dataclasses.replace(desc, base=_bare(dataclasses.replace(desc.base, fake_mode=None)))
+
+
+class _Pickler(GraphPickler):
+    """torch's ``GraphPickler``, able to send a view's fake value: torch's takes the fake mode off the
+    view's description but not off its base's (a chunk's parameters are views of the buffer
+    ``chunk_gather`` returns)."""
+
+    def reducer_override(self, obj: object) -> Any:
+        reduced = super().reducer_override(obj)
+        if isinstance(obj, FakeTensor) and reduced is not NotImplemented:
+            data = reduced[1][0]
+            data.metadata = _bare(data.metadata)
+        return reduced
+
+
 def _lower_in_child(payload: bytes, env: dict[str, str]) -> dict[str, Any]:
-    os.environ.update(env)
-    import contextlib
-
-    from torch._guards import TracingContext, tracing
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx_inner, count_tangents
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx._graph_pickler import GraphPickler
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from protrain_fx.backend import _copy_graph_module, _Partitioner
-    from protrain_fx.lowering import aot_kwargs, lower
-    from protrain_fx.analysis.memory import output_args
-
-    start = time.perf_counter()
+    """In the child: lower the backward ``payload`` holds as the compile will, keeping its code in
+    Inductor's FX graph cache and its allocation plan in ours (``env``: where those caches are)."""
+    settings.adopt(env)
+    begin = time.perf_counter()
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     job = GraphPickler.loads(payload, fake_mode)
     gm: fx.GraphModule = job["gm"]
@@ -222,7 +245,6 @@ def _lower_in_child(payload: bytes, env: dict[str, str]) -> dict[str, Any]:
     gm.__dict__.clear()
     gm.__dict__.update({k: attributes[k] for k in job["attribute_order"] if k in attributes})
     gm.__dict__.update({k: v for k, v in attributes.items() if k not in gm.__dict__})
-    inputs = job["inputs"]
     chunk_ops.adopt_buffer_shapes(job["buffer_shapes"])  # the chunk buffers' fake values, without the handles
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     out.meta["user_visible_output_idxs"] = [i for i, v in enumerate(output_args(gm)) if isinstance(v, fx.Node)] \
@@ -233,10 +255,10 @@ def _lower_in_child(payload: bytes, env: dict[str, str]) -> dict[str, Any]:
     record = SimpleNamespace(index=job["index"], config=SimpleNamespace(keep_node_order=job["keep_node_order"]))
     with contextlib.ExitStack() as stack:
         stack.enter_context(inductor_config.patch(job["settings"]))
-        stack.enter_context(inductor_config.patch({"custom_partitioner_fn": _Partitioner(None)}))  # its token
+        stack.enter_context(inductor_config.patch({"custom_partitioner_fn": PartitionerToken()}))
         stack.enter_context(tracing(context))
         stack.enter_context(torch.set_grad_enabled(job["grad"]))
         stack.enter_context(torch._C._DisableAutocast())
-        _, plan = lower(record, gm, inputs, "backward", compile_fx_inner, _copy_graph_module,
+        _, plan = lower(record, gm, job["inputs"], "backward", compile_fx_inner, copy_graph_module,
                         **aot_kwargs("backward", static))
-    return {"seconds": time.perf_counter() - start, "planned": plan is not None}
+    return {"seconds": time.perf_counter() - begin, "planned": plan is not None}

@@ -16,20 +16,23 @@ process and as a JSON file under ``$PROTRAIN_CACHE_DIR/lowered/``, and a hit rea
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import pickle
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from protrain_fx import codegen_child
 from protrain_fx.analysis.inductor_memory import GraphPlan, PlanRow, analyze_inductor_memory, read_inductor_plan
 from protrain_fx.analysis.memory import MemoryAnalysis, output_args
 from protrain_fx.capture import CapturedGraph
@@ -79,6 +82,36 @@ def lowering_patches(record: CapturedGraph, lowered: dict[str, Any]) -> dict[str
     if record.config.keep_node_order:
         patches["reorder_for_peak_memory"] = False
     return patches
+
+
+class PartitionerToken(CustomPartitionerFn):
+    """What Inductor's cache key sees of our partitioner (``backend._Partitioner``): a token of our
+    sources. A process that lowers graphs partitioned elsewhere (``codegen_child.py``) sets this in its
+    place, so that its lowerings are keyed as the compile's."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("protrain_fx: the partitioner's token partitions nothing")
+
+    def uuid(self) -> Any:
+        return SOURCE_HASH
+
+    def __reduce__(self):
+        # Inductor pickles its config into cache keys; the uuid stands for this partitioner.
+        return (str, (self.uuid(),))
+
+
+def copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes (and node meta dicts, shallowly) are its own. ``lazy``: its code is
+    written when first read or run (a trial's joint graph is partitioned, never run)."""
+    with warnings.catch_warnings():
+        # Copying a graph whose nodes hold pytree specs (a model called with keyword arguments)
+        # rebuilds each LeafSpec through torch's deprecated isinstance check: torch's warning, not
+        # the user's to act on.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    copied = _LazyGraphModule(gm, graph) if lazy else fx.GraphModule(gm, graph)
+    copied.meta = dict(getattr(gm, "meta", {}))
+    return copied
 
 
 def plan_key(gm: fx.GraphModule, phase: str, static_input_idxs: Any) -> str:
@@ -272,15 +305,17 @@ def aot_kwargs(phase: str, static_input_idxs: list[int]) -> dict[str, Any]:
     return kwargs
 
 
-def probe_inductor(record: CapturedGraph, extra_patches: dict[str, Any], copy_graph: Callable[[fx.GraphModule], fx.GraphModule]
-                   ) -> MemoryAnalysis | None:
+def probe_inductor(record: CapturedGraph, extra_patches: dict[str, Any], copy_graph: Callable[[fx.GraphModule], fx.GraphModule],
+                   lower_beside: Callable[..., Callable[[], None]] | None = None) -> MemoryAnalysis | None:
     """The memory analysis of Inductor's allocation plans for the step now in ``record`` (one plan
     the backend tries, ``verify="inductor"``), lowered as the compile lowers it (:func:`lower`, with
     ``extra_patches``: the compile's other settings, so that the cache keys match): copies of both
     graphs (``copy_graph``) through ``compile_fx_inner`` with AOTAutograd's arguments (static inputs:
     the model state in forward, the tangents in backward; the saved values AOTAutograd donates to
-    backward, whose storage Inductor reuses; chunk buffers never reused). ``None`` (with a warning)
-    when it cannot be done: the graph-level analysis judges then."""
+    backward, whose storage Inductor reuses; chunk buffers never reused). ``lower_beside``
+    (``codegen_child.start``): sends the backward to be lowered elsewhere while the forward lowers
+    here, and returns what waits for it. ``None`` (with a warning) when it cannot be done: the
+    graph-level analysis judges then."""
     from torch._functorch._aot_autograd.graph_compile import collect_bw_donated_buffer_idxs
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor import config as inductor_config
@@ -313,9 +348,9 @@ def probe_inductor(record: CapturedGraph, extra_patches: dict[str, Any], copy_gr
         placeholders = [n.name for n in forward.graph.nodes if n.op == "placeholder"]
         device = next((v.device for n in forward.graph.nodes if n.op == "placeholder"
                        and isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"), None)
-        # the backward lowered by a child beside this process's forward (codegen_child.py)
-        sent = codegen_child.send_backward(record.index, backward, donated, record.config.keep_node_order) \
-            if codegen_child.enabled(device) else None
+        # the backward lowered elsewhere beside this process's forward (codegen_child.start)
+        wait_for_backward = lower_beside(record.index, backward, donated, record.config.keep_node_order, device) \
+            if lower_beside is not None else None
         plans = {}
         for phase, gm in (("forward", forward), ("backward", backward)):
             inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
@@ -332,8 +367,8 @@ def probe_inductor(record: CapturedGraph, extra_patches: dict[str, Any], copy_gr
             context = TracingContext(detect_fake_mode(inputs))
             context.fw_metadata = SimpleNamespace(bw_donated_idxs=donated, static_input_indices=static)
             unmark_static(inputs)  # as the compile's own inputs: marked static by this lowering only
-            if phase == "backward" and sent is not None:
-                codegen_child.wait(sent, record.index)  # its code then hits Inductor's cache
+            if phase == "backward" and wait_for_backward is not None:
+                wait_for_backward()  # its code then hits Inductor's cache
             try:
                 with tracing(context), inductor_config.patch(extra_patches):
                     _, plan = lower(record, gm, inputs, phase, compile_fx_inner, copy_graph,

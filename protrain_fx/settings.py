@@ -80,6 +80,21 @@ def codegen_child() -> bool | None:
     return False if value in _OFF else True if value in _ON else None
 
 
+#: The variables that say where the caches are (Inductor's, Triton's, ours): a child process that
+#: lowers a graph (``codegen_child.py``) must write where this process reads.
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", CACHE_DIR)
+
+
+def cache_env() -> dict[str, str]:
+    """The :data:`CACHE_VARIABLES` set now, for another process (:func:`adopt`)."""
+    return {name: os.environ[name] for name in CACHE_VARIABLES if name in os.environ}
+
+
+def adopt(env: dict[str, str]) -> None:
+    """In a child process: the variables another process read (:func:`cache_env`)."""
+    os.environ.update(env)
+
+
 def plan_cache() -> bool:
     """Whether the plan cache is on: unless ``PROTRAIN_PLAN_CACHE`` is ``0`` (``false``, ``off``, ``no``)."""
     return os.environ.get(PLAN_CACHE, "1").strip().lower() not in _OFF

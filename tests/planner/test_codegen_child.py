@@ -7,6 +7,8 @@ allocation plan read back and the gradients of a compile without the child."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -47,32 +49,34 @@ def test_the_compile_hits_the_backward_the_child_lowered_and_reads_its_plan(alon
     assert codegen_child._pool is None  # gone with the compile that started it
 
 
-def test_a_trial_lowering_sends_its_backward_to_the_child_and_the_compile_hits_both(alone):
+def test_a_trial_lowering_sends_its_backward_to_the_child_and_the_compile_hits_both(alone, logged):  # noqa: F811
     plain, grads = alone
     budget = budget_for_peak(plain.memory.peak_bytes) * 4  # the step fits as it is: one trial
     _emptied()
+    logged.clear()
     hits, misses = _cache_counts()
     with settings.patch(codegen_child="1"):
         judged, got = _step({"memory_budget": budget, "verify": "inductor"})
-    # the trial lowered the forward here (a miss) and hit the child's backward; the compile hit both
+    # the trial lowered the forward here (a miss) and hit the child's backward; the compile hit both,
+    # sending nothing to the child
     assert (_cache_counts()[0] - hits, _cache_counts()[1] - misses) == (3, 1)
+    assert sum("sent to a child" in r.getMessage() for r in logged) == 1
     assert judged.auto_plan.judged_by == "inductor" and judged.auto_plan.trials_run == 1
     assert judged.memory.peak_bytes == judged.auto_plan.analysed_peak_bytes == plain.memory.peak_bytes
     for name, g in grads.items():
         torch.testing.assert_close(got[name], g, msg=name)
 
 
-def test_a_child_that_fails_leaves_the_backward_to_this_process(alone, monkeypatch, logged):  # noqa: F811
-    plain, grads = alone
-    _emptied()
-    monkeypatch.setattr(codegen_child, "_lower_in_child", int)  # int(payload, env) raises in the child
-    logged.clear()
-    with settings.patch(codegen_child="1"):
-        record, got = _step({"auto_plan": False})
-    assert any("the child's lowering of the backward failed" in r.getMessage() for r in logged)
-    assert record.memory.peak_bytes == plain.memory.peak_bytes
-    for name, g in grads.items():
-        torch.testing.assert_close(got[name], g, msg=name)
+def test_a_child_that_fails_leaves_the_backward_to_this_process(logged):  # noqa: F811
+    from concurrent.futures import Future
+
+    failed = Future()
+    failed.set_exception(RuntimeError("Traceback (most recent call last):\n  File ...\n"
+                                      "torch._inductor.exc.InductorError: RuntimeError: no such op\n"
+                                      "Use tlparse to see full graph."))
+    assert codegen_child.wait(codegen_child.Pending(failed, time.perf_counter(), 0.0), 0) is None
+    said = [r.getMessage() for r in logged if "the child's lowering of the backward failed" in r.getMessage()]
+    assert said and "InductorError: RuntimeError: no such op" in said[0] and "lowered here" in said[0]
 
 
 def test_the_child_lowers_for_cuda_steps_unless_told_and_never_beside_training():
@@ -115,3 +119,26 @@ def test_an_offloaded_step_lowered_by_the_child_keeps_its_chunk_buffers_and_trai
         assert any("the child lowered the backward" in r.getMessage() for r in logged) == (child == "1")
         handle.close()
     assert plans["1"] == plans["0"]
+
+
+def test_a_child_that_takes_too_long_is_stopped_and_the_compile_goes_on(monkeypatch, logged):  # noqa: F811
+    from concurrent.futures import Future
+
+    stopped = []
+    monkeypatch.setattr(codegen_child, "shut", lambda: stopped.append(True))
+    monkeypatch.setattr(codegen_child, "WAIT_MIN_S", 0.2)
+    never = codegen_child.Pending(Future(), time.perf_counter(), 0.0)  # a child that never answers
+    start = time.perf_counter()
+    assert codegen_child.wait(never, 0) is None
+    assert time.perf_counter() - start < 5 and stopped == [True]
+    assert any("had not lowered the backward" in r.getMessage() for r in logged)
+
+
+def test_no_child_where_a_filling_store_leaves_the_host_too_little_memory(monkeypatch, logged):  # noqa: F811
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    monkeypatch.setattr(codegen_child, "available_host_bytes", lambda: 40 * 2**30)
+    monkeypatch.setattr(codegen_child.chunk_ops, "filling_host_bytes", lambda: 30 * 2**30)
+    assert codegen_child.send_backward(0, gm, None, False) is None
+    assert codegen_child._pool is None  # nothing started
+    assert any("the backward is lowered in this process" in r.getMessage() and "16 GiB" in r.getMessage()
+               for r in logged)

@@ -92,6 +92,12 @@ def filling() -> bool:
     return any(s.filling for s in _stores())
 
 
+def filling_host_bytes() -> int:
+    """Host bytes of the live handles' chunk stores still filling in the background (the whole store's:
+    what it has taken so far is already out of the host's available memory, so this over-counts)."""
+    return sum(s.planned_bytes() for s in _stores() if s.filling)
+
+
 def wait_filled() -> None:
     """Wait for every live handle's chunk store filling in the background and raise a fill's error:
     the backend calls it once the step is compiled, before the first step."""

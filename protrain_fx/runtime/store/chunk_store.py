@@ -229,7 +229,7 @@ class ChunkStore:
         spill = 0 if self._residency is None else self._residency.buffer_bytes
         return scratch + self._landing.made * self.chunk_numel * itemsize + self.adds.staging_bytes + spill
 
-    def _planned_bytes(self) -> int:
+    def planned_bytes(self) -> int:
         """What ``host_bytes`` will be, computed before allocating anything, with the pool's
         landing buffers all made."""
         return planned_store_bytes(
