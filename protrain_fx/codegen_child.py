@@ -177,7 +177,7 @@ def send_backward(index: int, gm: fx.GraphModule, bw_donated_idxs: Any, keep_nod
         job = {"gm": gm, "inputs": inputs, "buffer_shapes": chunk_ops.buffer_shapes(hids), "index": index,
                "settings": portable, "attribute_order": list(gm.__dict__), "bw_donated_idxs": bw_donated_idxs,
                "keep_node_order": keep_node_order, "grad": torch.is_grad_enabled()}
-        payload = _Pickler.dumps(job, Options(ops_filter=None))
+        payload = _Pickler.dumps(job, Options(ops_filter=None, node_metadata_key_filter=_crosses))
     except Exception as e:  # noqa: BLE001
         log.info("protrain_fx: graph %d: the backward is lowered in this process (it could not be sent to a "
                  "child: %s: %s)", index, type(e).__name__, e)
@@ -211,6 +211,12 @@ def wait(pending: Pending, index: int) -> float | None:
     log.info("protrain_fx: graph %d: the child lowered the backward in %.1f s (waited %.1f s for it)", index,
              result["seconds"], time.perf_counter() - begin)
     return float(result["seconds"])
+
+
+def _crosses(key: str) -> bool:
+    """Whether a node meta key is sent: not the module and source stacks (their entries hold classes
+    made at run time, as Hugging Face models' are; Inductor's lowering does not read them)."""
+    return not key.endswith(("module_stack", "source_fn_stack"))
 
 
 def _bare(desc: Any) -> Any:

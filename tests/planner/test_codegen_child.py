@@ -142,3 +142,41 @@ def test_no_child_where_a_filling_store_leaves_the_host_too_little_memory(monkey
     assert codegen_child._pool is None  # nothing started
     assert any("the backward is lowered in this process" in r.getMessage() and "16 GiB" in r.getMessage()
                for r in logged)
+
+
+def test_a_hugging_face_models_backward_crosses_to_the_child(monkeypatch):
+    """A Hugging Face model's nodes carry module stacks whose entries are classes made at run time;
+    they stay behind (Inductor does not read them), and the graph and its fake inputs arrive whole."""
+    from concurrent.futures import Future
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    transformers = pytest.importorskip("transformers")
+    sent = []
+
+    class Pool:  # stands in for the child: keeps what is sent, lowers nothing (the compile lowers it here)
+        def submit(self, fn, payload, env):
+            sent.append(payload)
+            done = Future()
+            done.set_result({"seconds": 0.0, "planned": False})
+            return done
+
+    monkeypatch.setattr(codegen_child, "_get_pool", lambda: Pool())
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=128, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"
+    torch._dynamo.reset()
+    protrain_fx.reset()
+    with settings.patch(codegen_child="1"):
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        torch.compile(model, backend="protrain")(ids, labels=ids).loss.backward()
+    (payload,) = sent
+    job = GraphPickler.loads(payload, FakeTensorMode(shape_env=ShapeEnv()))
+    record = next(g for g in protrain_fx.captured_graphs() if g.backward is not None)
+    assert len(job["gm"].graph.nodes) == len(record.backward.graph.nodes)
+    assert [tuple(t.shape) for t in job["inputs"]] == [
+        tuple(n.meta["val"].shape) for n in record.backward.graph.nodes if n.op == "placeholder"]
