@@ -369,13 +369,13 @@ class _Partitioner(PartitionerToken):
             # Judged on the device the step's memory is analysed for (an offloaded model's inputs
             # can sit on the host): "auto" lowers with Inductor only for a CUDA step.
             record.probe_inductor = progress.timed("trial lowerings")(lambda: (
-                probe_inductor(record, _compile_patches(record), _copy_graph_module, codegen_child.start)
+                probe_inductor(record, _compile_patches(), _copy_graph_module, codegen_child.start)
                 if user_config.verify_for(record.memory.device) == "inductor" else None
             ))
 
         if dry_run:
             # what the compile's Inductor code peaks at, where the plan is judged without lowering it
-            lower = progress.timed("trial lowerings")(lambda: probe_inductor(record, _compile_patches(record),
+            lower = progress.timed("trial lowerings")(lambda: probe_inductor(record, _compile_patches(),
                                                                                _copy_graph_module, codegen_child.start))
             given = record.budget
             record.budget = planning_budget(given)  # planned as if unbounded when none
@@ -410,7 +410,6 @@ class _Partitioner(PartitionerToken):
             # of the backward graph it is handed, so it gets a copy and the record keeps its own
             return forward, _copy_graph_module(backward)
         return forward, backward
-
 
 
 def deferred_handle(record: CapturedGraph) -> OffloadHandle | None:
@@ -597,7 +596,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], record:
     try:
         with aot_cache_for(relaunch), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
             compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                                  config_patches={"custom_partitioner_fn": partitioner})
+                                  config_patches=_compile_patches(partitioner))
     finally:
         codegen_child.shut()  # (already, where it lowered the backward)
     if relaunch is not None and relaunch.hit is not None:
@@ -619,12 +618,12 @@ def _store_hit(record: CapturedGraph, hit: Hit) -> None:
              hit.auto.table(record.index))
 
 
-def _compile_patches(record: CapturedGraph, relaunch: Relaunch | None = None) -> dict[str, Any]:
+def _compile_patches(partitioner: PartitionerToken | None = None) -> dict[str, Any]:
     """Inductor settings of the compile besides those of each lowering (``lowering.lowering_patches``):
-    our partitioner (with the compile's ``relaunch``, :mod:`protrain_fx.aot_cache`). A trial's lowering
-    runs under them too, so that Inductor caches it under the key the compile of the same graph looks
-    up (``lowering.py``): the partitioner's token is the same either way."""
-    return {"custom_partitioner_fn": _Partitioner(record, relaunch)}
+    our partitioner (the compile's :class:`_Partitioner`). A trial's lowering runs under them too, with
+    the partitioner's token in its place, so that Inductor caches it under the key the compile of the
+    same graph looks up (``lowering.py``): the token is the same either way."""
+    return {"custom_partitioner_fn": partitioner if partitioner is not None else PartitionerToken()}
 
 
 def _record_inference(record: CapturedGraph, graph: fx.GraphModule, inputs: Sequence[Any]) -> None:

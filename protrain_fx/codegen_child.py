@@ -77,11 +77,10 @@ _pool: Any = None
 
 @dataclass
 class Pending:
-    """A backward lowering sent to the child: when, and the seconds sending it took here."""
+    """A backward lowering sent to the child, and when."""
 
     future: Future
     sent_at: float
-    send_s: float
 
 
 def enabled(device: torch.device | None) -> bool:
@@ -186,7 +185,7 @@ def send_backward(index: int, gm: fx.GraphModule, bw_donated_idxs: Any, keep_nod
     send_s = time.perf_counter() - begin
     log.info("protrain_fx: graph %d: the backward sent to a child process to lower beside the forward (%.1f s, "
              "%.1f MB)", index, send_s, len(payload) / 1e6)
-    return Pending(future, time.perf_counter(), send_s)
+    return Pending(future, time.perf_counter())
 
 
 def wait(pending: Pending, index: int) -> float | None:

@@ -55,7 +55,7 @@ def test_a_child_that_fails_leaves_the_backward_to_this_process(logged):  # noqa
     failed.set_exception(RuntimeError("Traceback (most recent call last):\n  File ...\n"
                                       "torch._inductor.exc.InductorError: RuntimeError: no such op\n"
                                       "Use tlparse to see full graph."))
-    assert codegen_child.wait(codegen_child.Pending(failed, time.perf_counter(), 0.0), 0) is None
+    assert codegen_child.wait(codegen_child.Pending(failed, time.perf_counter()), 0) is None
     said = [r.getMessage() for r in logged if "the child's lowering of the backward failed" in r.getMessage()]
     assert said and "InductorError: RuntimeError: no such op" in said[0] and "lowered here" in said[0]
 
@@ -115,7 +115,7 @@ def test_a_child_that_takes_too_long_is_stopped_and_the_compile_goes_on(monkeypa
     stopped = []
     monkeypatch.setattr(codegen_child, "shut", lambda: stopped.append(True))
     monkeypatch.setattr(codegen_child, "WAIT_MIN_S", 0.2)
-    never = codegen_child.Pending(Future(), time.perf_counter(), 0.0)  # a child that never answers
+    never = codegen_child.Pending(Future(), time.perf_counter())  # a child that never answers
     start = time.perf_counter()
     assert codegen_child.wait(never, 0) is None
     assert time.perf_counter() - start < 5 and stopped == [True]
