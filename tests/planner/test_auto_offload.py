@@ -145,8 +145,8 @@ def test_lean_counts_are_what_the_store_makes_at_every_n_persist():
     from protrain_fx.runtime.store.host_memory import AUTO_HOST_RESERVE, planned_store_bytes
 
     model = GPT(CONFIG)
-    probe = protrain_fx.offload(copy.deepcopy(model), torch.optim.AdamW(model.parameters()), device="cpu",
-                                chunk_bytes=CHUNK)
+    twin = copy.deepcopy(model)
+    probe = protrain_fx.offload(twin, torch.optim.AdamW(twin.parameters()), device="cpu", chunk_bytes=CHUNK)
     n, numel = len(probe.layout.chunks), probe.layout.chunk_bytes // 4
     # room for every chunk's store with the last 12 lean (fp32: 4 + 8 bytes each, 4 more unless
     # lean; the 4 landing buffers take back what 4 lean chunks save)
@@ -163,7 +163,8 @@ def test_lean_counts_are_what_the_store_makes_at_every_n_persist():
         assert handle.store.lean == frozenset(range(n - p - counts[p], n - p))
     handle.unplace()
     # a fixed n_lean above what a chosen n_persist leaves offloaded: all of those are lean
-    fixed = protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(model.parameters()), device="cpu", chunk_bytes=CHUNK,
+    other = GPT(CONFIG)
+    fixed = protrain_fx.offload(other, torch.optim.AdamW(other.parameters()), device="cpu", chunk_bytes=CHUNK,
                                 n_lean=3)
     assert fixed.facts().lean_counts[n - 2:] == (2, 1, 0)
     fixed.configure(n - 1, 1)

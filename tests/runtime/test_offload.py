@@ -763,7 +763,8 @@ def test_auto_makes_the_fewest_last_chunks_lean_that_fit_the_host():
                                               rf"it would need {all_spilled} bytes"):
         handle_with(all_lean - 1, n_lean=0)
     with pytest.raises(ValueError, match=r"n_lean must be 'auto' or in \[0, \d+\]"):
-        protrain_fx.offload(GPT(CONFIG), torch.optim.AdamW(GPT(CONFIG).parameters()), n_persist=0, n_buffer=2,
+        other = GPT(CONFIG)
+        protrain_fx.offload(other, torch.optim.AdamW(other.parameters()), n_persist=0, n_buffer=2,
                             device="cpu", chunk_bytes=CHUNK, n_lean=999)
 
 

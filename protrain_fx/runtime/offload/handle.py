@@ -188,6 +188,7 @@ class OffloadHandle(StateDicts, Landing):
         #: A chunk's gradients landed in parts (a graph break between its parameters): every chunk's
         #: step waits for optimizer.step() (``Landing``).
         self._split_chunks = False
+        self._init_holding()  # (``Landing``)
         #: Optimizer steps whose offloaded chunk steps were skipped (a non-finite gradient norm).
         self.skipped_steps = 0
         self._landed_lean: list[int] = []  # lean chunks queued for a CPU step, oldest first
@@ -490,6 +491,7 @@ class OffloadHandle(StateDicts, Landing):
         meanwhile instead of after. A clipped step is bound by the link's copies, not by this issuing
         (``docs/results.md#the-users-42b-loop-loss-and-clipping``)."""
         self._check_unfrozen()
+        self.check_hyper()
         if self._pending and self.grad_clipping is None and not self._clipped:
             self.grad_clipping = False
         chunks = sorted(self._pending)  # clipped: each stepped with the clip's scale
@@ -555,6 +557,7 @@ class OffloadHandle(StateDicts, Landing):
             self._landed_lean = [c for c in self._landed_lean if self.store.holds_grad(c)]
         self._submitted.clear()
         self._landed.clear()
+        self._next_step_landing()
         self._norms.clear()
         self._clipped = False
         self._held_scale = None

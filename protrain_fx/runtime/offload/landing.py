@@ -4,14 +4,18 @@ the rewritten backward calls (``chunk_ops``' gradient op, once per chunk).
 A chunk's gradients are held (the loop may clip, or accumulate micro-batches), stepped on the CPU
 optimizer's worker as they land, or streamed through the device (``n_gpu_optim`` chunks).
 Data-parallel, a chunk's gradient is first reduce-scattered to the ranks' mean, each rank landing
-its own piece. A chunk may land once per optimizer step unless accumulating: a second landing says
-why and names the fix.
+its own piece. A chunk may land once per optimizer step unless accumulating: a second landing after
+its step ran says why and names the fix. A loop seen landing a chunk twice while its step is held,
+or setting the optimizer's settings between backward and ``optimizer.step()``, gets every chunk's step
+held until ``optimizer.step()`` from then on (exact, without the overlap with backward).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +23,11 @@ import torch
 
 from protrain_fx.errors import UnsupportedError
 from protrain_fx.runtime.parallel import shard
+
+log = logging.getLogger("protrain_fx")
+
+#: The param-group settings a chunk's optimizer step reads when it is queued (``ChunkAdamW.kernel``).
+HYPER_KEYS = ("lr", "betas", "weight_decay", "eps", "maximize")
 
 
 class Landing:
@@ -76,7 +85,15 @@ class Landing:
         landed = self._landed.setdefault(chunk, set())
         if chunk in self._submitted:
             raise UnsupportedError(self._second_landing(chunk, landed, names))
+        if self._hyper_landed is None:
+            self._hyper_landed = self._hyper_now()
         fresh = not self.store.holds_grad(chunk)
+        if not self._accumulating:
+            plain = self._landed_plain.setdefault(chunk, set())
+            if plain.intersection(names):
+                self._hold_from_now("the same parameters got gradients twice before optimizer.step() (two backward "
+                                    "passes, or one through two calls of the model) outside handle.accumulate()")
+            plain.update(names)
         if not fresh and not landed.intersection(names) and not self._accumulating:
             # another part of the chunk's parameters (two graphs around a graph break, or a module run
             # eagerly): its step waits for optimizer.step() from now on (this step is held: the first
@@ -85,7 +102,7 @@ class Landing:
         if (self.grad_clipping is None and not self._accumulating and not self._released_early
                 and self.store.is_lean(chunk) and fresh and self.store.landing_full()):
             self._release_early()  # learning: held lean gradients may not take host memory beyond the pool
-        hold = (self._accumulating or self._split_chunks or self.grad_clipping is True
+        hold = (self._accumulating or self._split_chunks or self._hold_always or self.grad_clipping is True
                 or (self.grad_clipping is None and not self._released_early))
         on_device = chunk < self.n_gpu_optim and not hold and fresh
         if on_device:
@@ -107,6 +124,56 @@ class Landing:
             self._pending.add(chunk)
         else:
             self._submit(chunk)
+
+    def _init_holding(self) -> None:
+        #: Every chunk's step waits for optimizer.step(): the loop lands a chunk twice or sets the
+        #: optimizer's settings after backward (:meth:`_hold_from_now`).
+        self._hold_always = False
+        self._next_step_landing()
+
+    def _next_step_landing(self) -> None:
+        """Forget the step's landings that :meth:`_hold_from_now` is decided on."""
+        self._hyper_landed: tuple | None = None  # the settings at the step's first landing
+        #: Per chunk, the parameter names landed outside ``accumulate()`` in this step.
+        self._landed_plain: dict[int, set[str]] = {}
+
+    def _hyper_now(self) -> tuple[tuple[Any, ...], ...]:
+        """The optimizer's settings a chunk step reads (:data:`HYPER_KEYS` of each param group); a
+        tensor setting by identity and version (read without a device sync)."""
+        def value(v: Any) -> Any:
+            return (id(v), v._version) if isinstance(v, torch.Tensor) else tuple(map(value, v)) \
+                if isinstance(v, (tuple, list)) else v
+
+        return tuple(tuple(value(group.get(k)) for k in HYPER_KEYS) for group in self.optimizer.param_groups)
+
+    def check_hyper(self) -> None:
+        """At ``optimizer.step()``: the loop set the optimizer's settings (a learning rate) after this
+        step's first gradient landed. Chunk steps queued as gradients land read the settings then, so
+        from now on every chunk's step waits for ``optimizer.step()`` (exact, without the overlap with
+        backward). Where this step's chunks were already stepped with the settings before, a warning
+        says so (the first step holds every chunk's, and is exact)."""
+        before, self._hyper_landed = self._hyper_landed, None
+        if before is None or self._hold_always or before == self._hyper_now():
+            return
+        stepped = sorted(self._submitted)
+        if stepped:
+            warnings.warn(
+                f"protrain_fx: the optimizer's settings ({', '.join(HYPER_KEYS)}) changed between this step's "
+                f"backward and optimizer.step(); offloaded chunks {stepped[:4]}{' ...' if len(stepped) > 4 else ''} "
+                "were already stepped with the settings before, as their gradients landed. Set them before "
+                "backward, or pass grad_clipping=True to protrain_fx.offload(...)", stacklevel=3)
+        self._hold_from_now("the optimizer's settings (a learning rate) are set between backward and "
+                            "optimizer.step()")
+
+    def _hold_from_now(self, why: str) -> None:
+        """Every chunk's step waits for ``optimizer.step()`` from now on (once said, with ``why``)."""
+        if self._hold_always:
+            return
+        self._hold_always = True
+        if self.grad_clipping is not True and not self._split_chunks:
+            log.warning("protrain_fx: %s: every offloaded chunk's step waits for optimizer.step() from now on, "
+                        "exact but without its overlap with backward (handle.accumulate() around all but the last "
+                        "micro-batch's backward, and settings changed before backward, keep the overlap)", why)
 
     def _release_early(self) -> None:
         """The first step, learning whether the loop clips, cannot hold every chunk's gradient: a lean
@@ -132,8 +199,10 @@ class Landing:
             return (
                 f"protrain_fx: the parameters of offloaded chunk {chunk} got a second gradient before "
                 "optimizer.step(), but their optimizer step already ran as the first one landed (a second "
-                "backward per step: micro-batches). Wrap the backward passes of all but the last micro-batch "
-                "in `with handle.accumulate():` (handle = protrain_fx.offload(...)'s return value)"
+                "backward per step: micro-batches; or one backward through two calls of the model). Wrap the "
+                "backward passes of all but the last micro-batch in `with handle.accumulate():` (handle = "
+                "protrain_fx.offload(...)'s return value), or pass grad_clipping=True to offload(...), which "
+                "holds every chunk's step until optimizer.step()"
             )
         return (
             f"protrain_fx: offloaded chunk {chunk} got gradients from two graphs in one step (a graph break "

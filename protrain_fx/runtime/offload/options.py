@@ -119,6 +119,10 @@ def checked_model(model: nn.Module, optimizer: torch.optim.Optimizer, options: O
         raise ValueError("offload: the model has no parameters")
     check_not_offloaded(named)
     check_optimizer(optimizer)  # the backend may offload any chunk: they are stepped by ChunkAdamW
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not any(id(p) in owned for p in named.values()):
+        raise ValueError("offload: the optimizer holds none of the model's parameters (an optimizer of another "
+                         "model, or of this one before it was rebuilt); give offload the optimizer that steps them")
     on_meta = [n for n, p in named.items() if p.is_meta]
     if on_meta and options.init is None:
         raise ValueError(
