@@ -264,9 +264,18 @@ def choose_plan(record: CapturedGraph, trial: verify.TrialFn,
         f"{least.n_checkpoint} of {model.n_blocks} blocks) needs an allocated peak of {need} bytes, so the budget "
         f"must be at least {minimum} bytes ({human_bytes(minimum)}, {100 * ALLOCATOR_HEADROOM:.0f}% allocator "
         f"headroom included{reserve_note(outside, source)}); raise memory_budget, use a smaller batch, or offload "
-        "parameters with protrain_fx.offload(...)",
+        f"parameters with protrain_fx.offload(...){_graph_judged_note(record, judge)}",
         min_budget_bytes=minimum,
     )
+
+
+def _graph_judged_note(record: CapturedGraph, judge: Judge) -> str:
+    """For a refusal of a step Inductor compiles whose plans the graph-level analysis judged (the
+    CPU's default): Inductor's own allocation plan can put the step lower."""
+    if record.config.codegen != "inductor" or judge.lowers:
+        return ""
+    return ("; these peaks are the graph-level analysis', and options={'verify': 'inductor'} judges by "
+            "Inductor's own allocation plan, which can fit a smaller budget")
 
 
 def chosen(
