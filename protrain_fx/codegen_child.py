@@ -181,11 +181,31 @@ def send_backward(index: int, gm: fx.GraphModule, bw_donated_idxs: Any, keep_nod
         log.info("protrain_fx: graph %d: the backward is lowered in this process (it could not be sent to a "
                  "child: %s: %s)", index, type(e).__name__, e)
         return None
-    future = _get_pool().submit(_lower_in_child, payload, settings.cache_env())
+    future = _submit(_get_pool(), payload)
     send_s = time.perf_counter() - begin
     log.info("protrain_fx: graph %d: the backward sent to a child process to lower beside the forward (%.1f s, "
              "%.1f MB)", index, send_s, len(payload) / 1e6)
     return Pending(future, time.perf_counter())
+
+
+def _submit(pool: Any, payload: bytes) -> Future:
+    """The child's lowering of ``payload``, submitted from a thread of its own: the pool writes the job
+    into a pipe that the child reads only once its imports are done, and a payload larger than the
+    pipe's buffer would hold this process there instead of lowering the forward."""
+    future: Future = Future()
+
+    def chain(done: Future) -> None:
+        error = done.exception()
+        future.set_exception(error) if error is not None else future.set_result(done.result())
+
+    def send() -> None:
+        try:
+            pool.submit(_lower_in_child, payload, settings.cache_env()).add_done_callback(chain)
+        except Exception as e:  # noqa: BLE001 -- (a pool shut meanwhile) the compile lowers the backward itself
+            future.set_exception(e)
+
+    threading.Thread(target=send, name="protrain_fx codegen child send", daemon=True).start()
+    return future
 
 
 def wait(pending: Pending, index: int) -> float | None:
