@@ -43,7 +43,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_BYTES_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")  # (a sign: told it must be positive)
 
 
 def is_count(value: Any, minimum: int = 0) -> bool:

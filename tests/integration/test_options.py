@@ -53,6 +53,12 @@ def test_parse_bytes_rejects(value) -> None:
     assert "accepted" in message or "positive" in message
 
 
+@pytest.mark.parametrize("value", [-1, "-5GB", "-1 GiB", "0", 0])
+def test_a_size_below_one_byte_is_told_it_must_be_positive(value) -> None:
+    with pytest.raises(ValueError, match="the size must be positive"):
+        parse_bytes(value, option="memory_budget")
+
+
 @pytest.mark.parametrize("value", ["lots", True, "12 parsecs", [1, 2], 1.5])
 def test_parse_bytes_message_lists_accepted_forms(value) -> None:
     with pytest.raises(ValueError) as info:
