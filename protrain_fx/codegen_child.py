@@ -195,8 +195,10 @@ def _submit(pool: Any, payload: bytes) -> Future:
     future: Future = Future()
 
     def chain(done: Future) -> None:
-        error = done.exception()
-        future.set_exception(error) if error is not None else future.set_result(done.result())
+        try:
+            future.set_result(done.result())
+        except BaseException as e:  # noqa: BLE001 -- (a job cancelled by the pool's shutdown among them)
+            future.set_exception(e)
 
     def send() -> None:
         try:

@@ -141,8 +141,11 @@ class Landing:
         """The optimizer's settings a chunk step reads (:data:`HYPER_KEYS` of each param group); a
         tensor setting by identity and version (read without a device sync)."""
         def value(v: Any) -> Any:
-            return (id(v), v._version) if isinstance(v, torch.Tensor) else tuple(map(value, v)) \
-                if isinstance(v, (tuple, list)) else v
+            if isinstance(v, torch.Tensor):
+                return id(v), v._version
+            if isinstance(v, (tuple, list)):  # betas
+                return tuple(map(value, v))
+            return v
 
         return tuple(tuple(value(group.get(k)) for k in HYPER_KEYS) for group in self.optimizer.param_groups)
 
